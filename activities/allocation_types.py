@@ -1,0 +1,91 @@
+"""Inputs and results of the allocation activities (control-plane side, PostgreSQL)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from agent.contract import GpuAssignment, HostProvisionInput, HostProvisionResult, HostReleaseResult
+
+
+@dataclass
+class PlaceInput:
+    allocation_id: str
+    project_id: str
+    sku: str
+    gpus: int
+    region: str
+    ssh_key_ids: list[str]
+    idempotency_key: str | None
+    workflow_id: str
+
+
+@dataclass
+class Reservation:
+    """What POST /allocations answers with: the allocation is `requested` and holds capacity."""
+
+    allocation_id: str
+    status: str
+    node_id: str
+    shape: str
+    sku: str
+    region: str
+    gpu_count: int
+    gpus: list[GpuAssignment] = field(default_factory=list)
+    created_at: str = ""
+
+
+@dataclass
+class BeginProvisioningInput:
+    allocation_id: str
+    workflow_id: str
+    task_id: str  # from workflow.uuid4(): a retried activity records the same task once
+
+
+@dataclass
+class ProvisionPlan:
+    task_id: str
+    task_kind: str
+    spec: HostProvisionInput
+
+
+@dataclass
+class ActivateInput:
+    allocation_id: str
+    task_id: str
+    result: HostProvisionResult
+
+
+@dataclass
+class FailProvisioningInput:
+    allocation_id: str
+    task_id: str
+    reason: str
+    message: str
+
+
+@dataclass
+class BeginReleaseInput:
+    allocation_id: str
+    workflow_id: str
+    actor: str
+    reason: str
+    task_id: str
+    # False: only record a host cleanup task (after a failed provision), no state change.
+    transition: bool = True
+
+
+@dataclass
+class ReleasePlan:
+    task_id: str
+    task_kind: str
+    username: str
+
+
+@dataclass
+class FinishReleaseInput:
+    allocation_id: str
+    task_id: str
+    result: HostReleaseResult | None
+    error_type: str | None
+    error_message: str | None
+    transition: bool = True

@@ -1,0 +1,653 @@
+"""Allocation activities: placement and every state transition, each one short transaction that
+applies a compare-and-set on `allocations.status` together with its append-only event row.
+
+They run as local activities of AllocationWorkflow (no extra task-queue round trip), so each must
+be idempotent: a worker that crashes after the commit but before the workflow recorded the result
+runs it again, and the second run must find the work done and answer the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import random
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from sqlalchemy import func, insert, select, update
+from sqlalchemy.dialects.postgresql import Range
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from activities.allocation_types import (
+    ActivateInput,
+    BeginProvisioningInput,
+    BeginReleaseInput,
+    FailProvisioningInput,
+    FinishReleaseInput,
+    PlaceInput,
+    ProvisionPlan,
+    ReleasePlan,
+    Reservation,
+)
+from activities.placement import FreeSlot, NodeCandidate, choose_slots, rank_slice_candidates
+from agent.contract import (
+    BAREMETAL_DEPROVISION_USER,
+    BAREMETAL_PROVISION_USER,
+    SLICE_VM_PROVISION,
+    SLICE_VM_RELEASE,
+    GpuAssignment,
+    HostPhase,
+    HostProvisionInput,
+)
+from schema.models import (
+    Allocation,
+    AllocationEvent,
+    AllocationResourceClaim,
+    GpuSlot,
+    Node,
+    NodeTask,
+    NodeTaskEvent,
+    Sku,
+    SshKey,
+)
+from schema.states import (
+    ALLOCATION_TRANSITIONS,
+    AllocationStatus,
+    ClaimKind,
+    ClaimStatus,
+    NodeStatus,
+    NodeTaskStatus,
+    SkuShape,
+    SlotStatus,
+)
+
+CLOCK = func.clock_timestamp()
+WHOLE_NODE = Range(0, 2**31 - 1)  # a whole-node claim overlaps every GPU index on the node
+MAX_MESSAGE = 500
+
+
+class PlacementContention(Exception):
+    """Every ranked candidate was locked by a concurrent placement: retry, do not reject."""
+
+
+def _reject(type_: str, message: str) -> ApplicationError:
+    return ApplicationError(message, type=type_, non_retryable=True)
+
+
+def _truncate(message: str | None) -> str | None:
+    return None if message is None else message[:MAX_MESSAGE]
+
+
+def _parse_time(value: str) -> dt.datetime | None:
+    try:
+        return dt.datetime.fromisoformat(value) if value else None
+    except ValueError:
+        return None
+
+
+def username_for(allocation_id: str) -> str:
+    return f"gpu-{allocation_id.replace('-', '')[:12]}"
+
+
+class AllocationActivities:
+    def __init__(
+        self, sessions: async_sessionmaker[AsyncSession], *, placement_deadline_seconds: float = 20
+    ) -> None:
+        self._sessions = sessions
+        self._placement_deadline = placement_deadline_seconds
+
+    # ------------------------------------------------------------------ placement
+
+    @activity.defn(name="allocation.place_and_reserve")
+    async def place_and_reserve(self, input: PlaceInput) -> Reservation:
+        existing = await self._existing_reservation(uuid.UUID(input.allocation_id))
+        if existing is not None:
+            return existing
+        async with self._sessions() as session:
+            sku = await session.get(Sku, (input.sku, input.region))
+            await self._check_ssh_keys(session, input)
+        if sku is None or not sku.active:
+            raise _reject("sku_unavailable", f"SKU {input.sku!r} is not offered in {input.region!r}")
+        if input.gpus not in sku.allowed_gpu_counts:
+            allowed = ", ".join(str(c) for c in sorted(sku.allowed_gpu_counts))
+            raise _reject(
+                "sku_unavailable", f"SKU {input.sku!r} is offered with {allowed} GPUs, not {input.gpus}"
+            )
+
+        deadline = time.monotonic() + self._placement_deadline
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                async with self._sessions() as session, session.begin():
+                    if sku.shape == SkuShape.BAREMETAL:
+                        return await self._reserve_node(session, input, sku)
+                    return await self._reserve_slots(session, input, sku)
+            except (PlacementContention, IntegrityError) as err:
+                if isinstance(err, IntegrityError):
+                    # A claim that lost the race on the exclusion constraint, or the same
+                    # allocation inserted by a parallel run of this activity: look again.
+                    existing = await self._existing_reservation(uuid.UUID(input.allocation_id))
+                    if existing is not None:
+                        return existing
+                if time.monotonic() > deadline:
+                    raise ApplicationError(
+                        "placement kept colliding with concurrent placements", type="contention"
+                    ) from None
+                await asyncio.sleep(min(0.005 * attempt, 0.05) * random.uniform(0.5, 1.5))
+
+    async def _check_ssh_keys(self, session: AsyncSession, input: PlaceInput) -> None:
+        if not input.ssh_key_ids:
+            return
+        wanted = {uuid.UUID(k) for k in input.ssh_key_ids}
+        found = set(
+            (
+                await session.scalars(
+                    select(SshKey.id).where(
+                        SshKey.id.in_(wanted), SshKey.project_id == uuid.UUID(input.project_id)
+                    )
+                )
+            ).all()
+        )
+        if found != wanted:
+            raise _reject("ssh_key_not_found", "one or more ssh_key_ids do not exist in this project")
+
+    async def _existing_reservation(self, allocation_id: uuid.UUID) -> Reservation | None:
+        async with self._sessions() as session:
+            allocation = await session.get(Allocation, allocation_id)
+            if allocation is None:
+                return None
+            slots = (
+                await session.scalars(
+                    select(GpuSlot)
+                    .join(AllocationResourceClaim, AllocationResourceClaim.slot_id == GpuSlot.id)
+                    .where(AllocationResourceClaim.allocation_id == allocation_id)
+                    .order_by(GpuSlot.gpu_index)
+                )
+            ).all()
+            return _reservation(allocation, slots)
+
+    async def _reserve_node(
+        self, session: AsyncSession, input: PlaceInput, sku: Sku
+    ) -> Reservation:
+        free_node = (
+            select(Node.id)
+            .where(
+                Node.region == input.region,
+                Node.sku == input.sku,
+                Node.status == NodeStatus.ACTIVE,
+                Node.gpu_count == input.gpus,
+                ~select(AllocationResourceClaim.id)
+                .where(
+                    AllocationResourceClaim.node_id == Node.id,
+                    AllocationResourceClaim.status == ClaimStatus.HELD,
+                )
+                .exists(),
+            )
+            .order_by(Node.hostname)
+        )
+        node_id = await session.scalar(
+            free_node.limit(1).with_for_update(of=Node, skip_locked=True)
+        )
+        if node_id is None:
+            if await session.scalar(select(func.count()).select_from(free_node.subquery())):
+                raise PlacementContention()
+            raise _reject("sku_unavailable", f"no {input.sku} node is free in {input.region}")
+        allocation = await self._insert_allocation(session, input, sku, node_id)
+        await session.execute(
+            insert(AllocationResourceClaim).values(
+                id=uuid.uuid4(),
+                allocation_id=allocation.id,
+                node_id=node_id,
+                kind=ClaimKind.NODE_EXCLUSIVE,
+                footprint=WHOLE_NODE,
+                status=ClaimStatus.HELD,
+            )
+        )
+        await _record(session, allocation.id, "placement_reserved", details={"claim": "node"})
+        return _reservation(allocation, [])
+
+    async def _reserve_slots(
+        self, session: AsyncSession, input: PlaceInput, sku: Sku
+    ) -> Reservation:
+        rows = (
+            await session.execute(
+                select(GpuSlot.node_id, GpuSlot.numa_node, func.count())
+                .join(Node, Node.id == GpuSlot.node_id)
+                .where(
+                    Node.region == input.region,
+                    Node.sku == input.sku,
+                    Node.status == NodeStatus.ACTIVE,
+                    GpuSlot.status == SlotStatus.FREE,
+                )
+                .group_by(GpuSlot.node_id, GpuSlot.numa_node)
+            )
+        ).all()
+        by_node: dict[uuid.UUID, dict[int, int]] = {}
+        for node_id, numa_node, free in rows:
+            by_node.setdefault(node_id, {})[numa_node] = free
+        ranked = rank_slice_candidates(
+            [NodeCandidate(node_id, free) for node_id, free in by_node.items()], input.gpus
+        )
+        if not ranked:
+            raise _reject(
+                "sku_unavailable",
+                f"no {input.sku} node in {input.region} has {input.gpus} free GPUs",
+            )
+        for candidate in ranked:
+            locked = (
+                await session.scalars(
+                    select(GpuSlot)
+                    .where(GpuSlot.node_id == candidate.node_id, GpuSlot.status == SlotStatus.FREE)
+                    .order_by(GpuSlot.gpu_index)
+                    .with_for_update(skip_locked=True)
+                )
+            ).all()
+            chosen = choose_slots(
+                [FreeSlot(s.id, s.gpu_index, s.numa_node, s.pci_address) for s in locked],
+                input.gpus,
+            )
+            if chosen is None:
+                continue
+            allocation = await self._insert_allocation(session, input, sku, candidate.node_id)
+            await session.execute(
+                update(GpuSlot)
+                .where(GpuSlot.id.in_([s.slot_id for s in chosen]))
+                .values(status=SlotStatus.RESERVED, allocation_id=allocation.id, updated_at=CLOCK)
+            )
+            await session.execute(
+                insert(AllocationResourceClaim),
+                [
+                    {
+                        "id": uuid.uuid4(),
+                        "allocation_id": allocation.id,
+                        "node_id": candidate.node_id,
+                        "slot_id": s.slot_id,
+                        "kind": ClaimKind.GPU_SLOT,
+                        "footprint": Range(s.gpu_index, s.gpu_index + 1),
+                        "status": ClaimStatus.HELD,
+                    }
+                    for s in chosen
+                ],
+            )
+            await _record(
+                session,
+                allocation.id,
+                "placement_reserved",
+                details={"claim": "gpu_slots", "numa_nodes": sorted({s.numa_node for s in chosen})},
+            )
+            slots = [locked_slot for locked_slot in locked if locked_slot.id in {s.slot_id for s in chosen}]
+            return _reservation(allocation, slots)
+        raise PlacementContention()
+
+    async def _insert_allocation(
+        self, session: AsyncSession, input: PlaceInput, sku: Sku, node_id: uuid.UUID
+    ) -> Allocation:
+        allocation = Allocation(
+            id=uuid.UUID(input.allocation_id),
+            project_id=uuid.UUID(input.project_id),
+            idempotency_key=input.idempotency_key,
+            sku=input.sku,
+            region=input.region,
+            shape=sku.shape,
+            gpu_count=input.gpus,
+            node_id=node_id,
+            ssh_key_ids=[uuid.UUID(k) for k in input.ssh_key_ids],
+            status=AllocationStatus.REQUESTED,
+            workflow_id=input.workflow_id,
+        )
+        session.add(allocation)
+        await session.flush()
+        await session.refresh(allocation, ["created_at"])
+        await _record(session, allocation.id, "requested", None, AllocationStatus.REQUESTED)
+        return allocation
+
+    # ------------------------------------------------------------------ provisioning
+
+    @activity.defn(name="allocation.begin_provisioning")
+    async def begin_provisioning(self, input: BeginProvisioningInput) -> ProvisionPlan:
+        allocation_id = uuid.UUID(input.allocation_id)
+        async with self._sessions() as session, session.begin():
+            allocation = await _transition(
+                session,
+                allocation_id,
+                AllocationStatus.PROVISIONING,
+                event="provisioning_started",
+                values={"provisioning_started_at": CLOCK},
+            )
+            kind = SLICE_VM_PROVISION if allocation.shape == SkuShape.GPU_SLICE else BAREMETAL_PROVISION_USER
+            await _queue_task(session, input.task_id, allocation, kind, input.workflow_id)
+            sku = await session.get(Sku, (allocation.sku, allocation.region))
+            slots = (
+                await session.scalars(
+                    select(GpuSlot).where(GpuSlot.allocation_id == allocation_id).order_by(GpuSlot.gpu_index)
+                )
+            ).all()
+            keys = (
+                await session.scalars(
+                    select(SshKey.public_key)
+                    .where(SshKey.id.in_(allocation.ssh_key_ids))
+                    .order_by(SshKey.created_at)
+                )
+            ).all()
+        assert sku is not None
+        is_slice = allocation.shape == SkuShape.GPU_SLICE
+        spec = HostProvisionInput(
+            task_id=input.task_id,
+            allocation_id=input.allocation_id,
+            node_id=str(allocation.node_id),
+            shape=allocation.shape,
+            username=username_for(input.allocation_id),
+            ssh_public_keys=list(keys),
+            gpus=[GpuAssignment(s.pci_address, s.numa_node, s.gpu_index) for s in slots],
+            vcpus=sku.vcpus_per_gpu * allocation.gpu_count if is_slice else 0,
+            memory_mb=sku.memory_mb_per_gpu * allocation.gpu_count if is_slice else 0,
+            image=sku.image if is_slice else "",
+            image_sha256=sku.image_sha256 if is_slice else "",
+        )
+        return ProvisionPlan(task_id=input.task_id, task_kind=kind, spec=spec)
+
+    @activity.defn(name="allocation.activate")
+    async def activate(self, input: ActivateInput) -> None:
+        result = input.result
+        async with self._sessions() as session, session.begin():
+            await _finish_task(
+                session,
+                input.task_id,
+                NodeTaskStatus.COMPLETED,
+                started_at=result.started_at,
+                finished_at=result.finished_at,
+                phases=result.phases,
+                output={
+                    "connect_host": result.connect_host,
+                    "adopted_existing": result.adopted_existing,
+                },
+            )
+            await _transition(
+                session,
+                uuid.UUID(input.allocation_id),
+                AllocationStatus.ACTIVE,
+                event="active",
+                values={"active_at": CLOCK, "connect_host": result.connect_host or None},
+            )
+
+    @activity.defn(name="allocation.fail_provisioning")
+    async def fail_provisioning(self, input: FailProvisioningInput) -> None:
+        allocation_id = uuid.UUID(input.allocation_id)
+        async with self._sessions() as session, session.begin():
+            await _finish_task(
+                session,
+                input.task_id,
+                NodeTaskStatus.FAILED,
+                error_type=input.reason,
+                error_message=input.message,
+            )
+            await _transition(
+                session,
+                allocation_id,
+                AllocationStatus.FAILED,
+                event="failed",
+                reason=input.reason,
+                values={
+                    "failed_at": CLOCK,
+                    "failure_reason": input.reason,
+                    "failure_message": _truncate(input.message),
+                },
+            )
+            await _free_claims(session, allocation_id)
+
+    # ------------------------------------------------------------------ release
+
+    @activity.defn(name="allocation.begin_release")
+    async def begin_release(self, input: BeginReleaseInput) -> ReleasePlan:
+        allocation_id = uuid.UUID(input.allocation_id)
+        async with self._sessions() as session, session.begin():
+            if input.transition:
+                allocation = await _transition(
+                    session,
+                    allocation_id,
+                    AllocationStatus.RELEASING,
+                    event="releasing",
+                    actor=input.actor,
+                    reason=input.reason or None,
+                    values={
+                        "releasing_at": CLOCK,
+                        "release_requested_by": input.actor,
+                        "release_attempts": Allocation.release_attempts + 1,
+                    },
+                )
+            else:
+                found = await session.get(Allocation, allocation_id)
+                assert found is not None
+                allocation = found
+            kind = SLICE_VM_RELEASE if allocation.shape == SkuShape.GPU_SLICE else BAREMETAL_DEPROVISION_USER
+            await _queue_task(session, input.task_id, allocation, kind, input.workflow_id)
+        return ReleasePlan(
+            task_id=input.task_id, task_kind=kind, username=username_for(input.allocation_id)
+        )
+
+    @activity.defn(name="allocation.finish_release")
+    async def finish_release(self, input: FinishReleaseInput) -> None:
+        allocation_id = uuid.UUID(input.allocation_id)
+        result = input.result
+        succeeded = input.error_type is None and result is not None
+        async with self._sessions() as session, session.begin():
+            await _finish_task(
+                session,
+                input.task_id,
+                NodeTaskStatus.COMPLETED if succeeded else NodeTaskStatus.FAILED,
+                started_at=result.started_at if result else None,
+                finished_at=result.finished_at if result else None,
+                phases=result.phases if result else (),
+                output=(
+                    {
+                        "released": result.released,
+                        "hard_stopped": result.hard_stopped,
+                        "wiped": result.wiped,
+                        "leases_released": result.leases_released,
+                    }
+                    if result
+                    else {}
+                ),
+                error_type=input.error_type,
+                error_message=input.error_message,
+            )
+            if not input.transition:
+                return
+            if succeeded:
+                assert result is not None
+                await _transition(
+                    session,
+                    allocation_id,
+                    AllocationStatus.RELEASED,
+                    event="released",
+                    details={"hard_stopped": result.hard_stopped},
+                    values={"released_at": CLOCK, "hard_stopped": result.hard_stopped},
+                )
+                await _free_claims(session, allocation_id)
+            else:
+                await _transition(
+                    session,
+                    allocation_id,
+                    AllocationStatus.RELEASE_FAILED,
+                    event="release_failed",
+                    reason=input.error_type,
+                    details={"message": _truncate(input.error_message)},
+                    values={
+                        "release_failed_at": CLOCK,
+                        "failure_reason": input.error_type,
+                        "failure_message": _truncate(input.error_message),
+                    },
+                )
+
+
+# ---------------------------------------------------------------------- shared steps
+
+
+def _reservation(allocation: Allocation, slots: Sequence[GpuSlot]) -> Reservation:
+    return Reservation(
+        allocation_id=str(allocation.id),
+        status=AllocationStatus.REQUESTED,
+        node_id=str(allocation.node_id),
+        shape=allocation.shape,
+        sku=allocation.sku,
+        region=allocation.region,
+        gpu_count=allocation.gpu_count,
+        gpus=[GpuAssignment(s.pci_address, s.numa_node, s.gpu_index) for s in slots],
+        created_at=allocation.created_at.isoformat(),
+    )
+
+
+async def _record(
+    session: AsyncSession,
+    allocation_id: uuid.UUID,
+    event: str,
+    from_status: str | None = None,
+    to_status: str | None = None,
+    *,
+    actor: str | None = None,
+    reason: str | None = None,
+    details: dict[str, Any] | None = None,
+) -> None:
+    await session.execute(
+        insert(AllocationEvent).values(
+            allocation_id=allocation_id,
+            event=event,
+            from_status=from_status,
+            to_status=to_status,
+            actor=actor,
+            reason=reason,
+            details=details or {},
+        )
+    )
+
+
+async def _transition(
+    session: AsyncSession,
+    allocation_id: uuid.UUID,
+    to: AllocationStatus,
+    *,
+    event: str,
+    actor: str | None = None,
+    reason: str | None = None,
+    details: dict[str, Any] | None = None,
+    values: dict[str, Any] | None = None,
+) -> Allocation:
+    """Compare-and-set to `to` from any state the transition table allows, plus its event row.
+    Already in `to` means a retried activity: nothing is written and the row is returned."""
+    sources = [s for s, targets in ALLOCATION_TRANSITIONS.items() if to in targets]
+    current = await session.scalar(
+        select(Allocation).where(Allocation.id == allocation_id).with_for_update()
+    )
+    if current is None:
+        raise _reject("allocation_missing", f"allocation {allocation_id} does not exist")
+    if current.status == to:
+        return current
+    if current.status not in sources:
+        raise _reject(
+            "invalid_transition", f"allocation {allocation_id} is {current.status}, not {to}-able"
+        )
+    prior = current.status
+    updated = await session.scalar(
+        update(Allocation)
+        .where(Allocation.id == allocation_id, Allocation.status == prior)
+        .values(status=to, updated_at=CLOCK, **(values or {}))
+        .returning(Allocation)
+        .execution_options(populate_existing=True)
+    )
+    assert updated is not None  # the row is locked above, so the compare-and-set holds
+    await _record(
+        session, allocation_id, event, prior, to, actor=actor, reason=reason, details=details
+    )
+    return updated
+
+
+async def _free_claims(session: AsyncSession, allocation_id: uuid.UUID) -> None:
+    await session.execute(
+        update(AllocationResourceClaim)
+        .where(
+            AllocationResourceClaim.allocation_id == allocation_id,
+            AllocationResourceClaim.status == ClaimStatus.HELD,
+        )
+        .values(status=ClaimStatus.RELEASED, released_at=CLOCK)
+    )
+    await session.execute(
+        update(GpuSlot)
+        .where(GpuSlot.allocation_id == allocation_id)
+        .values(status=SlotStatus.FREE, allocation_id=None, updated_at=CLOCK)
+    )
+
+
+async def _queue_task(
+    session: AsyncSession, task_id: str, allocation: Allocation, kind: str, workflow_id: str
+) -> None:
+    await session.execute(
+        pg_insert(NodeTask)
+        .values(
+            id=uuid.UUID(task_id),
+            node_id=allocation.node_id,
+            allocation_id=allocation.id,
+            kind=kind,
+            status=NodeTaskStatus.QUEUED,
+            workflow_id=workflow_id,
+        )
+        .on_conflict_do_nothing(index_elements=[NodeTask.id])
+    )
+
+
+async def _finish_task(
+    session: AsyncSession,
+    task_id: str,
+    status: NodeTaskStatus,
+    *,
+    started_at: str | None = None,
+    finished_at: str | None = None,
+    phases: Iterable[HostPhase] = (),
+    output: dict[str, Any] | None = None,
+    error_type: str | None = None,
+    error_message: str | None = None,
+) -> None:
+    task_uuid = uuid.UUID(task_id)
+    dispatched = _parse_time(started_at or "")
+    completed = _parse_time(finished_at or "")
+    await session.execute(
+        update(NodeTask)
+        .where(NodeTask.id == task_uuid)
+        .values(
+            status=status,
+            dispatched_at=func.coalesce(NodeTask.dispatched_at, dispatched),
+            completed_at=completed if completed is not None else CLOCK,
+            output=output or {},
+            error_type=error_type,
+            error_message=_truncate(error_message),
+        )
+    )
+    rows = [
+        {
+            "node_task_id": task_uuid,
+            "allocation_id": None,
+            "phase": p.phase[:64],
+            "status": p.status[:16],
+            "message": _truncate(p.message),
+            "occurred_at": _parse_time(p.at) or dt.datetime.now(dt.UTC),
+        }
+        for p in phases
+    ]
+    if rows:
+        allocation_id = await session.scalar(
+            select(NodeTask.allocation_id).where(NodeTask.id == task_uuid)
+        )
+        for row in rows:
+            row["allocation_id"] = allocation_id
+        await session.execute(
+            pg_insert(NodeTaskEvent).values(rows).on_conflict_do_nothing(
+                constraint="node_task_events_once"
+            )
+        )
+

@@ -1,0 +1,67 @@
+"""Settings for every process, read from the environment once at start-up.
+
+Everything has a default that matches the embedded dev stack, so a newcomer never has to export
+anything; production sets the GPUCLOUD_* variables.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+from dataclasses import dataclass
+
+# A fixed key for the embedded default only; production must set GPUCLOUD_CODEC_KEY.
+DEV_CODEC_KEY_B64 = base64.b64encode(b"gpucloud-embedded-dev-codec-key!").decode()
+
+
+@dataclass(frozen=True)
+class Settings:
+    database_url: str
+    temporal_address: str
+    temporal_namespace: str
+    codec_key_b64: str
+    control_plane_task_queue: str
+    # How long a host activity may wait in a node's queue before the node counts as unreachable.
+    node_schedule_to_start_seconds: float
+    # Host-side provisioning budget (image, boot, readiness) for one attempt.
+    host_provision_timeout_seconds: float
+    host_heartbeat_timeout_seconds: float
+    # Release retries before an allocation lands in release_failed.
+    release_max_attempts: int
+    release_retry_initial_seconds: float
+    # Lease conflicts on the node agent are retried this many times before provisioning fails.
+    lease_conflict_max_attempts: int
+    # Gateway limits.
+    max_request_body_bytes: int
+    temporal_rpc_timeout_seconds: float
+    database_connect_timeout_seconds: float
+
+    @property
+    def codec_key(self) -> bytes:
+        key = base64.b64decode(self.codec_key_b64)
+        if len(key) not in (16, 24, 32):
+            raise ValueError("GPUCLOUD_CODEC_KEY must be base64 of a 16, 24 or 32 byte AES key")
+        return key
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> Settings:
+        e = os.environ if env is None else env
+        return cls(
+            database_url=e.get(
+                "GPUCLOUD_DATABASE_URL",
+                "postgresql+asyncpg://gpucloud@127.0.0.1:55432/gpucloud",
+            ),
+            temporal_address=e.get("GPUCLOUD_TEMPORAL_ADDRESS", "127.0.0.1:7233"),
+            temporal_namespace=e.get("GPUCLOUD_TEMPORAL_NAMESPACE", "default"),
+            codec_key_b64=e.get("GPUCLOUD_CODEC_KEY", DEV_CODEC_KEY_B64),
+            control_plane_task_queue=e.get("GPUCLOUD_TASK_QUEUE", "control-plane"),
+            node_schedule_to_start_seconds=float(e.get("GPUCLOUD_NODE_SCHEDULE_TO_START_S", "60")),
+            host_provision_timeout_seconds=float(e.get("GPUCLOUD_HOST_PROVISION_TIMEOUT_S", "900")),
+            host_heartbeat_timeout_seconds=float(e.get("GPUCLOUD_HOST_HEARTBEAT_TIMEOUT_S", "30")),
+            release_max_attempts=int(e.get("GPUCLOUD_RELEASE_MAX_ATTEMPTS", "3")),
+            release_retry_initial_seconds=float(e.get("GPUCLOUD_RELEASE_RETRY_INITIAL_S", "1")),
+            lease_conflict_max_attempts=int(e.get("GPUCLOUD_LEASE_CONFLICT_MAX_ATTEMPTS", "3")),
+            max_request_body_bytes=int(e.get("GPUCLOUD_MAX_BODY_BYTES", str(64 * 1024))),
+            temporal_rpc_timeout_seconds=float(e.get("GPUCLOUD_TEMPORAL_RPC_TIMEOUT_S", "10")),
+            database_connect_timeout_seconds=float(e.get("GPUCLOUD_DB_CONNECT_TIMEOUT_S", "3")),
+        )

@@ -1,0 +1,33 @@
+"""One way to build the data converter and connect to Temporal, used by the worker, the agents,
+the gateway, the tests and the replayer, so that all of them read each other's payloads."""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import timedelta
+
+from temporalio.client import Client
+from temporalio.converter import DataConverter, DefaultFailureConverterWithEncodedAttributes
+
+from core.codec import AesGcmPayloadCodec
+from core.config import Settings
+
+
+def data_converter(codec_key: bytes) -> DataConverter:
+    # Failure messages and stack traces are encrypted too: an exception may quote an input.
+    return dataclasses.replace(
+        DataConverter.default,
+        payload_codec=AesGcmPayloadCodec(codec_key),
+        failure_converter_class=DefaultFailureConverterWithEncodedAttributes,
+    )
+
+
+async def connect(settings: Settings, *, lazy: bool = False, identity: str | None = None) -> Client:
+    return await Client.connect(
+        settings.temporal_address,
+        namespace=settings.temporal_namespace,
+        data_converter=data_converter(settings.codec_key),
+        lazy=lazy,
+        identity=identity,
+        connect_timeout=timedelta(seconds=5),
+    )

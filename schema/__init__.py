@@ -1,0 +1,1 @@
+"""SQLAlchemy models, lifecycle states with their allowed transitions, and migrations."""

@@ -1,0 +1,303 @@
+"""Tables. Lifecycle tables are read models written by activities; the gateway only reads them
+(except for the identity tables it owns: projects, tokens, SSH keys, audit)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    text,
+)
+from sqlalchemy.dialects.postgresql import ARRAY, INT4RANGE, JSONB, UUID
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from schema.states import (
+    AllocationStatus,
+    ClaimKind,
+    ClaimStatus,
+    NodeStatus,
+    NodeTaskStatus,
+    SkuShape,
+    SlotStatus,
+    TokenRole,
+)
+
+
+def _check_in(column: str, values: type[Any]) -> str:
+    return f"{column} IN ({', '.join(repr(v.value) for v in values)})"
+
+
+NOW = text("now()")
+CLOCK = text("clock_timestamp()")
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+# --- identity -----------------------------------------------------------------------------------
+
+
+class Project(Base):
+    __tablename__ = "projects"
+    id: Mapped[uuid.UUID] = mapped_column(UUID, primary_key=True)
+    name: Mapped[str] = mapped_column(String(100), unique=True)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=NOW)
+
+
+class ApiToken(Base):
+    """Bearer tokens, stored as SHA-256 of the token (tokens are 256-bit random, so a fast hash is
+    enough); the plaintext is shown once at issue time."""
+
+    __tablename__ = "api_tokens"
+    id: Mapped[uuid.UUID] = mapped_column(UUID, primary_key=True)
+    token_sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    display_prefix: Mapped[str] = mapped_column(String(16))
+    name: Mapped[str] = mapped_column(String(100))
+    role: Mapped[str] = mapped_column(String(16))
+    project_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("projects.id"))
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=NOW)
+    revoked_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    __table_args__ = (
+        CheckConstraint(_check_in("role", TokenRole), name="api_tokens_role"),
+        CheckConstraint(
+            "(role = 'admin' AND project_id IS NULL) OR (role = 'tenant' AND project_id IS NOT NULL)",
+            name="api_tokens_scope",
+        ),
+    )
+
+
+class SshKey(Base):
+    """A tenant's SSH *public* key. The key material is stored (the node needs it) but never
+    returned by the API, logged or written to history in plaintext; responses show the
+    fingerprint."""
+
+    __tablename__ = "ssh_keys"
+    id: Mapped[uuid.UUID] = mapped_column(UUID, primary_key=True)
+    project_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("projects.id"))
+    name: Mapped[str] = mapped_column(String(100))
+    key_type: Mapped[str] = mapped_column(String(40))
+    public_key: Mapped[str] = mapped_column(Text)
+    fingerprint: Mapped[str] = mapped_column(String(100))
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=NOW)
+    __table_args__ = (
+        UniqueConstraint("project_id", "name", name="ssh_keys_project_name"),
+        UniqueConstraint("project_id", "fingerprint", name="ssh_keys_project_fingerprint"),
+    )
+
+
+class AuditEntry(Base):
+    """Every admin mutation: who, in which role, why, what, on what, from which state to which,
+    and the workflows it touched."""
+
+    __tablename__ = "audit_log"
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    occurred_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=CLOCK)
+    actor: Mapped[str] = mapped_column(String(200))
+    actor_token_id: Mapped[uuid.UUID | None] = mapped_column(UUID)
+    role: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str | None] = mapped_column(Text)
+    action: Mapped[str] = mapped_column(String(100))
+    target_type: Mapped[str] = mapped_column(String(50))
+    target_id: Mapped[str] = mapped_column(String(100))
+    prior_state: Mapped[str | None] = mapped_column(String(50))
+    expected_state: Mapped[str | None] = mapped_column(String(50))
+    workflow_ids: Mapped[list[str]] = mapped_column(ARRAY(Text), server_default=text("'{}'"))
+    details: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
+    __table_args__ = (Index("audit_log_target", "target_type", "target_id"),)
+
+
+# --- catalog and fleet ---------------------------------------------------------------------------
+
+
+class Sku(Base):
+    __tablename__ = "sku_catalog"
+    name: Mapped[str] = mapped_column(String(100), primary_key=True)
+    region: Mapped[str] = mapped_column(String(50), primary_key=True)
+    shape: Mapped[str] = mapped_column(String(16))
+    gpu_model: Mapped[str] = mapped_column(String(100))
+    allowed_gpu_counts: Mapped[list[int]] = mapped_column(ARRAY(Integer))
+    price_per_gpu_hour_minor: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
+    # What one GPU of a slice brings along (bare metal gets the whole node).
+    vcpus_per_gpu: Mapped[int] = mapped_column(Integer, server_default=text("8"))
+    memory_mb_per_gpu: Mapped[int] = mapped_column(Integer, server_default=text("65536"))
+    image: Mapped[str] = mapped_column(String(200), server_default=text("'ubuntu-22.04-cuda'"))
+    image_sha256: Mapped[str] = mapped_column(String(64), server_default=text("''"))
+    active: Mapped[bool] = mapped_column(Boolean, server_default=text("true"))
+    __table_args__ = (
+        CheckConstraint(_check_in("shape", SkuShape), name="sku_catalog_shape"),
+        CheckConstraint("cardinality(allowed_gpu_counts) > 0", name="sku_catalog_counts"),
+    )
+
+
+class Node(Base):
+    __tablename__ = "nodes"
+    id: Mapped[uuid.UUID] = mapped_column(UUID, primary_key=True)
+    hostname: Mapped[str] = mapped_column(String(253), unique=True)
+    region: Mapped[str] = mapped_column(String(50))
+    sku: Mapped[str] = mapped_column(String(100))
+    status: Mapped[str] = mapped_column(String(32))
+    gpu_count: Mapped[int] = mapped_column(Integer)
+    # [{"numa_node": 0, "cpus": "0-47", "memory_mb": 1024000, "gpus": 4}, ...]
+    numa_layout: Mapped[list[dict[str, Any]]] = mapped_column(JSONB, server_default=text("'[]'"))
+    host_address: Mapped[str | None] = mapped_column(String(255))
+    last_agent_contact_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=NOW)
+    updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=NOW)
+    __table_args__ = (
+        CheckConstraint(_check_in("status", NodeStatus), name="nodes_status"),
+        Index("nodes_placement", "region", "sku", "status"),
+    )
+
+
+class GpuSlot(Base):
+    __tablename__ = "gpu_slots"
+    id: Mapped[uuid.UUID] = mapped_column(UUID, primary_key=True)
+    node_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("nodes.id"))
+    gpu_index: Mapped[int] = mapped_column(Integer)
+    numa_node: Mapped[int] = mapped_column(Integer)
+    pci_address: Mapped[str] = mapped_column(String(32))
+    status: Mapped[str] = mapped_column(String(16), server_default=text("'free'"))
+    allocation_id: Mapped[uuid.UUID | None] = mapped_column(UUID)
+    updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=NOW)
+    __table_args__ = (
+        CheckConstraint(_check_in("status", SlotStatus), name="gpu_slots_status"),
+        CheckConstraint(
+            "(status = 'reserved') = (allocation_id IS NOT NULL)", name="gpu_slots_reserved_owner"
+        ),
+        UniqueConstraint("node_id", "pci_address", name="gpu_slots_node_pci"),
+        UniqueConstraint("node_id", "gpu_index", name="gpu_slots_node_index"),
+        Index("gpu_slots_free", "node_id", postgresql_where=text("status = 'free'")),
+    )
+
+
+# --- allocations ---------------------------------------------------------------------------------
+
+
+class Allocation(Base):
+    __tablename__ = "allocations"
+    id: Mapped[uuid.UUID] = mapped_column(UUID, primary_key=True)
+    project_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("projects.id"))
+    idempotency_key: Mapped[str | None] = mapped_column(String(200))
+    sku: Mapped[str] = mapped_column(String(100))
+    region: Mapped[str] = mapped_column(String(50))
+    shape: Mapped[str] = mapped_column(String(16))
+    gpu_count: Mapped[int] = mapped_column(Integer)
+    node_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("nodes.id"))
+    ssh_key_ids: Mapped[list[uuid.UUID]] = mapped_column(ARRAY(UUID), server_default=text("'{}'"))
+    status: Mapped[str] = mapped_column(String(32))
+    workflow_id: Mapped[str] = mapped_column(String(100))
+    failure_reason: Mapped[str | None] = mapped_column(String(64))
+    failure_message: Mapped[str | None] = mapped_column(Text)
+    release_requested_by: Mapped[str | None] = mapped_column(String(16))
+    release_attempts: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    hard_stopped: Mapped[bool | None] = mapped_column(Boolean)
+    # Where the tenant connects (host or IP reported by the agent); never a credential.
+    connect_host: Mapped[str | None] = mapped_column(String(255))
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=CLOCK)
+    provisioning_started_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    active_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    releasing_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    released_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    release_failed_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    failed_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=CLOCK)
+    __table_args__ = (
+        CheckConstraint(_check_in("status", AllocationStatus), name="allocations_status"),
+        CheckConstraint(_check_in("shape", SkuShape), name="allocations_shape"),
+        UniqueConstraint("project_id", "idempotency_key", name="allocations_idempotency"),
+        Index("allocations_project_created", "project_id", "created_at", "id"),
+        Index("allocations_status", "status"),
+    )
+
+
+class AllocationResourceClaim(Base):
+    """What an allocation holds. The exclusion constraint in the migration makes a double
+    booking impossible: a held claim covers a range of GPU indexes on its node (a whole-node
+    claim covers all of them), and two held claims on one node may not overlap."""
+
+    __tablename__ = "allocation_resource_claims"
+    id: Mapped[uuid.UUID] = mapped_column(UUID, primary_key=True)
+    allocation_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("allocations.id"))
+    node_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("nodes.id"))
+    slot_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("gpu_slots.id"))
+    kind: Mapped[str] = mapped_column(String(16))
+    footprint: Mapped[Any] = mapped_column(INT4RANGE)
+    status: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=CLOCK)
+    released_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    __table_args__ = (
+        CheckConstraint(_check_in("kind", ClaimKind), name="claims_kind"),
+        CheckConstraint(_check_in("status", ClaimStatus), name="claims_status"),
+        CheckConstraint("(kind = 'gpu_slot') = (slot_id IS NOT NULL)", name="claims_slot"),
+        Index("claims_allocation", "allocation_id"),
+    )
+
+
+class AllocationEvent(Base):
+    """Append-only (a trigger rejects UPDATE and DELETE): one row per lifecycle transition,
+    written in the same transaction as the transition."""
+
+    __tablename__ = "allocation_events"
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    allocation_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("allocations.id"))
+    event: Mapped[str] = mapped_column(String(64))
+    from_status: Mapped[str | None] = mapped_column(String(32))
+    to_status: Mapped[str | None] = mapped_column(String(32))
+    actor: Mapped[str | None] = mapped_column(String(32))
+    reason: Mapped[str | None] = mapped_column(Text)
+    details: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
+    occurred_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=CLOCK)
+    __table_args__ = (Index("allocation_events_allocation", "allocation_id", "id"),)
+
+
+class NodeTask(Base):
+    """One host call on a node's agent (a Temporal activity on `node-{id}`), mirrored for the
+    timeline. Output is sanitised before it is stored."""
+
+    __tablename__ = "node_tasks"
+    id: Mapped[uuid.UUID] = mapped_column(UUID, primary_key=True)
+    node_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("nodes.id"))
+    allocation_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("allocations.id"))
+    kind: Mapped[str] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16))
+    workflow_id: Mapped[str] = mapped_column(String(100))
+    attempts: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=CLOCK)
+    dispatched_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    completed_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    output: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
+    error_type: Mapped[str | None] = mapped_column(String(64))
+    error_message: Mapped[str | None] = mapped_column(Text)
+    __table_args__ = (
+        CheckConstraint(_check_in("status", NodeTaskStatus), name="node_tasks_status"),
+        Index("node_tasks_allocation", "allocation_id", "created_at"),
+    )
+
+
+class NodeTaskEvent(Base):
+    __tablename__ = "node_task_events"
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    node_task_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("node_tasks.id"))
+    allocation_id: Mapped[uuid.UUID | None] = mapped_column(UUID)
+    phase: Mapped[str] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16))
+    message: Mapped[str | None] = mapped_column(Text)
+    details: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
+    occurred_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    __table_args__ = (
+        Index("node_task_events_task", "node_task_id", "occurred_at"),
+        UniqueConstraint("node_task_id", "phase", "status", name="node_task_events_once"),
+    )

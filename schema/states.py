@@ -1,0 +1,100 @@
+"""Lifecycle states and the transitions allowed between them: the one definition (seed 000,
+seed 001 §1, seed 004 §3). Activities apply transitions as compare-and-set against these tables."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class AllocationStatus(StrEnum):
+    REQUESTED = "requested"
+    PROVISIONING = "provisioning"
+    ACTIVE = "active"
+    RELEASING = "releasing"
+    RELEASED = "released"
+    FAILED = "failed"
+    RELEASE_FAILED = "release_failed"
+
+
+ALLOCATION_TRANSITIONS: dict[AllocationStatus, frozenset[AllocationStatus]] = {
+    AllocationStatus.REQUESTED: frozenset({AllocationStatus.PROVISIONING, AllocationStatus.FAILED}),
+    AllocationStatus.PROVISIONING: frozenset({AllocationStatus.ACTIVE, AllocationStatus.FAILED}),
+    AllocationStatus.ACTIVE: frozenset({AllocationStatus.RELEASING}),
+    AllocationStatus.RELEASING: frozenset(
+        {AllocationStatus.RELEASED, AllocationStatus.RELEASE_FAILED}
+    ),
+    AllocationStatus.RELEASE_FAILED: frozenset({AllocationStatus.RELEASING}),
+    AllocationStatus.RELEASED: frozenset(),
+    AllocationStatus.FAILED: frozenset(),
+}
+
+# States in which an allocation still holds its node or slots.
+ALLOCATION_HOLDS_CAPACITY = frozenset(
+    {
+        AllocationStatus.REQUESTED,
+        AllocationStatus.PROVISIONING,
+        AllocationStatus.ACTIVE,
+        AllocationStatus.RELEASING,
+        AllocationStatus.RELEASE_FAILED,
+    }
+)
+ALLOCATION_TERMINAL = frozenset({AllocationStatus.RELEASED, AllocationStatus.FAILED})
+
+
+def allocation_transition_allowed(src: AllocationStatus, dst: AllocationStatus) -> bool:
+    return dst in ALLOCATION_TRANSITIONS[src]
+
+
+class NodeStatus(StrEnum):
+    """Coarse node states of seed 004 §3. Only `active` nodes receive new allocations."""
+
+    BOOTSTRAP_ISSUED = "bootstrap_issued"
+    ENROLLING = "enrolling"
+    ACTIVE = "active"
+    OFFLINE = "offline"
+    QUARANTINED = "quarantined"
+    DRAINING = "draining"
+    RETIRED = "retired"
+    REMOVING = "removing"
+    DELETED = "deleted"
+
+
+class SkuShape(StrEnum):
+    BAREMETAL = "baremetal"
+    GPU_SLICE = "gpu_slice"
+
+
+class SlotStatus(StrEnum):
+    FREE = "free"
+    RESERVED = "reserved"
+    DISABLED = "disabled"
+
+
+class ClaimKind(StrEnum):
+    NODE_EXCLUSIVE = "node_exclusive"
+    GPU_SLOT = "gpu_slot"
+
+
+class ClaimStatus(StrEnum):
+    HELD = "held"
+    RELEASED = "released"
+
+
+class NodeTaskStatus(StrEnum):
+    QUEUED = "queued"
+    DISPATCHED = "dispatched"
+    COMPLETED = "completed"
+    FAILED = "failed"
+
+
+class TokenRole(StrEnum):
+    ADMIN = "admin"
+    TENANT = "tenant"
+
+
+class ReleaseActor(StrEnum):
+    """Who asked for a release (seed 000: user release, billing or admin force-release)."""
+
+    USER = "user"
+    ADMIN = "admin"
+    BILLING = "billing"

@@ -1,0 +1,135 @@
+"""Session harness: one private PostgreSQL cluster with a migrated database, one Temporal dev
+server (the real `temporal` CLI), both started here; rows cleared before each test.
+
+Subsystem fixtures live beside their tests (tests/gateway_fixtures.py, tests/agent_fixtures.py)
+and are registered below, so each has one owner.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import os
+import pwd
+import shutil
+import socket
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+from temporalio.client import Client
+from temporalio.testing import WorkflowEnvironment
+
+from core.config import Settings
+from core.temporal import data_converter
+from devstack.postgres import PostgresCluster
+from devstack.temporal import dev_server_extra_args, temporal_cli_path
+from schema.db import create_engine, session_factory
+from schema.migrate import upgrade
+from schema.models import Base
+
+pytest_plugins = ["tests.gateway_fixtures", "tests.agent_fixtures"]
+
+# Recorded histories in tests/histories were written with this key; keep it fixed.
+TEST_CODEC_KEY = b"gpucloud-test-codec-key-32bytes!"
+TEST_CODEC_KEY_B64 = base64.b64encode(TEST_CODEC_KEY).decode()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def pg_cluster() -> Iterator[PostgresCluster]:
+    # Under /tmp with world-traversable parents: the server runs as `postgres`, not as root.
+    datadir = Path(f"/tmp/gpucloud-test-pg-{os.getpid()}")
+    shutil.rmtree(datadir, ignore_errors=True)
+    datadir.mkdir(mode=0o755)
+    if os.geteuid() == 0:
+        pw = pwd.getpwnam("postgres")
+        os.chown(datadir, pw.pw_uid, pw.pw_gid)
+    cluster = PostgresCluster(datadir / "data", free_port())
+    cluster.start()
+    yield cluster
+    cluster.stop()
+    shutil.rmtree(datadir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def database_url(pg_cluster: PostgresCluster) -> str:
+    pg_cluster.create_database("gpucloud_test", recreate=True)
+    url = pg_cluster.url("gpucloud_test")
+    upgrade(url)
+    return url
+
+
+@pytest.fixture(scope="session")
+async def db_engine(database_url: str) -> AsyncIterator[AsyncEngine]:
+    engine = create_engine(database_url, pool_size=20, max_overflow=40)
+    yield engine
+    await engine.dispose()
+
+
+@pytest.fixture(scope="session")
+def db_sessions(db_engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
+    return session_factory(db_engine)
+
+
+@pytest.fixture(autouse=True)
+async def clean_db(db_engine: AsyncEngine) -> None:
+    tables = ", ".join(t.name for t in Base.metadata.sorted_tables)
+    async with db_engine.begin() as conn:
+        await conn.execute(text(f"TRUNCATE {tables} CASCADE"))
+
+
+@pytest.fixture(scope="session")
+async def temporal_env() -> AsyncIterator[WorkflowEnvironment]:
+    env = await WorkflowEnvironment.start_local(
+        namespace="default",
+        data_converter=data_converter(TEST_CODEC_KEY),
+        dev_server_existing_path=str(temporal_cli_path()),
+        dev_server_extra_args=dev_server_extra_args(),
+        ui=False,
+    )
+    yield env
+    await env.shutdown()
+
+
+@pytest.fixture(scope="session")
+def temporal_client(temporal_env: WorkflowEnvironment) -> Client:
+    return temporal_env.client
+
+
+@pytest.fixture
+def settings(database_url: str, temporal_client: Client) -> Settings:
+    """Settings for one test: its own control-plane task queue and short timeouts."""
+    base = Settings.from_env({})
+    return dataclasses.replace(
+        base,
+        database_url=database_url,
+        temporal_address=temporal_client.service_client.config.target_host,
+        codec_key_b64=TEST_CODEC_KEY_B64,
+        control_plane_task_queue=f"control-plane-{uuid.uuid4()}",
+        node_schedule_to_start_seconds=5.0,
+        host_provision_timeout_seconds=30.0,
+        host_heartbeat_timeout_seconds=5.0,
+        release_max_attempts=3,
+        release_retry_initial_seconds=0.1,
+        lease_conflict_max_attempts=3,
+    )
+
+
+@pytest.fixture
+async def control_plane(
+    settings: Settings, temporal_client: Client, db_engine: AsyncEngine
+) -> AsyncIterator[None]:
+    """The control-plane worker, in-process, on this test's own task queue."""
+    from worker import build_worker
+
+    async with build_worker(temporal_client, settings, db_engine):
+        yield

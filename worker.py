@@ -1,0 +1,71 @@
+"""Control-plane Temporal worker: the lifecycle workflows and their PostgreSQL activities."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+from temporalio.client import Client
+from temporalio.worker import Worker
+
+from activities.allocations import AllocationActivities
+from core.config import Settings
+from core.temporal import connect
+from schema.db import create_engine, session_factory
+from workflows.allocation import AllocationWorkflow
+
+WORKFLOWS = [AllocationWorkflow]
+
+
+def build_worker(
+    client: Client, settings: Settings, engine: AsyncEngine, *, task_queue: str | None = None
+) -> Worker:
+    allocations = AllocationActivities(session_factory(engine))
+    return Worker(
+        client,
+        task_queue=task_queue or settings.control_plane_task_queue,
+        workflows=WORKFLOWS,
+        activities=[
+            allocations.place_and_reserve,
+            allocations.begin_provisioning,
+            allocations.activate,
+            allocations.fail_provisioning,
+            allocations.begin_release,
+            allocations.finish_release,
+        ],
+        activity_executor=ThreadPoolExecutor(max_workers=4),
+        max_concurrent_activities=100,
+        max_concurrent_local_activities=100,
+        max_concurrent_workflow_tasks=100,
+    )
+
+
+async def run(settings: Settings) -> None:
+    client = await connect(settings, identity="gpucloud-control-plane")
+    engine = create_engine(
+        settings.database_url,
+        connect_timeout_seconds=settings.database_connect_timeout_seconds,
+        pool_size=20,
+        max_overflow=30,
+    )
+    worker = build_worker(client, settings, engine)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with worker:
+        logging.info("control-plane worker on task queue %s", settings.control_plane_task_queue)
+        await stop.wait()
+    await engine.dispose()
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    asyncio.run(run(Settings.from_env()))
+
+
+if __name__ == "__main__":
+    main()

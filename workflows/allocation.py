@@ -1,0 +1,462 @@
+"""AllocationWorkflow `allocation-{id}`: requested → provisioning → active → releasing → released,
+with failed and release_failed side states (seed 000, seed 001 §1).
+
+The gateway starts it with update-with-start: the first (local) activity places and reserves in one
+transaction and the `reserve` update hands that outcome back to the HTTP call. Host work runs on the
+node's own task queue. Every transition is applied by an activity as compare-and-set together with
+an append-only event row; the workflow only decides what happens next.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import (
+    ActivityError,
+    ApplicationError,
+    TimeoutError,
+    TimeoutType,
+)
+
+with workflow.unsafe.imports_passed_through():
+    from activities.allocation_types import (
+        ActivateInput,
+        BeginProvisioningInput,
+        BeginReleaseInput,
+        FailProvisioningInput,
+        FinishReleaseInput,
+        PlaceInput,
+        ProvisionPlan,
+        Reservation,
+        ReleasePlan,
+    )
+    from agent.contract import (
+        NON_RETRYABLE_HOST_ERRORS,
+        HostErrorType,
+        HostProvisionInput,
+        HostProvisionResult,
+        HostReleaseInput,
+        HostReleaseResult,
+    )
+    from core import search_attributes as sa
+    from core.task_queues import node_task_queue
+    from schema.states import AllocationStatus, ReleaseActor
+
+WORKFLOW_NAME = "AllocationWorkflow"
+RESERVE_UPDATE = "reserve"
+RELEASE_UPDATE = "request_release"
+STATUS_QUERY = "status"
+
+# Error types the gateway maps to HTTP (see gateway/errors.py).
+SKU_UNAVAILABLE = "sku_unavailable"
+SSH_KEY_NOT_FOUND = "ssh_key_not_found"
+IDEMPOTENCY_KEY_REUSED = "idempotency_key_reused"
+NOT_RELEASABLE = "allocation_not_releasable"
+REJECTION_TYPES = (SKU_UNAVAILABLE, SSH_KEY_NOT_FOUND)
+
+# Provisioning failure reasons beyond the host's own error types.
+NODE_UNREACHABLE = "node_unreachable"
+HOST_TIMEOUT = "host_timeout"
+PROVISIONING_ERROR = "provisioning_error"
+
+_LOCAL = timedelta(seconds=30)
+_DB_RETRY = RetryPolicy(initial_interval=timedelta(milliseconds=200), maximum_attempts=20)
+
+
+def allocation_workflow_id(allocation_id: str) -> str:
+    return f"allocation-{allocation_id}"
+
+
+def allocation_id_from_workflow_id(workflow_id: str) -> str:
+    prefix = "allocation-"
+    if not workflow_id.startswith(prefix):
+        raise ValueError(f"not an allocation workflow id: {workflow_id}")
+    return workflow_id[len(prefix) :]
+
+
+@dataclass
+class AllocationPolicy:
+    """Timeouts and retry bounds, fixed at start so the workflow stays deterministic."""
+
+    node_schedule_to_start_seconds: float = 60.0
+    host_provision_timeout_seconds: float = 900.0
+    host_heartbeat_timeout_seconds: float = 30.0
+    release_max_attempts: int = 3
+    release_retry_initial_seconds: float = 1.0
+    lease_conflict_max_attempts: int = 3
+
+
+@dataclass
+class AllocationInput:
+    allocation_id: str
+    project_id: str
+    sku: str
+    gpus: int
+    region: str
+    ssh_key_ids: list[str]
+    idempotency_key: str | None
+    # sha256 of the canonical request body: the same idempotency key with another body is refused.
+    request_fingerprint: str
+    policy: AllocationPolicy = field(default_factory=AllocationPolicy)
+
+
+@dataclass
+class ReleaseRequest:
+    actor: str  # ReleaseActor value
+    reason: str = ""
+    force: bool = False
+
+
+@dataclass
+class ReleaseAccepted:
+    allocation_id: str
+    prior_status: str
+    # The status the allocation is heading to: "releasing", or the current one when the release
+    # waits for provisioning to finish, or "released" when there is nothing left to do.
+    expected_status: str
+    release_pending: bool
+
+
+@dataclass
+class AllocationView:
+    allocation_id: str
+    status: str
+    node_id: str | None
+    failure_reason: str | None
+    release_attempts: int
+    release_pending: bool
+
+
+@dataclass
+class AllocationResult:
+    allocation_id: str
+    status: str  # released | failed | rejected
+    reason: str | None = None
+
+
+@workflow.defn(name=WORKFLOW_NAME)
+class AllocationWorkflow:
+    @workflow.init
+    def __init__(self, input: AllocationInput) -> None:
+        self._input = input
+        self._status: str | None = None  # None until placement has answered
+        self._reservation: Reservation | None = None
+        self._rejection: ApplicationError | None = None
+        self._failure_reason: str | None = None
+        self._release_attempts = 0
+        self._pending_release: ReleaseRequest | None = None
+
+    # ------------------------------------------------------------------ handlers
+
+    @workflow.update(name=RESERVE_UPDATE)
+    async def reserve(self, request_fingerprint: str) -> Reservation:
+        if request_fingerprint != self._input.request_fingerprint:
+            raise ApplicationError(
+                "this idempotency key was already used with a different request body",
+                type=IDEMPOTENCY_KEY_REUSED,
+                non_retryable=True,
+            )
+        await workflow.wait_condition(
+            lambda: self._reservation is not None or self._rejection is not None
+        )
+        if self._rejection is not None:
+            raise self._rejection
+        assert self._reservation is not None
+        return self._reservation
+
+    @workflow.update(name=RELEASE_UPDATE)
+    async def request_release(self, request: ReleaseRequest) -> ReleaseAccepted:
+        prior = self._status or AllocationStatus.REQUESTED
+        if prior in (AllocationStatus.RELEASING, AllocationStatus.RELEASED):
+            return ReleaseAccepted(self._input.allocation_id, prior, prior, False)
+        if prior in (AllocationStatus.REQUESTED, AllocationStatus.PROVISIONING):
+            # Released as soon as provisioning settles: a tenant may cancel early.
+            self._pending_release = request
+            return ReleaseAccepted(self._input.allocation_id, prior, prior, True)
+        self._pending_release = request
+        return ReleaseAccepted(
+            self._input.allocation_id, prior, AllocationStatus.RELEASING, False
+        )
+
+    @request_release.validator
+    def _validate_release(self, request: ReleaseRequest) -> None:
+        if request.actor not in {a.value for a in ReleaseActor}:
+            raise ApplicationError(f"unknown release actor {request.actor!r}", type="invalid_actor")
+        if self._rejection is not None or self._status == AllocationStatus.FAILED:
+            raise ApplicationError(
+                f"allocation is {self._status or 'rejected'}; there is nothing to release",
+                type=NOT_RELEASABLE,
+            )
+
+    @workflow.query(name=STATUS_QUERY)
+    def status(self) -> AllocationView:
+        return AllocationView(
+            allocation_id=self._input.allocation_id,
+            status=self._status or "placing",
+            node_id=self._reservation.node_id if self._reservation else None,
+            failure_reason=self._failure_reason,
+            release_attempts=self._release_attempts,
+            release_pending=self._pending_release is not None,
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @workflow.run
+    async def run(self, input: AllocationInput) -> AllocationResult:
+        result = await self._lifecycle(input)
+        await workflow.wait_condition(workflow.all_handlers_finished)
+        return result
+
+    async def _lifecycle(self, input: AllocationInput) -> AllocationResult:
+        reservation = await self._place(input)
+        if reservation is None:
+            assert self._rejection is not None
+            return AllocationResult(input.allocation_id, "rejected", self._rejection.type)
+        self._reservation = reservation
+        self._set_status(AllocationStatus.REQUESTED)
+
+        if not await self._provision(input, reservation):
+            return AllocationResult(input.allocation_id, AllocationStatus.FAILED, self._failure_reason)
+
+        while True:
+            await workflow.wait_condition(lambda: self._pending_release is not None)
+            request, self._pending_release = self._pending_release, None
+            assert request is not None
+            if await self._release(input, reservation, request):
+                return AllocationResult(input.allocation_id, AllocationStatus.RELEASED)
+
+    async def _place(self, input: AllocationInput) -> Reservation | None:
+        try:
+            return await workflow.execute_local_activity(
+                "allocation.place_and_reserve",
+                PlaceInput(
+                    allocation_id=input.allocation_id,
+                    project_id=input.project_id,
+                    sku=input.sku,
+                    gpus=input.gpus,
+                    region=input.region,
+                    ssh_key_ids=input.ssh_key_ids,
+                    idempotency_key=input.idempotency_key,
+                    workflow_id=workflow.info().workflow_id,
+                ),
+                result_type=Reservation,
+                start_to_close_timeout=_LOCAL,
+                retry_policy=RetryPolicy(
+                    initial_interval=timedelta(milliseconds=200),
+                    maximum_attempts=10,
+                    non_retryable_error_types=list(REJECTION_TYPES),
+                ),
+            )
+        except (ActivityError, ApplicationError) as err:
+            # A local activity's non-retryable ApplicationError reaches the workflow unwrapped.
+            cause = err.cause if isinstance(err, ActivityError) else err
+            if isinstance(cause, ApplicationError) and cause.type in REJECTION_TYPES:
+                self._rejection = ApplicationError(
+                    cause.message, *cause.details, type=cause.type, non_retryable=True
+                )
+                return None
+            raise
+
+    async def _provision(self, input: AllocationInput, reservation: Reservation) -> bool:
+        plan: ProvisionPlan = await workflow.execute_local_activity(
+            "allocation.begin_provisioning",
+            BeginProvisioningInput(
+                input.allocation_id, workflow.info().workflow_id, str(workflow.uuid4())
+            ),
+            result_type=ProvisionPlan,
+            start_to_close_timeout=_LOCAL,
+            retry_policy=_DB_RETRY,
+        )
+        self._set_status(AllocationStatus.PROVISIONING)
+        policy = input.policy
+        try:
+            result: HostProvisionResult = await workflow.execute_activity(
+                plan.task_kind,
+                plan.spec,
+                result_type=HostProvisionResult,
+                task_queue=node_task_queue(reservation.node_id),
+                schedule_to_start_timeout=timedelta(seconds=policy.node_schedule_to_start_seconds),
+                start_to_close_timeout=timedelta(seconds=policy.host_provision_timeout_seconds),
+                heartbeat_timeout=timedelta(seconds=policy.host_heartbeat_timeout_seconds),
+                retry_policy=RetryPolicy(
+                    initial_interval=timedelta(seconds=1),
+                    maximum_attempts=max(1, policy.lease_conflict_max_attempts),
+                    non_retryable_error_types=[e.value for e in NON_RETRYABLE_HOST_ERRORS],
+                ),
+            )
+        except ActivityError as err:
+            reason, message = _classify_provisioning_failure(err)
+            self._failure_reason = reason
+            if reason != NODE_UNREACHABLE:
+                await self._cleanup_after_failed_provision(input, reservation, plan)
+            await workflow.execute_local_activity(
+                "allocation.fail_provisioning",
+                FailProvisioningInput(input.allocation_id, plan.task_id, reason, message),
+                start_to_close_timeout=_LOCAL,
+                retry_policy=_DB_RETRY,
+            )
+            self._set_status(AllocationStatus.FAILED)
+            return False
+        await workflow.execute_local_activity(
+            "allocation.activate",
+            ActivateInput(input.allocation_id, plan.task_id, result),
+            start_to_close_timeout=_LOCAL,
+            retry_policy=_DB_RETRY,
+        )
+        self._set_status(AllocationStatus.ACTIVE)
+        return True
+
+    async def _cleanup_after_failed_provision(
+        self, input: AllocationInput, reservation: Reservation, plan: ProvisionPlan
+    ) -> None:
+        """One best-effort host release so a half-built VM or user does not outlive its claim."""
+        release = await self._begin_release_task(input, ReleaseRequest(ReleaseActor.ADMIN), False)
+        try:
+            await self._host_release(input, reservation, release, attempts=1)
+        except ActivityError as err:
+            workflow.logger.warning("cleanup after failed provisioning did not finish: %s", err)
+            await self._finish_release(input, release, None, err, final=False)
+            return
+        await self._finish_release(input, release, None, None, final=False)
+
+    async def _release(
+        self, input: AllocationInput, reservation: Reservation, request: ReleaseRequest
+    ) -> bool:
+        plan = await self._begin_release_task(input, request, True)
+        self._set_status(AllocationStatus.RELEASING)
+        self._release_attempts += 1
+        try:
+            result = await self._host_release(
+                input, reservation, plan, attempts=input.policy.release_max_attempts,
+                force=request.force,
+            )
+        except ActivityError as err:
+            await self._finish_release(input, plan, None, err, final=True)
+            self._set_status(AllocationStatus.RELEASE_FAILED)
+            return False
+        if not result.cleanup_proven:
+            unproven = ApplicationError(
+                "host reported release without proof of cleanup", type=HostErrorType.RELEASE_ERROR
+            )
+            await self._finish_release(input, plan, result, unproven, final=True)
+            self._set_status(AllocationStatus.RELEASE_FAILED)
+            return False
+        await self._finish_release(input, plan, result, None, final=True)
+        self._set_status(AllocationStatus.RELEASED)
+        return True
+
+    async def _begin_release_task(
+        self, input: AllocationInput, request: ReleaseRequest, transition: bool
+    ) -> ReleasePlan:
+        plan: ReleasePlan = await workflow.execute_local_activity(
+            "allocation.begin_release",
+            BeginReleaseInput(
+                allocation_id=input.allocation_id,
+                workflow_id=workflow.info().workflow_id,
+                actor=request.actor,
+                reason=request.reason,
+                task_id=str(workflow.uuid4()),
+                transition=transition,
+            ),
+            result_type=ReleasePlan,
+            start_to_close_timeout=_LOCAL,
+            retry_policy=_DB_RETRY,
+        )
+        return plan
+
+    async def _host_release(
+        self,
+        input: AllocationInput,
+        reservation: Reservation,
+        plan: ReleasePlan,
+        *,
+        attempts: int,
+        force: bool = False,
+    ) -> HostReleaseResult:
+        policy = input.policy
+        spec = HostReleaseInput(
+            task_id=plan.task_id,
+            allocation_id=input.allocation_id,
+            node_id=reservation.node_id,
+            shape=reservation.shape,
+            username=plan.username,
+            force=force,
+        )
+        result: HostReleaseResult = await workflow.execute_activity(
+            plan.task_kind,
+            spec,
+            result_type=HostReleaseResult,
+            task_queue=node_task_queue(reservation.node_id),
+            schedule_to_start_timeout=timedelta(seconds=policy.node_schedule_to_start_seconds),
+            start_to_close_timeout=timedelta(seconds=policy.host_provision_timeout_seconds),
+            heartbeat_timeout=timedelta(seconds=policy.host_heartbeat_timeout_seconds),
+            retry_policy=RetryPolicy(
+                initial_interval=timedelta(seconds=policy.release_retry_initial_seconds),
+                backoff_coefficient=2.0,
+                maximum_attempts=max(1, attempts),
+                non_retryable_error_types=[HostErrorType.INVALID_SPEC.value],
+            ),
+        )
+        return result
+
+    async def _finish_release(
+        self,
+        input: AllocationInput,
+        plan: ReleasePlan,
+        result: HostReleaseResult | None,
+        error: BaseException | None,
+        *,
+        final: bool,
+    ) -> None:
+        error_type, message = (None, None) if error is None else _describe_error(error)
+        await workflow.execute_local_activity(
+            "allocation.finish_release",
+            FinishReleaseInput(
+                allocation_id=input.allocation_id,
+                task_id=plan.task_id,
+                result=result,
+                error_type=error_type,
+                error_message=message,
+                transition=final,
+            ),
+            start_to_close_timeout=_LOCAL,
+            retry_policy=_DB_RETRY,
+        )
+
+    def _set_status(self, status: AllocationStatus) -> None:
+        self._status = status
+        updates = [sa.ALLOCATION_STATUS.value_set(status.value)]
+        if self._reservation is not None and status == AllocationStatus.REQUESTED:
+            updates += [
+                sa.PROJECT_ID.value_set(self._input.project_id),
+                sa.NODE_ID.value_set(self._reservation.node_id),
+                sa.SKU.value_set(self._input.sku),
+            ]
+        workflow.upsert_search_attributes(updates)
+
+
+def _describe_error(error: BaseException) -> tuple[str, str]:
+    cause = error.cause if isinstance(error, ActivityError) and error.cause else error
+    if isinstance(cause, ApplicationError):
+        return cause.type or "application_error", cause.message
+    if isinstance(cause, TimeoutError):
+        kind = cause.type.name.lower() if cause.type else "timeout"
+        return f"timeout_{kind}", str(cause)
+    return type(cause).__name__, str(cause)
+
+
+def _classify_provisioning_failure(err: ActivityError) -> tuple[str, str]:
+    """Map a failed host provision to seed 000's failure reasons."""
+    cause = err.cause
+    if isinstance(cause, TimeoutError):
+        if cause.type == TimeoutType.SCHEDULE_TO_START:
+            return NODE_UNREACHABLE, "the node agent did not pick up the task in time"
+        return HOST_TIMEOUT, f"host task timed out ({cause.type.name.lower() if cause.type else ''})"
+    if isinstance(cause, ApplicationError) and cause.type in {e.value for e in HostErrorType}:
+        return cause.type, cause.message
+    error_type, message = _describe_error(err)
+    return PROVISIONING_ERROR, f"{error_type}: {message}"
+
