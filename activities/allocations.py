@@ -113,11 +113,14 @@ class AllocationActivities:
             sku = await session.get(Sku, (input.sku, input.region))
             await self._check_ssh_keys(session, input)
         if sku is None or not sku.active:
-            raise _reject("sku_unavailable", f"SKU {input.sku!r} is not offered in {input.region!r}")
+            raise _reject(
+                "sku_unavailable", f"SKU {input.sku!r} is not offered in {input.region!r}"
+            )
         if input.gpus not in sku.allowed_gpu_counts:
             allowed = ", ".join(str(c) for c in sorted(sku.allowed_gpu_counts))
             raise _reject(
-                "sku_unavailable", f"SKU {input.sku!r} is offered with {allowed} GPUs, not {input.gpus}"
+                "sku_unavailable",
+                f"SKU {input.sku!r} is offered with {allowed} GPUs, not {input.gpus}",
             )
 
         deadline = time.monotonic() + self._placement_deadline
@@ -156,7 +159,9 @@ class AllocationActivities:
             ).all()
         )
         if found != wanted:
-            raise _reject("ssh_key_not_found", "one or more ssh_key_ids do not exist in this project")
+            raise _reject(
+                "ssh_key_not_found", "one or more ssh_key_ids do not exist in this project"
+            )
 
     async def _existing_reservation(self, allocation_id: uuid.UUID) -> Reservation | None:
         async with self._sessions() as session:
@@ -282,7 +287,11 @@ class AllocationActivities:
                 "placement_reserved",
                 details={"claim": "gpu_slots", "numa_nodes": sorted({s.numa_node for s in chosen})},
             )
-            slots = [locked_slot for locked_slot in locked if locked_slot.id in {s.slot_id for s in chosen}]
+            slots = [
+                locked_slot
+                for locked_slot in locked
+                if locked_slot.id in {s.slot_id for s in chosen}
+            ]
             return _reservation(allocation, slots)
         raise PlacementContention()
 
@@ -321,12 +330,18 @@ class AllocationActivities:
                 event="provisioning_started",
                 values={"provisioning_started_at": CLOCK},
             )
-            kind = SLICE_VM_PROVISION if allocation.shape == SkuShape.GPU_SLICE else BAREMETAL_PROVISION_USER
+            kind = (
+                SLICE_VM_PROVISION
+                if allocation.shape == SkuShape.GPU_SLICE
+                else BAREMETAL_PROVISION_USER
+            )
             await _queue_task(session, input.task_id, allocation, kind, input.workflow_id)
             sku = await session.get(Sku, (allocation.sku, allocation.region))
             slots = (
                 await session.scalars(
-                    select(GpuSlot).where(GpuSlot.allocation_id == allocation_id).order_by(GpuSlot.gpu_index)
+                    select(GpuSlot)
+                    .where(GpuSlot.allocation_id == allocation_id)
+                    .order_by(GpuSlot.gpu_index)
                 )
             ).all()
             keys = (
@@ -426,7 +441,11 @@ class AllocationActivities:
                 found = await session.get(Allocation, allocation_id)
                 assert found is not None
                 allocation = found
-            kind = SLICE_VM_RELEASE if allocation.shape == SkuShape.GPU_SLICE else BAREMETAL_DEPROVISION_USER
+            kind = (
+                SLICE_VM_RELEASE
+                if allocation.shape == SkuShape.GPU_SLICE
+                else BAREMETAL_DEPROVISION_USER
+            )
             await _queue_task(session, input.task_id, allocation, kind, input.workflow_id)
         return ReleasePlan(
             task_id=input.task_id, task_kind=kind, username=username_for(input.allocation_id)
@@ -646,8 +665,7 @@ async def _finish_task(
         for row in rows:
             row["allocation_id"] = allocation_id
         await session.execute(
-            pg_insert(NodeTaskEvent).values(rows).on_conflict_do_nothing(
-                constraint="node_task_events_once"
-            )
+            pg_insert(NodeTaskEvent)
+            .values(rows)
+            .on_conflict_do_nothing(constraint="node_task_events_once")
         )
-

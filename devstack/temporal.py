@@ -10,7 +10,9 @@ from pathlib import Path
 from core.search_attributes import dev_server_flags
 
 TEMPORAL_CLI_VERSION = "v1.5.1"
-TOOLS_DIR = Path(os.environ.get("GPUCLOUD_TOOLS_DIR", Path.home() / ".cache" / "gpucloud" / "tools"))
+TOOLS_DIR = Path(
+    os.environ.get("GPUCLOUD_TOOLS_DIR", Path.home() / ".cache" / "gpucloud" / "tools")
+)
 
 
 def temporal_cli_path(*, build: bool = True) -> Path:
@@ -36,10 +38,14 @@ def dev_server_extra_args(*, codec_endpoint: str | None = None) -> list[str]:
     """Flags every dev server of ours gets: search attributes, update-with-start, codec."""
     args = [
         *dev_server_flags(),
-        "--dynamic-config-value", "frontend.enableExecuteMultiOperation=true",
-        "--dynamic-config-value", "frontend.enableUpdateWorkflowExecution=true",
-        "--dynamic-config-value", "system.forceSearchAttributesCacheRefreshOnRead=true",
-        "--log-level", "error",
+        "--dynamic-config-value",
+        "frontend.enableExecuteMultiOperation=true",
+        "--dynamic-config-value",
+        "frontend.enableUpdateWorkflowExecution=true",
+        "--dynamic-config-value",
+        "system.forceSearchAttributesCacheRefreshOnRead=true",
+        "--log-level",
+        "error",
     ]
     if codec_endpoint:
         args += ["--ui-codec-endpoint", codec_endpoint]

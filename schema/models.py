@@ -73,7 +73,8 @@ class ApiToken(Base):
     __table_args__ = (
         CheckConstraint(_check_in("role", TokenRole), name="api_tokens_role"),
         CheckConstraint(
-            "(role = 'admin' AND project_id IS NULL) OR (role = 'tenant' AND project_id IS NOT NULL)",
+            "(role = 'admin' AND project_id IS NULL)"
+            " OR (role = 'tenant' AND project_id IS NOT NULL)",
             name="api_tokens_scope",
         ),
     )

@@ -91,7 +91,9 @@ async def create_node(
     return FleetNode(node_id, hostname, gpus)
 
 
-async def create_project(sessions: async_sessionmaker[AsyncSession], name: str | None = None) -> uuid.UUID:
+async def create_project(
+    sessions: async_sessionmaker[AsyncSession], name: str | None = None
+) -> uuid.UUID:
     project_id = uuid.uuid4()
     async with sessions() as session, session.begin():
         session.add(Project(id=project_id, name=name or f"project-{project_id.hex[:8]}"))

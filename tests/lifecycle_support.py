@@ -63,7 +63,9 @@ async def create_fleet(
     await create_sku(sessions, SLICE_SKU, shape=SkuShape.GPU_SLICE, allowed=(1, 2, 4, 8))
     await create_sku(sessions, BAREMETAL_SKU, shape=SkuShape.BAREMETAL, allowed=(8,))
     nodes = [await create_node(sessions, sku=SLICE_SKU, gpus=gpus) for _ in range(slice_nodes)]
-    nodes += [await create_node(sessions, sku=BAREMETAL_SKU, gpus=8) for _ in range(baremetal_nodes)]
+    nodes += [
+        await create_node(sessions, sku=BAREMETAL_SKU, gpus=8) for _ in range(baremetal_nodes)
+    ]
     return nodes
 
 

@@ -41,7 +41,9 @@ async def tenant(api: Any, make_project: Any, make_token: Any) -> Tenant:
     project = await make_project()
     client = await api(token=await make_token("tenant", project))
     public_key = ed25519_public_key("alice@laptop")
-    response = await client.post("/api/v1/ssh-keys", json={"name": "alice", "public_key": public_key})
+    response = await client.post(
+        "/api/v1/ssh-keys", json={"name": "alice", "public_key": public_key}
+    )
     assert response.status_code == 201, response.text
     return Tenant(client, project.id, response.json()["id"], public_key)
 
@@ -79,7 +81,8 @@ async def test_slice_allocation_full_lifecycle(
     names = [item["name"] for item in timeline["items"]]
     assert names[:3] == ["requested", "placement_reserved", "provisioning_started"]
     task = next(i for i in timeline["items"] if i["kind"] == "node_task")
-    assert task["name"] == SLICE_VM_PROVISION and task["status"] == "succeeded"
+    assert task["name"] == SLICE_VM_PROVISION
+    assert task["status"] == "succeeded"
     assert [p["phase"] for p in task["phases"] if p["status"] == "succeeded"] == [
         "image_prepared",
         "cloud_init_seed_generated",
@@ -178,7 +181,8 @@ async def test_provisioning_failures_land_in_failed_with_every_claim_freed(
     assert await held_claims(db_sessions, allocation_id) == 0
     assert await reserved_slots(db_sessions) == 0
     events = await events_of(db_sessions, allocation_id)
-    assert events[-1] == "failed" and "active" not in events
+    assert events[-1] == "failed"
+    assert "active" not in events
 
     # Failed is terminal: release is refused with a clear code.
     refused = await tenant.client.post(f"/api/v1/allocations/{allocation_id}/release")
@@ -239,7 +243,9 @@ async def test_release_failed_then_user_retry_releases(
     assert failed["failure_reason"] == HostErrorType.RELEASE_ERROR.value
     # The node stays assigned until cleanup is proven.
     assert await held_claims(db_sessions, allocation_id) == 2
-    listed = (await admin.get("/api/v1/admin/allocations", params={"status": "release_failed"})).json()
+    listed = (
+        await admin.get("/api/v1/admin/allocations", params={"status": "release_failed"})
+    ).json()
     assert [item["allocation_id"] for item in listed["items"]] == [allocation_id]
 
     retry = await tenant.client.post(f"/api/v1/allocations/{allocation_id}/release")
@@ -377,7 +383,9 @@ async def test_sku_unavailable_reserves_nothing(
 ) -> None:
     await create_fleet(db_sessions, slice_nodes=2, baremetal_nodes=0, gpus=4)
     response = await tenant.client.post(
-        "/api/v1/allocations", json={**slice_request(1), **overrides}, headers={"X-Idempotency-Key": "k"}
+        "/api/v1/allocations",
+        json={**slice_request(1), **overrides},
+        headers={"X-Idempotency-Key": "k"},
     )
     assert response.status_code == 409, response.text
     assert response.json()["error"]["code"] == "sku_unavailable"
@@ -386,7 +394,9 @@ async def test_sku_unavailable_reserves_nothing(
     assert await reserved_slots(db_sessions) == 0
     # Replaying the same key answers the same rejection.
     again = await tenant.client.post(
-        "/api/v1/allocations", json={**slice_request(1), **overrides}, headers={"X-Idempotency-Key": "k"}
+        "/api/v1/allocations",
+        json={**slice_request(1), **overrides},
+        headers={"X-Idempotency-Key": "k"},
     )
     assert again.status_code == 409
 
@@ -424,4 +434,3 @@ async def test_slice_placement_prefers_numa_fit_then_best_fit(
             )
         ).all()
     assert len(set(numa)) == 1, "a 2-GPU slice fits one NUMA node and must not straddle two"
-

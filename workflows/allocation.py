@@ -30,13 +30,12 @@ with workflow.unsafe.imports_passed_through():
         FinishReleaseInput,
         PlaceInput,
         ProvisionPlan,
-        Reservation,
         ReleasePlan,
+        Reservation,
     )
     from agent.contract import (
         NON_RETRYABLE_HOST_ERRORS,
         HostErrorType,
-        HostProvisionInput,
         HostProvisionResult,
         HostReleaseInput,
         HostReleaseResult,
@@ -177,9 +176,7 @@ class AllocationWorkflow:
             self._pending_release = request
             return ReleaseAccepted(self._input.allocation_id, prior, prior, True)
         self._pending_release = request
-        return ReleaseAccepted(
-            self._input.allocation_id, prior, AllocationStatus.RELEASING, False
-        )
+        return ReleaseAccepted(self._input.allocation_id, prior, AllocationStatus.RELEASING, False)
 
     @request_release.validator
     def _validate_release(self, request: ReleaseRequest) -> None:
@@ -219,7 +216,9 @@ class AllocationWorkflow:
         self._set_status(AllocationStatus.REQUESTED)
 
         if not await self._provision(input, reservation):
-            return AllocationResult(input.allocation_id, AllocationStatus.FAILED, self._failure_reason)
+            return AllocationResult(
+                input.allocation_id, AllocationStatus.FAILED, self._failure_reason
+            )
 
         while True:
             await workflow.wait_condition(lambda: self._pending_release is not None)
@@ -230,7 +229,7 @@ class AllocationWorkflow:
 
     async def _place(self, input: AllocationInput) -> Reservation | None:
         try:
-            return await workflow.execute_local_activity(
+            reservation: Reservation = await workflow.execute_local_activity(
                 "allocation.place_and_reserve",
                 PlaceInput(
                     allocation_id=input.allocation_id,
@@ -250,6 +249,7 @@ class AllocationWorkflow:
                     non_retryable_error_types=list(REJECTION_TYPES),
                 ),
             )
+            return reservation
         except (ActivityError, ApplicationError) as err:
             # A local activity's non-retryable ApplicationError reaches the workflow unwrapped.
             cause = err.cause if isinstance(err, ActivityError) else err
@@ -330,7 +330,10 @@ class AllocationWorkflow:
         self._release_attempts += 1
         try:
             result = await self._host_release(
-                input, reservation, plan, attempts=input.policy.release_max_attempts,
+                input,
+                reservation,
+                plan,
+                attempts=input.policy.release_max_attempts,
                 force=request.force,
             )
         except ActivityError as err:
@@ -454,9 +457,11 @@ def _classify_provisioning_failure(err: ActivityError) -> tuple[str, str]:
     if isinstance(cause, TimeoutError):
         if cause.type == TimeoutType.SCHEDULE_TO_START:
             return NODE_UNREACHABLE, "the node agent did not pick up the task in time"
-        return HOST_TIMEOUT, f"host task timed out ({cause.type.name.lower() if cause.type else ''})"
+        return (
+            HOST_TIMEOUT,
+            f"host task timed out ({cause.type.name.lower() if cause.type else ''})",
+        )
     if isinstance(cause, ApplicationError) and cause.type in {e.value for e in HostErrorType}:
         return cause.type, cause.message
     error_type, message = _describe_error(err)
     return PROVISIONING_ERROR, f"{error_type}: {message}"
-

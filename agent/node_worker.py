@@ -1,0 +1,84 @@
+"""Wiring a node's Temporal worker, shared by the agent's console script, the simulated fleet and
+the tests."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import uuid
+from collections.abc import Iterator, Sequence
+from datetime import timedelta
+
+from temporalio.client import Client
+from temporalio.worker import PollerBehaviorSimpleMaximum, Worker
+
+from agent.backend import HostBackend
+from agent.host_activities import HostActivities
+from core.task_queues import node_task_queue
+
+# Host tasks a node runs at once (each is mostly waiting on libvirt or a guest).
+MAX_CONCURRENT_HOST_TASKS = 16
+
+
+def build_node_worker(
+    client: Client,
+    node_id: uuid.UUID | str,
+    backend: HostBackend,
+    *,
+    max_concurrent: int = MAX_CONCURRENT_HOST_TASKS,
+    graceful_shutdown: timedelta = timedelta(0),
+    identity: str | None = None,
+    pollers: int = 5,
+) -> Worker:
+    """A worker polling `node-{node_id}` with the host activities bound to `backend`.
+
+    `graceful_shutdown` is how long running host tasks may finish after shutdown begins before
+    they are cancelled (they stop at their next phase boundary either way).
+    """
+    node = str(node_id)
+    activities = HostActivities(backend, node_id=node, max_concurrent=max_concurrent)
+    return Worker(
+        client,
+        task_queue=node_task_queue(node),
+        activities=activities.activities(),
+        max_concurrent_activities=max_concurrent,
+        graceful_shutdown_timeout=graceful_shutdown,
+        # A fleet of simulated nodes shares one connection: fewer pollers per node keep it light.
+        activity_task_poller_behavior=PollerBehaviorSimpleMaximum(maximum=pollers),
+        identity=identity or f"agent-{node}",
+    )
+
+
+@contextlib.contextmanager
+def stop_on_signals(stop: asyncio.Event) -> Iterator[None]:
+    """Set `stop` on SIGINT/SIGTERM while inside the block (main thread only; elsewhere a no-op)."""
+    loop = asyncio.get_running_loop()
+    installed: list[signal.Signals] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, stop.set)
+            installed.append(sig)
+    try:
+        yield
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+
+
+async def run_until_signalled(workers: Sequence[Worker], stop: asyncio.Event | None = None) -> None:
+    """Run workers until SIGINT/SIGTERM (or `stop` is set), then shut them all down."""
+    stop = stop or asyncio.Event()
+    with stop_on_signals(stop):
+        runs = [asyncio.create_task(worker.run()) for worker in workers]
+        stopped = asyncio.create_task(stop.wait())
+        try:
+            # A worker that dies on its own (e.g. Temporal unreachable for good) ends the process.
+            await asyncio.wait([stopped, *runs], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            await asyncio.gather(*(w.shutdown() for w in workers), return_exceptions=True)
+            results = await asyncio.gather(*runs, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result

@@ -1,0 +1,215 @@
+"""`python -m sim.fleet`: the agents of many simulated nodes in one process.
+
+One Temporal client, one worker per node queue `node-{id}`, one SimulatedHost per node. Nodes come
+from `--node-id` arguments or from the database (nodes that are active or draining: a draining
+node still has allocations to release); with the database, the list is re-read every
+`--refresh-seconds`, so nodes onboarded while the fleet runs get an agent too. Phase delays and
+faults come from the GPUCLOUD_SIM_* environment (sim.config) and the options below. SIGINT or
+SIGTERM stops every worker cleanly.
+
+    python -m sim.fleet                                 # every active node in the database
+    python -m sim.fleet --node-id 3f0c... --phase-delay 2 --jitter 0.3
+    python -m sim.fleet --faults '[{"activity": "slice.vm_provision", "kind": "vfio_error"}]'
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import uuid
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+from temporalio.client import Client
+from temporalio.worker import Worker
+
+from agent.node_worker import build_node_worker, stop_on_signals
+from core.config import Settings
+from core.temporal import connect
+from schema.db import create_engine, session_factory
+from schema.models import Node
+from schema.states import NodeStatus
+from sim.config import SimHostConfig
+from sim.faults import FaultSpec
+from sim.host import SimulatedHost
+
+logger = logging.getLogger("sim.fleet")
+
+# Nodes that need an agent: active ones take new work, draining ones still release old work.
+AGENT_NODE_STATUSES = (NodeStatus.ACTIVE.value, NodeStatus.DRAINING.value)
+# One simulated node rarely has more than a couple of tasks in flight; keep polls per node low.
+POLLERS_PER_NODE = 2
+
+
+@dataclass(frozen=True)
+class AgentNode:
+    node_id: str
+    hostname: str | None = None
+
+
+async def load_agent_nodes(session: AsyncSession) -> list[AgentNode]:
+    rows = await session.execute(
+        select(Node.id, Node.hostname).where(Node.status.in_(AGENT_NODE_STATUSES)).order_by(Node.id)
+    )
+    return [AgentNode(str(node_id), hostname) for node_id, hostname in rows.all()]
+
+
+class SimFleet:
+    """Simulated agents started on demand; `stop()` shuts every worker down."""
+
+    def __init__(
+        self,
+        client: Client,
+        config_for: Callable[[str], SimHostConfig] = lambda _node: SimHostConfig(),
+        *,
+        pollers_per_node: int = POLLERS_PER_NODE,
+    ) -> None:
+        self._client = client
+        self._config_for = config_for
+        self._pollers = pollers_per_node
+        self.hosts: dict[str, SimulatedHost] = {}
+        self._workers: dict[str, Worker] = {}
+        self._runs: dict[str, asyncio.Task[None]] = {}
+
+    def start(self, nodes: Iterable[AgentNode]) -> list[str]:
+        """Start an agent for each node that has none yet; answers the ids started."""
+        started = []
+        for node in nodes:
+            if node.node_id in self._workers:
+                continue
+            host = SimulatedHost(
+                node.node_id, hostname=node.hostname, config=self._config_for(node.node_id)
+            )
+            worker = build_node_worker(
+                self._client,
+                node.node_id,
+                host,
+                identity=f"sim-agent-{node.node_id}",
+                pollers=self._pollers,
+            )
+            self.hosts[node.node_id] = host
+            self._workers[node.node_id] = worker
+            self._runs[node.node_id] = asyncio.create_task(
+                worker.run(), name=f"sim-agent-{node.node_id}"
+            )
+            started.append(node.node_id)
+        if started:
+            logger.info(
+                "started %d simulated agent(s), %d running", len(started), len(self._workers)
+            )
+        return started
+
+    async def stop(self) -> None:
+        workers, runs = list(self._workers.values()), list(self._runs.values())
+        await asyncio.gather(*(w.shutdown() for w in workers), return_exceptions=True)
+        for result in await asyncio.gather(*runs, return_exceptions=True):
+            if isinstance(result, BaseException):
+                logger.warning("a simulated agent stopped with %s", type(result).__name__)
+        self._workers.clear()
+        self._runs.clear()
+
+    async def run(
+        self,
+        stop: asyncio.Event,
+        refresh: Callable[[], Awaitable[list[AgentNode]]] | None = None,
+        refresh_seconds: float = 10.0,
+    ) -> None:
+        """Until `stop` is set: (re)load nodes with `refresh` and start agents for new ones."""
+        try:
+            while not stop.is_set():
+                if refresh is not None:
+                    try:
+                        self.start(await refresh())
+                    except Exception as err:  # the database may be restarting; try again later
+                        logger.warning("could not refresh the node list: %s", type(err).__name__)
+                timeout = refresh_seconds if refresh is not None and refresh_seconds > 0 else None
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(timeout):
+                        await stop.wait()
+        finally:
+            await self.stop()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m sim.fleet", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--node-id",
+        action="append",
+        type=uuid.UUID,
+        default=[],
+        help="serve this node (repeatable); default: nodes from the database",
+    )
+    parser.add_argument("--phase-delay", type=float, default=None, help="seconds per phase")
+    parser.add_argument("--jitter", type=float, default=None, help="fraction, e.g. 0.2")
+    parser.add_argument("--faults", default=None, help="JSON list of fault specs (sim.faults)")
+    parser.add_argument(
+        "--refresh-seconds",
+        type=float,
+        default=10.0,
+        help="re-read the node list this often (0: read once)",
+    )
+    parser.add_argument("--log-level", default="INFO")
+    return parser.parse_args(argv)
+
+
+def config_factory(args: argparse.Namespace) -> Callable[[str], SimHostConfig]:
+    """Per-node settings: the environment's, with the command line's on top."""
+    faults = None
+    if args.faults:
+        faults = tuple(FaultSpec.from_dict(f) for f in json.loads(args.faults))
+
+    def config_for(node_id: str) -> SimHostConfig:
+        config = SimHostConfig.from_env(node_id)
+        changes: dict[str, object] = {}
+        if args.phase_delay is not None:
+            changes["phase_delay_s"] = args.phase_delay
+        if args.jitter is not None:
+            changes["jitter"] = args.jitter
+        if faults is not None:
+            changes["faults"] = faults
+        return dataclasses.replace(config, **changes).for_node(node_id)  # type: ignore[arg-type]
+
+    config_for("00000000-0000-0000-0000-000000000000")  # fail at start on a bad setting
+    return config_for
+
+
+async def run(args: argparse.Namespace, settings: Settings) -> None:
+    client = await connect(settings, identity="sim-fleet")
+    fleet = SimFleet(client, config_factory(args))
+    stop = asyncio.Event()
+    with stop_on_signals(stop):
+        if args.node_id:
+            fleet.start(AgentNode(str(n)) for n in args.node_id)
+            await fleet.run(stop)
+            return
+        engine = create_engine(settings.database_url, pool_size=1, max_overflow=1)
+        sessions = session_factory(engine)
+
+        async def refresh() -> list[AgentNode]:
+            async with sessions() as session:
+                return await load_agent_nodes(session)
+
+        try:
+            await fleet.run(stop, refresh, args.refresh_seconds)
+        finally:
+            await engine.dispose()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    asyncio.run(run(args, Settings.from_env()))
+
+
+if __name__ == "__main__":
+    main()
