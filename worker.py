@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio.client import Client
 from temporalio.worker import Worker
+from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
 from activities.allocations import AllocationActivities
 from core.config import Settings
@@ -18,6 +19,13 @@ from schema.db import create_engine, session_factory
 from workflows.allocation import AllocationWorkflow
 
 WORKFLOWS = [AllocationWorkflow]
+
+# Workflow modules stay sandboxed; every other module (our contracts, the SDK, the standard
+# library) is passed through, so starting a workflow run does not re-import them. Determinism is
+# still checked for the workflow code itself, and replay tests guard the rest.
+WORKFLOW_RUNNER = SandboxedWorkflowRunner(
+    restrictions=SandboxRestrictions.default.with_passthrough_all_modules()
+)
 
 
 def build_worker(
@@ -28,6 +36,7 @@ def build_worker(
         client,
         task_queue=task_queue or settings.control_plane_task_queue,
         workflows=WORKFLOWS,
+        workflow_runner=WORKFLOW_RUNNER,
         activities=[
             allocations.place_and_reserve,
             allocations.begin_provisioning,
@@ -36,10 +45,12 @@ def build_worker(
             allocations.begin_release,
             allocations.finish_release,
         ],
-        activity_executor=ThreadPoolExecutor(max_workers=4),
+        # Workflow activations are short CPU bursts under the GIL: a few threads beat many (a
+        # hundred threads mostly trade the GIL back and forth on a 2-core machine).
+        workflow_task_executor=ThreadPoolExecutor(max_workers=2),
+        max_concurrent_workflow_tasks=20,
         max_concurrent_activities=100,
         max_concurrent_local_activities=100,
-        max_concurrent_workflow_tasks=100,
     )
 
 

@@ -31,7 +31,7 @@ from tests.lifecycle_support import (
     slice_request,
     wait_status,
 )
-from workflows.allocation import allocation_workflow_id
+from workflows.allocation_contract import allocation_workflow_id
 
 pytestmark = pytest.mark.usefixtures("control_plane")
 

@@ -1,0 +1,271 @@
+"""Allocation benchmarks on the real stack (PostgreSQL, Temporal dev server, worker, gateway and
+simulated agents as separate processes, started by devstack.up.Stack in a private state folder).
+
+(a) POST /api/v1/allocations latency p50/p99 and throughput with 20 concurrent clients, against a
+    150-node slice fleet (no agents: provisioning waits, the POST path is what is measured).
+(b) Control-plane overhead from POST to active with a zero-delay simulated host, p50/p99: one
+    client, one allocation at a time, `active_at` read from the database (same clock).
+
+    .venv/bin/python -m bench.allocations [--requests 1000] [--clients 20] [--latency-samples 60]
+
+Targets on a 2-core machine (issue 2): (a) p99 <= 500 ms and >= 50 allocations/s, (b) p50 <= 300 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import platform
+import pwd
+import shutil
+import socket
+import statistics
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+from sqlalchemy import text
+
+from devstack.processes import Child, python_entry
+from devstack.up import REPO_ROOT, Stack, StackOptions
+from schema.db import create_engine, session_factory
+from sim.demo_fleet import build_fleet, seed_fleet
+
+THROUGHPUT_REGION = "bench-a"
+LATENCY_REGION = "bench-b"
+SKU = "h100.slice"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """CPU time (user + system) used so far by each named process, and by all of PostgreSQL."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def of(pid: int) -> float:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / tick
+
+    used = {name: of(pid) for name, pid in pids.items()}
+    postgres_uid = None
+    with contextlib.suppress(KeyError):
+        postgres_uid = pwd.getpwnam("postgres").pw_uid
+    used["postgres"] = sum(
+        of(int(p.name))
+        for p in Path("/proc").iterdir()
+        if p.name.isdigit() and postgres_uid is not None and _owner(p) == postgres_uid
+    )
+    return used
+
+
+def _owner(path: Path) -> int | None:
+    try:
+        return path.stat().st_uid
+    except OSError:
+        return None
+
+
+def private_state_dir() -> Path:
+    # World-traversable: the bench's PostgreSQL runs as the `postgres` user.
+    state = Path(tempfile.mkdtemp(prefix="gpucloud-bench-"))
+    state.chmod(0o755)
+    return state
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+async def seed_bench_fleets(database_url: str, latency_nodes: int) -> list[str]:
+    engine = create_engine(database_url, pool_size=1, max_overflow=0)
+    try:
+        async with session_factory(engine)() as session, session.begin():
+            await seed_fleet(
+                session,
+                build_fleet(150, 8, region=THROUGHPUT_REGION, hostname_prefix="bench-a"),
+            )
+            latency = build_fleet(
+                latency_nodes, 8, region=LATENCY_REGION, hostname_prefix="bench-b"
+            )
+            await seed_fleet(session, latency)
+    finally:
+        await engine.dispose()
+    return [str(node.id) for node in latency.nodes]
+
+
+async def throughput(gateway: str, token: str, requests: int, clients: int) -> dict[str, float]:
+    latencies: list[float] = []
+    statuses: dict[int, int] = {}
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(requests):
+        queue.put_nowait(i)
+    body = {"sku": SKU, "gpus": 1, "region": THROUGHPUT_REGION, "ssh_key_ids": []}
+
+    async def client_loop() -> None:
+        async with httpx.AsyncClient(
+            base_url=gateway, headers={"Authorization": f"Bearer {token}"}, timeout=30
+        ) as client:
+            while True:
+                try:
+                    i = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    return
+                t0 = time.perf_counter()
+                response = await client.post(
+                    "/api/v1/allocations", json=body, headers={"X-Idempotency-Key": f"a-{i}"}
+                )
+                latencies.append(time.perf_counter() - t0)
+                statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+
+    started = time.perf_counter()
+    await asyncio.gather(*(client_loop() for _ in range(clients)))
+    wall = time.perf_counter() - started
+    created = statuses.get(201, 0)
+    return {
+        "requests": requests,
+        "created": created,
+        "other_statuses": sum(v for k, v in statuses.items() if k != 201),
+        "wall_s": wall,
+        "throughput_per_s": created / wall,
+        "p50_ms": percentile(latencies, 50) * 1000,
+        "p99_ms": percentile(latencies, 99) * 1000,
+        "max_ms": max(latencies) * 1000,
+    }
+
+
+async def post_to_active(
+    gateway: str, token: str, database_url: str, samples: int
+) -> dict[str, float]:
+    engine = create_engine(database_url, pool_size=2, max_overflow=0)
+    overheads: list[float] = []
+    body = {"sku": SKU, "gpus": 1, "region": LATENCY_REGION, "ssh_key_ids": []}
+    try:
+        async with httpx.AsyncClient(
+            base_url=gateway, headers={"Authorization": f"Bearer {token}"}, timeout=30
+        ) as client:
+            # Warm-up: connections, caches, the first workflow task of each node queue.
+            for _ in range(3):
+                await _one_to_active(client, engine, body)
+            for _ in range(samples):
+                overheads.append(await _one_to_active(client, engine, body))
+    finally:
+        await engine.dispose()
+    return {
+        "samples": samples,
+        "p50_ms": statistics.median(overheads) * 1000,
+        "p99_ms": percentile(overheads, 99) * 1000,
+        "max_ms": max(overheads) * 1000,
+    }
+
+
+async def _one_to_active(
+    client: httpx.AsyncClient, engine: object, body: dict[str, object]
+) -> float:
+    sent_at = time.time()
+    response = await client.post("/api/v1/allocations", json=body)
+    response.raise_for_status()
+    allocation_id = uuid.UUID(response.json()["allocation_id"])
+    deadline = time.monotonic() + 30
+    async with engine.connect() as conn:  # type: ignore[attr-defined]
+        while time.monotonic() < deadline:
+            active_at = await conn.scalar(
+                text("SELECT extract(epoch FROM active_at) FROM allocations WHERE id = :id"),
+                {"id": allocation_id},
+            )
+            await conn.rollback()
+            if active_at is not None:
+                break
+            await asyncio.sleep(0.005)
+        else:
+            raise RuntimeError(f"allocation {allocation_id} did not become active")
+    release = await client.post(f"/api/v1/allocations/{allocation_id}/release")
+    release.raise_for_status()
+    return float(active_at) - sent_at
+
+
+async def main(args: argparse.Namespace) -> None:
+    # The bench never waits on a dead node: its throughput fleet has no agents on purpose.
+    os.environ["GPUCLOUD_NODE_SCHEDULE_TO_START_S"] = "900"
+    state = private_state_dir()
+    options = StackOptions(
+        state_dir=state,
+        pg_port=free_port(),
+        temporal_port=free_port(),
+        ui_port=free_port(),
+        gateway_host="127.0.0.1",
+        gateway_port=free_port(),
+        phase_delay=0.0,
+        jitter=0.0,
+        agents=False,
+        check=False,
+        reset=False,
+    )
+    stack = Stack(options)
+    try:
+        tokens = await stack.start()
+        assert stack.cluster is not None
+        database_url = stack.cluster.url("gpucloud")
+        latency_nodes = await seed_bench_fleets(database_url, args.latency_nodes)
+        fleet = Child(
+            "bench-fleet",
+            [*python_entry("sim.fleet"), *[a for n in latency_nodes for a in ("--node-id", n)]],
+            options.logs_dir / "bench-fleet.log",
+            stack._child_env(database_url),
+            REPO_ROOT,
+        )
+        stack.children.append(fleet)
+        await fleet.start()
+        await asyncio.sleep(3)  # let the agents' pollers reach Temporal
+
+        gateway = options.gateway_probe_url
+        tenant = tokens["tenant_token"]
+        b = await post_to_active(gateway, tenant, database_url, args.latency_samples)
+        pids = {c.name: c.pid for c in stack.children if c.pid is not None}
+        before = cpu_seconds(pids)
+        a = await throughput(gateway, tenant, args.requests, args.clients)
+        after = cpu_seconds(pids)
+        cpu = {name: after[name] - before.get(name, 0.0) for name in after}
+    finally:
+        await stack.shutdown()
+        shutil.rmtree(state, ignore_errors=True)
+
+    print(f"machine: {platform.node()} {os.cpu_count()} cores, {platform.platform()}")
+    print(f"date: {time.strftime('%Y-%m-%d %H:%M %Z')}")
+    print(
+        f"(a) POST /allocations, {args.clients} clients, {a['requests']} requests: "
+        f"{a['created']} created, {a['other_statuses']} other; "
+        f"p50 {a['p50_ms']:.0f} ms, p99 {a['p99_ms']:.0f} ms, max {a['max_ms']:.0f} ms; "
+        f"throughput {a['throughput_per_s']:.1f} allocations/s over {a['wall_s']:.1f} s "
+        f"(target p99 <= 500 ms, >= 50/s)"
+    )
+    print(
+        f"(b) POST -> active, zero-delay host, {b['samples']} samples: "
+        f"p50 {b['p50_ms']:.0f} ms, p99 {b['p99_ms']:.0f} ms, max {b['max_ms']:.0f} ms "
+        f"(target p50 <= 300 ms)"
+    )
+    print(
+        "CPU seconds during (a): "
+        + ", ".join(f"{name} {used:.1f}" for name, used in sorted(cpu.items(), key=lambda x: -x[1]))
+    )
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--clients", type=int, default=20)
+    parser.add_argument("--latency-samples", type=int, default=60)
+    parser.add_argument("--latency-nodes", type=int, default=4)
+    asyncio.run(main(parser.parse_args()))

@@ -1,0 +1,200 @@
+"""The README's tenant flow, scripted over HTTP against a running stack.
+
+`gpucloud-stack --check` runs it after bringing the stack up; against a stack that is already
+running (bin/stack in another terminal):
+
+    .venv/bin/python -m devstack.smoke                 # .state/tokens.json, $GPUCLOUD_API
+    .venv/bin/python -m devstack.smoke --gateway http://127.0.0.1:8000 --tokens path/to/tokens.json
+
+Steps: register an SSH key, POST /api/v1/allocations (h100.slice, 2 GPUs, us-east-1) with an
+X-Idempotency-Key, repeat it (same allocation), poll until active, read the timeline, release,
+poll until released, and list release_failed allocations as an admin. Exit status 0 or 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+DEFAULT_TOKENS = Path(__file__).resolve().parent.parent / ".state" / "tokens.json"
+TERMINAL_FAILURES = {"failed", "release_failed", "rejected"}
+
+
+class SmokeFailed(RuntimeError):
+    pass
+
+
+def new_public_key(comment: str) -> str:
+    public = Ed25519PrivateKey.generate().public_key()
+    line = public.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    return f"{line.decode()} {comment}"
+
+
+def _expect(response: httpx.Response, *codes: int) -> Any:
+    if response.status_code not in codes:
+        raise SmokeFailed(
+            f"{response.request.method} {response.request.url.path} answered "
+            f"{response.status_code}, expected {'/'.join(map(str, codes))}: {response.text[:500]}"
+        )
+    return response.json() if response.content else None
+
+
+def _poll_status(
+    http: httpx.Client, path: str, want: str, timeout: float, say: Callable[[str], None]
+) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    last = None
+    while True:
+        body: dict[str, Any] = _expect(http.get(path), 200)
+        status = body["status"]
+        if status != last:
+            say(f"    status: {status}")
+            last = status
+        if status == want:
+            return body
+        if status in TERMINAL_FAILURES:
+            raise SmokeFailed(
+                f"allocation ended in {status}: {body.get('failure_reason')} "
+                f"{body.get('failure_message') or ''}".strip()
+            )
+        if time.monotonic() > deadline:
+            raise SmokeFailed(f"allocation still {status} after {timeout:.0f}s (wanted {want})")
+        time.sleep(0.5)
+
+
+def run_smoke(
+    gateway: str,
+    tenant_token: str,
+    admin_token: str | None = None,
+    *,
+    timeout: float = 180.0,
+    say: Callable[[str], None] = print,
+) -> bool:
+    """The tenant flow end to end; True when every step behaved as the README says."""
+    started = time.monotonic()
+
+    def step(text: str) -> None:
+        say(f"[{time.monotonic() - started:6.1f}s] {text}")
+
+    headers = {"Authorization": f"Bearer {tenant_token}"}
+    allocation_id: str | None = None
+    released = False
+    try:
+        with httpx.Client(base_url=gateway, headers=headers, timeout=30.0) as http:
+            step("GET /healthz")
+            _expect(http.get("/healthz"), 200)
+
+            step("POST /api/v1/ssh-keys")
+            suffix = uuid.uuid4().hex[:8]
+            key = _expect(
+                http.post(
+                    "/api/v1/ssh-keys",
+                    json={
+                        "name": f"smoke-{suffix}",
+                        "public_key": new_public_key(f"smoke-{suffix}@gpucloud"),
+                    },
+                ),
+                201,
+            )
+            step(f"    key {key['id']} {key['fingerprint']}")
+
+            body = {
+                "sku": "h100.slice",
+                "gpus": 2,
+                "region": "us-east-1",
+                "ssh_key_ids": [key["id"]],
+            }
+            idem = {"X-Idempotency-Key": f"smoke-{uuid.uuid4()}"}
+            step("POST /api/v1/allocations (h100.slice x2, us-east-1)")
+            created = _expect(http.post("/api/v1/allocations", json=body, headers=idem), 201)
+            allocation_id = created["allocation_id"]
+            step(
+                f"    allocation {allocation_id} on node {created['node_id']}: "
+                f"{created['status']}"
+            )
+
+            step("POST /api/v1/allocations again with the same X-Idempotency-Key")
+            again = _expect(http.post("/api/v1/allocations", json=body, headers=idem), 200, 201)
+            if again["allocation_id"] != allocation_id:
+                raise SmokeFailed("the retried request created a second allocation")
+
+            path = f"/api/v1/allocations/{allocation_id}"
+            step(f"GET {path} until active")
+            _poll_status(http, path, "active", timeout, step)
+
+            step(f"GET {path}/timeline")
+            timeline = _expect(http.get(f"{path}/timeline"), 200)
+            items = timeline.get("items") or []
+            tasks = [i for i in items if i.get("kind") == "node_task"]
+            if not tasks:
+                raise SmokeFailed("the timeline shows no node tasks")
+            for item in items:
+                phases = ", ".join(dict.fromkeys(p["phase"] for p in item.get("phases") or []))
+                step(
+                    f"    {item['kind']:<16} {item['name']:<28} {item['status']}"
+                    + (f" [{phases}]" if phases else "")
+                )
+
+            step(f"POST {path}/release")
+            answer = _expect(http.post(f"{path}/release"), 200, 202)
+            step(f"    {answer.get('prior_status')} -> {answer.get('expected_status')}")
+            released = True
+            step(f"GET {path} until released")
+            _poll_status(http, path, "released", timeout, step)
+
+            if admin_token:
+                step("GET /api/v1/admin/allocations?status=release_failed (admin)")
+                listing = _expect(
+                    http.get(
+                        "/api/v1/admin/allocations",
+                        params={"status": "release_failed"},
+                        headers={"Authorization": f"Bearer {admin_token}"},
+                    ),
+                    200,
+                )
+                step(f"    {len(listing.get('items', []))} allocation(s) in release_failed")
+    except (SmokeFailed, httpx.HTTPError, KeyError, ValueError) as err:
+        step(f"SMOKE CHECK FAILED: {type(err).__name__}: {err}")
+        if allocation_id and not released:  # give the capacity back
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.post(
+                    f"{gateway}/api/v1/allocations/{allocation_id}/release",
+                    headers=headers,
+                    timeout=10.0,
+                )
+        return False
+    step("smoke check passed")
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m devstack.smoke", description=__doc__)
+    parser.add_argument(
+        "--gateway",
+        default=os.environ.get("GPUCLOUD_API", "http://127.0.0.1:8000"),
+        help="gateway base URL (default: $GPUCLOUD_API, else %(default)s)",
+    )
+    parser.add_argument("--tokens", type=Path, default=DEFAULT_TOKENS)
+    parser.add_argument("--timeout", type=float, default=180.0)
+    args = parser.parse_args(argv)
+    tokens = json.loads(args.tokens.read_text())
+    ok = run_smoke(
+        args.gateway, tokens["tenant_token"], tokens.get("admin_token"), timeout=args.timeout
+    )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,676 @@
+"""`gpucloud-stack` (bin/stack): the whole embedded default, in the foreground.
+
+Starts, in order, with all state under .state/ in the repository:
+  PostgreSQL        private cluster (.state/pg), database `gpucloud`, migrated to head
+  Temporal          `temporal server start-dev` (.state/temporal.db keeps history across restarts)
+                    with our search attributes, update-with-start and the Web UI's codec endpoint
+  demo data         the demo catalog and fleet, project `demo`, an admin and a tenant token
+                    (created once, kept in .state/tokens.json, mode 0600)
+  worker            the control-plane Temporal worker (python -m worker)
+  fleet             simulated node agents, one Temporal worker per node queue (sim.fleet)
+  gateway           the HTTP API (gateway.serve)
+
+and prints where everything is. Ctrl-C or SIGTERM stops it all (PostgreSQL too); if a child dies,
+the stack reports it, stops and exits 1. `--check` brings the stack up, runs the README's tenant
+flow over HTTP (devstack.smoke), stops, and exits 0 or 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+from sqlalchemy import select
+from temporalio.api.enums.v1 import TaskQueueType
+from temporalio.api.taskqueue.v1 import TaskQueue
+from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
+from temporalio.client import Client
+
+from core.config import Settings
+from core.task_queues import node_task_queue
+from devstack.postgres import PostgresCluster
+from devstack.processes import Child, port_in_use, python_entry, tail
+from devstack.temporal import dev_server_extra_args, temporal_cli_path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DATABASE = "gpucloud"
+DEMO_PROJECT = "demo"
+STACK_ACTOR = "gpucloud-stack"
+READY_TIMEOUT_S = 90.0
+
+
+class StackError(RuntimeError):
+    """Startup cannot go on; the message says why and what to do."""
+
+
+class StopRequested(Exception):  # a request, not an error
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class StackOptions:
+    state_dir: Path
+    pg_port: int
+    temporal_port: int
+    ui_port: int
+    gateway_host: str
+    gateway_port: int
+    phase_delay: float
+    jitter: float
+    agents: bool
+    check: bool
+    reset: bool
+    namespace: str = "default"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.state_dir / "logs"
+
+    @property
+    def tokens_file(self) -> Path:
+        return self.state_dir / "tokens.json"
+
+    @property
+    def env_file(self) -> Path:
+        return self.state_dir / "stack.env"
+
+    @property
+    def temporal_address(self) -> str:
+        return f"127.0.0.1:{self.temporal_port}"
+
+    @property
+    def browser_host(self) -> str:
+        """How a browser on this machine reaches our listeners."""
+        if self.gateway_host in ("127.0.0.1", "0.0.0.0", "localhost", "::1", "::"):  # noqa: S104
+            return "localhost"
+        return self.gateway_host
+
+    @property
+    def gateway_url(self) -> str:
+        return f"http://{self.browser_host}:{self.gateway_port}"
+
+    @property
+    def gateway_probe_url(self) -> str:
+        host = "127.0.0.1" if self.browser_host == "localhost" else self.gateway_host
+        return f"http://{host}:{self.gateway_port}"
+
+    @property
+    def ui_url(self) -> str:
+        return f"http://localhost:{self.ui_port}"
+
+    @property
+    def codec_endpoint(self) -> str:
+        return f"{self.gateway_url}/api/v1/admin/codec"
+
+
+# --- helpers -----------------------------------------------------------------------------------
+
+
+def _say(text: str = "") -> None:
+    print(text, flush=True)
+
+
+def _postgres_can_traverse(path: Path) -> bool:
+    """Whether the `postgres` OS user can reach `path` (every ancestor searchable by others)."""
+    if os.geteuid() != 0:
+        return True  # the server runs as us
+    for parent in [path, *path.parents]:
+        if not parent.exists():
+            continue
+        if not parent.stat().st_mode & stat.S_IXOTH:
+            return False
+    return True
+
+
+def pg_datadir(state_dir: Path) -> Path:
+    """.state/pg, unless the server's user cannot reach it (a checkout under /root): then a folder
+    of our own under /var/lib/gpucloud, linked from .state/pg."""
+    wanted = state_dir / "pg"
+    if _postgres_can_traverse(state_dir):
+        return wanted
+    digest = hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:12]
+    real = Path("/var/lib/gpucloud") / f"pg-{digest}"
+    real.parent.mkdir(parents=True, exist_ok=True)
+    real.parent.chmod(0o755)
+    if not wanted.is_symlink() and not wanted.exists():
+        wanted.symlink_to(real)
+    return real
+
+
+def _serves_datadir(cluster: PostgresCluster) -> bool:
+    """Whether the server on the cluster's port runs from the cluster's data directory."""
+    try:
+        served = cluster.psql("SHOW data_directory").strip()
+    except (subprocess.CalledProcessError, OSError):
+        return False  # not PostgreSQL, or our superuser does not exist there: not ours
+    return bool(served) and Path(served).resolve() == cluster.datadir.resolve()
+
+
+def _write_private(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(tmp, 0o600)
+    tmp.replace(path)
+
+
+def _load_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+# --- demo data: catalog, fleet, project, tokens -----------------------------------------------
+
+
+async def seed(database_url: str, tokens_file: Path) -> dict[str, str]:
+    """Idempotent: demo catalog and fleet, project `demo`, and an admin and a tenant token that
+    are reused across restarts while they are still valid in the database."""
+    from gateway import identity, tokens
+    from schema.db import create_engine, session_factory
+    from schema.models import ApiToken, Project
+    from schema.states import TokenRole
+    from sim.demo_fleet import seed_demo_fleet
+
+    saved = _load_json(tokens_file)
+    engine = create_engine(database_url, pool_size=1, max_overflow=0)
+    try:
+        async with session_factory(engine)() as session:
+            await seed_demo_fleet(session)
+            project = await session.scalar(select(Project).where(Project.name == DEMO_PROJECT))
+            if project is None:
+                project = await identity.create_project(
+                    session, DEMO_PROJECT, actor=STACK_ACTOR, actor_token_id=None,
+                    role=TokenRole.ADMIN.value, reason="embedded default: demo project",
+                )  # fmt: skip
+
+            async def valid(token: str | None, project_id: uuid.UUID | None) -> bool:
+                if not token:
+                    return False
+                row = await session.scalar(
+                    select(ApiToken).where(ApiToken.token_sha256 == tokens.hash_token(token))
+                )
+                return row is not None and row.revoked_at is None and row.project_id == project_id
+
+            result: dict[str, str] = {}
+            wanted = (
+                ("admin_token", "stack-admin", TokenRole.ADMIN, None),
+                ("tenant_token", "demo-tenant", TokenRole.TENANT, project.id),
+            )
+            for key, name, role, project_id in wanted:
+                token = saved.get(key)
+                if token is None or not await valid(token, project_id):
+                    _, token = await identity.issue_token(
+                        session, name=name, role=role, project_id=project_id,
+                        actor=STACK_ACTOR, actor_token_id=None, actor_role=TokenRole.ADMIN.value,
+                        reason="embedded default: local dev token",
+                    )  # fmt: skip
+                result[key] = token
+            result["project_id"] = str(project.id)
+            result["project_name"] = DEMO_PROJECT
+            await session.commit()
+    finally:
+        await engine.dispose()
+    _write_private(tokens_file, json.dumps(result, indent=2) + "\n")
+    return result
+
+
+# --- readiness ---------------------------------------------------------------------------------
+
+
+async def _has_pollers(client: Client, namespace: str, queue: str, kind: int) -> bool:
+    response = await client.workflow_service.describe_task_queue(
+        DescribeTaskQueueRequest(
+            namespace=namespace,
+            task_queue=TaskQueue(name=queue),
+            task_queue_type=kind,  # type: ignore[arg-type]
+        ),
+        timeout=timedelta(seconds=3),
+    )
+    return len(response.pollers) > 0
+
+
+async def _http_ok(url: str) -> bool:
+    try:
+        async with httpx.AsyncClient(timeout=2.0) as http:
+            return (await http.get(url)).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+# --- the stack ---------------------------------------------------------------------------------
+
+
+class Stack:
+    def __init__(self, options: StackOptions) -> None:
+        self.o = options
+        self.children: list[Child] = []
+        self.cluster: PostgresCluster | None = None
+        self.client: Client | None = None
+        self.stop_requested = asyncio.Event()
+        self.pg_log: Path | None = None
+
+    # startup helpers
+
+    def _check_stop(self) -> None:
+        if self.stop_requested.is_set():
+            raise StopRequested
+
+    async def _wait_for(
+        self,
+        what: str,
+        probe: Callable[[], Awaitable[bool]],
+        child: Child | None,
+        limit_s: float = READY_TIMEOUT_S,
+    ) -> None:
+        deadline = time.monotonic() + limit_s
+        while True:
+            self._check_stop()
+            if child is not None and not child.running:
+                raise StackError(
+                    f"{child.name} exited with code {child.returncode} while starting; "
+                    f"last lines of {child.log_path}:\n{tail(child.log_path)}"
+                )
+            with contextlib.suppress(Exception):
+                if await probe():
+                    return
+            if time.monotonic() > deadline:
+                hint = f"; see {child.log_path}" if child else ""
+                raise StackError(f"{what} was not ready after {limit_s:.0f}s{hint}")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop_requested.wait(), 0.3)
+
+    def _child_env(self, database_url: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            {
+                "PYTHONUNBUFFERED": "1",
+                "GPUCLOUD_DATABASE_URL": database_url,
+                "GPUCLOUD_TEMPORAL_ADDRESS": self.o.temporal_address,
+                "GPUCLOUD_TEMPORAL_NAMESPACE": self.o.namespace,
+                "GPUCLOUD_GATEWAY_HOST": self.o.gateway_host,
+                "GPUCLOUD_GATEWAY_PORT": str(self.o.gateway_port),
+                "GPUCLOUD_TEMPORAL_UI_ORIGIN": self.o.ui_url,
+                "GPUCLOUD_SIM_PHASE_DELAY_S": str(self.o.phase_delay),
+                "GPUCLOUD_SIM_PHASE_JITTER": str(self.o.jitter),
+            }
+        )
+        return env
+
+    def _preflight(self) -> None:
+        busy = [
+            f"{what} port {port}"
+            for what, port in (
+                ("Temporal gRPC", self.o.temporal_port),
+                ("Temporal Web", self.o.ui_port),
+                ("gateway", self.o.gateway_port),
+            )
+            if port_in_use("127.0.0.1", port)
+        ]
+        if busy:
+            raise StackError(
+                f"{', '.join(busy)} already in use: is another stack (or Temporal dev server) "
+                "running? Stop it, or pick other ports (bin/stack --help)."
+            )
+        self._check_pg_port(PostgresCluster(pg_datadir(self.o.state_dir), self.o.pg_port))
+
+    def _check_pg_port(self, cluster: PostgresCluster) -> None:
+        # PostgresCluster.start() takes any server answering on the port for itself: make sure
+        # that one is this stack's cluster (left running by a killed stack), not a stranger.
+        if port_in_use("127.0.0.1", cluster.port) and not _serves_datadir(cluster):
+            raise StackError(
+                f"port {cluster.port} is taken by something other than this stack's "
+                f"PostgreSQL ({cluster.datadir}); use --pg-port or GPUCLOUD_PG_PORT"
+            )
+
+    def _start_postgres(self) -> str:
+        datadir = pg_datadir(self.o.state_dir)
+        cluster = PostgresCluster(datadir, self.o.pg_port)
+        self._check_pg_port(cluster)
+        self.cluster = cluster
+        cluster.start()
+        self.pg_log = datadir / "server.log"
+        link = self.o.logs_dir / "postgres.log"
+        if not link.is_symlink():
+            link.unlink(missing_ok=True)
+            link.symlink_to(self.pg_log)
+        cluster.create_database(DATABASE)
+        url = cluster.url(DATABASE)
+        from schema.migrate import upgrade
+
+        upgrade(url)
+        return url
+
+    async def _connect_temporal(self) -> bool:
+        if self.client is None:
+            self.client = await Client.connect(
+                self.o.temporal_address,
+                namespace=self.o.namespace,
+                connect_timeout=timedelta(seconds=2),
+                identity=STACK_ACTOR,
+            )
+        return await self.client.service_client.check_health(timeout=timedelta(seconds=2))
+
+    async def start(self) -> dict[str, str]:
+        o = self.o
+        o.state_dir.mkdir(parents=True, exist_ok=True)
+        o.logs_dir.mkdir(parents=True, exist_ok=True)
+        self._preflight()
+
+        # Temporal first: it takes a few seconds, PostgreSQL and the migrations run meanwhile.
+        temporal_argv = [
+            str(temporal_cli_path(build=False)),
+            "server",
+            "start-dev",
+            "--ip", "127.0.0.1",
+            "--port", str(o.temporal_port),
+            "--ui-port", str(o.ui_port),
+            "--db-filename", str(o.state_dir / "temporal.db"),
+            "--namespace", o.namespace,
+            *dev_server_extra_args(codec_endpoint=o.codec_endpoint),
+        ]  # fmt: skip
+        temporal = Child("temporal", temporal_argv, o.logs_dir / "temporal.log", dict(os.environ),
+                         REPO_ROOT)  # fmt: skip
+        self.children.append(temporal)
+        await temporal.start()
+        _say(f"  temporal   starting (pid {temporal.pid}), log {temporal.log_path}")
+
+        t0 = time.monotonic()
+        database_url = await asyncio.to_thread(self._start_postgres)
+        _say(f"  postgres   ready on 127.0.0.1:{o.pg_port}, database migrated "
+             f"({time.monotonic() - t0:.1f}s)")  # fmt: skip
+        self._check_stop()
+        tokens = await seed(database_url, o.tokens_file)
+        _say("  demo data  catalog, fleet, project 'demo' and tokens in place")
+
+        await self._wait_for("Temporal", self._connect_temporal, temporal)
+        await self._wait_for("Temporal Web", lambda: _http_ok(o.ui_url.replace("localhost",
+                             "127.0.0.1")), temporal, limit_s=30)  # fmt: skip
+        _say(f"  temporal   ready on {o.temporal_address} ({time.monotonic() - t0:.1f}s)")
+
+        env = self._child_env(database_url)
+        worker = Child("worker", python_entry("worker"), o.logs_dir / "worker.log", env, REPO_ROOT)
+        gateway = Child("gateway", python_entry("gateway.serve"), o.logs_dir / "gateway.log", env,
+                        REPO_ROOT)  # fmt: skip
+        fleet = Child("fleet", [*python_entry("sim.fleet"), "--refresh-seconds", "5"],
+                      o.logs_dir / "fleet.log", env, REPO_ROOT)  # fmt: skip
+        started = [worker, *([fleet] if o.agents else []), gateway]
+        for child in started:
+            self.children.append(child)
+            await child.start()
+        assert self.client is not None
+        client = self.client
+        settings = Settings.from_env(env)
+        control_queue = settings.control_plane_task_queue
+
+        async def worker_ready() -> bool:
+            return await _has_pollers(
+                client, o.namespace, control_queue, TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW
+            )
+
+        from sim.demo_fleet import demo_fleet
+
+        probe_node = demo_fleet().nodes[-1].id
+
+        async def fleet_ready() -> bool:
+            return await _has_pollers(
+                client,
+                o.namespace,
+                node_task_queue(probe_node),
+                TaskQueueType.TASK_QUEUE_TYPE_ACTIVITY,
+            )
+
+        async def gateway_ready() -> bool:
+            return await _http_ok(f"{o.gateway_probe_url}/healthz")
+
+        waits = [self._wait_for("the control-plane worker", worker_ready, worker)]
+        if o.agents:
+            waits.append(self._wait_for("the simulated fleet", fleet_ready, fleet))
+        waits.append(self._wait_for("the gateway", gateway_ready, gateway))
+        await asyncio.gather(*waits)
+        for child in started:
+            _say(f"  {child.name:<10} ready (pid {child.pid}), log {child.log_path}")
+        _say(f"  all up in {time.monotonic() - t0:.1f}s")
+        return tokens
+
+    async def supervise(self) -> int:
+        """Until a stop is requested (0) or a child exits on its own (1)."""
+        waits = {asyncio.ensure_future(c.wait()): c for c in self.children}
+        stop = asyncio.ensure_future(self.stop_requested.wait())
+        try:
+            done, _ = await asyncio.wait([stop, *waits], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            for task in waits:
+                task.cancel()
+        for task in done:
+            child = waits.get(task)
+            if child is not None:
+                _say(
+                    f"\n!! {child.name} exited unexpectedly with code {child.returncode}; "
+                    f"last lines of {child.log_path}:\n{tail(child.log_path)}\n"
+                )
+                return 1
+        return 0
+
+    async def shutdown(self) -> None:
+        # Gateway, fleet and worker together, then Temporal, then PostgreSQL.
+        apps = [c for c in self.children if c.name != "temporal"]
+        await asyncio.gather(*(c.stop() for c in apps), return_exceptions=True)
+        if self.client is not None:
+            self.client = None
+        for child in self.children:
+            if child.name == "temporal":
+                await child.stop()
+        if self.cluster is not None:
+            await asyncio.to_thread(self.cluster.stop)
+
+    def kill_all(self) -> None:
+        for child in self.children:
+            child.kill()
+
+
+def _shown(path: Path) -> str:
+    """A path as short as it can be shown: relative to the working directory when inside it."""
+    with contextlib.suppress(ValueError):
+        return str(path.relative_to(Path.cwd()))
+    return str(path)
+
+
+def print_summary(o: StackOptions, tokens: dict[str, str], stack: Stack) -> None:
+    api = o.gateway_url
+    logs = [c.log_path.name for c in stack.children] + ["postgres.log"]
+    pg_url = f"postgresql://gpucloud@127.0.0.1:{o.pg_port}/{DATABASE}"
+    env_lines = [
+        f"export GPUCLOUD_API={api}",
+        f"export ADMIN_TOKEN={tokens['admin_token']}",
+        f"export TENANT_TOKEN={tokens['tenant_token']}",
+    ]
+    _write_private(o.env_file, "\n".join(env_lines) + "\n")
+    agents = "simulated fleet of 5 demo nodes" if o.agents else "no node agents (--no-agents)"
+    _say(
+        f"""
+================================================================================
+ gpucloud embedded stack is up ({agents}, phase delay {o.phase_delay:g}s)
+
+ Temporal Web       {o.ui_url}
+ Temporal gRPC      {o.temporal_address}  (namespace {o.namespace})
+ Gateway            {api}
+ OpenAPI docs       {api}/schema/swagger
+ PostgreSQL         {pg_url}
+ Logs               {_shown(o.logs_dir)}/{{{",".join(logs)}}}
+
+ Admin token        {tokens["admin_token"]}
+ Demo tenant token  {tokens["tenant_token"]}  (project "demo")
+   (kept in {_shown(o.tokens_file)}; `source {_shown(o.env_file)}` exports GPUCLOUD_API,
+    ADMIN_TOKEN and TENANT_TOKEN)
+
+ Try it from another terminal:
+   source {_shown(o.env_file)}
+   curl -s -X POST $GPUCLOUD_API/api/v1/allocations \\
+     -H "Authorization: Bearer $TENANT_TOKEN" -H "X-Idempotency-Key: try-$(date +%s)" \\
+     -H 'Content-Type: application/json' \\
+     -d '{{"sku": "h100.slice", "gpus": 2, "region": "us-east-1", "ssh_key_ids": []}}'
+   curl -s $GPUCLOUD_API/api/v1/allocations -H "Authorization: Bearer $TENANT_TOKEN"
+ The whole tenant flow: README.md, or `.venv/bin/python -m devstack.smoke`.
+
+ Ctrl-C stops everything (PostgreSQL too); state survives restarts.
+================================================================================
+"""
+    )
+
+
+# --- entry point -------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> StackOptions:
+    env = os.environ
+    parser = argparse.ArgumentParser(
+        prog="gpucloud-stack",
+        description="Run the whole embedded stack in the foreground (Ctrl-C stops it).",
+    )
+    add = parser.add_argument
+    add("--check", action="store_true",
+        help="bring the stack up, run the scripted tenant flow over HTTP, stop; exit 0 or 1")
+    add("--no-agents", dest="agents", action="store_false",
+        help="do not start the simulated fleet (host work then times out: a dead-node demo)")
+    add("--phase-delay", type=float, metavar="S",
+        default=float(env.get("GPUCLOUD_SIM_PHASE_DELAY_S", "1") or 1),
+        help="seconds each simulated host phase takes (default: %(default)s)")
+    add("--jitter", type=float, metavar="F",
+        default=float(env.get("GPUCLOUD_SIM_PHASE_JITTER", "0.2") or 0.2),
+        help="random +-fraction applied to each phase delay (default: %(default)s)")
+    add("--gateway-host", default=env.get("GPUCLOUD_GATEWAY_HOST", "127.0.0.1"),
+        help="gateway bind address (default: %(default)s)")
+    add("--gateway-port", type=int, default=int(env.get("GPUCLOUD_GATEWAY_PORT", "8000")),
+        help="gateway port (default: %(default)s)")
+    add("--pg-port", type=int, default=int(env.get("GPUCLOUD_PG_PORT", "55432")),
+        help="PostgreSQL port (default: %(default)s)")
+    add("--temporal-port", type=int, default=int(env.get("GPUCLOUD_TEMPORAL_PORT", "7233")),
+        help="Temporal gRPC port (default: %(default)s)")
+    add("--ui-port", type=int, default=int(env.get("GPUCLOUD_TEMPORAL_UI_PORT", "8233")),
+        help="Temporal Web port (default: %(default)s)")
+    add("--state-dir", type=Path,
+        default=Path(env.get("GPUCLOUD_STATE_DIR", REPO_ROOT / ".state")),
+        help="PostgreSQL data, Temporal history, tokens and logs (default: %(default)s)")
+    add("--reset", action="store_true",
+        help="delete the state directory first: all data, history and tokens")
+    args = parser.parse_args(argv)  # fmt: skip
+    return StackOptions(
+        state_dir=args.state_dir.resolve(),
+        pg_port=args.pg_port,
+        temporal_port=args.temporal_port,
+        ui_port=args.ui_port,
+        gateway_host=args.gateway_host,
+        gateway_port=args.gateway_port,
+        phase_delay=args.phase_delay,
+        jitter=args.jitter,
+        agents=args.agents,
+        check=args.check,
+        reset=args.reset,
+    )
+
+
+def reset_state(o: StackOptions) -> None:
+    if not o.state_dir.exists():
+        return
+    datadir = pg_datadir(o.state_dir)
+    PostgresCluster(datadir, o.pg_port).stop()
+    if datadir != o.state_dir / "pg":
+        shutil.rmtree(datadir, ignore_errors=True)
+    for entry in o.state_dir.iterdir():
+        if entry.name == ".bootstrap.lock":
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    _say(f"reset: removed everything under {o.state_dir}")
+
+
+async def run(o: StackOptions) -> int:
+    stack = Stack(o)
+    loop = asyncio.get_running_loop()
+    signals_seen = 0
+
+    def on_signal(signame: str) -> None:
+        nonlocal signals_seen
+        signals_seen += 1
+        if signals_seen == 1:
+            _say(f"\n{signame}: stopping the stack (again to kill at once)...")
+            stack.stop_requested.set()
+        else:
+            stack.kill_all()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig.name)
+
+    rc = 1
+    try:
+        _say(f"Starting the gpucloud embedded stack (state in {o.state_dir})")
+        tokens = await stack.start()
+        if o.check:
+            from devstack.smoke import run_smoke
+
+            _say("\n--check: running the tenant flow against the gateway")
+            ok = await asyncio.to_thread(
+                run_smoke, o.gateway_probe_url, tokens["tenant_token"], tokens["admin_token"]
+            )
+            rc = 0 if ok else 1
+            dead = [c for c in stack.children if not c.running]
+            for child in dead:
+                _say(f"!! {child.name} exited with code {child.returncode}; see {child.log_path}")
+                rc = 1
+        else:
+            print_summary(o, tokens, stack)
+            rc = await stack.supervise()
+    except StopRequested:
+        rc = 0
+    except StackError as err:
+        _say(f"\n!! {err}")
+        rc = 1
+    except Exception as err:
+        _say(f"\n!! the stack failed to start: {type(err).__name__}: {err}")
+        rc = 1
+    finally:
+        _say("Stopping: gateway, fleet, worker, Temporal, PostgreSQL ...")
+        await stack.shutdown()
+        _say("Stopped.")
+    return rc
+
+
+def main(argv: list[str] | None = None) -> int:
+    o = parse_args(argv)
+    if o.reset:
+        reset_state(o)
+    o.state_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        temporal_cli_path(build=False)
+    except RuntimeError as err:
+        print(f"!! {err}", file=sys.stderr)
+        return 1
+    return asyncio.run(run(o))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,519 @@
+"""Allocation use cases behind the tenant and admin controllers.
+
+Creation is update-with-start on `allocation-{id}`: the workflow's first activity places and
+reserves, and the `reserve` update hands the reservation (or a typed rejection) back to the HTTP
+call. Release is the `request_release` update. The gateway reads the `allocations` read model and
+never writes it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import select, tuple_
+from sqlalchemy.ext.asyncio import AsyncSession
+from temporalio.client import (
+    Client,
+    WithStartWorkflowOperation,
+    WorkflowHandle,
+    WorkflowUpdateFailedError,
+)
+from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
+from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
+from temporalio.service import RPCError, RPCStatusCode
+
+from activities.allocation_types import Reservation
+from core.config import Settings
+from gateway.errors import ApiError, Conflict, InvalidRequest, NotFound, Unprocessable
+from gateway.pagination import decode_cursor, encode_cursor
+from gateway.schemas import (
+    AllocationCreate,
+    AllocationCreated,
+    AllocationDetail,
+    AllocationList,
+    AllocationSummary,
+    ReleaseResponse,
+)
+from gateway.temporal import TemporalOps
+from schema.models import Allocation, SshKey
+from schema.states import AllocationStatus, ReleaseActor
+from workflows.allocation_contract import (
+    IDEMPOTENCY_KEY_REUSED,
+    NOT_RELEASABLE,
+    RELEASE_UPDATE,
+    RESERVE_UPDATE,
+    SKU_UNAVAILABLE,
+    SSH_KEY_NOT_FOUND,
+    WORKFLOW_NAME,
+    AllocationInput,
+    AllocationPolicy,
+    AllocationResult,
+    ReleaseAccepted,
+    ReleaseRequest,
+    allocation_workflow_id,
+)
+
+# Fixed forever: allocation ids derived from idempotency keys must not change between releases.
+ALLOCATION_ID_NAMESPACE = uuid.UUID("6f3c1f0e-5b7a-4d0c-9a61-2f8e9d4b7c15")
+IDEMPOTENCY_HEADER = "X-Idempotency-Key"
+MAX_IDEMPOTENCY_KEY_CHARS = 200
+
+_REJECTIONS: dict[str, tuple[int, str]] = {
+    SKU_UNAVAILABLE: (409, "no capacity for this SKU in this region right now"),
+    SSH_KEY_NOT_FOUND: (422, "an SSH key in the request does not belong to this project"),
+    IDEMPOTENCY_KEY_REUSED: (
+        422,
+        "this X-Idempotency-Key was already used with a different request body",
+    ),
+}
+
+
+# --- pure helpers ---
+
+
+def validate_idempotency_key(value: str | None) -> str | None:
+    if value is None:
+        return None
+    if not 1 <= len(value) <= MAX_IDEMPOTENCY_KEY_CHARS or not all(
+        "\x20" <= ch <= "\x7e" for ch in value
+    ):
+        raise InvalidRequest(
+            f"{IDEMPOTENCY_HEADER} must be 1 to {MAX_IDEMPOTENCY_KEY_CHARS} printable ASCII "
+            "characters",
+            details={"header": IDEMPOTENCY_HEADER},
+        )
+    return value
+
+
+def allocation_id_for(project_id: uuid.UUID, idempotency_key: str | None) -> uuid.UUID:
+    if idempotency_key is None:
+        return uuid.uuid4()
+    return uuid.uuid5(ALLOCATION_ID_NAMESPACE, f"{project_id}:{idempotency_key}")
+
+
+def unique_ids(ids: Sequence[uuid.UUID]) -> list[uuid.UUID]:
+    return list(dict.fromkeys(ids))
+
+
+def request_fingerprint(body: AllocationCreate) -> str:
+    """sha256 of the canonical JSON of the validated body (sorted keys; key ids sorted, since
+    their order means nothing)."""
+    canonical = {
+        "gpus": body.gpus,
+        "region": body.region,
+        "sku": body.sku,
+        "ssh_key_ids": sorted(str(k) for k in unique_ids(body.ssh_key_ids)),
+    }
+    encoded = json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(encoded).hexdigest()
+
+
+def policy_from(settings: Settings) -> AllocationPolicy:
+    return AllocationPolicy(
+        node_schedule_to_start_seconds=settings.node_schedule_to_start_seconds,
+        host_provision_timeout_seconds=settings.host_provision_timeout_seconds,
+        host_heartbeat_timeout_seconds=settings.host_heartbeat_timeout_seconds,
+        release_max_attempts=settings.release_max_attempts,
+        release_retry_initial_seconds=settings.release_retry_initial_seconds,
+        lease_conflict_max_attempts=settings.lease_conflict_max_attempts,
+    )
+
+
+def rejection(error_type: str | None, message: str | None = None) -> ApiError:
+    if error_type in _REJECTIONS:
+        status, default = _REJECTIONS[error_type]
+        return ApiError(message or default, code=error_type, status_code=status)
+    return ApiError(
+        "the allocation workflow refused the request unexpectedly",
+        code="workflow_error",
+        status_code=502,
+        details={"type": error_type or "unknown"},
+    )
+
+
+def _parse_time(value: str) -> dt.datetime | None:
+    try:
+        return dt.datetime.fromisoformat(value) if value else None
+    except ValueError:
+        return None
+
+
+def created_from_reservation(reservation: Reservation) -> AllocationCreated:
+    return AllocationCreated(
+        allocation_id=uuid.UUID(reservation.allocation_id),
+        status=reservation.status or AllocationStatus.REQUESTED.value,
+        node_id=uuid.UUID(reservation.node_id),
+        shape=reservation.shape,
+        sku=reservation.sku,
+        region=reservation.region,
+        gpu_count=reservation.gpu_count,
+        created_at=_parse_time(reservation.created_at),
+    )
+
+
+def created_from_row(row: Allocation) -> AllocationCreated:
+    """The same answer the reservation gave (status `requested`): a retry with the same key gets
+    the same answer; GET /allocations/{id} shows where the allocation is now."""
+    return AllocationCreated(
+        allocation_id=row.id,
+        status=AllocationStatus.REQUESTED.value,
+        node_id=row.node_id,
+        shape=row.shape,
+        sku=row.sku,
+        region=row.region,
+        gpu_count=row.gpu_count,
+        created_at=row.created_at,
+    )
+
+
+def summary(row: Allocation) -> AllocationSummary:
+    return AllocationSummary(
+        allocation_id=row.id,
+        project_id=row.project_id,
+        status=row.status,
+        sku=row.sku,
+        region=row.region,
+        shape=row.shape,
+        gpu_count=row.gpu_count,
+        node_id=row.node_id,
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+    )
+
+
+def detail(row: Allocation) -> AllocationDetail:
+    return AllocationDetail(
+        allocation_id=row.id,
+        project_id=row.project_id,
+        status=row.status,
+        sku=row.sku,
+        region=row.region,
+        shape=row.shape,
+        gpu_count=row.gpu_count,
+        node_id=row.node_id,
+        ssh_key_ids=list(row.ssh_key_ids or []),
+        idempotency_key=row.idempotency_key,
+        workflow_id=row.workflow_id,
+        failure_reason=row.failure_reason,
+        failure_message=row.failure_message,
+        connect_host=row.connect_host,
+        hard_stopped=row.hard_stopped,
+        release_requested_by=row.release_requested_by,
+        release_attempts=row.release_attempts,
+        created_at=row.created_at,
+        provisioning_started_at=row.provisioning_started_at,
+        active_at=row.active_at,
+        releasing_at=row.releasing_at,
+        released_at=row.released_at,
+        release_failed_at=row.release_failed_at,
+        failed_at=row.failed_at,
+        updated_at=row.updated_at,
+    )
+
+
+def _same_request(row: Allocation, body: AllocationCreate) -> bool:
+    return (
+        row.sku == body.sku
+        and row.region == body.region
+        and row.gpu_count == body.gpus
+        and set(row.ssh_key_ids or []) == set(body.ssh_key_ids)
+    )
+
+
+# --- reads ---
+
+
+async def get_row(
+    db: AsyncSession, allocation_id: uuid.UUID, project_id: uuid.UUID | None
+) -> Allocation:
+    """The allocation, scoped to a project for tenants: another project's id is a 404 exactly
+    like an id that does not exist."""
+    query = select(Allocation).where(Allocation.id == allocation_id)
+    if project_id is not None:
+        query = query.where(Allocation.project_id == project_id)
+    row = await db.scalar(query)
+    if row is None:
+        raise NotFound("allocation not found")
+    return row
+
+
+def parse_status(status: str | None) -> str | None:
+    if status is None:
+        return None
+    if status not in {s.value for s in AllocationStatus}:
+        raise InvalidRequest(
+            "unknown allocation status",
+            details={"parameter": "status", "allowed": [s.value for s in AllocationStatus]},
+        )
+    return status
+
+
+async def list_rows(
+    db: AsyncSession,
+    *,
+    project_id: uuid.UUID | None,
+    status: str | None,
+    limit: int,
+    cursor: str | None,
+) -> AllocationList:
+    query = select(Allocation)
+    if project_id is not None:
+        query = query.where(Allocation.project_id == project_id)
+    if status is not None:
+        query = query.where(Allocation.status == parse_status(status))
+    if cursor:
+        created_at, row_id = decode_cursor(cursor)
+        query = query.where(tuple_(Allocation.created_at, Allocation.id) < (created_at, row_id))
+    query = query.order_by(Allocation.created_at.desc(), Allocation.id.desc()).limit(limit + 1)
+    rows = list((await db.scalars(query)).all())
+    next_cursor = None
+    if len(rows) > limit:
+        rows = rows[:limit]
+        next_cursor = encode_cursor(rows[-1].created_at, rows[-1].id)
+    return AllocationList(items=[summary(r) for r in rows], next_cursor=next_cursor)
+
+
+# --- create ---
+
+
+@dataclass(frozen=True)
+class CreateOutcome:
+    allocation: AllocationCreated
+    replayed: bool
+
+
+async def create(
+    db: AsyncSession,
+    temporal: TemporalOps,
+    settings: Settings,
+    *,
+    project_id: uuid.UUID,
+    body: AllocationCreate,
+    idempotency_key: str | None,
+) -> CreateOutcome:
+    key = validate_idempotency_key(idempotency_key)
+    ssh_key_ids = unique_ids(body.ssh_key_ids)
+    if ssh_key_ids:
+        owned = set(
+            (
+                await db.scalars(
+                    select(SshKey.id).where(
+                        SshKey.project_id == project_id, SshKey.id.in_(ssh_key_ids)
+                    )
+                )
+            ).all()
+        )
+        missing = [str(k) for k in ssh_key_ids if k not in owned]
+        if missing:
+            raise Unprocessable(
+                "an SSH key in the request does not belong to this project",
+                code=SSH_KEY_NOT_FOUND,
+                details={"ssh_key_ids": missing},
+            )
+
+    allocation_id = allocation_id_for(project_id, key)
+    fingerprint = request_fingerprint(body)
+    if key is not None:
+        existing = await db.scalar(
+            select(Allocation).where(
+                Allocation.project_id == project_id, Allocation.idempotency_key == key
+            )
+        )
+        if existing is not None:
+            if not _same_request(existing, body):
+                raise rejection(IDEMPOTENCY_KEY_REUSED)
+            return CreateOutcome(created_from_row(existing), replayed=True)
+    # Never hold a database connection across a Temporal call (close keeps loaded rows).
+    await db.close()
+
+    workflow_id = allocation_workflow_id(str(allocation_id))
+    workflow_input = AllocationInput(
+        allocation_id=str(allocation_id),
+        project_id=str(project_id),
+        sku=body.sku,
+        gpus=body.gpus,
+        region=body.region,
+        ssh_key_ids=[str(k) for k in ssh_key_ids],
+        idempotency_key=key,
+        request_fingerprint=fingerprint,
+        policy=policy_from(settings),
+    )
+
+    start: WithStartWorkflowOperation[Any, Any] = WithStartWorkflowOperation(
+        WORKFLOW_NAME,
+        workflow_input,
+        id=workflow_id,
+        id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+        id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+        task_queue=settings.control_plane_task_queue,
+        result_type=AllocationResult,
+    )
+
+    async def reserve(client: Client) -> Reservation:
+        reservation: Reservation = await client.execute_update_with_start_workflow(
+            RESERVE_UPDATE,
+            fingerprint,
+            start_workflow_operation=start,
+            result_type=Reservation,
+            rpc_timeout=temporal.rpc_timeout,
+        )
+        return reservation
+
+    try:
+        reservation = await temporal.update(reserve)
+    except WorkflowUpdateFailedError as err:
+        cause = err.cause
+        if isinstance(cause, ApplicationError):
+            raise rejection(cause.type, cause.message) from None
+        raise
+    except WorkflowAlreadyStartedError:
+        # The workflow for this key has already closed: answer what it answered.
+        return await _answer_closed(db, temporal, allocation_id, project_id, body)
+    finally:
+        _retrieve_start_error(start)
+    return CreateOutcome(created_from_reservation(reservation), replayed=False)
+
+
+def _retrieve_start_error(start: WithStartWorkflowOperation[Any, Any]) -> None:
+    """The SDK also parks a failed start's error in the operation's handle future; read it so
+    asyncio does not report it as never retrieved (there is no public non-blocking accessor)."""
+    future = start._workflow_handle
+    if future.done() and not future.cancelled():
+        future.exception()
+
+
+async def _answer_closed(
+    db: AsyncSession,
+    temporal: TemporalOps,
+    allocation_id: uuid.UUID,
+    project_id: uuid.UUID,
+    body: AllocationCreate,
+) -> CreateOutcome:
+    row = await db.scalar(
+        select(Allocation).where(
+            Allocation.id == allocation_id, Allocation.project_id == project_id
+        )
+    )
+    await db.close()
+    if row is not None:
+        if not _same_request(row, body):
+            raise rejection(IDEMPOTENCY_KEY_REUSED)
+        return CreateOutcome(created_from_row(row), replayed=True)
+    workflow_id = allocation_workflow_id(str(allocation_id))
+
+    outcome = await temporal.read(lambda client: _result(client, workflow_id, temporal))
+    if outcome.status == "rejected":
+        raise rejection(outcome.reason)
+    raise ApiError(
+        "the allocation for this idempotency key has ended",
+        code="allocation_closed",
+        status_code=409,
+        details={"allocation_id": str(allocation_id), "status": outcome.status},
+    )
+
+
+def _handle(client: Client, workflow_id: str) -> WorkflowHandle[Any, AllocationResult]:
+    return client.get_workflow_handle(workflow_id, result_type=AllocationResult)
+
+
+async def _result(client: Client, workflow_id: str, temporal: TemporalOps) -> AllocationResult:
+    """The result of a closed allocation workflow."""
+    outcome: AllocationResult = await _handle(client, workflow_id).result(
+        follow_runs=False, rpc_timeout=temporal.read_timeout
+    )
+    return outcome
+
+
+# --- release ---
+
+
+async def release(
+    db: AsyncSession,
+    temporal: TemporalOps,
+    *,
+    allocation_id: uuid.UUID,
+    project_id: uuid.UUID | None,
+    request: ReleaseRequest,
+) -> tuple[ReleaseResponse, str, str]:
+    """Ask the workflow to release. Returns the answer, the status the read model showed before
+    and the workflow id (for audit)."""
+    row = await get_row(db, allocation_id, project_id)
+    prior, workflow_id = row.status, row.workflow_id
+    await db.close()
+
+    async def update(client: Client) -> ReleaseAccepted:
+        accepted: ReleaseAccepted = await _handle(client, workflow_id).execute_update(
+            RELEASE_UPDATE, request, result_type=ReleaseAccepted, rpc_timeout=temporal.rpc_timeout
+        )
+        return accepted
+
+    try:
+        accepted = await temporal.update(update)
+    except WorkflowUpdateFailedError as err:
+        cause = err.cause
+        if isinstance(cause, ApplicationError) and cause.type == NOT_RELEASABLE:
+            raise Conflict(
+                "this allocation cannot be released",
+                code=NOT_RELEASABLE,
+                details={"status": prior},
+            ) from None
+        raise
+    except RPCError as err:
+        if err.status != RPCStatusCode.NOT_FOUND:
+            raise
+
+        # The workflow has completed: released is released (idempotent); anything else is not
+        # releasable.
+        try:
+            outcome = await temporal.read(lambda client: _result(client, workflow_id, temporal))
+        except Exception as closed_err:
+            if isinstance(closed_err, ApiError):
+                raise
+            raise Conflict(
+                "this allocation cannot be released",
+                code=NOT_RELEASABLE,
+                details={"status": prior},
+            ) from None
+        if outcome.status == AllocationStatus.RELEASED:
+            released = AllocationStatus.RELEASED.value
+            return (
+                ReleaseResponse(
+                    allocation_id=allocation_id,
+                    status=released,
+                    prior_status=released,
+                    expected_status=released,
+                    release_pending=False,
+                ),
+                prior,
+                workflow_id,
+            )
+        raise Conflict(
+            "this allocation cannot be released",
+            code=NOT_RELEASABLE,
+            details={"status": outcome.status},
+        ) from None
+    return (
+        ReleaseResponse(
+            allocation_id=allocation_id,
+            status=accepted.expected_status,
+            prior_status=accepted.prior_status,
+            expected_status=accepted.expected_status,
+            release_pending=accepted.release_pending,
+        ),
+        prior,
+        workflow_id,
+    )
+
+
+def user_release() -> ReleaseRequest:
+    return ReleaseRequest(actor=ReleaseActor.USER.value)
+
+
+def admin_force_release(reason: str) -> ReleaseRequest:
+    return ReleaseRequest(actor=ReleaseActor.ADMIN.value, reason=reason, force=True)

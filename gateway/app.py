@@ -1,0 +1,134 @@
+"""The Litestar application factory.
+
+The app starts even when PostgreSQL or Temporal are down: the engine connects on first use and
+the Temporal client is lazy. Requests that need them then answer 503 `database_unavailable` or
+`temporal_unavailable` promptly.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from litestar import Litestar
+from litestar.config.cors import CORSConfig
+from litestar.di import Provide
+from litestar.openapi.config import OpenAPIConfig
+from litestar.openapi.plugins import JsonRenderPlugin, SwaggerRenderPlugin
+from litestar.openapi.spec import Components, SecurityScheme
+from temporalio.client import Client
+
+from core.config import Settings
+from core.temporal import connect
+from gateway.auth import provide_principal
+from gateway.config import GatewayConfig
+from gateway.controllers.admin import (
+    AdminAllocationsController,
+    AdminAuditController,
+    AdminProjectsController,
+    AdminTokensController,
+)
+from gateway.controllers.allocations import AllocationsController
+from gateway.controllers.codec import CodecController
+from gateway.controllers.health import HealthController
+from gateway.controllers.ssh_keys import SshKeysController
+from gateway.errors import exception_handler
+from gateway.runtime import STATE_KEY, Runtime, provide_db, provide_runtime, provide_temporal
+from gateway.temporal import TemporalOps
+from schema.db import create_engine, session_factory
+
+log = logging.getLogger("gateway")
+
+API_VERSION = "1.0.0"
+
+
+def _cors(config: GatewayConfig) -> CORSConfig:
+    """Temporal Web (another origin) calls the codec endpoint with credentials: allow exactly its
+    origin, the headers it sends, and cookies."""
+    return CORSConfig(
+        allow_origins=[config.temporal_ui_origin],
+        allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
+        allow_headers=["authorization", "content-type", "x-namespace"],
+        allow_credentials=True,
+        max_age=600,
+    )
+
+
+def _openapi() -> OpenAPIConfig:
+    return OpenAPIConfig(
+        title="gpucloud control plane API",
+        version=API_VERSION,
+        path="/schema",
+        render_plugins=[SwaggerRenderPlugin(path="/swagger"), JsonRenderPlugin()],
+        components=Components(
+            security_schemes={
+                "bearer": SecurityScheme(
+                    type="http", scheme="bearer", description="gpc_... API token"
+                )
+            }
+        ),
+        security=[{"bearer": []}],
+    )
+
+
+def create_app(
+    settings: Settings,
+    *,
+    temporal_client: Client | None = None,
+    config: GatewayConfig | None = None,
+) -> Litestar:
+    gateway_config = config or GatewayConfig.from_env()
+
+    @asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        engine = create_engine(
+            settings.database_url,
+            connect_timeout_seconds=settings.database_connect_timeout_seconds,
+        )
+        client = temporal_client
+        if client is None:
+            try:
+                client = await connect(
+                    settings, lazy=True, identity=f"gpucloud-gateway@{socket.gethostname()}"
+                )
+            except Exception as err:  # an unusable address: serve 503s, do not refuse to start
+                log.warning("Temporal client not created (%s); answering 503", type(err).__name__)
+                client = None
+        app.state[STATE_KEY] = Runtime(
+            settings=settings,
+            config=gateway_config,
+            engine=engine,
+            sessions=session_factory(engine),
+            temporal=TemporalOps(client, settings),
+        )
+        try:
+            yield
+        finally:
+            await engine.dispose()
+
+    return Litestar(
+        route_handlers=[
+            HealthController,
+            AdminProjectsController,
+            AdminTokensController,
+            AdminAuditController,
+            AdminAllocationsController,
+            SshKeysController,
+            AllocationsController,
+            CodecController,
+        ],
+        dependencies={
+            "db": Provide(provide_db),
+            "runtime": Provide(provide_runtime),
+            "temporal": Provide(provide_temporal),
+            "principal": Provide(provide_principal),
+        },
+        exception_handlers={Exception: exception_handler},
+        lifespan=[lifespan],
+        request_max_body_size=settings.max_request_body_bytes,
+        cors_config=_cors(gateway_config),
+        openapi_config=_openapi(),
+        debug=False,
+    )

@@ -1,0 +1,122 @@
+"""Bearer-token authentication and role guards.
+
+The token row is looked up on every request, so revocation is immediate. Guards run before the
+body is read: an unauthenticated caller learns nothing about validation. A tenant asking for
+another project's resource gets the same 404 as for an id that does not exist (handlers filter
+by project), and admins use the admin routes (tenant routes answer them 403 tenant_only).
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from litestar import Request
+from litestar.connection import ASGIConnection
+from litestar.handlers.base import BaseRouteHandler
+from sqlalchemy import select
+
+from gateway import codec_session, tokens
+from gateway.errors import ApiError, Forbidden, Unauthenticated
+from gateway.runtime import get_runtime
+from schema.models import ApiToken
+from schema.states import TokenRole
+
+_PRINCIPAL_KEY = "principal"
+
+
+@dataclass(frozen=True)
+class Principal:
+    token_id: uuid.UUID
+    name: str
+    role: str
+    project_id: uuid.UUID | None
+
+    @property
+    def is_admin(self) -> bool:
+        return self.role == TokenRole.ADMIN
+
+    @property
+    def project(self) -> uuid.UUID:
+        """The tenant's project (tenant routes only ever see tenant principals)."""
+        if self.project_id is None:
+            raise Forbidden("this token is not bound to a project", code="tenant_only")
+        return self.project_id
+
+
+Connection = ASGIConnection[Any, Any, Any, Any]
+
+
+def _bearer(connection: Connection) -> str:
+    header = connection.headers.get("authorization")
+    if not header:
+        raise Unauthenticated("missing bearer token")
+    scheme, _, token = header.strip().partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        raise Unauthenticated("the Authorization header must be 'Bearer <token>'")
+    if not tokens.looks_like_token(token):
+        raise Unauthenticated("invalid or revoked token")
+    return token
+
+
+async def _load(connection: Connection, **where: Any) -> Principal:
+    sessions = get_runtime(connection.app.state).sessions
+    async with sessions() as session:
+        row = await session.scalar(select(ApiToken).filter_by(**where))
+    if row is None or row.revoked_at is not None:
+        raise Unauthenticated("invalid or revoked token")
+    return Principal(token_id=row.id, name=row.name, role=row.role, project_id=row.project_id)
+
+
+async def authenticate(connection: Connection) -> Principal:
+    token = _bearer(connection)
+    return await _load(connection, token_sha256=tokens.hash_token(token))
+
+
+def _remember(connection: Connection, principal: Principal) -> None:
+    connection.state[_PRINCIPAL_KEY] = principal
+
+
+async def admin_guard(connection: Connection, _: BaseRouteHandler) -> None:
+    principal = await authenticate(connection)
+    if not principal.is_admin:
+        raise Forbidden("this route needs an admin token")
+    _remember(connection, principal)
+
+
+async def tenant_guard(connection: Connection, _: BaseRouteHandler) -> None:
+    principal = await authenticate(connection)
+    if principal.is_admin:
+        raise ApiError(
+            "tenant routes act for a project; admins use /api/v1/admin/...",
+            code="tenant_only",
+            status_code=403,
+        )
+    _remember(connection, principal)
+
+
+async def codec_guard(connection: Connection, _: BaseRouteHandler) -> None:
+    """Admin by bearer token, or by the codec session cookie (Temporal Web in a browser)."""
+    if connection.headers.get("authorization"):
+        principal = await authenticate(connection)
+    else:
+        cookie = connection.cookies.get(codec_session.COOKIE_NAME)
+        if not cookie:
+            raise Unauthenticated("a bearer token or a codec session cookie is required")
+        key = codec_session.signing_key(get_runtime(connection.app.state).settings.codec_key)
+        token_id = codec_session.verify(key, cookie)
+        if token_id is None:
+            raise Unauthenticated("the codec session has expired or is invalid")
+        principal = await _load(connection, id=token_id)
+    if not principal.is_admin:
+        raise Forbidden("the codec endpoint needs an admin token")
+    _remember(connection, principal)
+
+
+async def provide_principal(request: Request[Any, Any, Any]) -> Principal:
+    principal = request.state.get(_PRINCIPAL_KEY)
+    if not isinstance(principal, Principal):  # a route without a guard asked for one
+        raise Unauthenticated()
+    return principal

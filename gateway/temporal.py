@@ -1,0 +1,82 @@
+"""Every Temporal call the gateway makes goes through TemporalOps, which bounds it in time and
+turns "Temporal is not answering" into TemporalUnavailable (503 temporal_unavailable).
+
+The SDK retries UNAVAILABLE for ~10 s on its own, and update-with-start loops until a worker
+accepts the update; an outer deadline keeps the HTTP answer prompt. Answers from Temporal that
+mean "no" (update failed, workflow already started, not found) pass through unchanged for the
+caller to map.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+from typing import TypeVar
+
+from temporalio.client import Client, WorkflowUpdateRPCTimeoutOrCancelledError
+
+from core.config import Settings
+from gateway.errors import TemporalUnavailable, is_temporal_unavailable
+
+T = TypeVar("T")
+
+# Reads (describe, health, result of a closed workflow) answer within this, whatever the
+# configured RPC timeout: a read is never worth a long wait.
+READ_DEADLINE_SECONDS = 5.0
+HEALTH_DEADLINE_SECONDS = 2.0
+
+
+class TemporalOps:
+    def __init__(self, client: Client | None, settings: Settings) -> None:
+        self._client = client
+        self._rpc_seconds = settings.temporal_rpc_timeout_seconds
+
+    @property
+    def client(self) -> Client:
+        if self._client is None:
+            raise TemporalUnavailable("the gateway has no Temporal client")
+        return self._client
+
+    @property
+    def rpc_timeout(self) -> timedelta:
+        return timedelta(seconds=self._rpc_seconds)
+
+    @property
+    def read_timeout(self) -> timedelta:
+        return timedelta(seconds=min(self._rpc_seconds, READ_DEADLINE_SECONDS))
+
+    async def _bounded(self, call: Callable[[Client], Awaitable[T]], seconds: float) -> T:
+        client = self.client
+        try:
+            return await asyncio.wait_for(call(client), timeout=seconds)
+        except (TimeoutError, WorkflowUpdateRPCTimeoutOrCancelledError) as err:
+            # Also what the SDK raises when our deadline cancels an update call.
+            raise TemporalUnavailable(
+                "Temporal did not answer in time; retry (with the same X-Idempotency-Key)"
+            ) from err
+        except Exception as err:
+            if isinstance(err, OSError) or is_temporal_unavailable(err):
+                raise TemporalUnavailable() from err
+            raise
+
+    async def read(self, call: Callable[[Client], Awaitable[T]]) -> T:
+        """A quick call: describe, query, result of a closed workflow."""
+        return await self._bounded(call, self.read_timeout.total_seconds())
+
+    async def update(self, call: Callable[[Client], Awaitable[T]]) -> T:
+        """A call that waits on a workflow (update, update-with-start). A cheap health check
+        first, so a Temporal that went away answers 503 at once rather than after the SDK's
+        own retries."""
+        await self.check_health()
+        # A little beyond the RPC timeout so the SDK's own deadline fires first when it can.
+        return await self._bounded(call, self._rpc_seconds + 0.5)
+
+    async def check_health(self) -> None:
+        seconds = min(self._rpc_seconds, HEALTH_DEADLINE_SECONDS)
+
+        async def check(client: Client) -> bool:
+            return await client.service_client.check_health(timeout=timedelta(seconds=seconds))
+
+        if not await self._bounded(check, seconds + 0.5):
+            raise TemporalUnavailable("Temporal reports its workflow service is not serving")

@@ -1,0 +1,231 @@
+"""The allocation task timeline (seed 002): lifecycle events merged with node tasks, in time order.
+
+Lifecycle items come from `allocation_events`; node-task items from `node_tasks` with their
+phases from `node_task_events`. A task still queued or dispatched may not have written phases
+yet, so its live phases are read from the heartbeat of the pending activity on the allocation
+workflow; when Temporal cannot be asked, the database part is still answered.
+
+Sanitising is by allow-list: only the fields and detail keys named here ever leave, so SSH keys,
+secrets, signatures and cloud-init content cannot, whatever an activity stored.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+from temporalio.api.common.v1 import Payload
+from temporalio.client import Client, WorkflowExecutionDescription
+from temporalio.service import RPCError
+
+from agent.contract import TASK_SUMMARIES, HostPhase
+from gateway.allocations import get_row
+from gateway.errors import TemporalUnavailable
+from gateway.schemas import (
+    Timeline,
+    TimelineItem,
+    TimelinePhase,
+    TimelineStateItem,
+    TimelineTaskItem,
+)
+from gateway.temporal import TemporalOps
+from schema.models import Allocation, AllocationEvent, NodeTask, NodeTaskEvent
+from schema.states import AllocationStatus, NodeTaskStatus
+
+log = logging.getLogger("gateway.timeline")
+
+# Scalar detail keys that may be shown; everything else in `details` / `output` is dropped.
+EVENT_DETAIL_KEYS = frozenset(
+    {"node_id", "shape", "gpu_count", "attempt", "attempts", "hard_stopped", "force", "task_kind"}
+)
+TASK_OUTPUT_KEYS = frozenset(
+    {"adopted_existing", "hard_stopped", "wiped", "released", "leases_released"}
+)
+_MAX_TEXT = 500
+
+_TASK_STATUS = {
+    NodeTaskStatus.QUEUED: "queued",
+    NodeTaskStatus.DISPATCHED: "running",
+    NodeTaskStatus.COMPLETED: "succeeded",
+    NodeTaskStatus.FAILED: "failed",
+}
+_LIVE = frozenset({NodeTaskStatus.QUEUED, NodeTaskStatus.DISPATCHED})
+_FAILED_STATES = frozenset({AllocationStatus.FAILED, AllocationStatus.RELEASE_FAILED})
+
+
+def _text(value: str | None) -> str | None:
+    if value is None:
+        return None
+    return value[:_MAX_TEXT]
+
+
+def _allowed(source: Mapping[str, Any] | None, keys: frozenset[str]) -> dict[str, Any] | None:
+    if not source:
+        return None
+    kept = {
+        k: v
+        for k, v in source.items()
+        if k in keys and (v is None or isinstance(v, bool | int | float | str))
+    }
+    return {k: (v[:200] if isinstance(v, str) else v) for k, v in kept.items()} or None
+
+
+def _parse_at(value: str) -> dt.datetime | None:
+    try:
+        parsed = dt.datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)
+
+
+def event_item(event: AllocationEvent) -> TimelineStateItem:
+    failed = event.to_status in _FAILED_STATES
+    return TimelineStateItem(
+        name=event.event,
+        status="failed" if failed else "succeeded",
+        started_at=event.occurred_at,
+        state=event.to_status,
+        reason=_text(event.reason),
+        actor=event.actor,
+        details=_allowed(event.details, EVENT_DETAIL_KEYS),
+    )
+
+
+def task_item(
+    task: NodeTask, phases: Sequence[NodeTaskEvent], now: dt.datetime
+) -> TimelineTaskItem:
+    started = task.dispatched_at or task.created_at
+    end = task.completed_at or (None if task.status not in _LIVE else now)
+    duration = None if end is None else max(0.0, (end - started).total_seconds())
+    status = _TASK_STATUS.get(NodeTaskStatus(task.status), task.status)
+    return TimelineTaskItem(
+        name=task.kind,
+        status=status,
+        task_id=task.id,
+        started_at=started,
+        completed_at=task.completed_at,
+        duration_seconds=None if duration is None else round(duration, 3),
+        summary=TASK_SUMMARIES.get(task.kind),
+        attempts=task.attempts,
+        phases=[
+            TimelinePhase(
+                phase=p.phase, status=p.status, at=p.occurred_at, message=_text(p.message)
+            )
+            for p in phases
+        ],
+        phases_source="database",
+        error_type=task.error_type if task.status == NodeTaskStatus.FAILED else None,
+        details=_allowed(task.output, TASK_OUTPUT_KEYS),
+    )
+
+
+async def _decode_phases(client: Client, payloads: Sequence[Payload]) -> list[TimelinePhase] | None:
+    """The first heartbeat detail as list[HostPhase], or None if it is something else."""
+    if not payloads:
+        return None
+    try:
+        decoded = await client.data_converter.decode([payloads[0]], [list[HostPhase]])
+    except Exception:  # a detail of another shape: not a phase list
+        return None
+    value = decoded[0] if decoded else None
+    if not isinstance(value, list) or not all(isinstance(p, HostPhase) for p in value):
+        return None
+    return [
+        TimelinePhase(phase=p.phase, status=p.status, at=_parse_at(p.at), message=_text(p.message))
+        for p in value
+    ]
+
+
+async def live_phases(
+    temporal: TemporalOps, workflow_id: str, task_kinds: set[str]
+) -> dict[str, list[TimelinePhase]]:
+    """Phases heartbeated by the allocation workflow's pending host activities, by task kind."""
+
+    async def describe(client: Client) -> WorkflowExecutionDescription:
+        handle = client.get_workflow_handle(workflow_id)
+        return await handle.describe(rpc_timeout=temporal.read_timeout)
+
+    description = await temporal.read(describe)
+    found: dict[str, list[TimelinePhase]] = {}
+    for pending in description.raw_description.pending_activities:
+        kind = pending.activity_type.name
+        if kind not in task_kinds or not pending.HasField("heartbeat_details"):
+            continue
+        phases = await _decode_phases(temporal.client, pending.heartbeat_details.payloads)
+        if phases is not None:
+            found[kind] = phases
+    return found
+
+
+async def build(
+    db: AsyncSession,
+    temporal: TemporalOps,
+    *,
+    allocation_id: uuid.UUID,
+    project_id: uuid.UUID | None,
+) -> Timeline:
+    row: Allocation = await get_row(db, allocation_id, project_id)
+    events = (
+        await db.scalars(
+            select(AllocationEvent)
+            .where(AllocationEvent.allocation_id == allocation_id)
+            .order_by(AllocationEvent.occurred_at, AllocationEvent.id)
+        )
+    ).all()
+    tasks = (
+        await db.scalars(
+            select(NodeTask)
+            .where(NodeTask.allocation_id == allocation_id)
+            .order_by(NodeTask.created_at, NodeTask.id)
+        )
+    ).all()
+    phase_rows = (
+        (
+            await db.scalars(
+                select(NodeTaskEvent)
+                .where(NodeTaskEvent.node_task_id.in_([t.id for t in tasks]))
+                .order_by(NodeTaskEvent.occurred_at, NodeTaskEvent.id)
+            )
+        ).all()
+        if tasks
+        else []
+    )
+    status, workflow_id = row.status, row.workflow_id
+    now = dt.datetime.now(dt.UTC)
+    await db.close()  # nothing of the database is held while Temporal is asked
+
+    by_task: dict[uuid.UUID, list[NodeTaskEvent]] = {}
+    for p in phase_rows:
+        by_task.setdefault(p.node_task_id, []).append(p)
+
+    items: list[TimelineItem] = [event_item(e) for e in events]
+    task_items = [task_item(t, by_task.get(t.id, []), now) for t in tasks]
+    warnings: list[str] = []
+    live = [t for t in tasks if t.status in _LIVE]
+    if live:
+        try:
+            heartbeats = await live_phases(temporal, workflow_id, {t.kind for t in live})
+        except TemporalUnavailable:
+            warnings.append("live_phases_unavailable")
+        except RPCError as err:  # e.g. the workflow is gone from Temporal's retention
+            log.info("no live phases for %s: %s", workflow_id, err.status)
+            warnings.append("live_phases_unavailable")
+        else:
+            # The newest live task of a kind is the one the pending activity runs.
+            latest: dict[str, TimelineTaskItem] = {}
+            for task, item in zip(tasks, task_items, strict=True):
+                if task.status in _LIVE:
+                    latest[task.kind] = item
+            for kind, item in latest.items():
+                if kind in heartbeats and len(heartbeats[kind]) >= len(item.phases):
+                    item.phases = heartbeats[kind]
+                    item.phases_source = "temporal"
+    items.extend(task_items)
+    # Time order; at the same instant the lifecycle event comes before the task it started.
+    items.sort(key=lambda i: (i.started_at, isinstance(i, TimelineTaskItem)))
+    return Timeline(allocation_id=allocation_id, status=status, items=items, warnings=warnings)

@@ -1,0 +1,96 @@
+"""The AllocationWorkflow contract: its id scheme, message names, inputs, outputs and the error
+types its clients map to HTTP. Kept apart from the workflow so the gateway imports no workflow
+code and the worker's sandbox passes these definitions through instead of re-creating them for
+every workflow run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+WORKFLOW_NAME = "AllocationWorkflow"
+RESERVE_UPDATE = "reserve"
+RELEASE_UPDATE = "request_release"
+STATUS_QUERY = "status"
+
+# Error types the gateway maps to HTTP (see gateway/errors.py).
+SKU_UNAVAILABLE = "sku_unavailable"
+SSH_KEY_NOT_FOUND = "ssh_key_not_found"
+IDEMPOTENCY_KEY_REUSED = "idempotency_key_reused"
+NOT_RELEASABLE = "allocation_not_releasable"
+REJECTION_TYPES = (SKU_UNAVAILABLE, SSH_KEY_NOT_FOUND)
+
+# Provisioning failure reasons beyond the host's own error types.
+NODE_UNREACHABLE = "node_unreachable"
+HOST_TIMEOUT = "host_timeout"
+PROVISIONING_ERROR = "provisioning_error"
+
+
+def allocation_workflow_id(allocation_id: str) -> str:
+    return f"allocation-{allocation_id}"
+
+
+def allocation_id_from_workflow_id(workflow_id: str) -> str:
+    prefix = "allocation-"
+    if not workflow_id.startswith(prefix):
+        raise ValueError(f"not an allocation workflow id: {workflow_id}")
+    return workflow_id[len(prefix) :]
+
+
+@dataclass
+class AllocationPolicy:
+    """Timeouts and retry bounds, fixed at start so the workflow stays deterministic."""
+
+    node_schedule_to_start_seconds: float = 60.0
+    host_provision_timeout_seconds: float = 900.0
+    host_heartbeat_timeout_seconds: float = 30.0
+    release_max_attempts: int = 3
+    release_retry_initial_seconds: float = 1.0
+    lease_conflict_max_attempts: int = 3
+
+
+@dataclass
+class AllocationInput:
+    allocation_id: str
+    project_id: str
+    sku: str
+    gpus: int
+    region: str
+    ssh_key_ids: list[str]
+    idempotency_key: str | None
+    # sha256 of the canonical request body: the same idempotency key with another body is refused.
+    request_fingerprint: str
+    policy: AllocationPolicy = field(default_factory=AllocationPolicy)
+
+
+@dataclass
+class ReleaseRequest:
+    actor: str  # ReleaseActor value
+    reason: str = ""
+    force: bool = False
+
+
+@dataclass
+class ReleaseAccepted:
+    allocation_id: str
+    prior_status: str
+    # The status the allocation is heading to: "releasing", or the current one when the release
+    # waits for provisioning to finish, or "released" when there is nothing left to do.
+    expected_status: str
+    release_pending: bool
+
+
+@dataclass
+class AllocationView:
+    allocation_id: str
+    status: str
+    node_id: str | None
+    failure_reason: str | None
+    release_attempts: int
+    release_pending: bool
+
+
+@dataclass
+class AllocationResult:
+    allocation_id: str
+    status: str  # released | failed | rejected
+    reason: str | None = None
