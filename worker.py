@@ -48,7 +48,8 @@ def build_worker(
         # Workflow activations are short CPU bursts under the GIL: a few threads beat many (a
         # hundred threads mostly trade the GIL back and forth on a 2-core machine).
         workflow_task_executor=ThreadPoolExecutor(max_workers=2),
-        max_concurrent_workflow_tasks=20,
+        max_concurrent_workflow_tasks=100,
+        max_concurrent_workflow_task_polls=20,
         max_concurrent_activities=100,
         max_concurrent_local_activities=100,
     )

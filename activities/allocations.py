@@ -13,7 +13,7 @@ import datetime as dt
 import random
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 from sqlalchemy import func, insert, select, update
@@ -35,7 +35,7 @@ from activities.allocation_types import (
     ReleasePlan,
     Reservation,
 )
-from activities.placement import FreeSlot, NodeCandidate, choose_slots, rank_slice_candidates
+from activities.placement import FreeSlot, choose_slots
 from agent.contract import (
     BAREMETAL_DEPROVISION_USER,
     BAREMETAL_PROVISION_USER,
@@ -66,10 +66,14 @@ from schema.states import (
     SkuShape,
     SlotStatus,
 )
+from workflows.allocation_contract import SKU_UNAVAILABLE
 
 CLOCK = func.clock_timestamp()
 WHOLE_NODE = Range(0, 2**31 - 1)  # a whole-node claim overlaps every GPU index on the node
 MAX_MESSAGE = 500
+# Ranked slice candidates locked per attempt: enough to step past neighbours' locks, few enough
+# to keep the transaction short. Contention beyond that retries with a fresh ranking.
+CANDIDATES_PER_ATTEMPT = 8
 
 
 class PlacementContention(Exception):
@@ -106,62 +110,64 @@ class AllocationActivities:
 
     @activity.defn(name="allocation.place_and_reserve")
     async def place_and_reserve(self, input: PlaceInput) -> Reservation:
-        existing = await self._existing_reservation(uuid.UUID(input.allocation_id))
-        if existing is not None:
-            return existing
-        async with self._sessions() as session:
-            sku = await session.get(Sku, (input.sku, input.region))
-            await self._check_ssh_keys(session, input)
-        if sku is None or not sku.active:
-            raise _reject(
-                "sku_unavailable", f"SKU {input.sku!r} is not offered in {input.region!r}"
-            )
-        if input.gpus not in sku.allowed_gpu_counts:
-            allowed = ", ".join(str(c) for c in sorted(sku.allowed_gpu_counts))
-            raise _reject(
-                "sku_unavailable",
-                f"SKU {input.sku!r} is offered with {allowed} GPUs, not {input.gpus}",
-            )
-
+        allocation_id = uuid.UUID(input.allocation_id)
         deadline = time.monotonic() + self._placement_deadline
         attempt = 0
         while True:
             attempt += 1
             try:
                 async with self._sessions() as session, session.begin():
+                    sku = await self._offered_sku(session, input)
                     if sku.shape == SkuShape.BAREMETAL:
-                        return await self._reserve_node(session, input, sku)
-                    return await self._reserve_slots(session, input, sku)
-            except (PlacementContention, IntegrityError) as err:
-                if isinstance(err, IntegrityError):
-                    # A claim that lost the race on the exclusion constraint, or the same
-                    # allocation inserted by a parallel run of this activity: look again.
-                    existing = await self._existing_reservation(uuid.UUID(input.allocation_id))
+                        return await self._reserve_node(session, input)
+                    return await self._reserve_slots(session, input)
+            except PlacementContention:
+                pass
+            except IntegrityError:
+                # Lost a race on the exclusion constraint, or this allocation was already
+                # inserted by an earlier run of this activity (a crash before the workflow saw it).
+                existing = await self._existing_reservation(allocation_id)
+                if existing is not None:
+                    return existing
+            except ApplicationError as rejected:
+                if rejected.type == SKU_UNAVAILABLE:
+                    # An earlier run may have taken the last capacity for this very allocation.
+                    existing = await self._existing_reservation(allocation_id)
                     if existing is not None:
                         return existing
-                if time.monotonic() > deadline:
-                    raise ApplicationError(
-                        "placement kept colliding with concurrent placements", type="contention"
-                    ) from None
-                await asyncio.sleep(min(0.005 * attempt, 0.05) * random.uniform(0.5, 1.5))
-
-    async def _check_ssh_keys(self, session: AsyncSession, input: PlaceInput) -> None:
-        if not input.ssh_key_ids:
-            return
-        wanted = {uuid.UUID(k) for k in input.ssh_key_ids}
-        found = set(
-            (
-                await session.scalars(
-                    select(SshKey.id).where(
-                        SshKey.id.in_(wanted), SshKey.project_id == uuid.UUID(input.project_id)
-                    )
+                raise
+            if time.monotonic() > deadline:
+                raise ApplicationError(
+                    "placement kept colliding with concurrent placements", type="contention"
                 )
-            ).all()
-        )
-        if found != wanted:
+            await asyncio.sleep(min(0.005 * attempt, 0.05) * random.uniform(0.5, 1.5))
+
+    async def _offered_sku(self, session: AsyncSession, input: PlaceInput) -> Sku:
+        sku = await session.get(Sku, (input.sku, input.region))
+        if sku is None or not sku.active:
+            raise _reject(SKU_UNAVAILABLE, f"SKU {input.sku!r} is not offered in {input.region!r}")
+        if input.gpus not in sku.allowed_gpu_counts:
+            allowed = ", ".join(str(c) for c in sorted(sku.allowed_gpu_counts))
             raise _reject(
-                "ssh_key_not_found", "one or more ssh_key_ids do not exist in this project"
+                SKU_UNAVAILABLE,
+                f"SKU {input.sku!r} is offered with {allowed} GPUs, not {input.gpus}",
             )
+        if input.ssh_key_ids:
+            wanted = {uuid.UUID(k) for k in input.ssh_key_ids}
+            found = set(
+                (
+                    await session.scalars(
+                        select(SshKey.id).where(
+                            SshKey.id.in_(wanted), SshKey.project_id == uuid.UUID(input.project_id)
+                        )
+                    )
+                ).all()
+            )
+            if found != wanted:
+                raise _reject(
+                    "ssh_key_not_found", "one or more ssh_key_ids do not exist in this project"
+                )
+        return sku
 
     async def _existing_reservation(self, allocation_id: uuid.UUID) -> Reservation | None:
         async with self._sessions() as session:
@@ -169,18 +175,25 @@ class AllocationActivities:
             if allocation is None:
                 return None
             slots = (
-                await session.scalars(
-                    select(GpuSlot)
+                await session.execute(
+                    select(GpuSlot.pci_address, GpuSlot.numa_node, GpuSlot.gpu_index)
                     .join(AllocationResourceClaim, AllocationResourceClaim.slot_id == GpuSlot.id)
                     .where(AllocationResourceClaim.allocation_id == allocation_id)
                     .order_by(GpuSlot.gpu_index)
                 )
             ).all()
-            return _reservation(allocation, slots)
+            return _reservation(
+                allocation.id,
+                allocation.node_id,
+                allocation.created_at,
+                input_shape=allocation.shape,
+                sku=allocation.sku,
+                region=allocation.region,
+                gpu_count=allocation.gpu_count,
+                gpus=[GpuAssignment(*row) for row in slots],
+            )
 
-    async def _reserve_node(
-        self, session: AsyncSession, input: PlaceInput, sku: Sku
-    ) -> Reservation:
+    async def _reserve_node(self, session: AsyncSession, input: PlaceInput) -> Reservation:
         free_node = (
             select(Node.id)
             .where(
@@ -203,76 +216,89 @@ class AllocationActivities:
         if node_id is None:
             if await session.scalar(select(func.count()).select_from(free_node.subquery())):
                 raise PlacementContention()
-            raise _reject("sku_unavailable", f"no {input.sku} node is free in {input.region}")
-        allocation = await self._insert_allocation(session, input, sku, node_id)
+            raise _reject(SKU_UNAVAILABLE, f"no {input.sku} node is free in {input.region}")
+        created_at = await self._insert_allocation(
+            session, input, SkuShape.BAREMETAL, node_id, {"claim": "node"}
+        )
         await session.execute(
             insert(AllocationResourceClaim).values(
                 id=uuid.uuid4(),
-                allocation_id=allocation.id,
+                allocation_id=uuid.UUID(input.allocation_id),
                 node_id=node_id,
                 kind=ClaimKind.NODE_EXCLUSIVE,
                 footprint=WHOLE_NODE,
                 status=ClaimStatus.HELD,
             )
         )
-        await _record(session, allocation.id, "placement_reserved", details={"claim": "node"})
-        return _reservation(allocation, [])
+        return _reservation(
+            uuid.UUID(input.allocation_id), node_id, created_at, SkuShape.BAREMETAL, input, []
+        )
 
-    async def _reserve_slots(
-        self, session: AsyncSession, input: PlaceInput, sku: Sku
-    ) -> Reservation:
-        rows = (
-            await session.execute(
-                select(GpuSlot.node_id, GpuSlot.numa_node, func.count())
-                .join(Node, Node.id == GpuSlot.node_id)
-                .where(
-                    Node.region == input.region,
-                    Node.sku == input.sku,
-                    Node.status == NodeStatus.ACTIVE,
-                    GpuSlot.status == SlotStatus.FREE,
+    async def _reserve_slots(self, session: AsyncSession, input: PlaceInput) -> Reservation:
+        # Ranking happens in SQL (seed 000): nodes where one NUMA node fits the request first,
+        # then best-fit (fewest free GPUs that still fit), so big requests keep finding room.
+        free = (
+            select(GpuSlot.node_id, GpuSlot.numa_node, func.count().label("free"))
+            .join(Node, Node.id == GpuSlot.node_id)
+            .where(
+                Node.region == input.region,
+                Node.sku == input.sku,
+                Node.status == NodeStatus.ACTIVE,
+                GpuSlot.status == SlotStatus.FREE,
+            )
+            .group_by(GpuSlot.node_id, GpuSlot.numa_node)
+            .cte("free")
+        )
+        ranked = (
+            await session.scalars(
+                select(free.c.node_id)
+                .group_by(free.c.node_id)
+                .having(func.sum(free.c.free) >= input.gpus)
+                .order_by(
+                    (func.max(free.c.free) >= input.gpus).desc(),
+                    func.sum(free.c.free),
+                    free.c.node_id,
                 )
-                .group_by(GpuSlot.node_id, GpuSlot.numa_node)
+                .limit(CANDIDATES_PER_ATTEMPT)
             )
         ).all()
-        by_node: dict[uuid.UUID, dict[int, int]] = {}
-        for node_id, numa_node, free in rows:
-            by_node.setdefault(node_id, {})[numa_node] = free
-        ranked = rank_slice_candidates(
-            [NodeCandidate(node_id, free) for node_id, free in by_node.items()], input.gpus
-        )
         if not ranked:
             raise _reject(
-                "sku_unavailable",
+                SKU_UNAVAILABLE,
                 f"no {input.sku} node in {input.region} has {input.gpus} free GPUs",
             )
-        for candidate in ranked:
+        for node_id in ranked:
             locked = (
-                await session.scalars(
-                    select(GpuSlot)
-                    .where(GpuSlot.node_id == candidate.node_id, GpuSlot.status == SlotStatus.FREE)
+                await session.execute(
+                    select(GpuSlot.id, GpuSlot.gpu_index, GpuSlot.numa_node, GpuSlot.pci_address)
+                    .where(GpuSlot.node_id == node_id, GpuSlot.status == SlotStatus.FREE)
                     .order_by(GpuSlot.gpu_index)
                     .with_for_update(skip_locked=True)
                 )
             ).all()
-            chosen = choose_slots(
-                [FreeSlot(s.id, s.gpu_index, s.numa_node, s.pci_address) for s in locked],
-                input.gpus,
-            )
+            chosen = choose_slots([FreeSlot(*row) for row in locked], input.gpus)
             if chosen is None:
                 continue
-            allocation = await self._insert_allocation(session, input, sku, candidate.node_id)
+            allocation_id = uuid.UUID(input.allocation_id)
+            created_at = await self._insert_allocation(
+                session,
+                input,
+                SkuShape.GPU_SLICE,
+                node_id,
+                {"claim": "gpu_slots", "numa_nodes": sorted({s.numa_node for s in chosen})},
+            )
             await session.execute(
                 update(GpuSlot)
                 .where(GpuSlot.id.in_([s.slot_id for s in chosen]))
-                .values(status=SlotStatus.RESERVED, allocation_id=allocation.id, updated_at=CLOCK)
+                .values(status=SlotStatus.RESERVED, allocation_id=allocation_id, updated_at=CLOCK)
             )
             await session.execute(
                 insert(AllocationResourceClaim),
                 [
                     {
                         "id": uuid.uuid4(),
-                        "allocation_id": allocation.id,
-                        "node_id": candidate.node_id,
+                        "allocation_id": allocation_id,
+                        "node_id": node_id,
                         "slot_id": s.slot_id,
                         "kind": ClaimKind.GPU_SLOT,
                         "footprint": Range(s.gpu_index, s.gpu_index + 1),
@@ -281,41 +307,55 @@ class AllocationActivities:
                     for s in chosen
                 ],
             )
-            await _record(
-                session,
-                allocation.id,
-                "placement_reserved",
-                details={"claim": "gpu_slots", "numa_nodes": sorted({s.numa_node for s in chosen})},
-            )
-            slots = [
-                locked_slot
-                for locked_slot in locked
-                if locked_slot.id in {s.slot_id for s in chosen}
-            ]
-            return _reservation(allocation, slots)
+            gpus = [GpuAssignment(s.pci_address, s.numa_node, s.gpu_index) for s in chosen]
+            return _reservation(allocation_id, node_id, created_at, SkuShape.GPU_SLICE, input, gpus)
         raise PlacementContention()
 
     async def _insert_allocation(
-        self, session: AsyncSession, input: PlaceInput, sku: Sku, node_id: uuid.UUID
-    ) -> Allocation:
-        allocation = Allocation(
-            id=uuid.UUID(input.allocation_id),
-            project_id=uuid.UUID(input.project_id),
-            idempotency_key=input.idempotency_key,
-            sku=input.sku,
-            region=input.region,
-            shape=sku.shape,
-            gpu_count=input.gpus,
-            node_id=node_id,
-            ssh_key_ids=[uuid.UUID(k) for k in input.ssh_key_ids],
-            status=AllocationStatus.REQUESTED,
-            workflow_id=input.workflow_id,
+        self,
+        session: AsyncSession,
+        input: PlaceInput,
+        shape: SkuShape,
+        node_id: uuid.UUID,
+        placement: dict[str, Any],
+    ) -> dt.datetime:
+        """The allocation row (requested) and its first two events, in two statements."""
+        allocation_id = uuid.UUID(input.allocation_id)
+        created_at: dt.datetime | None = await session.scalar(
+            insert(Allocation)
+            .values(
+                id=allocation_id,
+                project_id=uuid.UUID(input.project_id),
+                idempotency_key=input.idempotency_key,
+                sku=input.sku,
+                region=input.region,
+                shape=shape,
+                gpu_count=input.gpus,
+                node_id=node_id,
+                ssh_key_ids=[uuid.UUID(k) for k in input.ssh_key_ids],
+                status=AllocationStatus.REQUESTED,
+                workflow_id=input.workflow_id,
+            )
+            .returning(Allocation.created_at)
         )
-        session.add(allocation)
-        await session.flush()
-        await session.refresh(allocation, ["created_at"])
-        await _record(session, allocation.id, "requested", None, AllocationStatus.REQUESTED)
-        return allocation
+        assert created_at is not None
+        await session.execute(
+            insert(AllocationEvent),
+            [
+                {
+                    "allocation_id": allocation_id,
+                    "event": "requested",
+                    "to_status": AllocationStatus.REQUESTED,
+                    "details": {},
+                },
+                {
+                    "allocation_id": allocation_id,
+                    "event": "placement_reserved",
+                    "details": placement,
+                },
+            ],
+        )
+        return created_at
 
     # ------------------------------------------------------------------ provisioning
 
@@ -336,21 +376,30 @@ class AllocationActivities:
                 else BAREMETAL_PROVISION_USER
             )
             await _queue_task(session, input.task_id, allocation, kind, input.workflow_id)
-            sku = await session.get(Sku, (allocation.sku, allocation.region))
+            sku = (
+                await session.execute(
+                    select(Sku.vcpus_per_gpu, Sku.memory_mb_per_gpu, Sku.image, Sku.image_sha256)
+                    .where(Sku.name == allocation.sku, Sku.region == allocation.region)
+                )
+            ).first()
             slots = (
-                await session.scalars(
-                    select(GpuSlot)
+                await session.execute(
+                    select(GpuSlot.pci_address, GpuSlot.numa_node, GpuSlot.gpu_index)
                     .where(GpuSlot.allocation_id == allocation_id)
                     .order_by(GpuSlot.gpu_index)
                 )
             ).all()
             keys = (
-                await session.scalars(
-                    select(SshKey.public_key)
-                    .where(SshKey.id.in_(allocation.ssh_key_ids))
-                    .order_by(SshKey.created_at)
-                )
-            ).all()
+                (
+                    await session.scalars(
+                        select(SshKey.public_key)
+                        .where(SshKey.id.in_(allocation.ssh_key_ids))
+                        .order_by(SshKey.created_at)
+                    )
+                ).all()
+                if allocation.ssh_key_ids
+                else []
+            )
         assert sku is not None
         is_slice = allocation.shape == SkuShape.GPU_SLICE
         spec = HostProvisionInput(
@@ -360,7 +409,7 @@ class AllocationActivities:
             shape=allocation.shape,
             username=username_for(input.allocation_id),
             ssh_public_keys=list(keys),
-            gpus=[GpuAssignment(s.pci_address, s.numa_node, s.gpu_index) for s in slots],
+            gpus=[GpuAssignment(*slot) for slot in slots],
             vcpus=sku.vcpus_per_gpu * allocation.gpu_count if is_slice else 0,
             memory_mb=sku.memory_mb_per_gpu * allocation.gpu_count if is_slice else 0,
             image=sku.image if is_slice else "",
@@ -509,17 +558,28 @@ class AllocationActivities:
 # ---------------------------------------------------------------------- shared steps
 
 
-def _reservation(allocation: Allocation, slots: Sequence[GpuSlot]) -> Reservation:
+def _reservation(
+    allocation_id: uuid.UUID,
+    node_id: uuid.UUID,
+    created_at: dt.datetime,
+    input_shape: str,
+    input: PlaceInput | None = None,
+    gpus: list[GpuAssignment] | None = None,
+    *,
+    sku: str = "",
+    region: str = "",
+    gpu_count: int = 0,
+) -> Reservation:
     return Reservation(
-        allocation_id=str(allocation.id),
+        allocation_id=str(allocation_id),
         status=AllocationStatus.REQUESTED,
-        node_id=str(allocation.node_id),
-        shape=allocation.shape,
-        sku=allocation.sku,
-        region=allocation.region,
-        gpu_count=allocation.gpu_count,
-        gpus=[GpuAssignment(s.pci_address, s.numa_node, s.gpu_index) for s in slots],
-        created_at=allocation.created_at.isoformat(),
+        node_id=str(node_id),
+        shape=input_shape,
+        sku=input.sku if input else sku,
+        region=input.region if input else region,
+        gpu_count=input.gpus if input else gpu_count,
+        gpus=gpus or [],
+        created_at=created_at.isoformat(),
     )
 
 
@@ -561,28 +621,36 @@ async def _transition(
     """Compare-and-set to `to` from any state the transition table allows, plus its event row.
     Already in `to` means a retried activity: nothing is written and the row is returned."""
     sources = [s for s, targets in ALLOCATION_TRANSITIONS.items() if to in targets]
-    current = await session.scalar(
-        select(Allocation).where(Allocation.id == allocation_id).with_for_update()
+    # One statement: lock the row, read its prior status and set the new one only when the
+    # transition table allows it (the compare-and-set), returning both.
+    prior = (
+        select(Allocation.id, Allocation.status)
+        .where(Allocation.id == allocation_id)
+        .with_for_update()
+        .subquery("prior")
     )
-    if current is None:
-        raise _reject("allocation_missing", f"allocation {allocation_id} does not exist")
-    if current.status == to:
-        return current
-    if current.status not in sources:
+    row = (
+        await session.execute(
+            update(Allocation)
+            .where(Allocation.id == prior.c.id, prior.c.status.in_(sources))
+            .values(status=to, updated_at=CLOCK, **(values or {}))
+            .returning(Allocation, prior.c.status)
+            .execution_options(populate_existing=True)
+        )
+    ).first()
+    if row is None:
+        current = await session.get(Allocation, allocation_id)
+        if current is None:
+            raise _reject("allocation_missing", f"allocation {allocation_id} does not exist")
+        if current.status == to:
+            return current  # a retried activity: the transition already happened
         raise _reject(
             "invalid_transition", f"allocation {allocation_id} is {current.status}, not {to}-able"
         )
-    prior = current.status
-    updated = await session.scalar(
-        update(Allocation)
-        .where(Allocation.id == allocation_id, Allocation.status == prior)
-        .values(status=to, updated_at=CLOCK, **(values or {}))
-        .returning(Allocation)
-        .execution_options(populate_existing=True)
-    )
-    assert updated is not None  # the row is locked above, so the compare-and-set holds
+    updated: Allocation = row[0]
+    prior_status: str = row[1]
     await _record(
-        session, allocation_id, event, prior, to, actor=actor, reason=reason, details=details
+        session, allocation_id, event, prior_status, to, actor=actor, reason=reason, details=details
     )
     return updated
 

@@ -1,6 +1,5 @@
-"""Slice placement ranking (seed 000): candidates that fit on one NUMA node first, then best-fit
-(the node with the fewest free GPUs that still fits), so large requests keep finding whole nodes.
-Pure functions: the SQL that feeds them lives in activities/allocations.py."""
+"""Which GPUs of a node a slice gets (seed 000: NUMA-fit, then best-fit). Ranking the nodes
+themselves happens in SQL (activities/allocations.py); this picks slots among those locked."""
 
 from __future__ import annotations
 
@@ -14,24 +13,6 @@ class FreeSlot:
     gpu_index: int
     numa_node: int
     pci_address: str
-
-
-@dataclass(frozen=True)
-class NodeCandidate:
-    node_id: uuid.UUID
-    free_by_numa: dict[int, int]
-
-    @property
-    def total_free(self) -> int:
-        return sum(self.free_by_numa.values())
-
-    def numa_fit(self, gpus: int) -> bool:
-        return any(free >= gpus for free in self.free_by_numa.values())
-
-
-def rank_slice_candidates(candidates: list[NodeCandidate], gpus: int) -> list[NodeCandidate]:
-    fitting = [c for c in candidates if c.total_free >= gpus]
-    return sorted(fitting, key=lambda c: (not c.numa_fit(gpus), c.total_free, str(c.node_id)))
 
 
 def choose_slots(free: list[FreeSlot], gpus: int) -> list[FreeSlot] | None:

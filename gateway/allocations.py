@@ -24,11 +24,17 @@ from temporalio.client import (
     WorkflowHandle,
     WorkflowUpdateFailedError,
 )
-from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
+from temporalio.common import (
+    SearchAttributePair,
+    TypedSearchAttributes,
+    WorkflowIDConflictPolicy,
+    WorkflowIDReusePolicy,
+)
 from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.allocation_types import Reservation
+from core import search_attributes
 from core.config import Settings
 from gateway.errors import ApiError, Conflict, InvalidRequest, NotFound, Unprocessable
 from gateway.pagination import decode_cursor, encode_cursor
@@ -353,6 +359,14 @@ async def create(
         id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
         task_queue=settings.control_plane_task_queue,
         result_type=AllocationResult,
+        # Known before placement, so set at start: the workflow then upserts only what changes.
+        search_attributes=TypedSearchAttributes(
+            [
+                SearchAttributePair(search_attributes.ALLOCATION_STATUS, "requested"),
+                SearchAttributePair(search_attributes.PROJECT_ID, str(project_id)),
+                SearchAttributePair(search_attributes.SKU, body.sku),
+            ]
+        ),
     )
 
     async def reserve(client: Client) -> Reservation:

@@ -359,13 +359,11 @@ class AllocationWorkflow:
 
     def _set_status(self, status: AllocationStatus) -> None:
         self._status = status
+        if status == AllocationStatus.REQUESTED:
+            return  # the gateway set status, project and SKU when it started the workflow
         updates = [sa.ALLOCATION_STATUS.value_set(status.value)]
-        if self._reservation is not None and status == AllocationStatus.REQUESTED:
-            updates += [
-                sa.PROJECT_ID.value_set(self._input.project_id),
-                sa.NODE_ID.value_set(self._reservation.node_id),
-                sa.SKU.value_set(self._input.sku),
-            ]
+        if status == AllocationStatus.PROVISIONING and self._reservation is not None:
+            updates.append(sa.NODE_ID.value_set(self._reservation.node_id))
         workflow.upsert_search_attributes(updates)
 
 
