@@ -36,7 +36,14 @@ from temporalio.service import RPCError, RPCStatusCode
 from activities.allocation_types import Reservation
 from core import search_attributes
 from core.config import Settings
-from gateway.errors import ApiError, Conflict, InvalidRequest, NotFound, Unprocessable
+from gateway.errors import (
+    ApiError,
+    Conflict,
+    InvalidRequest,
+    NotFound,
+    TemporalUnavailable,
+    Unprocessable,
+)
 from gateway.pagination import decode_cursor, encode_cursor
 from gateway.schemas import (
     AllocationCreate,
@@ -381,6 +388,13 @@ async def create(
 
     try:
         reservation = await temporal.update(reserve)
+    except TemporalUnavailable as err:
+        # The workflow may have started before Temporal stopped answering: tell the client which
+        # allocation that would be, so nothing it asked for is ever out of its sight.
+        raise TemporalUnavailable(
+            f"{err.message}; if the request was accepted, the allocation is {allocation_id}",
+            details={"allocation_id": str(allocation_id)},
+        ) from err
     except WorkflowUpdateFailedError as err:
         cause = err.cause
         if isinstance(cause, ApplicationError):

@@ -102,8 +102,13 @@ class ServiceUnavailable(ApiError):
 
 
 class TemporalUnavailable(ServiceUnavailable):
-    def __init__(self, message: str = "Temporal is not reachable; retry shortly") -> None:
-        super().__init__(message, code="temporal_unavailable")
+    def __init__(
+        self,
+        message: str = "Temporal is not reachable; retry shortly",
+        *,
+        details: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message, code="temporal_unavailable", details=details)
 
 
 class DatabaseUnavailable(ServiceUnavailable):

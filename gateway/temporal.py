@@ -25,12 +25,16 @@ T = TypeVar("T")
 # configured RPC timeout: a read is never worth a long wait.
 READ_DEADLINE_SECONDS = 5.0
 HEALTH_DEADLINE_SECONDS = 2.0
+# A healthy answer is trusted this long: under load one check serves many requests instead of
+# doubling the gRPC calls per POST. Failures are never cached.
+HEALTH_TRUSTED_SECONDS = 1.0
 
 
 class TemporalOps:
     def __init__(self, client: Client | None, settings: Settings) -> None:
         self._client = client
         self._rpc_seconds = settings.temporal_rpc_timeout_seconds
+        self._healthy_until = 0.0
 
     @property
     def client(self) -> Client:
@@ -73,6 +77,9 @@ class TemporalOps:
         return await self._bounded(call, self._rpc_seconds + 0.5)
 
     async def check_health(self) -> None:
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._healthy_until:
+            return
         seconds = min(self._rpc_seconds, HEALTH_DEADLINE_SECONDS)
 
         async def check(client: Client) -> bool:
@@ -80,3 +87,4 @@ class TemporalOps:
 
         if not await self._bounded(check, seconds + 0.5):
             raise TemporalUnavailable("Temporal reports its workflow service is not serving")
+        self._healthy_until = loop.time() + HEALTH_TRUSTED_SECONDS

@@ -434,3 +434,35 @@ async def test_slice_placement_prefers_numa_fit_then_best_fit(
             )
         ).all()
     assert len(set(numa)) == 1, "a 2-GPU slice fits one NUMA node and must not straddle two"
+
+
+async def test_post_that_times_out_names_the_allocation_it_may_have_started(
+    api: Any,
+    make_project: Any,
+    make_token: Any,
+    db_sessions: Any,
+    settings: Any,
+    temporal_client: Any,
+    db_engine: Any,
+    start_node_agent: Any,
+) -> None:
+    """No worker answers (the control plane is down): the gateway answers 503 within its RPC
+    bound and names the allocation id, which becomes real once a worker is back."""
+    import dataclasses
+
+    from worker import build_worker
+
+    (node,) = await create_fleet(db_sessions, slice_nodes=1)
+    await start_node_agent(node.id)
+    quick = dataclasses.replace(
+        settings, temporal_rpc_timeout_seconds=1.0, control_plane_task_queue=f"down-{uuid.uuid4()}"
+    )
+    client = await api(token=await make_token("tenant", await make_project()), settings=quick)
+    response = await client.post("/api/v1/allocations", json=slice_request(1))
+    assert response.status_code == 503
+    error = response.json()["error"]
+    assert error["code"] == "temporal_unavailable"
+    allocation_id = error["details"]["allocation_id"]
+
+    async with build_worker(temporal_client, quick, db_engine):
+        await wait_status(client, allocation_id, "active")
