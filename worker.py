@@ -38,8 +38,7 @@ def build_worker(
         workflows=WORKFLOWS,
         workflow_runner=WORKFLOW_RUNNER,
         activities=[
-            allocations.place_and_reserve,
-            allocations.begin_provisioning,
+            allocations.place,
             allocations.activate,
             allocations.fail_provisioning,
             allocations.begin_release,

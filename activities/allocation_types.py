@@ -17,6 +17,8 @@ class PlaceInput:
     ssh_key_ids: list[str]
     idempotency_key: str | None
     workflow_id: str
+    # The provisioning node task's id, from workflow.uuid4(): a rerun records the same task once.
+    provision_task_id: str = ""
 
 
 @dataclass
@@ -35,17 +37,19 @@ class Reservation:
 
 
 @dataclass
-class BeginProvisioningInput:
-    allocation_id: str
-    workflow_id: str
-    task_id: str  # from workflow.uuid4(): a retried activity records the same task once
-
-
-@dataclass
 class ProvisionPlan:
     task_id: str
     task_kind: str
     spec: HostProvisionInput
+
+
+@dataclass
+class Placement:
+    """What the first activity did: reserved (the allocation was `requested`), then moved the
+    allocation to `provisioning` and queued the host task described by `plan`."""
+
+    reservation: Reservation
+    plan: ProvisionPlan
 
 
 @dataclass

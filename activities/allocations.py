@@ -26,11 +26,11 @@ from temporalio.exceptions import ApplicationError
 
 from activities.allocation_types import (
     ActivateInput,
-    BeginProvisioningInput,
     BeginReleaseInput,
     FailProvisioningInput,
     FinishReleaseInput,
     PlaceInput,
+    Placement,
     ProvisionPlan,
     ReleasePlan,
     Reservation,
@@ -108,8 +108,18 @@ class AllocationActivities:
 
     # ------------------------------------------------------------------ placement
 
-    @activity.defn(name="allocation.place_and_reserve")
-    async def place_and_reserve(self, input: PlaceInput) -> Reservation:
+    @activity.defn(name="allocation.place")
+    async def place(self, input: PlaceInput) -> Placement:
+        """Reserve (one transaction: the allocation is `requested`), then begin provisioning
+        (a second one: `provisioning`, host task queued). Two transactions, one activity: the
+        workflow answers the reservation and dispatches host work in a single workflow task."""
+        reservation = await self._place_and_reserve(input)
+        plan = await self._begin_provisioning(
+            uuid.UUID(input.allocation_id), input.workflow_id, input.provision_task_id
+        )
+        return Placement(reservation=reservation, plan=plan)
+
+    async def _place_and_reserve(self, input: PlaceInput) -> Reservation:
         allocation_id = uuid.UUID(input.allocation_id)
         deadline = time.monotonic() + self._placement_deadline
         attempt = 0
@@ -359,9 +369,9 @@ class AllocationActivities:
 
     # ------------------------------------------------------------------ provisioning
 
-    @activity.defn(name="allocation.begin_provisioning")
-    async def begin_provisioning(self, input: BeginProvisioningInput) -> ProvisionPlan:
-        allocation_id = uuid.UUID(input.allocation_id)
+    async def _begin_provisioning(
+        self, allocation_id: uuid.UUID, workflow_id: str, task_id: str
+    ) -> ProvisionPlan:
         async with self._sessions() as session, session.begin():
             allocation = await _transition(
                 session,
@@ -375,11 +385,12 @@ class AllocationActivities:
                 if allocation.shape == SkuShape.GPU_SLICE
                 else BAREMETAL_PROVISION_USER
             )
-            await _queue_task(session, input.task_id, allocation, kind, input.workflow_id)
+            await _queue_task(session, task_id, allocation, kind, workflow_id)
             sku = (
                 await session.execute(
-                    select(Sku.vcpus_per_gpu, Sku.memory_mb_per_gpu, Sku.image, Sku.image_sha256)
-                    .where(Sku.name == allocation.sku, Sku.region == allocation.region)
+                    select(
+                        Sku.vcpus_per_gpu, Sku.memory_mb_per_gpu, Sku.image, Sku.image_sha256
+                    ).where(Sku.name == allocation.sku, Sku.region == allocation.region)
                 )
             ).first()
             slots = (
@@ -403,11 +414,11 @@ class AllocationActivities:
         assert sku is not None
         is_slice = allocation.shape == SkuShape.GPU_SLICE
         spec = HostProvisionInput(
-            task_id=input.task_id,
-            allocation_id=input.allocation_id,
+            task_id=task_id,
+            allocation_id=str(allocation_id),
             node_id=str(allocation.node_id),
             shape=allocation.shape,
-            username=username_for(input.allocation_id),
+            username=username_for(str(allocation_id)),
             ssh_public_keys=list(keys),
             gpus=[GpuAssignment(*slot) for slot in slots],
             vcpus=sku.vcpus_per_gpu * allocation.gpu_count if is_slice else 0,
@@ -415,7 +426,7 @@ class AllocationActivities:
             image=sku.image if is_slice else "",
             image_sha256=sku.image_sha256 if is_slice else "",
         )
-        return ProvisionPlan(task_id=input.task_id, task_kind=kind, spec=spec)
+        return ProvisionPlan(task_id=task_id, task_kind=kind, spec=spec)
 
     @activity.defn(name="allocation.activate")
     async def activate(self, input: ActivateInput) -> None:

@@ -58,6 +58,7 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
         return (int(fields[11]) + int(fields[12])) / tick
 
     used = {name: of(pid) for name, pid in pids.items()}
+    used["bench-client"] = of(os.getpid())
     postgres_uid = None
     with contextlib.suppress(KeyError):
         postgres_uid = pwd.getpwnam("postgres").pw_uid

@@ -23,11 +23,11 @@ from temporalio.exceptions import (
 with workflow.unsafe.imports_passed_through():
     from activities.allocation_types import (
         ActivateInput,
-        BeginProvisioningInput,
         BeginReleaseInput,
         FailProvisioningInput,
         FinishReleaseInput,
         PlaceInput,
+        Placement,
         ProvisionPlan,
         ReleasePlan,
         Reservation,
@@ -136,14 +136,14 @@ class AllocationWorkflow:
         return result
 
     async def _lifecycle(self, input: AllocationInput) -> AllocationResult:
-        reservation = await self._place(input)
-        if reservation is None:
+        placement = await self._place(input)
+        if placement is None:
             assert self._rejection is not None
             return AllocationResult(input.allocation_id, "rejected", self._rejection.type)
-        self._reservation = reservation
+        reservation = self._reservation = placement.reservation
         self._set_status(AllocationStatus.REQUESTED)
 
-        if not await self._provision(input, reservation):
+        if not await self._provision(input, reservation, placement.plan):
             return AllocationResult(
                 input.allocation_id, AllocationStatus.FAILED, self._failure_reason
             )
@@ -155,10 +155,10 @@ class AllocationWorkflow:
             if await self._release(input, reservation, request):
                 return AllocationResult(input.allocation_id, AllocationStatus.RELEASED)
 
-    async def _place(self, input: AllocationInput) -> Reservation | None:
+    async def _place(self, input: AllocationInput) -> Placement | None:
         try:
-            reservation: Reservation = await workflow.execute_local_activity(
-                "allocation.place_and_reserve",
+            placement: Placement = await workflow.execute_local_activity(
+                "allocation.place",
                 PlaceInput(
                     allocation_id=input.allocation_id,
                     project_id=input.project_id,
@@ -168,8 +168,9 @@ class AllocationWorkflow:
                     ssh_key_ids=input.ssh_key_ids,
                     idempotency_key=input.idempotency_key,
                     workflow_id=workflow.info().workflow_id,
+                    provision_task_id=str(workflow.uuid4()),
                 ),
-                result_type=Reservation,
+                result_type=Placement,
                 start_to_close_timeout=_LOCAL,
                 retry_policy=RetryPolicy(
                     initial_interval=timedelta(milliseconds=200),
@@ -177,7 +178,7 @@ class AllocationWorkflow:
                     non_retryable_error_types=list(REJECTION_TYPES),
                 ),
             )
-            return reservation
+            return placement
         except (ActivityError, ApplicationError) as err:
             # A local activity's non-retryable ApplicationError reaches the workflow unwrapped.
             cause = err.cause if isinstance(err, ActivityError) else err
@@ -188,16 +189,9 @@ class AllocationWorkflow:
                 return None
             raise
 
-    async def _provision(self, input: AllocationInput, reservation: Reservation) -> bool:
-        plan: ProvisionPlan = await workflow.execute_local_activity(
-            "allocation.begin_provisioning",
-            BeginProvisioningInput(
-                input.allocation_id, workflow.info().workflow_id, str(workflow.uuid4())
-            ),
-            result_type=ProvisionPlan,
-            start_to_close_timeout=_LOCAL,
-            retry_policy=_DB_RETRY,
-        )
+    async def _provision(
+        self, input: AllocationInput, reservation: Reservation, plan: ProvisionPlan
+    ) -> bool:
         self._set_status(AllocationStatus.PROVISIONING)
         policy = input.policy
         try:
