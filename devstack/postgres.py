@@ -85,6 +85,10 @@ class PostgresCluster:
         self._chown(self.socket_dir)
         if self.running():
             return
+        if self.port_taken_by_stranger():
+            raise RuntimeError(
+                f"port {self.port} is served by another PostgreSQL cluster, not {self.datadir}"
+            )
         subprocess.run(
             [
                 *_run_as_postgres(),
@@ -108,12 +112,27 @@ class PostgresCluster:
             time.sleep(0.2)
 
     def running(self) -> bool:
+        """This cluster is up: a server answers on the port *and* runs from our datadir (another
+        cluster on the same port is not ours to use)."""
+        return self._answers() and self.serves_this_datadir()
+
+    def port_taken_by_stranger(self) -> bool:
+        return self._answers() and not self.serves_this_datadir()
+
+    def _answers(self) -> bool:
         result = subprocess.run(
             [str(_bindir() / "pg_isready"), "-h", "127.0.0.1", "-p", str(self.port)],
             capture_output=True,
             check=False,
         )
         return result.returncode == 0
+
+    def serves_this_datadir(self) -> bool:
+        try:
+            served = self.psql("SHOW data_directory").strip()
+        except (subprocess.CalledProcessError, OSError):
+            return False  # not PostgreSQL, or our superuser does not exist there: not ours
+        return bool(served) and Path(served).resolve() == self.datadir.resolve()
 
     def stop(self) -> None:
         if not (self.datadir / "postmaster.pid").exists():

@@ -27,7 +27,6 @@ import os
 import shutil
 import signal
 import stat
-import subprocess
 import sys
 import time
 import uuid
@@ -152,15 +151,6 @@ def pg_datadir(state_dir: Path) -> Path:
     if not wanted.is_symlink() and not wanted.exists():
         wanted.symlink_to(real)
     return real
-
-
-def _serves_datadir(cluster: PostgresCluster) -> bool:
-    """Whether the server on the cluster's port runs from the cluster's data directory."""
-    try:
-        served = cluster.psql("SHOW data_directory").strip()
-    except (subprocess.CalledProcessError, OSError):
-        return False  # not PostgreSQL, or our superuser does not exist there: not ours
-    return bool(served) and Path(served).resolve() == cluster.datadir.resolve()
 
 
 def _write_private(path: Path, text: str) -> None:
@@ -337,7 +327,7 @@ class Stack:
     def _check_pg_port(self, cluster: PostgresCluster) -> None:
         # PostgresCluster.start() takes any server answering on the port for itself: make sure
         # that one is this stack's cluster (left running by a killed stack), not a stranger.
-        if port_in_use("127.0.0.1", cluster.port) and not _serves_datadir(cluster):
+        if port_in_use("127.0.0.1", cluster.port) and not cluster.serves_this_datadir():
             raise StackError(
                 f"port {cluster.port} is taken by something other than this stack's "
                 f"PostgreSQL ({cluster.datadir}); use --pg-port or GPUCLOUD_PG_PORT"
