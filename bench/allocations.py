@@ -208,6 +208,8 @@ async def main(args: argparse.Namespace) -> None:
         ui_port=free_port(),
         gateway_host="127.0.0.1",
         gateway_port=free_port(),
+        vault_port=free_port(),
+        maas_port=free_port(),
         phase_delay=0.0,
         jitter=0.0,
         agents=False,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import base64
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # A fixed key for the embedded default only; production must set GPUCLOUD_CODEC_KEY.
 DEV_CODEC_KEY_B64 = base64.b64encode(b"gpucloud-embedded-dev-codec-key!").decode()
@@ -35,6 +35,12 @@ class Settings:
     max_request_body_bytes: int
     temporal_rpc_timeout_seconds: float
     database_connect_timeout_seconds: float
+    # Vault KV v2 (core.secrets). The token file, when set, wins over the token and is re-read on
+    # every call, so a rotated token needs no restart. bin/stack sets the address and token file.
+    vault_addr: str = "http://127.0.0.1:8200"
+    vault_token: str | None = field(default=None, repr=False)
+    vault_token_file: str | None = None
+    vault_timeout_seconds: float = 5.0
 
     @property
     def codec_key(self) -> bytes:
@@ -64,4 +70,8 @@ class Settings:
             max_request_body_bytes=int(e.get("GPUCLOUD_MAX_BODY_BYTES", str(64 * 1024))),
             temporal_rpc_timeout_seconds=float(e.get("GPUCLOUD_TEMPORAL_RPC_TIMEOUT_S", "10")),
             database_connect_timeout_seconds=float(e.get("GPUCLOUD_DB_CONNECT_TIMEOUT_S", "3")),
+            vault_addr=e.get("GPUCLOUD_VAULT_ADDR", "http://127.0.0.1:8200"),
+            vault_token=e.get("GPUCLOUD_VAULT_TOKEN") or None,
+            vault_token_file=e.get("GPUCLOUD_VAULT_TOKEN_FILE") or None,
+            vault_timeout_seconds=float(e.get("GPUCLOUD_VAULT_TIMEOUT_S", "5")),
         )

@@ -165,6 +165,16 @@ def run_smoke(
                     200,
                 )
                 step(f"    {len(listing.get('items', []))} allocation(s) in release_failed")
+                admin = {"Authorization": f"Bearer {admin_token}"}
+                sites = _expect(http.get("/api/v1/admin/maas-sites", headers=admin), 200)
+                for site in sites.get("items", []):
+                    step(f"POST /api/v1/admin/maas-sites/{site['id']}/probe ({site['name']})")
+                    probe = _expect(
+                        http.post(f"/api/v1/admin/maas-sites/{site['id']}/probe", headers=admin),
+                        200,
+                    )
+                    racks = ", ".join(r["hostname"] for r in probe["rack_controllers"])
+                    step(f"    MAAS {probe['maas_version']}, rack controllers: {racks}")
     except (SmokeFailed, httpx.HTTPError, KeyError, ValueError) as err:
         step(f"SMOKE CHECK FAILED: {type(err).__name__}: {err}")
         if allocation_id and not released:  # give the capacity back

@@ -6,6 +6,9 @@ Starts, in order, with all state under .state/ in the repository:
                     with our search attributes, update-with-start and the Web UI's codec endpoint
   demo data         the demo catalog and fleet, project `demo`, an admin and a tenant token
                     (created once, kept in .state/tokens.json, mode 0600)
+  vault             the Vault simulator (python -m sim.vault), KV v2 on mount `kv`; its root token
+                    is generated once into .state/vault-token (0600), secrets are kept in
+                    .state/vault-data.json (0600) across restarts
   worker            the control-plane Temporal worker (python -m worker)
   fleet             simulated node agents, one Temporal worker per node queue (sim.fleet)
   gateway           the HTTP API (gateway.serve)
@@ -24,6 +27,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import stat
@@ -53,6 +57,7 @@ DATABASE = "gpucloud"
 DEMO_PROJECT = "demo"
 STACK_ACTOR = "gpucloud-stack"
 READY_TIMEOUT_S = 90.0
+DEMO_SITE = "demo-maas"
 
 
 class StackError(RuntimeError):
@@ -77,6 +82,8 @@ class StackOptions:
     check: bool
     reset: bool
     namespace: str = "default"
+    vault_port: int = 8200
+    maas_port: int = 5240
 
     @property
     def logs_dir(self) -> Path:
@@ -113,6 +120,26 @@ class StackOptions:
     @property
     def ui_url(self) -> str:
         return f"http://localhost:{self.ui_port}"
+
+    @property
+    def vault_addr(self) -> str:
+        return f"http://127.0.0.1:{self.vault_port}"
+
+    @property
+    def vault_token_file(self) -> Path:
+        return self.state_dir / "vault-token"
+
+    @property
+    def vault_data_file(self) -> Path:
+        return self.state_dir / "vault-data.json"
+
+    @property
+    def maas_url(self) -> str:
+        return f"http://127.0.0.1:{self.maas_port}/MAAS"
+
+    @property
+    def maas_api_key_file(self) -> Path:
+        return self.state_dir / "maas-api-key"
 
     @property
     def codec_endpoint(self) -> str:
@@ -225,6 +252,48 @@ async def seed(database_url: str, tokens_file: Path) -> dict[str, str]:
     return result
 
 
+def _maas_api_key(path: Path) -> str:
+    """The demo MAAS simulator's API key, generated once (a local dev convenience, 0600)."""
+    if path.exists():
+        return path.read_text().strip().splitlines()[0]
+    key = ":".join(secrets.token_urlsafe(n) for n in (14, 14, 24))
+    _write_private(path, key + "\n")
+    return key
+
+
+async def seed_demo_site(o: StackOptions, admin_token: str, maas_key: str) -> str:
+    """The demo MAAS site, created through the admin API like an operator would: the site, then
+    its credentials (validated against the simulator, written to Vault). Idempotent."""
+    headers = {"Authorization": f"Bearer {admin_token}"}
+    async with httpx.AsyncClient(base_url=o.gateway_probe_url, headers=headers, timeout=15) as api:
+        sites = (await api.get("/api/v1/admin/maas-sites")).json()["items"]
+        site = next((s for s in sites if s["name"] == DEMO_SITE), None)
+        if site is None:
+            created = await api.post("/api/v1/admin/maas-sites", json={
+                "name": DEMO_SITE, "region_code": "us-east-1", "api_base_url": o.maas_url,
+                "pxe_iface": "ens19", "pxe_vlan_vid": 46, "node_pxe_iface": "eno8303",
+                "reason": "embedded default: demo site"})  # fmt: skip
+            created.raise_for_status()
+            site = created.json()
+        if site["credentials_updated_at"] is None or site["api_base_url"] != o.maas_url:
+            if site["api_base_url"] != o.maas_url:
+                moved = await api.patch(f"/api/v1/admin/maas-sites/{site['id']}",
+                                        json={"api_base_url": o.maas_url})  # fmt: skip
+                moved.raise_for_status()
+            credentials = await api.post(
+                f"/api/v1/admin/maas-sites/{site['id']}/credentials",
+                json={"maas_api_key": maas_key,
+                      "power": {"user": "root", "password": secrets.token_urlsafe(16)},
+                      "deploy_password": secrets.token_urlsafe(16),
+                      "reason": "embedded default: demo credentials"},
+            )  # fmt: skip
+            if credentials.status_code != 200:
+                raise StackError(
+                    f"the demo MAAS site's credentials were refused: {credentials.text[:300]}"
+                )
+    return str(site["id"])
+
+
 # --- readiness ---------------------------------------------------------------------------------
 
 
@@ -303,6 +372,8 @@ class Stack:
                 "GPUCLOUD_TEMPORAL_UI_ORIGIN": self.o.ui_url,
                 "GPUCLOUD_SIM_PHASE_DELAY_S": str(self.o.phase_delay),
                 "GPUCLOUD_SIM_PHASE_JITTER": str(self.o.jitter),
+                "GPUCLOUD_VAULT_ADDR": self.o.vault_addr,
+                "GPUCLOUD_VAULT_TOKEN_FILE": str(self.o.vault_token_file),
             }
         )
         return env
@@ -314,6 +385,8 @@ class Stack:
                 ("Temporal gRPC", self.o.temporal_port),
                 ("Temporal Web", self.o.ui_port),
                 ("gateway", self.o.gateway_port),
+                ("Vault", self.o.vault_port),
+                ("MAAS simulator", self.o.maas_port),
             )
             if port_in_use("127.0.0.1", port)
         ]
@@ -384,6 +457,20 @@ class Stack:
         self.children.append(temporal)
         await temporal.start()
         _say(f"  temporal   starting (pid {temporal.pid}), log {temporal.log_path}")
+        vault_argv = [sys.executable, "-m", "sim.vault", "--host", "127.0.0.1",
+                      "--port", str(o.vault_port), "--root-token-file", str(o.vault_token_file),
+                      "--data-file", str(o.vault_data_file)]  # fmt: skip
+        vault = Child("vault", vault_argv, o.logs_dir / "vault.log", dict(os.environ), REPO_ROOT)
+        self.children.append(vault)
+        await vault.start()
+        maas_key = _maas_api_key(o.maas_api_key_file)
+        maas_argv = [sys.executable, "-m", "sim.maas", "--host", "127.0.0.1",
+                     "--port", str(o.maas_port),
+                     "--api-key-file", str(o.maas_api_key_file)]  # fmt: skip
+        maas = Child("maas-sim", maas_argv, o.logs_dir / "maas-sim.log", dict(os.environ),
+                     REPO_ROOT)  # fmt: skip
+        self.children.append(maas)
+        await maas.start()
 
         t0 = time.monotonic()
         database_url = await asyncio.to_thread(self._start_postgres)
@@ -397,6 +484,10 @@ class Stack:
         await self._wait_for("Temporal Web", lambda: _http_ok(o.ui_url.replace("localhost",
                              "127.0.0.1")), temporal, limit_s=30)  # fmt: skip
         _say(f"  temporal   ready on {o.temporal_address} ({time.monotonic() - t0:.1f}s)")
+        # Before the worker and the gateway: they read secrets from it at call time.
+        await self._wait_for("Vault", lambda: _http_ok(f"{o.vault_addr}/v1/sys/health"), vault,
+                             limit_s=30)  # fmt: skip
+        _say(f"  vault      ready on {o.vault_addr} (pid {vault.pid}), log {vault.log_path}")
 
         env = self._child_env(database_url)
         worker = Child("worker", python_entry("worker"), o.logs_dir / "worker.log", env, REPO_ROOT)
@@ -438,6 +529,11 @@ class Stack:
             waits.append(self._wait_for("the simulated fleet", fleet_ready, fleet))
         waits.append(self._wait_for("the gateway", gateway_ready, gateway))
         await asyncio.gather(*waits)
+        await self._wait_for("the MAAS simulator",
+                             lambda: _http_ok(f"{o.maas_url}/api/2.0/version/"), maas,
+                             limit_s=30)  # fmt: skip
+        tokens["maas_site_id"] = await seed_demo_site(o, tokens["admin_token"], maas_key)
+        _say(f"  maas-sim   ready on {o.maas_url} (pid {maas.pid}), demo site 'demo-maas'")
         for child in started:
             _say(f"  {child.name:<10} ready (pid {child.pid}), log {child.log_path}")
         _say(f"  all up in {time.monotonic() - t0:.1f}s")
@@ -464,9 +560,12 @@ class Stack:
         return 0
 
     async def shutdown(self) -> None:
-        # Gateway, fleet and worker together, then Temporal, then PostgreSQL.
-        apps = [c for c in self.children if c.name != "temporal"]
+        # Gateway, fleet and worker together, then Vault, then Temporal, then PostgreSQL.
+        apps = [c for c in self.children if c.name not in ("temporal", "vault")]
         await asyncio.gather(*(c.stop() for c in apps), return_exceptions=True)
+        for child in self.children:
+            if child.name == "vault":
+                await child.stop()
         if self.client is not None:
             self.client = None
         for child in self.children:
@@ -508,6 +607,8 @@ def print_summary(o: StackOptions, tokens: dict[str, str], stack: Stack) -> None
  Gateway            {api}
  OpenAPI docs       {api}/schema/swagger
  PostgreSQL         {pg_url}
+ Vault (simulator)  {o.vault_addr}  (root token in {_shown(o.vault_token_file)})
+ MAAS (simulator)   {o.maas_url}  (site "demo-maas", API key in {_shown(o.maas_api_key_file)})
  Logs               {_shown(o.logs_dir)}/{{{",".join(logs)}}}
 
  Admin token        {tokens["admin_token"]}
@@ -560,6 +661,10 @@ def parse_args(argv: list[str] | None = None) -> StackOptions:
         help="Temporal gRPC port (default: %(default)s)")
     add("--ui-port", type=int, default=int(env.get("GPUCLOUD_TEMPORAL_UI_PORT", "8233")),
         help="Temporal Web port (default: %(default)s)")
+    add("--vault-port", type=int, default=int(env.get("GPUCLOUD_VAULT_PORT", "8200")),
+        help="Vault simulator port (default: %(default)s)")
+    add("--maas-port", type=int, default=int(env.get("GPUCLOUD_MAAS_SIM_PORT", "5240")),
+        help="MAAS simulator port (default: %(default)s)")
     add("--state-dir", type=Path,
         default=Path(env.get("GPUCLOUD_STATE_DIR", REPO_ROOT / ".state")),
         help="PostgreSQL data, Temporal history, tokens and logs (default: %(default)s)")
@@ -578,6 +683,8 @@ def parse_args(argv: list[str] | None = None) -> StackOptions:
         agents=args.agents,
         check=args.check,
         reset=args.reset,
+        vault_port=args.vault_port,
+        maas_port=args.maas_port,
     )
 
 
@@ -643,7 +750,7 @@ async def run(o: StackOptions) -> int:
         _say(f"\n!! the stack failed to start: {type(err).__name__}: {err}")
         rc = 1
     finally:
-        _say("Stopping: gateway, fleet, worker, Temporal, PostgreSQL ...")
+        _say("Stopping: gateway, fleet, worker, Vault, Temporal, PostgreSQL ...")
         await stack.shutdown()
         _say("Stopped.")
     return rc

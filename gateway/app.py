@@ -21,6 +21,7 @@ from litestar.openapi.spec import Components, SecurityScheme
 from temporalio.client import Client
 
 from core.config import Settings
+from core.secrets import SecretStore, VaultSecretStore
 from core.temporal import connect
 from gateway.auth import provide_principal
 from gateway.config import GatewayConfig
@@ -33,9 +34,17 @@ from gateway.controllers.admin import (
 from gateway.controllers.allocations import AllocationsController
 from gateway.controllers.codec import CodecController
 from gateway.controllers.health import HealthController
+from gateway.controllers.maas_sites import AdminMaasSitesController
 from gateway.controllers.ssh_keys import SshKeysController
 from gateway.errors import exception_handler
-from gateway.runtime import STATE_KEY, Runtime, provide_db, provide_runtime, provide_temporal
+from gateway.runtime import (
+    STATE_KEY,
+    Runtime,
+    provide_db,
+    provide_runtime,
+    provide_secrets,
+    provide_temporal,
+)
 from gateway.temporal import TemporalOps
 from schema.db import create_engine, session_factory
 
@@ -78,6 +87,7 @@ def create_app(
     *,
     temporal_client: Client | None = None,
     config: GatewayConfig | None = None,
+    secret_store: SecretStore | None = None,
 ) -> Litestar:
     gateway_config = config or GatewayConfig.from_env()
 
@@ -102,6 +112,7 @@ def create_app(
             engine=engine,
             sessions=session_factory(engine),
             temporal=TemporalOps(client, settings),
+            secrets=secret_store or VaultSecretStore.from_settings(settings),
         )
         try:
             yield
@@ -118,12 +129,14 @@ def create_app(
             SshKeysController,
             AllocationsController,
             CodecController,
+            AdminMaasSitesController,
         ],
         dependencies={
             "db": Provide(provide_db),
             "runtime": Provide(provide_runtime),
             "temporal": Provide(provide_temporal),
             "principal": Provide(provide_principal),
+            "secrets": Provide(provide_secrets),
         },
         exception_handlers={Exception: exception_handler},
         lifespan=[lifespan],

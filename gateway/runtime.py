@@ -10,6 +10,7 @@ from litestar.datastructures import State
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from core.config import Settings
+from core.secrets import SecretStore
 from gateway.config import GatewayConfig
 from gateway.temporal import TemporalOps
 
@@ -23,6 +24,8 @@ class Runtime:
     engine: AsyncEngine
     sessions: async_sessionmaker[AsyncSession]
     temporal: TemporalOps
+    # Read at call time, never cached: a rotated secret is used by the next request.
+    secrets: SecretStore
 
 
 def get_runtime(state: State) -> Runtime:
@@ -44,3 +47,7 @@ async def provide_db(state: State) -> AsyncIterator[AsyncSession]:
 
 async def provide_temporal(state: State) -> TemporalOps:
     return get_runtime(state).temporal
+
+
+async def provide_secrets(state: State) -> SecretStore:
+    return get_runtime(state).secrets

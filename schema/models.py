@@ -302,3 +302,104 @@ class NodeTaskEvent(Base):
         Index("node_task_events_task", "node_task_id", "occurred_at"),
         UniqueConstraint("node_task_id", "phase", "status", name="node_task_events_once"),
     )
+
+
+# --- MAAS sites (seed 003 §3) ----------------------------------------------------------------
+
+
+class MaasSite(Base):
+    """A MAAS region controller. Secrets live in Vault; the row holds only their paths."""
+
+    __tablename__ = "maas_sites"
+    id: Mapped[uuid.UUID] = mapped_column(UUID, primary_key=True)
+    name: Mapped[str] = mapped_column(String(100), unique=True)
+    region_code: Mapped[str] = mapped_column(String(50))
+    api_base_url: Mapped[str] = mapped_column(String(500))
+    api_token_vault_path: Mapped[str] = mapped_column(String(300))
+    default_power_creds_vault_path: Mapped[str] = mapped_column(String(300))
+    deploy_password_vault_path: Mapped[str] = mapped_column(String(300))
+    pxe_iface: Mapped[str] = mapped_column(String(64))
+    pxe_vlan_vid: Mapped[int] = mapped_column(Integer)
+    node_pxe_iface: Mapped[str] = mapped_column(String(64))
+    distro_series: Mapped[str] = mapped_column(String(64), server_default=text("'ubuntu/noble'"))
+    architecture: Mapped[str] = mapped_column(String(64), server_default=text("'amd64/generic'"))
+    deploy_user: Mapped[str] = mapped_column(String(64), server_default=text("'hpcadmin'"))
+    deploy_ssh_iface: Mapped[str] = mapped_column(String(64), server_default=text("'eno8303'"))
+    upstream_dns_servers: Mapped[list[str]] = mapped_column(
+        ARRAY(Text), server_default=text("'{1.1.1.1,8.8.8.8}'")
+    )
+    status: Mapped[str] = mapped_column(String(16), server_default=text("'active'"))
+    # When the MAAS token was last validated and written to Vault (never the token itself).
+    credentials_updated_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    maas_version: Mapped[str | None] = mapped_column(String(64))
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=NOW)
+    updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=NOW)
+    __table_args__ = (
+        CheckConstraint("status IN ('active', 'disabled')", name="maas_sites_status"),
+        CheckConstraint("pxe_vlan_vid BETWEEN 0 AND 4094", name="maas_sites_vlan"),
+    )
+
+
+class MaasSitePolicy(Base):
+    """The site's implicit default profile: every knob of seed 003 §3.6 with its default."""
+
+    __tablename__ = "maas_site_policies"
+    site_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("maas_sites.id"), primary_key=True)
+    strict_pxe_preflight: Mapped[bool] = mapped_column(Boolean, server_default=text("true"))
+    enable_phase2_roce: Mapped[bool] = mapped_column(Boolean, server_default=text("true"))
+    require_hw_sync: Mapped[bool] = mapped_column(Boolean, server_default=text("true"))
+    hardware_sync_interval: Mapped[str] = mapped_column(String(16), server_default=text("'15m'"))
+    release_fallback_no_erase: Mapped[bool] = mapped_column(Boolean, server_default=text("true"))
+    enable_deploy_retry_on_datasource_failure: Mapped[bool] = mapped_column(
+        Boolean, server_default=text("true")
+    )
+    max_deploy_retry_attempts: Mapped[int] = mapped_column(Integer, server_default=text("1"))
+    auto_claim_single_new_machine: Mapped[bool] = mapped_column(
+        Boolean, server_default=text("false")
+    )
+    batch_max_parallel: Mapped[int] = mapped_column(Integer, server_default=text("10"))
+    site_bootstrap_bundle_ref: Mapped[str | None] = mapped_column(String(300))
+    enrollment_token_ttl_seconds: Mapped[int] = mapped_column(Integer, server_default=text("7200"))
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=NOW)
+    updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=NOW)
+    __table_args__ = (
+        CheckConstraint("max_deploy_retry_attempts BETWEEN 0 AND 10", name="policy_deploy_retries"),
+        CheckConstraint("batch_max_parallel BETWEEN 1 AND 500", name="policy_batch_parallel"),
+        CheckConstraint("enrollment_token_ttl_seconds > 0", name="policy_enrollment_ttl"),
+        CheckConstraint("hardware_sync_interval ~ '^[0-9]+[smh]$'", name="policy_hw_sync_interval"),
+    )
+
+
+class MaasPowerCredentialOverride(Base):
+    """A per-node exception to the site's default BMC credentials (seed 003 §3.2.1)."""
+
+    __tablename__ = "maas_power_credential_overrides"
+    id: Mapped[uuid.UUID] = mapped_column(UUID, primary_key=True)
+    site_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("maas_sites.id"))
+    selector_type: Mapped[str] = mapped_column(String(16))
+    selector_value: Mapped[str] = mapped_column(String(255))
+    vault_path: Mapped[str] = mapped_column(String(300))
+    status: Mapped[str] = mapped_column(String(16), server_default=text("'active'"))
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=NOW)
+    updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=NOW)
+    __table_args__ = (
+        UniqueConstraint("site_id", "selector_type", "selector_value", name="power_override_once"),
+        CheckConstraint(
+            "selector_type IN ('hostname', 'ipmi_ip', 'pxe_mac')", name="power_override_selector"
+        ),
+        CheckConstraint("status IN ('active', 'disabled')", name="power_override_status"),
+    )
+
+
+class MaasRoceAssignment(Base):
+    __tablename__ = "maas_roce_assignments"
+    id: Mapped[uuid.UUID] = mapped_column(UUID, primary_key=True)
+    site_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("maas_sites.id"))
+    hostname: Mapped[str] = mapped_column(String(253))
+    interface: Mapped[str] = mapped_column(String(64))
+    ipv4_cidr: Mapped[str] = mapped_column(String(43))
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=NOW)
+    updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=NOW)
+    __table_args__ = (
+        UniqueConstraint("site_id", "hostname", "interface", name="roce_assignment_once"),
+    )

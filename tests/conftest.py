@@ -1,8 +1,8 @@
 """Session harness: one private PostgreSQL cluster with a migrated database, one Temporal dev
 server (the real `temporal` CLI), both started here; rows cleared before each test.
 
-Subsystem fixtures live beside their tests (tests/gateway_fixtures.py, tests/agent_fixtures.py)
-and are registered below, so each has one owner.
+Subsystem fixtures live beside their tests (tests/gateway_fixtures.py, tests/agent_fixtures.py,
+tests/vault_fixtures.py) and are registered below, so each has one owner.
 """
 
 from __future__ import annotations
@@ -31,7 +31,12 @@ from schema.db import create_engine, session_factory
 from schema.migrate import upgrade
 from schema.models import Base
 
-pytest_plugins = ["tests.gateway_fixtures", "tests.agent_fixtures"]
+pytest_plugins = [
+    "tests.gateway_fixtures",
+    "tests.agent_fixtures",
+    "tests.vault_fixtures",
+    "tests.maas_fixtures",
+]
 
 # Recorded histories in tests/histories were written with this key; keep it fixed.
 TEST_CODEC_KEY = b"gpucloud-test-codec-key-32bytes!"

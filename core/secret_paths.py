@@ -1,0 +1,28 @@
+"""Where each secret lives in Vault KV v2 (seed 003 §3.2). The database stores these paths, never
+the values; the first segment is the KV mount."""
+
+from __future__ import annotations
+
+import uuid
+
+KV_MOUNT = "kv"
+
+
+def site_api_token_path(site_id: uuid.UUID) -> str:
+    """→ {"token": "<consumer_key>:<token_key>:<token_secret>"}"""
+    return f"{KV_MOUNT}/maas-sites/{site_id}/api-token"
+
+
+def site_default_power_path(site_id: uuid.UUID) -> str:
+    """→ {"user": ..., "pass": ...}"""
+    return f"{KV_MOUNT}/maas-sites/{site_id}/power/default"
+
+
+def site_deploy_password_path(site_id: uuid.UUID) -> str:
+    """→ {"password": ...}"""
+    return f"{KV_MOUNT}/maas-sites/{site_id}/deploy-password"
+
+
+def power_override_path(site_id: uuid.UUID, override_id: uuid.UUID) -> str:
+    """→ {"user": ..., "pass": ...}"""
+    return f"{KV_MOUNT}/maas-sites/{site_id}/power/overrides/{override_id}"

@@ -1,0 +1,233 @@
+"""The product's secret store: Vault KV version 2 through hvac (seed 003 §3.2, architecture rule 8).
+
+Paths are full paths whose first segment is the KV mount, e.g. "kv/maas-sites/<id>/api-token"
+(core.secret_paths builds them). Every call goes to Vault, nothing is cached, and a token file is
+re-read on each call: a rotated secret or token is used by the next call, with no restart.
+
+Errors are SecretStoreError subclasses whose messages name the operation and the path but never a
+secret value, nor the text of the underlying exception (hvac's and requests' messages can carry
+response or request bodies). They are raised outside the `except` block that caught the original,
+so neither __cause__ nor __context__ links back to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+import hvac
+import hvac.exceptions
+import requests
+
+from core.config import Settings
+
+T = TypeVar("T")
+
+
+class SecretStoreError(Exception):
+    """A secret operation failed; `path` says which secret. Never carries a secret value."""
+
+    def __init__(self, message: str, *, path: str) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class SecretStoreUnavailable(SecretStoreError):
+    """Vault did not answer in time, refused the connection, is sealed or answered 5xx/429:
+    worth retrying later."""
+
+
+class SecretStoreForbidden(SecretStoreError):
+    """Vault answered 403: the token is wrong, expired or not allowed this path."""
+
+
+class SecretStoreMisconfigured(SecretStoreError):
+    """The call cannot succeed as configured: no token, an unreadable token file, a malformed path
+    or a KV mount that Vault does not have."""
+
+
+@runtime_checkable  # Litestar checks injected dependencies against their annotation
+class SecretStore(Protocol):
+    """What the gateway and activities need from a secret store."""
+
+    async def read(self, path: str) -> dict[str, str] | None: ...
+
+    async def write(self, path: str, data: Mapping[str, str]) -> int: ...
+
+    async def delete(self, path: str) -> None: ...
+
+
+# hvac raises one class per status; these mean "Vault is there but cannot serve now".
+_UNAVAILABLE_STATUS = {
+    hvac.exceptions.VaultDown: 503,
+    hvac.exceptions.InternalServerError: 500,
+    hvac.exceptions.BadGateway: 502,
+    hvac.exceptions.VaultNotInitialized: 501,
+    hvac.exceptions.RateLimitExceeded: 429,
+}
+
+
+def split_path(path: str) -> tuple[str, str]:
+    """("kv", "maas-sites/<id>/api-token") from "kv/maas-sites/<id>/api-token"."""
+    mount, _, key = path.partition("/")
+    if not mount or not key or key.startswith("/") or key.endswith("/") or "//" in key:
+        raise SecretStoreMisconfigured(
+            f"secret path {path!r} is not <mount>/<key> (e.g. kv/maas-sites/<id>/api-token)",
+            path=path,
+        )
+    return mount, key
+
+
+class VaultSecretStore:
+    """SecretStore on Vault KV v2. hvac is synchronous: each call runs in a worker thread with a
+    client of its own (requests sessions are not meant to be shared between threads), bounded by
+    `timeout` seconds for the connection and again for the answer."""
+
+    def __init__(
+        self,
+        addr: str,
+        token: str | None = None,
+        token_file: str | Path | None = None,
+        timeout: float = 5.0,
+    ) -> None:
+        if token is not None and token_file is not None:
+            raise ValueError("give a Vault token or a token file, not both")
+        self._addr = addr.rstrip("/")
+        self._token = token or None
+        self._token_file = Path(token_file) if token_file is not None else None
+        self._timeout = timeout
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> VaultSecretStore:
+        """GPUCLOUD_VAULT_ADDR with GPUCLOUD_VAULT_TOKEN_FILE (preferred: rotates without a
+        restart) or GPUCLOUD_VAULT_TOKEN."""
+        if settings.vault_token_file:
+            return cls(settings.vault_addr, token_file=settings.vault_token_file,
+                       timeout=settings.vault_timeout_seconds)  # fmt: skip
+        return cls(settings.vault_addr, token=settings.vault_token,
+                   timeout=settings.vault_timeout_seconds)  # fmt: skip
+
+    def __repr__(self) -> str:
+        source = f"token_file={str(self._token_file)!r}" if self._token_file else "token=<hidden>"
+        return f"VaultSecretStore(addr={self._addr!r}, {source}, timeout={self._timeout})"
+
+    @property
+    def addr(self) -> str:
+        return self._addr
+
+    async def read(self, path: str) -> dict[str, str] | None:
+        """The latest version's data; None when the secret does not exist or its latest version
+        is deleted or destroyed."""
+        mount, key = split_path(path)
+
+        def call(client: hvac.Client) -> Any:
+            try:
+                response = client.secrets.kv.v2.read_secret_version(
+                    path=key, mount_point=mount, raise_on_deleted_version=True
+                )
+            except hvac.exceptions.InvalidPath as exc:
+                # Vault's 404 for an absent or deleted secret has no error text; one with text
+                # ("no handler for route ...") means the mount itself is missing.
+                if exc.errors:
+                    raise
+                return None
+            return response["data"]["data"]
+
+        data = await asyncio.to_thread(self._run, "read", path, call)
+        if data is None:
+            return None
+        if not isinstance(data, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in data.items()
+        ):
+            raise SecretStoreError(f"secret {path!r} in Vault is not a map of strings", path=path)
+        return {str(k): str(v) for k, v in data.items()}
+
+    async def write(self, path: str, data: Mapping[str, str]) -> int:
+        """Store `data` as the secret's new version; returns that version number."""
+        mount, key = split_path(path)
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in data.items()):
+            raise SecretStoreError(f"secret {path!r}: keys and values must be strings", path=path)
+        payload = dict(data)
+
+        def call(client: hvac.Client) -> Any:
+            response = client.secrets.kv.v2.create_or_update_secret(
+                path=key, secret=payload, mount_point=mount
+            )
+            return response["data"]["version"]
+
+        return int(await asyncio.to_thread(self._run, "write", path, call))
+
+    async def delete(self, path: str) -> None:
+        """Remove every version and the metadata; no error when the secret does not exist."""
+        mount, key = split_path(path)
+
+        def call(client: hvac.Client) -> None:
+            client.secrets.kv.v2.delete_metadata_and_all_versions(path=key, mount_point=mount)
+
+        await asyncio.to_thread(self._run, "delete", path, call)
+
+    # --- in the worker thread ------------------------------------------------------------------
+
+    def _current_token(self, path: str) -> str:
+        if self._token_file is None:
+            if not self._token:
+                raise SecretStoreMisconfigured(
+                    "no Vault token configured (GPUCLOUD_VAULT_TOKEN_FILE or GPUCLOUD_VAULT_TOKEN)",
+                    path=path,
+                )
+            return self._token
+        try:
+            token = self._token_file.read_text().strip()
+        except OSError as exc:
+            reason = exc.strerror or type(exc).__name__
+            error = SecretStoreMisconfigured(
+                f"cannot read the Vault token file {str(self._token_file)!r}: {reason}", path=path
+            )
+        else:
+            if token:
+                return token
+            error = SecretStoreMisconfigured(
+                f"the Vault token file {str(self._token_file)!r} is empty", path=path
+            )
+        raise error from None
+
+    def _run(self, operation: str, path: str, call: Callable[[hvac.Client], T]) -> T:
+        client = hvac.Client(url=self._addr, token=self._current_token(path), timeout=self._timeout)
+        error: SecretStoreError
+        try:
+            return call(client)
+        except Exception as exc:  # translated below, outside this block, so nothing chains
+            error = self._translate(exc, operation, path)
+        finally:
+            client.adapter.close()
+        raise error from None
+
+    def _translate(self, exc: Exception, operation: str, path: str) -> SecretStoreError:
+        what = f"Vault {operation} of {path!r}"
+        if isinstance(exc, SecretStoreError):
+            return exc
+        if isinstance(exc, hvac.exceptions.Forbidden):
+            return SecretStoreForbidden(
+                f"{what} was denied (HTTP 403): the token is invalid or lacks permission", path=path
+            )
+        status = _UNAVAILABLE_STATUS.get(type(exc))
+        if status is not None:
+            return SecretStoreUnavailable(f"{what} failed: Vault answered HTTP {status}", path=path)
+        if isinstance(exc, requests.exceptions.Timeout):
+            return SecretStoreUnavailable(
+                f"{what} timed out after {self._timeout:g}s ({self._addr})", path=path
+            )
+        if isinstance(exc, requests.exceptions.RequestException):
+            return SecretStoreUnavailable(
+                f"{what} failed: cannot reach Vault at {self._addr} ({type(exc).__name__})",
+                path=path,
+            )
+        if isinstance(exc, hvac.exceptions.InvalidPath):
+            return SecretStoreMisconfigured(
+                f"{what} failed (HTTP 404): no such KV v2 mount or route", path=path
+            )
+        if isinstance(exc, hvac.exceptions.InvalidRequest):
+            return SecretStoreError(f"{what} was rejected by Vault (HTTP 400)", path=path)
+        return SecretStoreError(f"{what} failed ({type(exc).__name__})", path=path)

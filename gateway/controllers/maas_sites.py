@@ -1,0 +1,293 @@
+"""Admin routes for MAAS sites (seed 003 §3.4): sites and their policy, credentials (validated
+against MAAS, written to Vault), probe, RoCE assignments and power credential overrides."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from litestar import Controller, Request, Response, delete, get, patch, post
+from litestar.di import NamedDependency
+from litestar.params import FromPath, JSONBody
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from core.secrets import SecretStore
+from gateway import audit, maas_sites
+from gateway.auth import Principal, admin_guard
+from gateway.controllers.common import audit_reason, errors
+from gateway.errors import NotFound
+from gateway.maas_schemas import (
+    CredentialsWritten,
+    PowerOverrideCreate,
+    PowerOverrideList,
+    PowerOverridePatch,
+    PowerOverrideView,
+    ProbeResult,
+    RoceBulk,
+    RoceList,
+    RoceUpserted,
+    SiteCreate,
+    SiteCredentials,
+    SiteList,
+    SitePatch,
+    SiteView,
+)
+from schema.models import MaasPowerCredentialOverride, MaasRoceAssignment
+
+AnyRequest = Request[Any, Any, Any]
+
+
+class AdminMaasSitesController(Controller):
+    path = "/api/v1/admin/maas-sites"
+    guards = [admin_guard]
+    tags = ["admin: MAAS sites"]
+
+    @post(
+        "/",
+        status_code=201,
+        summary="Create a site (non-secret fields and policy)",
+        responses=errors(400, 403, 409, 413, 422),
+    )
+    async def create_site(
+        self,
+        data: JSONBody[SiteCreate],
+        db: NamedDependency[AsyncSession],
+        principal: NamedDependency[Principal],
+        request: AnyRequest,
+    ) -> SiteView:
+        return await maas_sites.create_site(db, principal, data, audit_reason(request, data.reason))
+
+    @get("/", summary="List sites", responses=errors(403))
+    async def list_sites(self, db: NamedDependency[AsyncSession]) -> SiteList:
+        return SiteList(items=await maas_sites.list_sites(db))
+
+    @get("/{site_id:uuid}", summary="One site with its policy", responses=errors(403, 404))
+    async def get_site(
+        self, db: NamedDependency[AsyncSession], site_id: FromPath[uuid.UUID]
+    ) -> SiteView:
+        return await maas_sites.get_site_view(db, site_id)
+
+    @patch(
+        "/{site_id:uuid}",
+        summary="Update site fields, policy, or status (disable/enable)",
+        responses=errors(400, 403, 404, 413, 422),
+    )
+    async def patch_site(
+        self,
+        data: JSONBody[SitePatch],
+        db: NamedDependency[AsyncSession],
+        principal: NamedDependency[Principal],
+        request: AnyRequest,
+        site_id: FromPath[uuid.UUID],
+    ) -> SiteView:
+        return await maas_sites.patch_site(
+            db, principal, site_id, data, audit_reason(request, data.reason)
+        )
+
+    @delete(
+        "/{site_id:uuid}",
+        status_code=200,
+        summary="Disable the site (soft delete: new onboardings are rejected, running ones "
+        "continue)",
+        responses=errors(403, 404),
+    )
+    async def disable_site(
+        self,
+        db: NamedDependency[AsyncSession],
+        principal: NamedDependency[Principal],
+        request: AnyRequest,
+        site_id: FromPath[uuid.UUID],
+    ) -> SiteView:
+        return await maas_sites.patch_site(
+            db,
+            principal,
+            site_id,
+            SitePatch(status="disabled"),
+            audit_reason(request),
+            action="maas_site.disable",
+        )
+
+    @post(
+        "/{site_id:uuid}/credentials",
+        status_code=200,
+        summary="Validate a MAAS API key against MAAS, then write it (and optional power and "
+        "deploy credentials) to Vault",
+        responses=errors(400, 403, 404, 413, 422),
+    )
+    async def set_credentials(
+        self,
+        data: JSONBody[SiteCredentials],
+        db: NamedDependency[AsyncSession],
+        secrets: NamedDependency[SecretStore],
+        principal: NamedDependency[Principal],
+        request: AnyRequest,
+        site_id: FromPath[uuid.UUID],
+    ) -> CredentialsWritten:
+        return await maas_sites.set_credentials(
+            db, secrets, principal, site_id, data, audit_reason(request, data.reason)
+        )
+
+    @post(
+        "/{site_id:uuid}/probe",
+        status_code=200,
+        summary="Reach MAAS with the stored token: version and rack controllers",
+        responses=errors(403, 404, 409),
+    )
+    async def probe(
+        self,
+        db: NamedDependency[AsyncSession],
+        secrets: NamedDependency[SecretStore],
+        site_id: FromPath[uuid.UUID],
+    ) -> ProbeResult:
+        return await maas_sites.probe(db, secrets, site_id)
+
+    # --- RoCE assignments ---
+
+    @post(
+        "/{site_id:uuid}/roce-assignments",
+        status_code=200,
+        summary="Bulk upsert, idempotent on site + hostname + interface",
+        responses=errors(400, 403, 404, 413, 422),
+    )
+    async def upsert_roce(
+        self,
+        data: JSONBody[RoceBulk],
+        db: NamedDependency[AsyncSession],
+        principal: NamedDependency[Principal],
+        request: AnyRequest,
+        site_id: FromPath[uuid.UUID],
+    ) -> RoceUpserted:
+        return await maas_sites.upsert_roce(
+            db, principal, site_id, data, audit_reason(request, data.reason)
+        )
+
+    @get("/{site_id:uuid}/roce-assignments", summary="List", responses=errors(403, 404))
+    async def list_roce(
+        self, db: NamedDependency[AsyncSession], site_id: FromPath[uuid.UUID]
+    ) -> RoceList:
+        await maas_sites.load_site(db, site_id)
+        rows = await db.scalars(
+            select(MaasRoceAssignment)
+            .where(MaasRoceAssignment.site_id == site_id)
+            .order_by(MaasRoceAssignment.hostname, MaasRoceAssignment.interface)
+        )
+        return RoceList(items=[maas_sites.roce_view(r) for r in rows])
+
+    @delete(
+        "/{site_id:uuid}/roce-assignments/{assignment_id:uuid}",
+        status_code=204,
+        summary="Remove one",
+        responses=errors(403, 404),
+    )
+    async def delete_roce(
+        self,
+        db: NamedDependency[AsyncSession],
+        principal: NamedDependency[Principal],
+        request: AnyRequest,
+        site_id: FromPath[uuid.UUID],
+        assignment_id: FromPath[uuid.UUID],
+    ) -> Response[None]:
+        row = await db.get(MaasRoceAssignment, assignment_id)
+        if row is None or row.site_id != site_id:
+            raise NotFound("RoCE assignment not found")
+        await db.delete(row)
+        audit.record_by(
+            db,
+            principal,
+            action="maas_site.roce_delete",
+            target_type="maas_roce_assignment",
+            target_id=str(assignment_id),
+            reason=audit_reason(request),
+            details={"site_id": str(site_id), "hostname": row.hostname, "interface": row.interface},
+        )
+        await db.commit()
+        return Response(None, status_code=204)
+
+    # --- power credential overrides ---
+
+    @post(
+        "/{site_id:uuid}/power-overrides",
+        status_code=201,
+        summary="Add a per-node BMC credential override (secret written to Vault)",
+        responses=errors(400, 403, 404, 409, 413, 422),
+    )
+    async def create_override(
+        self,
+        data: JSONBody[PowerOverrideCreate],
+        db: NamedDependency[AsyncSession],
+        secrets: NamedDependency[SecretStore],
+        principal: NamedDependency[Principal],
+        request: AnyRequest,
+        site_id: FromPath[uuid.UUID],
+    ) -> PowerOverrideView:
+        return await maas_sites.create_override(
+            db, secrets, principal, site_id, data, audit_reason(request, data.reason)
+        )
+
+    @get("/{site_id:uuid}/power-overrides", summary="List overrides", responses=errors(403, 404))
+    async def list_overrides(
+        self, db: NamedDependency[AsyncSession], site_id: FromPath[uuid.UUID]
+    ) -> PowerOverrideList:
+        await maas_sites.load_site(db, site_id)
+        rows = await db.scalars(
+            select(MaasPowerCredentialOverride)
+            .where(MaasPowerCredentialOverride.site_id == site_id)
+            .order_by(
+                MaasPowerCredentialOverride.selector_type,
+                MaasPowerCredentialOverride.selector_value,
+            )
+        )
+        return PowerOverrideList(items=[maas_sites.override_view(r) for r in rows])
+
+    @get(
+        "/{site_id:uuid}/power-overrides/{override_id:uuid}",
+        summary="One override",
+        responses=errors(403, 404),
+    )
+    async def get_override(
+        self,
+        db: NamedDependency[AsyncSession],
+        site_id: FromPath[uuid.UUID],
+        override_id: FromPath[uuid.UUID],
+    ) -> PowerOverrideView:
+        return maas_sites.override_view(await maas_sites.load_override(db, site_id, override_id))
+
+    @patch(
+        "/{site_id:uuid}/power-overrides/{override_id:uuid}",
+        summary="Rotate the override's credentials and/or enable/disable it",
+        responses=errors(400, 403, 404, 413, 422),
+    )
+    async def patch_override(
+        self,
+        data: JSONBody[PowerOverridePatch],
+        db: NamedDependency[AsyncSession],
+        secrets: NamedDependency[SecretStore],
+        principal: NamedDependency[Principal],
+        request: AnyRequest,
+        site_id: FromPath[uuid.UUID],
+        override_id: FromPath[uuid.UUID],
+    ) -> PowerOverrideView:
+        return await maas_sites.patch_override(
+            db, secrets, principal, site_id, override_id, data, audit_reason(request, data.reason)
+        )
+
+    @delete(
+        "/{site_id:uuid}/power-overrides/{override_id:uuid}",
+        status_code=204,
+        summary="Remove an override and its secret",
+        responses=errors(403, 404),
+    )
+    async def delete_override(
+        self,
+        db: NamedDependency[AsyncSession],
+        secrets: NamedDependency[SecretStore],
+        principal: NamedDependency[Principal],
+        request: AnyRequest,
+        site_id: FromPath[uuid.UUID],
+        override_id: FromPath[uuid.UUID],
+    ) -> Response[None]:
+        await maas_sites.delete_override(
+            db, secrets, principal, site_id, override_id, audit_reason(request)
+        )
+        return Response(None, status_code=204)

@@ -1,0 +1,222 @@
+"""Request and response bodies of the MAAS site admin API (seed 003 §3.4). Secrets only ever
+travel inward (credentials, power overrides); no response has a field that could hold one."""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from typing import Annotated, Literal
+
+import msgspec
+
+from gateway.schemas import Name, Reason, Request
+
+Interface = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._:-]+$")]
+Hostname = Annotated[
+    str,
+    msgspec.Meta(
+        min_length=1, max_length=253, pattern=r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$"
+    ),
+]
+RegionCode = Annotated[str, msgspec.Meta(min_length=1, max_length=50, pattern=r"^[a-z0-9-]+$")]
+Url = Annotated[str, msgspec.Meta(min_length=8, max_length=500, pattern=r"^https?://[^\s]+$")]
+Secret = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+SiteStatus = Literal["active", "disabled"]
+
+
+class SitePolicy(msgspec.Struct, kw_only=True):
+    """Every knob of seed 003 §3.6, with its default."""
+
+    strict_pxe_preflight: bool = True
+    enable_phase2_roce: bool = True
+    require_hw_sync: bool = True
+    hardware_sync_interval: Annotated[str, msgspec.Meta(pattern=r"^[0-9]{1,5}[smh]$")] = "15m"
+    release_fallback_no_erase: bool = True
+    enable_deploy_retry_on_datasource_failure: bool = True
+    max_deploy_retry_attempts: Annotated[int, msgspec.Meta(ge=0, le=10)] = 1
+    auto_claim_single_new_machine: bool = False
+    batch_max_parallel: Annotated[int, msgspec.Meta(ge=1, le=500)] = 10
+    site_bootstrap_bundle_ref: Annotated[str, msgspec.Meta(max_length=300)] | None = None
+    enrollment_token_ttl_seconds: Annotated[int, msgspec.Meta(ge=60, le=7 * 24 * 3600)] = 7200
+
+
+class SitePolicyPatch(Request):
+    strict_pxe_preflight: bool | None = None
+    enable_phase2_roce: bool | None = None
+    require_hw_sync: bool | None = None
+    hardware_sync_interval: Annotated[str, msgspec.Meta(pattern=r"^[0-9]{1,5}[smh]$")] | None = None
+    release_fallback_no_erase: bool | None = None
+    enable_deploy_retry_on_datasource_failure: bool | None = None
+    max_deploy_retry_attempts: Annotated[int, msgspec.Meta(ge=0, le=10)] | None = None
+    auto_claim_single_new_machine: bool | None = None
+    batch_max_parallel: Annotated[int, msgspec.Meta(ge=1, le=500)] | None = None
+    site_bootstrap_bundle_ref: Annotated[str, msgspec.Meta(max_length=300)] | None = None
+    enrollment_token_ttl_seconds: Annotated[int, msgspec.Meta(ge=60, le=7 * 24 * 3600)] | None = (
+        None
+    )
+
+
+class SiteCreate(Request):
+    name: Name
+    region_code: RegionCode
+    api_base_url: Url
+    pxe_iface: Interface
+    pxe_vlan_vid: Annotated[int, msgspec.Meta(ge=0, le=4094)]
+    node_pxe_iface: Interface
+    distro_series: Annotated[str, msgspec.Meta(min_length=1, max_length=64)] = "ubuntu/noble"
+    architecture: Annotated[str, msgspec.Meta(min_length=1, max_length=64)] = "amd64/generic"
+    deploy_user: Annotated[str, msgspec.Meta(pattern=r"^[a-z_][a-z0-9_-]{0,31}$")] = "hpcadmin"
+    deploy_ssh_iface: Interface = "eno8303"
+    upstream_dns_servers: Annotated[list[str], msgspec.Meta(min_length=1, max_length=8)] = (
+        msgspec.field(default_factory=lambda: ["1.1.1.1", "8.8.8.8"])
+    )
+    policy: SitePolicyPatch | None = None
+    reason: Reason | None = None
+
+
+class SitePatch(Request):
+    region_code: RegionCode | None = None
+    api_base_url: Url | None = None
+    pxe_iface: Interface | None = None
+    pxe_vlan_vid: Annotated[int, msgspec.Meta(ge=0, le=4094)] | None = None
+    node_pxe_iface: Interface | None = None
+    distro_series: Annotated[str, msgspec.Meta(min_length=1, max_length=64)] | None = None
+    architecture: Annotated[str, msgspec.Meta(min_length=1, max_length=64)] | None = None
+    deploy_user: Annotated[str, msgspec.Meta(pattern=r"^[a-z_][a-z0-9_-]{0,31}$")] | None = None
+    deploy_ssh_iface: Interface | None = None
+    upstream_dns_servers: Annotated[list[str], msgspec.Meta(min_length=1, max_length=8)] | None = (
+        None
+    )
+    status: SiteStatus | None = None
+    policy: SitePolicyPatch | None = None
+    reason: Reason | None = None
+
+
+class SiteView(msgspec.Struct, kw_only=True):
+    id: uuid.UUID
+    name: str
+    region_code: str
+    api_base_url: str
+    status: str
+    pxe_iface: str
+    pxe_vlan_vid: int
+    node_pxe_iface: str
+    distro_series: str
+    architecture: str
+    deploy_user: str
+    deploy_ssh_iface: str
+    upstream_dns_servers: list[str]
+    # Where the secrets live (paths, never values) and whether the MAAS token was validated.
+    api_token_vault_path: str
+    default_power_creds_vault_path: str
+    deploy_password_vault_path: str
+    credentials_updated_at: dt.datetime | None
+    maas_version: str | None
+    policy: SitePolicy
+    created_at: dt.datetime
+    updated_at: dt.datetime
+
+
+class SiteList(msgspec.Struct, kw_only=True):
+    items: list[SiteView]
+
+
+class PowerCredentials(Request):
+    user: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+    password: Secret
+
+
+class SiteCredentials(Request):
+    """POST …/credentials. The MAAS API key is validated against MAAS before anything is
+    written; power credentials and the deploy password are optional on rotation."""
+
+    maas_api_key: Secret
+    power: PowerCredentials | None = None
+    deploy_password: Secret | None = None
+    reason: Reason | None = None
+
+
+class CredentialsWritten(msgspec.Struct, kw_only=True):
+    site_id: uuid.UUID
+    maas_version: str
+    written_paths: list[str]
+
+
+class RackControllerView(msgspec.Struct, kw_only=True):
+    system_id: str
+    hostname: str
+    version: str | None = None
+
+
+class ProbeResult(msgspec.Struct, kw_only=True):
+    site_id: uuid.UUID
+    reachable: bool
+    maas_version: str
+    subversion: str | None
+    capabilities: list[str]
+    rack_controllers: list[RackControllerView]
+
+
+class RoceItem(Request):
+    hostname: Hostname
+    interface: Interface
+    ipv4_cidr: Annotated[str, msgspec.Meta(min_length=9, max_length=18)]
+
+
+class RoceBulk(Request):
+    items: Annotated[list[RoceItem], msgspec.Meta(min_length=1, max_length=2000)]
+    reason: Reason | None = None
+
+
+class RoceView(msgspec.Struct, kw_only=True):
+    id: uuid.UUID
+    hostname: str
+    interface: str
+    ipv4_cidr: str
+    created_at: dt.datetime
+    updated_at: dt.datetime
+
+
+class RoceUpserted(msgspec.Struct, kw_only=True):
+    created: int
+    updated: int
+    unchanged: int
+
+
+class RoceList(msgspec.Struct, kw_only=True):
+    items: list[RoceView]
+
+
+SelectorType = Literal["hostname", "ipmi_ip", "pxe_mac"]
+
+
+class PowerOverrideCreate(Request):
+    selector_type: SelectorType
+    selector_value: Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
+    user: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+    password: Secret
+    reason: Reason | None = None
+
+
+class PowerOverridePatch(Request):
+    """Rotate (user + password) and/or enable/disable."""
+
+    user: Annotated[str, msgspec.Meta(min_length=1, max_length=64)] | None = None
+    password: Secret | None = None
+    status: SiteStatus | None = None
+    reason: Reason | None = None
+
+
+class PowerOverrideView(msgspec.Struct, kw_only=True):
+    id: uuid.UUID
+    site_id: uuid.UUID
+    selector_type: str
+    selector_value: str
+    vault_path: str
+    status: str
+    created_at: dt.datetime
+    updated_at: dt.datetime
+
+
+class PowerOverrideList(msgspec.Struct, kw_only=True):
+    items: list[PowerOverrideView]

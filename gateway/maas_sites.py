@@ -1,0 +1,595 @@
+"""MAAS site use cases behind the admin controller (seed 003 §3.4, §3.5).
+
+Secrets go to Vault only, after MAAS accepted the token; the database keeps their paths. No
+response, log line, audit row or exception message carries a secret value. Network calls
+(MAAS, Vault) never run inside an open database transaction that holds locks for long: rows are
+read, the calls are made, then the change is written and committed with its audit row.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import sqlalchemy.exc
+from sqlalchemy import func, select, text
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from activities.maas.client import MaasClient
+from activities.maas.errors import MaasAuthError, MaasError
+from core.secret_paths import (
+    power_override_path,
+    site_api_token_path,
+    site_default_power_path,
+    site_deploy_password_path,
+)
+from core.secrets import SecretStore, SecretStoreError
+from gateway import audit
+from gateway.auth import Principal
+from gateway.errors import ApiError, Conflict, NotFound, ServiceUnavailable, Unprocessable
+from gateway.identity import constraint_name
+from gateway.maas_schemas import (
+    CredentialsWritten,
+    PowerOverrideCreate,
+    PowerOverridePatch,
+    PowerOverrideView,
+    ProbeResult,
+    RackControllerView,
+    RoceBulk,
+    RoceUpserted,
+    RoceView,
+    SiteCreate,
+    SiteCredentials,
+    SitePatch,
+    SitePolicy,
+    SitePolicyPatch,
+    SiteView,
+)
+from schema.models import (
+    MaasPowerCredentialOverride,
+    MaasRoceAssignment,
+    MaasSite,
+    MaasSitePolicy,
+)
+
+# The credentials check must answer an operator promptly, whatever MAAS is doing.
+MAAS_CHECK_TIMEOUT_SECONDS = 5.0
+_MAC = re.compile(r"^[0-9a-f]{2}(:[0-9a-f]{2}){5}$")
+_HOSTNAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$")
+
+
+class SecretStoreUnavailableError(ServiceUnavailable):
+    def __init__(self, message: str = "the secret store is not reachable; retry shortly") -> None:
+        super().__init__(message, code="secret_store_unavailable")
+
+
+def _maas_rejection(err: MaasError, *, status_code: int) -> ApiError:
+    """MAAS said no or did not answer: a typed answer that names the failure class."""
+    if isinstance(err, MaasAuthError):
+        return ApiError(
+            "MAAS rejected the API key",
+            code="maas_token_rejected",
+            status_code=status_code,
+            details={"failure_class": err.failure_class.value},
+        )
+    return ApiError(
+        "MAAS did not answer (unreachable, timed out or failing)",
+        code="maas_unreachable",
+        status_code=status_code,
+        details={"failure_class": err.failure_class.value},
+    )
+
+
+# --- views ----------------------------------------------------------------------------------
+
+
+def policy_view(policy: MaasSitePolicy) -> SitePolicy:
+    return SitePolicy(
+        **{field: getattr(policy, field) for field in SitePolicy.__struct_fields__},
+    )
+
+
+def site_view(site: MaasSite, policy: MaasSitePolicy) -> SiteView:
+    return SiteView(
+        id=site.id,
+        name=site.name,
+        region_code=site.region_code,
+        api_base_url=site.api_base_url,
+        status=site.status,
+        pxe_iface=site.pxe_iface,
+        pxe_vlan_vid=site.pxe_vlan_vid,
+        node_pxe_iface=site.node_pxe_iface,
+        distro_series=site.distro_series,
+        architecture=site.architecture,
+        deploy_user=site.deploy_user,
+        deploy_ssh_iface=site.deploy_ssh_iface,
+        upstream_dns_servers=list(site.upstream_dns_servers),
+        api_token_vault_path=site.api_token_vault_path,
+        default_power_creds_vault_path=site.default_power_creds_vault_path,
+        deploy_password_vault_path=site.deploy_password_vault_path,
+        credentials_updated_at=site.credentials_updated_at,
+        maas_version=site.maas_version,
+        policy=policy_view(policy),
+        created_at=site.created_at,
+        updated_at=site.updated_at,
+    )
+
+
+def override_view(row: MaasPowerCredentialOverride) -> PowerOverrideView:
+    return PowerOverrideView(
+        id=row.id,
+        site_id=row.site_id,
+        selector_type=row.selector_type,
+        selector_value=row.selector_value,
+        vault_path=row.vault_path,
+        status=row.status,
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+    )
+
+
+def roce_view(row: MaasRoceAssignment) -> RoceView:
+    return RoceView(
+        id=row.id,
+        hostname=row.hostname,
+        interface=row.interface,
+        ipv4_cidr=row.ipv4_cidr,
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+    )
+
+
+# --- sites ----------------------------------------------------------------------------------
+
+
+def _check_dns(servers: Sequence[str]) -> list[str]:
+    try:
+        return [str(ipaddress.ip_address(s)) for s in servers]
+    except ValueError:
+        raise Unprocessable(
+            "upstream_dns_servers must be IP addresses", code="invalid_dns_servers"
+        ) from None
+
+
+def _apply_policy(policy: MaasSitePolicy, patch: SitePolicyPatch | None) -> dict[str, Any]:
+    changed: dict[str, Any] = {}
+    if patch is None:
+        return changed
+    for field in patch.__struct_fields__:
+        value = getattr(patch, field)
+        if value is not None and getattr(policy, field) != value:
+            setattr(policy, field, value)
+            changed[field] = value
+    return changed
+
+
+async def load_site(db: AsyncSession, site_id: uuid.UUID) -> tuple[MaasSite, MaasSitePolicy]:
+    site = await db.get(MaasSite, site_id)
+    policy = await db.get(MaasSitePolicy, site_id)
+    if site is None or policy is None:
+        raise NotFound("MAAS site not found")
+    return site, policy
+
+
+async def create_site(
+    db: AsyncSession, principal: Principal, body: SiteCreate, reason: str | None
+) -> SiteView:
+    site_id = uuid.uuid4()
+    site = MaasSite(
+        id=site_id,
+        name=body.name,
+        region_code=body.region_code,
+        api_base_url=body.api_base_url.rstrip("/"),
+        api_token_vault_path=site_api_token_path(site_id),
+        default_power_creds_vault_path=site_default_power_path(site_id),
+        deploy_password_vault_path=site_deploy_password_path(site_id),
+        pxe_iface=body.pxe_iface,
+        pxe_vlan_vid=body.pxe_vlan_vid,
+        node_pxe_iface=body.node_pxe_iface,
+        distro_series=body.distro_series,
+        architecture=body.architecture,
+        deploy_user=body.deploy_user,
+        deploy_ssh_iface=body.deploy_ssh_iface,
+        upstream_dns_servers=_check_dns(body.upstream_dns_servers),
+        status="active",
+    )
+    db.add(site)
+    try:
+        await db.flush()
+    except sqlalchemy.exc.IntegrityError as err:
+        raise Conflict("a MAAS site with this name already exists", code="site_exists") from err
+    policy = MaasSitePolicy(site_id=site_id)
+    db.add(policy)
+    await db.flush()
+    await db.refresh(policy)
+    _apply_policy(policy, body.policy)
+    audit.record_by(
+        db,
+        principal,
+        action="maas_site.create",
+        target_type="maas_site",
+        target_id=str(site_id),
+        reason=reason,
+        expected_state="active",
+        details={"name": body.name, "api_base_url": site.api_base_url},
+    )
+    await db.commit()
+    return await get_site_view(db, site_id)
+
+
+async def get_site_view(db: AsyncSession, site_id: uuid.UUID) -> SiteView:
+    site, policy = await load_site(db, site_id)
+    await db.refresh(site)
+    await db.refresh(policy)
+    return site_view(site, policy)
+
+
+async def list_sites(db: AsyncSession) -> list[SiteView]:
+    rows = (
+        await db.execute(
+            select(MaasSite, MaasSitePolicy)
+            .join(MaasSitePolicy, MaasSitePolicy.site_id == MaasSite.id)
+            .order_by(MaasSite.name)
+        )
+    ).all()
+    return [site_view(site, policy) for site, policy in rows]
+
+
+async def patch_site(
+    db: AsyncSession,
+    principal: Principal,
+    site_id: uuid.UUID,
+    body: SitePatch,
+    reason: str | None,
+    *,
+    action: str = "maas_site.update",
+) -> SiteView:
+    site, policy = await load_site(db, site_id)
+    prior_status = site.status
+    changed: dict[str, Any] = {}
+    for field in SitePatch.__struct_fields__:
+        if field in ("policy", "reason"):
+            continue
+        value = getattr(body, field)
+        if value is None:
+            continue
+        if field == "upstream_dns_servers":
+            value = _check_dns(value)
+        if field == "api_base_url":
+            value = value.rstrip("/")
+        if getattr(site, field) != value:
+            setattr(site, field, value)
+            changed[field] = value
+    policy_changes = _apply_policy(policy, body.policy)
+    if policy_changes:
+        policy.updated_at = func.now()
+        changed["policy"] = policy_changes
+    if changed:
+        site.updated_at = func.now()
+        audit.record_by(
+            db,
+            principal,
+            action=action,
+            target_type="maas_site",
+            target_id=str(site_id),
+            reason=reason,
+            prior_state=prior_status,
+            expected_state=site.status,
+            details={"changed": sorted(changed)},
+        )
+        await db.commit()
+    return await get_site_view(db, site_id)
+
+
+# --- credentials and probe ------------------------------------------------------------------
+
+
+async def set_credentials(
+    db: AsyncSession,
+    secrets: SecretStore,
+    principal: Principal,
+    site_id: uuid.UUID,
+    body: SiteCredentials,
+    reason: str | None,
+) -> CredentialsWritten:
+    site, _ = await load_site(db, site_id)
+    base_url, token_path = site.api_base_url, site.api_token_vault_path
+    power_path, deploy_path = site.default_power_creds_vault_path, site.deploy_password_vault_path
+    await db.rollback()  # no transaction stays open across MAAS and Vault calls
+
+    try:
+        async with MaasClient(
+            base_url, body.maas_api_key, timeout=MAAS_CHECK_TIMEOUT_SECONDS, max_attempts=1
+        ) as maas:
+            version = await maas.version()
+    except ValueError:
+        raise Unprocessable(
+            "maas_api_key must be '<consumer_key>:<token_key>:<token_secret>'",
+            code="maas_api_key_malformed",
+        ) from None
+    except MaasError as err:
+        raise _maas_rejection(err, status_code=422) from None
+
+    writes: list[tuple[str, dict[str, str]]] = [(token_path, {"token": body.maas_api_key})]
+    if body.power is not None:
+        writes.append((power_path, {"user": body.power.user, "pass": body.power.password}))
+    if body.deploy_password is not None:
+        writes.append((deploy_path, {"password": body.deploy_password}))
+    try:
+        for path, value in writes:
+            await secrets.write(path, value)
+    except SecretStoreError:
+        raise SecretStoreUnavailableError() from None
+
+    site, _ = await load_site(db, site_id)
+    site.credentials_updated_at = func.now()
+    site.maas_version = version.version
+    site.updated_at = func.now()
+    written = [path for path, _ in writes]
+    audit.record_by(
+        db,
+        principal,
+        action="maas_site.credentials_write",
+        target_type="maas_site",
+        target_id=str(site_id),
+        reason=reason,
+        details={"written_paths": written, "maas_version": version.version},
+    )
+    await db.commit()
+    return CredentialsWritten(site_id=site_id, maas_version=version.version, written_paths=written)
+
+
+async def probe(db: AsyncSession, secrets: SecretStore, site_id: uuid.UUID) -> ProbeResult:
+    site, _ = await load_site(db, site_id)
+    base_url, token_path = site.api_base_url, site.api_token_vault_path
+    await db.rollback()
+    try:
+        secret = await secrets.read(token_path)  # read now: a rotated token is used at once
+    except SecretStoreError:
+        raise SecretStoreUnavailableError() from None
+    if not secret or not secret.get("token"):
+        raise Conflict(
+            "this site has no MAAS credentials yet (POST …/credentials)",
+            code="credentials_missing",
+        )
+    try:
+        async with MaasClient(
+            base_url, secret["token"], timeout=MAAS_CHECK_TIMEOUT_SECONDS
+        ) as maas:
+            version = await maas.version()
+            racks = await maas.rack_controllers()
+    except ValueError:
+        raise Conflict(
+            "the stored MAAS API key is malformed; write new credentials",
+            code="credentials_invalid",
+        ) from None
+    except MaasError as err:
+        raise _maas_rejection(err, status_code=502) from None
+    return ProbeResult(
+        site_id=site_id,
+        reachable=True,
+        maas_version=version.version,
+        subversion=version.subversion,
+        capabilities=sorted(version.capabilities),
+        rack_controllers=[
+            RackControllerView(system_id=r.system_id, hostname=r.hostname, version=r.version)
+            for r in racks
+        ],
+    )
+
+
+# --- RoCE assignments -----------------------------------------------------------------------
+
+
+def _check_roce(body: RoceBulk) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    seen: set[tuple[str, str]] = set()
+    for index, item in enumerate(body.items):
+        try:
+            cidr = str(ipaddress.IPv4Interface(item.ipv4_cidr))
+            if "/" not in item.ipv4_cidr:
+                raise ValueError
+        except ValueError:
+            raise Unprocessable(
+                f"items[{index}].ipv4_cidr is not an IPv4 address with a prefix (a.b.c.d/n)",
+                code="invalid_cidr",
+                details={"index": index},
+            ) from None
+        key = (item.hostname, item.interface)
+        if key in seen:
+            raise Unprocessable(
+                f"items[{index}] repeats hostname {item.hostname!r} interface {item.interface!r}",
+                code="duplicate_assignment",
+                details={"index": index},
+            )
+        seen.add(key)
+        rows.append(
+            {
+                "id": uuid.uuid4(),
+                "hostname": item.hostname,
+                "interface": item.interface,
+                "ipv4_cidr": cidr,
+            }
+        )
+    return rows
+
+
+async def upsert_roce(
+    db: AsyncSession, principal: Principal, site_id: uuid.UUID, body: RoceBulk, reason: str | None
+) -> RoceUpserted:
+    await load_site(db, site_id)
+    rows = _check_roce(body)
+    for row in rows:
+        row["site_id"] = site_id
+    insert = pg_insert(MaasRoceAssignment).values(rows)
+    upsert = insert.on_conflict_do_update(
+        constraint="roce_assignment_once",
+        set_={"ipv4_cidr": insert.excluded.ipv4_cidr, "updated_at": func.now()},
+        where=MaasRoceAssignment.ipv4_cidr != insert.excluded.ipv4_cidr,
+    ).returning(text("(xmax = 0) AS inserted"))
+    # xmax = 0 marks a freshly inserted row; rows whose value did not change are not returned.
+    results = (await db.execute(upsert)).all()
+    created = sum(1 for (inserted,) in results if inserted)
+    updated = len(results) - created
+    unchanged = len(rows) - len(results)
+    if results:
+        audit.record_by(
+            db,
+            principal,
+            action="maas_site.roce_upsert",
+            target_type="maas_site",
+            target_id=str(site_id),
+            reason=reason,
+            details={"created": created, "updated": updated, "unchanged": unchanged},
+        )
+    await db.commit()
+    return RoceUpserted(created=created, updated=updated, unchanged=unchanged)
+
+
+# --- power credential overrides -------------------------------------------------------------
+
+
+def normalise_selector(selector_type: str, value: str) -> str:
+    value = value.strip()
+    if selector_type == "pxe_mac":
+        mac = value.lower().replace("-", ":")
+        if not _MAC.match(mac):
+            raise Unprocessable("pxe_mac must look like aa:bb:cc:dd:ee:ff", code="invalid_selector")
+        return mac
+    if selector_type == "ipmi_ip":
+        try:
+            return str(ipaddress.ip_address(value))
+        except ValueError:
+            raise Unprocessable("ipmi_ip must be an IP address", code="invalid_selector") from None
+    if not _HOSTNAME.match(value):
+        raise Unprocessable("hostname is not a valid host name", code="invalid_selector")
+    return value.lower()
+
+
+async def create_override(
+    db: AsyncSession,
+    secrets: SecretStore,
+    principal: Principal,
+    site_id: uuid.UUID,
+    body: PowerOverrideCreate,
+    reason: str | None,
+) -> PowerOverrideView:
+    await load_site(db, site_id)
+    override_id = uuid.uuid4()
+    row = MaasPowerCredentialOverride(
+        id=override_id,
+        site_id=site_id,
+        selector_type=body.selector_type,
+        selector_value=normalise_selector(body.selector_type, body.selector_value),
+        vault_path=power_override_path(site_id, override_id),
+        status="active",
+    )
+    db.add(row)
+    try:
+        await db.flush()
+    except sqlalchemy.exc.IntegrityError as err:
+        if constraint_name(err) == "power_override_once":
+            raise Conflict(
+                "an override for this selector already exists", code="override_exists"
+            ) from err
+        raise
+    # The row is not committed until the secret is in Vault: a failed write leaves nothing.
+    try:
+        await secrets.write(row.vault_path, {"user": body.user, "pass": body.password})
+    except SecretStoreError:
+        raise SecretStoreUnavailableError() from None
+    audit.record_by(
+        db,
+        principal,
+        action="maas_site.power_override_create",
+        target_type="maas_power_override",
+        target_id=str(override_id),
+        reason=reason,
+        expected_state="active",
+        details={"site_id": str(site_id), "selector_type": row.selector_type},
+    )
+    await db.commit()
+    await db.refresh(row)
+    return override_view(row)
+
+
+async def load_override(
+    db: AsyncSession, site_id: uuid.UUID, override_id: uuid.UUID
+) -> MaasPowerCredentialOverride:
+    row = await db.get(MaasPowerCredentialOverride, override_id)
+    if row is None or row.site_id != site_id:
+        raise NotFound("power credential override not found")
+    return row
+
+
+async def patch_override(
+    db: AsyncSession,
+    secrets: SecretStore,
+    principal: Principal,
+    site_id: uuid.UUID,
+    override_id: uuid.UUID,
+    body: PowerOverridePatch,
+    reason: str | None,
+) -> PowerOverrideView:
+    row = await load_override(db, site_id, override_id)
+    if (body.user is None) != (body.password is None):
+        raise Unprocessable("rotate with both user and password", code="incomplete_credentials")
+    prior = row.status
+    rotated = False
+    if body.user is not None and body.password is not None:
+        rotated = True
+        try:
+            await secrets.write(row.vault_path, {"user": body.user, "pass": body.password})
+        except SecretStoreError:
+            raise SecretStoreUnavailableError() from None
+    if body.status is not None:
+        row.status = body.status
+    row.updated_at = func.now()
+    audit.record_by(
+        db,
+        principal,
+        action="maas_site.power_override_update",
+        target_type="maas_power_override",
+        target_id=str(override_id),
+        reason=reason,
+        prior_state=prior,
+        expected_state=body.status or prior,
+        details={"rotated": rotated},
+    )
+    await db.commit()
+    await db.refresh(row)
+    return override_view(row)
+
+
+async def delete_override(
+    db: AsyncSession,
+    secrets: SecretStore,
+    principal: Principal,
+    site_id: uuid.UUID,
+    override_id: uuid.UUID,
+    reason: str | None,
+) -> None:
+    row = await load_override(db, site_id, override_id)
+    path = row.vault_path
+    await db.delete(row)
+    audit.record_by(
+        db,
+        principal,
+        action="maas_site.power_override_delete",
+        target_type="maas_power_override",
+        target_id=str(override_id),
+        reason=reason,
+        prior_state=row.status,
+        expected_state="deleted",
+        details={"site_id": str(site_id)},
+    )
+    # Secret first, then the commit: a failed delete leaves the override as it was.
+    try:
+        await secrets.delete(path)
+    except SecretStoreError:
+        raise SecretStoreUnavailableError() from None
+    await db.commit()

@@ -1,0 +1,5 @@
+import sys
+
+from sim.maas.cli import main
+
+sys.exit(main())

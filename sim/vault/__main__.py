@@ -1,0 +1,5 @@
+import sys
+
+from sim.vault.server import main
+
+sys.exit(main())
