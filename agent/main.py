@@ -1,21 +1,25 @@
-"""`gpucloud-agent --node-id ID [--backend simulated]`: the node agent, a Temporal worker on the
-node's own task queue `node-{node_id}` running the host activities.
+"""`gpucloud-agent [--config /etc/gpucloud/agent.toml] [--backend simulated]`: the node agent, a
+Temporal worker on the node's own task queue `node-{node_id}` running the host activities.
 
-Enrollment (a short-lived enrollment token exchanged for the node's identity, ARCHITECTURE rule 7)
-is a later issue: for now the node id comes from the command line and the agent talks to Temporal
-with the settings from the environment (core.config.Settings).
+On a real node the agent starts from the config file cloud-init wrote (agent/enrollment.py
+documents it), enrolls once with its single-use token and keeps the identity it got; from then on
+it talks to Temporal only. `--node-id` skips enrollment (the simulated fleet and development).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
+import os
 import socket
 import uuid
 from datetime import timedelta
+from pathlib import Path
 
 from agent.backend import HostBackend
+from agent.enrollment import DEFAULT_CONFIG_PATH, AgentConfig, ensure_enrolled
 from agent.node_worker import build_node_worker, run_until_signalled
 from core.config import Settings
 from core.temporal import connect
@@ -41,7 +45,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="gpucloud-agent", description="Run the node agent: host activities on node-{node_id}."
     )
-    parser.add_argument("--node-id", required=True, type=uuid.UUID, help="this node's UUID")
+    parser.add_argument(
+        "--node-id", type=uuid.UUID, help="this node's UUID (skips enrollment; development only)"
+    )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=Path(os.environ.get("GPUCLOUD_AGENT_CONFIG", DEFAULT_CONFIG_PATH)),
+        help="agent config written by cloud-init (default: %(default)s)",
+    )
     parser.add_argument("--backend", choices=BACKENDS, default="simulated")
     parser.add_argument("--hostname", default=None, help="node hostname (default: this host's)")
     parser.add_argument("--log-level", default="INFO")
@@ -49,7 +61,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 async def run(args: argparse.Namespace, settings: Settings) -> None:
-    node_id = str(args.node_id)
+    if args.node_id is not None:
+        node_id = str(args.node_id)
+    else:
+        identity = await ensure_enrolled(AgentConfig.load(args.config))
+        node_id = identity.node_id
+        settings = dataclasses.replace(
+            settings,
+            temporal_address=identity.temporal_address,
+            temporal_namespace=identity.temporal_namespace,
+        )
     hostname = args.hostname or socket.gethostname()
     backend = make_backend(args.backend, node_id, hostname)
     client = await connect(settings, identity=f"agent-{node_id}@{hostname}")

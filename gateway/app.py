@@ -33,6 +33,10 @@ from gateway.controllers.admin import (
 )
 from gateway.controllers.allocations import AllocationsController
 from gateway.controllers.codec import CodecController
+from gateway.controllers.enrollment import (
+    AdminNodeEnrollmentController,
+    AgentEnrollmentController,
+)
 from gateway.controllers.health import HealthController
 from gateway.controllers.maas_sites import AdminMaasSitesController
 from gateway.controllers.ssh_keys import SshKeysController
@@ -130,6 +134,8 @@ def create_app(
             AllocationsController,
             CodecController,
             AdminMaasSitesController,
+            AdminNodeEnrollmentController,
+            AgentEnrollmentController,
         ],
         dependencies={
             "db": Provide(provide_db),

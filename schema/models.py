@@ -155,6 +155,8 @@ class Node(Base):
     numa_layout: Mapped[list[dict[str, Any]]] = mapped_column(JSONB, server_default=text("'[]'"))
     host_address: Mapped[str | None] = mapped_column(String(255))
     last_agent_contact_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    enrolled_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    agent_version: Mapped[str | None] = mapped_column(String(64))
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=NOW)
     updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=NOW)
     __table_args__ = (
@@ -403,3 +405,21 @@ class MaasRoceAssignment(Base):
     __table_args__ = (
         UniqueConstraint("site_id", "hostname", "interface", name="roce_assignment_once"),
     )
+
+
+# --- node agent enrollment --------------------------------------------------------------------
+
+
+class NodeEnrollmentToken(Base):
+    """A single-use, TTL-bound token that lets a node's agent enroll once (stored hashed; the
+    plaintext goes to the node through cloud-init and nowhere else)."""
+
+    __tablename__ = "node_enrollment_tokens"
+    id: Mapped[uuid.UUID] = mapped_column(UUID, primary_key=True)
+    node_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("nodes.id"))
+    token_sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    expires_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    used_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    created_by: Mapped[str] = mapped_column(String(200))
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=CLOCK)
+    __table_args__ = (Index("node_enrollment_tokens_node", "node_id"),)

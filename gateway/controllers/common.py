@@ -36,6 +36,7 @@ _DESCRIPTIONS = {
     403: "forbidden (admin route, tenant token) or tenant_only (tenant route, admin token)",
     404: "not_found (also for another project's resources)",
     409: "conflict (see the code)",
+    410: "gone: the resource was deleted for good (see the code)",
     413: "payload_too_large",
     422: "unprocessable (see the code)",
     503: "database_unavailable or temporal_unavailable",

@@ -1,0 +1,134 @@
+"""Agent enrollment: the agent starts from a config file written by cloud-init, redeems its
+single-use enrollment token once through the gateway, stores the identity it gets back, and from
+then on talks to Temporal only.
+
+The config file (default /etc/gpucloud/agent.toml, or GPUCLOUD_AGENT_CONFIG), TOML:
+
+    api_url = "https://api.gpucloud.example"      # the gateway
+    enrollment_token = "gpe_…"                   # single-use, TTL-bound
+    state_dir = "/var/lib/gpucloud-agent"        # where the identity is kept (default shown)
+
+The identity (state_dir/identity.json, mode 0600) holds the node id and the Temporal address,
+namespace and task queue. A reimaged node has an empty state dir and a fresh token, and enrolls
+again as the same node. The token is never logged and never kept after enrollment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+DEFAULT_CONFIG_PATH = Path("/etc/gpucloud/agent.toml")
+DEFAULT_STATE_DIR = Path("/var/lib/gpucloud-agent")
+ENROLL_PATH = "/api/v1/internal/agent/enroll"
+
+
+class EnrollmentError(RuntimeError):
+    """Enrollment did not succeed; `code` is the gateway's machine-readable error code."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    api_url: str
+    enrollment_token: str = field(repr=False)
+    state_dir: Path = DEFAULT_STATE_DIR
+
+    @classmethod
+    def load(cls, path: Path) -> AgentConfig:
+        try:
+            data = tomllib.loads(path.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as err:
+            raise EnrollmentError(f"cannot read agent config {path}: {err}", "config") from None
+        api_url, token = data.get("api_url"), data.get("enrollment_token")
+        if not isinstance(api_url, str) or not api_url.startswith(("http://", "https://")):
+            raise EnrollmentError(f"{path}: api_url must be an http(s) URL", "config")
+        if not isinstance(token, str) or not token:
+            raise EnrollmentError(f"{path}: enrollment_token is missing", "config")
+        state_dir = Path(data.get("state_dir", DEFAULT_STATE_DIR))
+        return cls(api_url=api_url.rstrip("/"), enrollment_token=token, state_dir=state_dir)
+
+
+@dataclass(frozen=True)
+class AgentIdentity:
+    node_id: str
+    hostname: str | None
+    temporal_address: str
+    temporal_namespace: str
+    task_queue: str
+
+
+def identity_path(state_dir: Path) -> Path:
+    return state_dir / "identity.json"
+
+
+def load_identity(state_dir: Path) -> AgentIdentity | None:
+    path = identity_path(state_dir)
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    uuid.UUID(data["node_id"])  # a corrupt identity fails loudly here, not later in Temporal
+    return AgentIdentity(**data)
+
+
+def store_identity(state_dir: Path, identity: AgentIdentity) -> None:
+    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path = identity_path(state_dir)
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(asdict(identity), f, indent=2)
+    tmp.replace(path)
+
+
+async def ensure_enrolled(
+    config: AgentConfig,
+    *,
+    agent_version: str = "dev",
+    http: httpx.AsyncClient | None = None,
+) -> AgentIdentity:
+    """The stored identity, or enroll once and store it."""
+    known = load_identity(config.state_dir)
+    if known is not None:
+        return known
+    owned = http is None
+    client = http or httpx.AsyncClient(base_url=config.api_url, timeout=15)
+    try:
+        response = await client.post(
+            ENROLL_PATH,
+            json={"enrollment_token": config.enrollment_token, "agent_version": agent_version},
+        )
+    except httpx.HTTPError as err:
+        raise EnrollmentError(
+            f"the gateway at {config.api_url} is not reachable ({type(err).__name__})",
+            "unreachable",
+        ) from None
+    finally:
+        if owned:
+            await client.aclose()
+    if response.status_code != 200:
+        try:
+            error = response.json()["error"]
+            code, message = str(error["code"]), str(error["message"])
+        except (ValueError, KeyError, TypeError):
+            code, message = "http_error", f"HTTP {response.status_code}"
+        raise EnrollmentError(f"enrollment refused: {message}", code)
+    body = response.json()
+    identity = AgentIdentity(
+        node_id=str(body["node_id"]),
+        hostname=body.get("hostname"),
+        temporal_address=str(body["temporal_address"]),
+        temporal_namespace=str(body["temporal_namespace"]),
+        task_queue=str(body["task_queue"]),
+    )
+    store_identity(config.state_dir, identity)
+    return identity
