@@ -1,0 +1,63 @@
+"""Host networking for the node agent, through pyroute2 (netlink), never a shell.
+
+* `allocation_network`: per-allocation isolated network for slices (bridge, VLAN, taps).
+* `roce`: RoCE phase-2 policy routing (address, table, routes and rule per interface).
+
+Every operation is declarative and idempotent and takes `netns` (None: the host's namespace).
+"""
+
+from agent.network.allocation_network import (
+    AllocationNetworkSpec,
+    NetworkApplyResult,
+    NetworkRemoveResult,
+    allocation_tag,
+    apply_allocation_network,
+    bridge_name,
+    remove_allocation_network,
+    tap_names,
+    vlan_name,
+)
+from agent.network.errors import (
+    InvalidNetworkSpec,
+    MissingInterface,
+    NamespaceNotFound,
+    NetworkConflict,
+    NetworkError,
+    NetworkOperationFailed,
+)
+from agent.network.netns import dump_state
+from agent.network.roce import (
+    RoceApplyResult,
+    RoceAssignment,
+    RoceRemoveResult,
+    apply_roce_policy,
+    remove_roce_policy,
+    roce_rule_priority,
+    roce_table_id,
+)
+
+__all__ = [
+    "AllocationNetworkSpec",
+    "InvalidNetworkSpec",
+    "MissingInterface",
+    "NamespaceNotFound",
+    "NetworkApplyResult",
+    "NetworkConflict",
+    "NetworkError",
+    "NetworkOperationFailed",
+    "NetworkRemoveResult",
+    "RoceApplyResult",
+    "RoceAssignment",
+    "RoceRemoveResult",
+    "allocation_tag",
+    "apply_allocation_network",
+    "apply_roce_policy",
+    "bridge_name",
+    "dump_state",
+    "remove_allocation_network",
+    "remove_roce_policy",
+    "roce_rule_priority",
+    "roce_table_id",
+    "tap_names",
+    "vlan_name",
+]

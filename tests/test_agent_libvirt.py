@@ -1,0 +1,381 @@
+"""LibvirtSliceBackend on libvirt's real test driver (test:///…/host.xml): domains are defined,
+started, shut down, destroyed and undefined by libvirt itself. The host XML (tests/data/libvirt/
+host.xml) declares 8 H100s as PCI node devices on 2 NUMA cells. No guest runs on the test driver,
+so readiness goes through the backend's probe seam with a fixed address."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import stat
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import libvirt
+import pytest
+
+from agent.backend import (
+    HARD_STOP_PHASE,
+    SLICE_PROVISION_PHASES,
+    SLICE_RELEASE_PHASES,
+    HostCancelled,
+    HostError,
+    PhaseStatus,
+)
+from agent.backends import FixedAddressProbe
+from agent.backends.domain_xml import parse_domain, parse_numa_topology
+from agent.backends.libvirt_slice import LibvirtSliceBackend
+from agent.contract import GpuAssignment, HostErrorType, HostProvisionInput, HostReleaseInput
+
+HOST_XML = Path(__file__).parent / "data" / "libvirt" / "host.xml"
+IMAGE = "ubuntu-22.04-cuda.img"
+SECRET_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIVerySecretKeyMaterial tenant@laptop"
+# GPUs of the host XML: 17, 3d, 63, 86 on NUMA node 0; 9a, b8, cc, dc on node 1.
+NODE1_GPUS = ("0000:9a:00.0", "0000:b8:00.0")
+
+
+@dataclass
+class RecordingProgress:
+    """A Progress for driving the backend directly (the agent uses TaskProgress)."""
+
+    events: list[tuple[str, str, str]] = field(default_factory=list)
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+    def __call__(self, phase: str, status: PhaseStatus, message: str = "") -> None:
+        if status == PhaseStatus.STARTED and self.cancel.is_set():
+            raise HostCancelled(f"cancelled before {phase}")
+        self.events.append((phase, str(status), message))
+
+    @property
+    def cancelled(self) -> bool:
+        return self.cancel.is_set()
+
+    def wait(self, seconds: float | None) -> None:
+        if self.cancel.wait(seconds):
+            raise HostCancelled("cancelled while waiting")
+
+    def suspend_heartbeats(self) -> None:
+        pass
+
+    def succeeded(self) -> list[str]:
+        return [phase for phase, status, _ in self.events if status == PhaseStatus.SUCCEEDED]
+
+
+@dataclass
+class Host:
+    conn: Any
+    backend: LibvirtSliceBackend
+    probe: FixedAddressProbe
+    root: Path
+    image_sha: str
+
+    def new_backend(self, **overrides: Any) -> LibvirtSliceBackend:
+        """Another backend on the same host (a restarted agent: same libvirt state)."""
+        return make_backend(self.conn, self.root, self.image_sha, self.probe, **overrides)
+
+
+def make_backend(
+    conn: Any, root: Path, image_sha: str, probe: FixedAddressProbe, **overrides: Any
+) -> LibvirtSliceBackend:
+    options: dict[str, Any] = {
+        "image_dir": root / "images",
+        "image_catalog": {IMAGE: image_sha},
+        "seed_dir": root / "seeds",
+        "state_dir": root / "state",
+        "readiness": probe,
+        "numa_topology": parse_numa_topology(HOST_XML.read_text()),
+        "connection": conn,
+        "shutdown_timeout_s": 5,
+        "poll_interval_s": 0.05,
+    }
+    options.update(overrides)
+    return LibvirtSliceBackend(f"test://{HOST_XML}", **options)
+
+
+@pytest.fixture
+def host(tmp_path: Path) -> Iterator[Host]:
+    (tmp_path / "images").mkdir()
+    content = b"QFI\xfb" + b"\0" * 4092  # a tiny file that starts like a qcow2 image
+    (tmp_path / "images" / IMAGE).write_bytes(content)
+    conn = libvirt.open(f"test://{HOST_XML}")
+    probe = FixedAddressProbe("10.20.0.5")
+    sha = hashlib.sha256(content).hexdigest()
+    yield Host(conn, make_backend(conn, tmp_path, sha, probe), probe, tmp_path, sha)
+    conn.close()
+
+
+def provision_spec(
+    allocation_id: str = "a1b2", gpus: tuple[str, ...] = NODE1_GPUS, **kw: Any
+) -> HostProvisionInput:
+    nodes = {"17": 0, "3d": 0, "63": 0, "86": 0}
+    return HostProvisionInput(
+        task_id=f"task-{allocation_id}",
+        allocation_id=allocation_id,
+        node_id="node-1",
+        shape="gpu_slice",
+        username="alice",
+        ssh_public_keys=[SECRET_KEY],
+        gpus=[
+            GpuAssignment(pci_address=a, numa_node=nodes.get(a[5:7], 1), gpu_index=i)
+            for i, a in enumerate(gpus)
+        ],
+        vcpus=kw.pop("vcpus", 6),
+        memory_mb=kw.pop("memory_mb", 8192),
+        image=kw.pop("image", IMAGE),
+        image_sha256=kw.pop("image_sha256", ""),
+    )
+
+
+def release_spec(allocation_id: str = "a1b2", force: bool = False) -> HostReleaseInput:
+    return HostReleaseInput(
+        task_id=f"rel-{allocation_id}",
+        allocation_id=allocation_id,
+        node_id="node-1",
+        shape="gpu_slice",
+        username="alice",
+        force=force,
+    )
+
+
+def domain_names(conn: Any) -> set[str]:
+    return {d.name() for d in conn.listAllDomains(0)}
+
+
+# ------------------------------------------------------------------------------ provision
+
+
+def test_provision_defines_and_starts_a_pinned_vfio_domain(host: Host) -> None:
+    progress = RecordingProgress()
+    outcome = host.backend.provision_slice_vm(provision_spec(), progress)
+
+    assert outcome.connect_host == "10.20.0.5"
+    assert outcome.adopted_existing is False
+    assert progress.succeeded() == list(SLICE_PROVISION_PHASES)
+    assert [p for p, s, _ in progress.events if s == PhaseStatus.STARTED] == list(
+        SLICE_PROVISION_PHASES
+    )
+
+    domain = host.conn.lookupByName("gpc-a1b2")
+    assert domain.isActive()
+    assert domain.state()[0] == libvirt.VIR_DOMAIN_RUNNING
+    facts = parse_domain(domain.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE))
+    assert facts.allocation_id == "a1b2"
+    assert sorted(str(a) for a in facts.hostdevs) == sorted(NODE1_GPUS)
+    assert facts.numa_nodeset == "1"
+    assert facts.vcpupins == dict.fromkeys(range(6), "8-15")
+    assert domain.maxVcpus() == 6 or domain.info()[3] == 6
+    assert domain.info()[1] == 8192 * 1024
+    xml = domain.XMLDesc(0)
+    assert "managed='yes'" in xml
+    assert "mode='strict'" in xml
+    # The allocation's own disk (a copy or overlay of the verified image) and the seed.
+    disk = host.root / "state" / "disks" / "gpc-a1b2.qcow2"
+    assert str(disk) in facts.disk_paths
+    assert disk.is_file()
+    assert any(p.startswith(str(host.root / "seeds" / "a1b2")) for p in facts.disk_paths)
+
+
+def test_cloud_init_seed_is_private_and_carries_user_keys_and_marker(host: Host) -> None:
+    host.backend.provision_slice_vm(provision_spec(), RecordingProgress())
+    seed = host.root / "seeds" / "a1b2"
+    user_data = (seed / "user-data").read_text()
+    assert user_data.startswith("#cloud-config\n")
+    assert SECRET_KEY in user_data
+    assert '"name": "alice"' in user_data
+    assert "/var/lib/gpucloud/ready" in user_data
+    assert "a1b2" in (seed / "meta-data").read_text()
+    for name in ("user-data", "meta-data"):
+        assert stat.S_IMODE((seed / name).stat().st_mode) == 0o600
+    assert stat.S_IMODE(seed.stat().st_mode) == 0o700
+
+
+def test_ssh_keys_never_reach_logs_or_phase_messages(
+    host: Host, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    progress = RecordingProgress()
+    host.backend.provision_slice_vm(provision_spec(), progress)
+    host.backend.release_slice_vm(release_spec(), progress)
+    assert "VerySecretKeyMaterial" not in caplog.text
+    assert all("VerySecretKeyMaterial" not in message for _, _, message in progress.events)
+
+
+def test_image_sha_mismatch_is_image_error(host: Host) -> None:
+    (host.root / "images" / IMAGE).write_bytes(b"tampered")
+    with pytest.raises(HostError) as err:
+        host.backend.provision_slice_vm(provision_spec(), RecordingProgress())
+    assert err.value.error_type == HostErrorType.IMAGE_ERROR
+    assert "gpc-a1b2" not in domain_names(host.conn)
+
+
+def test_requested_sha_not_the_catalogs_is_image_error(host: Host) -> None:
+    with pytest.raises(HostError) as err:
+        host.backend.provision_slice_vm(provision_spec(image_sha256="0" * 64), RecordingProgress())
+    assert err.value.error_type == HostErrorType.IMAGE_ERROR
+
+
+def test_image_reused_on_second_provision(host: Host) -> None:
+    first, second = RecordingProgress(), RecordingProgress()
+    host.backend.provision_slice_vm(provision_spec("one"), first)
+    host.backend.provision_slice_vm(provision_spec("two", gpus=("0000:17:00.0",)), second)
+    assert "verified" in first.events[1][2]
+    assert "reused" in second.events[1][2]
+
+
+def test_unknown_pci_address_is_vfio_error(host: Host) -> None:
+    with pytest.raises(HostError) as err:
+        host.backend.provision_slice_vm(
+            provision_spec(gpus=("0000:9a:00.0", "0000:ee:00.0")), RecordingProgress()
+        )
+    assert err.value.error_type == HostErrorType.VFIO_ERROR
+    assert "0000:ee:00.0" in err.value.message
+    assert "gpc-a1b2" not in domain_names(host.conn)
+
+
+def test_non_gpu_pci_device_is_vfio_error(host: Host) -> None:
+    with pytest.raises(HostError) as err:
+        host.backend.provision_slice_vm(provision_spec(gpus=("0000:01:00.0",)), RecordingProgress())
+    assert err.value.error_type == HostErrorType.VFIO_ERROR
+
+
+def test_gpu_held_by_another_domain_is_lease_conflict(host: Host) -> None:
+    host.backend.provision_slice_vm(provision_spec("first"), RecordingProgress())
+    with pytest.raises(HostError) as err:
+        host.backend.provision_slice_vm(
+            provision_spec("second", gpus=("0000:b8:00.0",)), RecordingProgress()
+        )
+    assert err.value.error_type == HostErrorType.LEASE_CONFLICT
+
+
+def test_gpus_on_both_cells_pin_to_both_nodes(host: Host) -> None:
+    host.backend.provision_slice_vm(
+        provision_spec(gpus=("0000:17:00.0", "0000:dc:00.0"), vcpus=2), RecordingProgress()
+    )
+    facts = parse_domain(host.conn.lookupByName("gpc-a1b2").XMLDesc(0))
+    assert facts.numa_nodeset == "0-1"
+    assert facts.vcpupins == {0: "0-15", 1: "0-15"}
+
+
+def test_reprovision_after_crash_adopts_the_domain_and_starts_it(host: Host) -> None:
+    # The first attempt defined the domain, then the agent died before it started.
+    class Crash(Exception):
+        pass
+
+    crashing = RecordingProgress()
+
+    def crash_at_start(phase: str, status: PhaseStatus, message: str = "") -> None:
+        if phase == "vm_started":
+            raise Crash
+        RecordingProgress.__call__(crashing, phase, status, message)
+
+    with pytest.raises(Crash):
+        host.backend.provision_slice_vm(provision_spec(), crash_at_start)  # type: ignore[arg-type]
+    domain = host.conn.lookupByName("gpc-a1b2")
+    assert not domain.isActive()
+
+    restarted = host.new_backend()  # a new agent process, same host
+    progress = RecordingProgress()
+    outcome = restarted.provision_slice_vm(provision_spec(), progress)
+    assert outcome.adopted_existing is True
+    assert progress.succeeded() == list(SLICE_PROVISION_PHASES)
+    assert "adopted" in dict((p, m) for p, _, m in progress.events if m)["domain_defined"]
+    assert host.conn.lookupByName("gpc-a1b2").isActive()
+    assert domain_names(host.conn) == {"gpc-a1b2"}
+
+    # And once more while it runs: nothing is redefined or restarted.
+    again = RecordingProgress()
+    assert restarted.provision_slice_vm(provision_spec(), again).adopted_existing is True
+    assert ("vm_started", "succeeded", "already running") in again.events
+
+
+# ------------------------------------------------------------------------------ release
+
+
+def test_release_shuts_down_destroys_undefines_and_wipes(host: Host) -> None:
+    host.backend.provision_slice_vm(provision_spec(), RecordingProgress())
+    lease = host.root / "state" / "leases" / "a1b2.json"
+    assert lease.is_file()
+
+    progress = RecordingProgress()
+    outcome = host.backend.release_slice_vm(release_spec(), progress)
+
+    assert outcome.released
+    assert outcome.wiped
+    assert outcome.leases_released
+    assert outcome.hard_stopped is False
+    assert progress.succeeded() == list(SLICE_RELEASE_PHASES)
+    assert "gpc-a1b2" not in domain_names(host.conn)
+    with pytest.raises(libvirt.libvirtError):
+        host.conn.lookupByName("gpc-a1b2")
+    assert not (host.root / "state" / "disks" / "gpc-a1b2.qcow2").exists()
+    assert not (host.root / "seeds" / "a1b2").exists()
+    assert not lease.exists()
+    # The GPUs are free again for another allocation.
+    host.backend.provision_slice_vm(provision_spec("next"), RecordingProgress())
+
+
+def test_force_release_hard_stops(host: Host) -> None:
+    host.backend.provision_slice_vm(provision_spec(), RecordingProgress())
+    progress = RecordingProgress()
+    outcome = host.backend.release_slice_vm(release_spec(force=True), progress)
+    assert outcome.hard_stopped is True
+    assert progress.succeeded() == [HARD_STOP_PHASE, *SLICE_RELEASE_PHASES[1:]]
+    assert "gpc-a1b2" not in domain_names(host.conn)
+
+
+def test_release_is_idempotent(host: Host) -> None:
+    host.backend.provision_slice_vm(provision_spec(), RecordingProgress())
+    host.backend.release_slice_vm(release_spec(), RecordingProgress())
+    progress = RecordingProgress()
+    outcome = host.backend.release_slice_vm(release_spec(), progress)
+    assert outcome.released
+    assert outcome.wiped
+    assert outcome.leases_released
+    assert not outcome.hard_stopped
+    assert progress.succeeded() == list(SLICE_RELEASE_PHASES)
+    messages = dict((p, m) for p, _, m in progress.events if m)
+    assert "already" in messages["graceful_shutdown"]
+    assert "already" in messages["domain_undefined"]
+
+
+def test_release_of_never_provisioned_allocation_succeeds(host: Host) -> None:
+    outcome = host.backend.release_slice_vm(release_spec("ghost"), RecordingProgress())
+    assert outcome.released
+
+
+def test_release_of_defined_but_stopped_domain(host: Host) -> None:
+    host.backend.provision_slice_vm(provision_spec(), RecordingProgress())
+    host.conn.lookupByName("gpc-a1b2").destroy()
+    outcome = host.backend.release_slice_vm(release_spec(), RecordingProgress())
+    assert outcome.released
+    assert not outcome.hard_stopped
+    assert "gpc-a1b2" not in domain_names(host.conn)
+
+
+def test_cancelled_task_stops_at_a_phase_boundary(host: Host) -> None:
+    progress = RecordingProgress()
+    progress.cancel.set()
+    with pytest.raises(HostCancelled):
+        host.backend.provision_slice_vm(provision_spec(), progress)
+    assert "gpc-a1b2" not in domain_names(host.conn)
+
+
+def test_bare_metal_is_not_served(host: Host) -> None:
+    spec = provision_spec()
+    spec.shape = "baremetal"
+    with pytest.raises(HostError) as err:
+        host.backend.provision_baremetal_user(spec, RecordingProgress())
+    assert err.value.error_type == HostErrorType.INVALID_SPEC
+
+
+def test_capabilities_topology_is_read_when_not_given() -> None:
+    # test:///default builds 2 NUMA cells of 8 CPUs (the custom-file driver builds none).
+    conn = libvirt.open("test:///default")
+    try:
+        topology = parse_numa_topology(conn.getCapabilities())
+    finally:
+        conn.close()
+    assert topology == {0: tuple(range(8)), 1: tuple(range(8, 16))}
