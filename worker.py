@@ -13,12 +13,14 @@ from temporalio.worker import Worker
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
 from activities.allocations import AllocationActivities
+from activities.node_presence import NodePresenceActivities
 from core.config import Settings
 from core.temporal import connect
 from schema.db import create_engine, session_factory
 from workflows.allocation import AllocationWorkflow
+from workflows.node_presence import NodePresenceWorkflow
 
-WORKFLOWS = [AllocationWorkflow]
+WORKFLOWS = [AllocationWorkflow, NodePresenceWorkflow]
 
 # Workflow modules stay sandboxed; every other module (our contracts, the SDK, the standard
 # library) is passed through, so starting a workflow run does not re-import them. Determinism is
@@ -31,7 +33,9 @@ WORKFLOW_RUNNER = SandboxedWorkflowRunner(
 def build_worker(
     client: Client, settings: Settings, engine: AsyncEngine, *, task_queue: str | None = None
 ) -> Worker:
-    allocations = AllocationActivities(session_factory(engine))
+    sessions = session_factory(engine)
+    allocations = AllocationActivities(sessions)
+    presence = NodePresenceActivities(sessions)
     return Worker(
         client,
         task_queue=task_queue or settings.control_plane_task_queue,
@@ -43,6 +47,7 @@ def build_worker(
             allocations.fail_provisioning,
             allocations.begin_release,
             allocations.finish_release,
+            presence.record_heartbeat,
         ],
         # Workflow activations are short CPU bursts under the GIL: a few threads beat many (a
         # hundred threads mostly trade the GIL back and forth on a 2-core machine).

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from agent.backend import HostBackend
 from agent.enrollment import DEFAULT_CONFIG_PATH, AgentConfig, ensure_enrolled
+from agent.heartbeat import DEFAULT_INTERVAL_SECONDS, run_heartbeats
 from agent.node_worker import build_node_worker, run_until_signalled
 from core.config import Settings
 from core.temporal import connect
@@ -27,6 +28,7 @@ from core.temporal import connect
 __all__ = ["build_node_worker", "main"]
 
 BACKENDS = ("simulated",)
+AGENT_VERSION = "0.1.0"
 # On SIGTERM, running host tasks get this long to finish before they are cancelled.
 SHUTDOWN_GRACE = timedelta(seconds=10)
 
@@ -56,6 +58,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--backend", choices=BACKENDS, default="simulated")
     parser.add_argument("--hostname", default=None, help="node hostname (default: this host's)")
+    parser.add_argument(
+        "--heartbeat-seconds",
+        type=float,
+        default=float(os.environ.get("GPUCLOUD_AGENT_HEARTBEAT_S", DEFAULT_INTERVAL_SECONDS)),
+        help="how often liveness and GPU inventory are reported (default: %(default)s)",
+    )
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
 
@@ -64,7 +72,7 @@ async def run(args: argparse.Namespace, settings: Settings) -> None:
     if args.node_id is not None:
         node_id = str(args.node_id)
     else:
-        identity = await ensure_enrolled(AgentConfig.load(args.config))
+        identity = await ensure_enrolled(AgentConfig.load(args.config), agent_version=AGENT_VERSION)
         node_id = identity.node_id
         settings = dataclasses.replace(
             settings,
@@ -76,7 +84,22 @@ async def run(args: argparse.Namespace, settings: Settings) -> None:
     client = await connect(settings, identity=f"agent-{node_id}@{hostname}")
     worker = build_node_worker(client, node_id, backend, graceful_shutdown=SHUTDOWN_GRACE)
     logging.getLogger("agent").info("agent for node %s polling %s", node_id, worker.task_queue)
-    await run_until_signalled([worker])
+    stop = asyncio.Event()
+    heartbeats = asyncio.create_task(
+        run_heartbeats(
+            client,
+            node_id,
+            control_plane_queue=settings.control_plane_task_queue,
+            stop=stop,
+            interval=args.heartbeat_seconds,
+            agent_version=AGENT_VERSION,
+        )
+    )
+    try:
+        await run_until_signalled([worker], stop)
+    finally:
+        stop.set()
+        await heartbeats
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -157,6 +157,11 @@ class Node(Base):
     last_agent_contact_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
     enrolled_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
     agent_version: Mapped[str | None] = mapped_column(String(64))
+    # The agent's last GPU inventory report, and whether it matches this node's GPU slots.
+    gpu_inventory: Mapped[list[dict[str, Any]]] = mapped_column(
+        JSONB, server_default=text("'[]'::jsonb")
+    )
+    inventory_matches: Mapped[bool | None] = mapped_column(Boolean)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=NOW)
     updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=NOW)
     __table_args__ = (

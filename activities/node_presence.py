@@ -1,0 +1,49 @@
+"""Recording an agent's heartbeat: liveness (clock_timestamp(), the control plane's clock, not
+the agent's) and the reported GPU inventory compared with the node's GPU slots."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+
+from sqlalchemy import func, select, update
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from temporalio import activity
+
+from schema.models import GpuSlot, Node
+from workflows.node_presence_contract import RecordHeartbeatInput
+
+
+class NodePresenceActivities:
+    def __init__(self, sessions: async_sessionmaker[AsyncSession]) -> None:
+        self._sessions = sessions
+
+    @activity.defn(name="node.record_heartbeat")
+    async def record_heartbeat(self, input: RecordHeartbeatInput) -> list[str]:
+        """Returns the PCI addresses on which inventory and slots disagree (empty: they match,
+        or no inventory was reported)."""
+        beat = input.heartbeat
+        node_id = uuid.UUID(beat.node_id)
+        values: dict[str, object] = {"last_agent_contact_at": func.clock_timestamp()}
+        if beat.agent_version:
+            values["agent_version"] = beat.agent_version[:64]
+        mismatched: list[str] = []
+        async with self._sessions() as session, session.begin():
+            if beat.gpus is not None:
+                slots = set(
+                    (
+                        await session.scalars(
+                            select(GpuSlot.pci_address).where(GpuSlot.node_id == node_id)
+                        )
+                    ).all()
+                )
+                reported = {g.pci_address.lower() for g in beat.gpus}
+                mismatched = sorted(slots.symmetric_difference(reported))
+                values["gpu_inventory"] = [dataclasses.asdict(g) for g in beat.gpus]
+                values["inventory_matches"] = not mismatched
+            await session.execute(update(Node).where(Node.id == node_id).values(**values))
+        if mismatched:
+            activity.logger.warning(
+                "node %s reports GPUs that do not match its slots: %s", node_id, mismatched
+            )
+        return mismatched
