@@ -13,7 +13,7 @@ import datetime as dt
 import random
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from sqlalchemy import func, insert, select, update
@@ -44,6 +44,7 @@ from agent.contract import (
     GpuAssignment,
     HostPhase,
     HostProvisionInput,
+    UnhealthyGpu,
 )
 from schema.models import (
     Allocation,
@@ -549,6 +550,7 @@ class AllocationActivities:
                     details={"hard_stopped": result.hard_stopped},
                     values={"released_at": CLOCK, "hard_stopped": result.hard_stopped},
                 )
+                await _quarantine_unhealthy_gpus(session, allocation_id, result.unhealthy_gpus)
                 await _free_claims(session, allocation_id)
             else:
                 await _transition(
@@ -664,6 +666,34 @@ async def _transition(
         session, allocation_id, event, prior_status, to, actor=actor, reason=reason, details=details
     )
     return updated
+
+
+async def _quarantine_unhealthy_gpus(
+    session: AsyncSession, allocation_id: uuid.UUID, unhealthy: Sequence[UnhealthyGpu]
+) -> None:
+    """A GPU that failed its health check after release quarantines its own slot only: the
+    slot goes `disabled` with the reason (an operator returns it to service), the rest free."""
+    for gpu in unhealthy:
+        slot_id = await session.scalar(
+            update(GpuSlot)
+            .where(GpuSlot.allocation_id == allocation_id, GpuSlot.pci_address == gpu.pci_address)
+            .values(
+                status=SlotStatus.DISABLED,
+                allocation_id=None,
+                quarantine_reason=_truncate(gpu.reason),
+                quarantined_at=CLOCK,
+                updated_at=CLOCK,
+            )
+            .returning(GpuSlot.id)
+        )
+        if slot_id is not None:
+            await _record(
+                session,
+                allocation_id,
+                "gpu_quarantined",
+                reason=_truncate(gpu.reason),
+                details={"pci_address": gpu.pci_address, "slot_id": str(slot_id)},
+            )
 
 
 async def _free_claims(session: AsyncSession, allocation_id: uuid.UUID) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
 
-from agent.contract import HostErrorType, HostProvisionInput, HostReleaseInput
+from agent.contract import HostErrorType, HostProvisionInput, HostReleaseInput, UnhealthyGpu
 
 # Phase names, in the order each activity runs them (seed 002 timeline).
 SLICE_PROVISION_PHASES = (
@@ -25,7 +25,13 @@ SLICE_PROVISION_PHASES = (
     "driver_ready",
 )
 # "hard_stop" replaces (or follows a failed) "graceful_shutdown".
-SLICE_RELEASE_PHASES = ("graceful_shutdown", "domain_destroyed", "domain_undefined", "leases_wiped")
+SLICE_RELEASE_PHASES = (
+    "graceful_shutdown",
+    "domain_destroyed",
+    "domain_undefined",
+    "leases_wiped",
+    "gpus_health_checked",
+)
 HARD_STOP_PHASE = "hard_stop"
 BAREMETAL_PROVISION_PHASES = ("user_created", "ssh_keys_installed", "access_verified")
 BAREMETAL_DEPROVISION_PHASES = (
@@ -96,6 +102,7 @@ class ReleaseOutcome:
     hard_stopped: bool
     wiped: bool
     leases_released: bool
+    unhealthy_gpus: tuple[UnhealthyGpu, ...] = ()
 
 
 class HostBackend(Protocol):

@@ -12,12 +12,25 @@ SLICE_VM_PROVISION = "slice.vm_provision"
 SLICE_VM_RELEASE = "slice.vm_release"
 BAREMETAL_PROVISION_USER = "allocation.provision_user"
 BAREMETAL_DEPROVISION_USER = "allocation.deprovision_user"
+# Node maintenance for decommission (seed 003 §5.6, seed 004 node.drain / node.uninstall).
+NODE_GPU_SCRUB = "node.gpu_scrub"
+NODE_STORAGE_CLEANUP = "node.storage_cleanup"
+NODE_VALIDATE_CLEAN = "node.validate_clean"
+NODE_DRAIN = "node.drain"
+NODE_UNINSTALL = "node.uninstall"
+NODE_HW_SYNC_RESEED = "node.hw_sync_reseed"
 
 TASK_SUMMARIES = {
     SLICE_VM_PROVISION: "Creating GPU slice VM",
     SLICE_VM_RELEASE: "Releasing GPU slice VM",
     BAREMETAL_PROVISION_USER: "Granting bare-metal access",
     BAREMETAL_DEPROVISION_USER: "Revoking bare-metal access and cleaning the node",
+    NODE_GPU_SCRUB: "Scrubbing GPU memory",
+    NODE_STORAGE_CLEANUP: "Cleaning node storage",
+    NODE_VALIDATE_CLEAN: "Checking the node for tenant residue",
+    NODE_DRAIN: "Draining the node",
+    NODE_UNINSTALL: "Removing the node agent",
+    NODE_HW_SYNC_RESEED: "Re-seeding MAAS hardware sync",
 }
 
 
@@ -30,6 +43,9 @@ class HostErrorType(StrEnum):
     LEASE_CONFLICT = "lease_conflict"  # another lease holds the resource: retried, then failed
     RELEASE_ERROR = "release_error"  # cleanup step failed: retried, then release_failed
     INVALID_SPEC = "invalid_spec"
+    UNSUPPORTED = "unsupported"  # the node cannot do this yet (e.g. Weka cleanup): non-retryable
+    UNSAFE_PATH = "unsafe_path"  # a path leaves its configured root or is a symlink: non-retryable
+    MAINTENANCE_ERROR = "maintenance_error"  # a maintenance step failed: retried, then failed
 
 
 NON_RETRYABLE_HOST_ERRORS = frozenset(
@@ -39,6 +55,11 @@ NON_RETRYABLE_HOST_ERRORS = frozenset(
         HostErrorType.READINESS_TIMEOUT,
         HostErrorType.INVALID_SPEC,
     }
+)
+
+# Maintenance activities add their own non-retryable types to the host ones.
+NON_RETRYABLE_MAINTENANCE_ERRORS = NON_RETRYABLE_HOST_ERRORS | frozenset(
+    {HostErrorType.UNSUPPORTED, HostErrorType.UNSAFE_PATH}
 )
 
 
@@ -96,6 +117,14 @@ class HostReleaseInput:
 
 
 @dataclass
+class UnhealthyGpu:
+    """A GPU that failed its health check after release: its slot is quarantined, not freed."""
+
+    pci_address: str
+    reason: str
+
+
+@dataclass
 class HostReleaseResult:
     """seed 000: result {released, hard_stopped, wiped, leases_released}."""
 
@@ -107,7 +136,132 @@ class HostReleaseResult:
     hard_stopped: bool
     wiped: bool
     leases_released: bool
+    # Released GPUs whose health check failed (slices only); empty when all are healthy.
+    unhealthy_gpus: list[UnhealthyGpu] = field(default_factory=list)
 
     @property
     def cleanup_proven(self) -> bool:
         return self.released and self.wiped and self.leases_released
+
+
+# --------------------------------------------------------------------------- node maintenance
+# Every string in these results is sanitised by the agent (agent/maintenance.py): no secrets,
+# paths only inside the configured roots (as seen from the node's "/"), messages truncated.
+
+STORAGE_SCOPE_LOCAL_SCRATCH = "local_scratch"
+STORAGE_SCOPE_WEKA = "weka"
+
+
+@dataclass
+class NodeMaintenanceInput:
+    """Input of node.gpu_scrub, node.validate_clean, node.drain and node.uninstall."""
+
+    task_id: str
+    node_id: str
+    reason: str = ""  # free text for logs of the control plane; never acted on by the agent
+
+
+@dataclass
+class StorageCleanupInput:
+    task_id: str
+    node_id: str
+    scope: str = STORAGE_SCOPE_LOCAL_SCRATCH  # "local_scratch" | "weka"
+    # Configured scratch roots to clean (each must be one of them); empty: all of them.
+    roots: list[str] = field(default_factory=list)
+
+
+@dataclass
+class HwSyncReseedInput:
+    task_id: str
+    node_id: str
+    interval_minutes: int = 15  # the hardware-sync timer's period (1..1440)
+
+
+@dataclass
+class GpuScrubOutcome:
+    gpu: str  # "0", "1", ... or "all" when the scrubber works on the whole node
+    scrubbed: bool
+    message: str = ""
+
+
+@dataclass
+class GpuScrubResult:
+    task_id: str
+    started_at: str
+    finished_at: str
+    phases: list[HostPhase]
+    gpus: list[GpuScrubOutcome] = field(default_factory=list)
+
+    @property
+    def all_scrubbed(self) -> bool:
+        return bool(self.gpus) and all(g.scrubbed for g in self.gpus)
+
+
+@dataclass
+class ScratchRootOutcome:
+    root: str  # the configured root, as a path on the node ("/scratch")
+    present: bool
+    entries_removed: int = 0
+    entries_kept: int = 0  # not tenant-owned in a root cleaned only of tenant files
+
+
+@dataclass
+class StorageCleanupResult:
+    task_id: str
+    started_at: str
+    finished_at: str
+    phases: list[HostPhase]
+    scope: str
+    roots: list[ScratchRootOutcome] = field(default_factory=list)
+
+
+@dataclass
+class CleanCheck:
+    name: str  # "tenant_users" | "tenant_processes" | "tenant_mounts" | "gpu_memory"
+    passed: bool
+    reason: str = ""
+
+
+@dataclass
+class ValidateCleanResult:
+    """A failed check is a result, not an error: the decommission workflow decides (quarantine)."""
+
+    task_id: str
+    started_at: str
+    finished_at: str
+    phases: list[HostPhase]
+    clean: bool
+    checks: list[CleanCheck] = field(default_factory=list)
+
+
+@dataclass
+class DrainResult:
+    task_id: str
+    started_at: str
+    finished_at: str
+    phases: list[HostPhase]
+    draining: bool
+    already_draining: bool = False
+    running_tasks: int = 0
+
+
+@dataclass
+class UninstallResult:
+    task_id: str
+    started_at: str
+    finished_at: str
+    phases: list[HostPhase]
+    removed: list[str] = field(default_factory=list)  # agent-owned paths that were removed
+    absent: list[str] = field(default_factory=list)  # agent-owned paths already gone
+
+
+@dataclass
+class HwSyncReseedResult:
+    task_id: str
+    started_at: str
+    finished_at: str
+    phases: list[HostPhase]
+    units_written: list[str] = field(default_factory=list)  # changed unit files
+    units_unchanged: list[str] = field(default_factory=list)
+    credentials_present: bool = False
+    restarted: bool = False

@@ -177,6 +177,7 @@ class HostActivities:
             hard_stopped=outcome.hard_stopped,
             wiped=outcome.wiped,
             leases_released=outcome.leases_released,
+            unhealthy_gpus=list(outcome.unhealthy_gpus),
         )
 
     async def _run(

@@ -15,6 +15,7 @@ from temporalio.worker import PollerBehaviorSimpleMaximum, Worker
 
 from agent.backend import HostBackend
 from agent.host_activities import HostActivities
+from agent.maintenance import MaintenanceActivities, MaintenanceBackend
 from core.task_queues import node_task_queue
 
 # Host tasks a node runs at once (each is mostly waiting on libvirt or a guest).
@@ -30,18 +31,23 @@ def build_node_worker(
     graceful_shutdown: timedelta = timedelta(0),
     identity: str | None = None,
     pollers: int = 5,
+    maintenance: MaintenanceBackend | None = None,
 ) -> Worker:
     """A worker polling `node-{node_id}` with the host activities bound to `backend`.
 
     `graceful_shutdown` is how long running host tasks may finish after shutdown begins before
-    they are cancelled (they stop at their next phase boundary either way).
+    they are cancelled (they stop at their next phase boundary either way). With `maintenance`,
+    the node.* maintenance activities (agent/maintenance.py) are registered too.
     """
     node = str(node_id)
     activities = HostActivities(backend, node_id=node, max_concurrent=max_concurrent)
+    registered = activities.activities()
+    if maintenance is not None:
+        registered += MaintenanceActivities(maintenance, node_id=node).activities()
     return Worker(
         client,
         task_queue=node_task_queue(node),
-        activities=activities.activities(),
+        activities=registered,
         max_concurrent_activities=max_concurrent,
         graceful_shutdown_timeout=graceful_shutdown,
         # A fleet of simulated nodes shares one connection: fewer pollers per node keep it light.

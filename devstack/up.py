@@ -10,7 +10,9 @@ Starts, in order, with all state under .state/ in the repository:
                     is generated once into .state/vault-token (0600), secrets are kept in
                     .state/vault-data.json (0600) across restarts
   worker            the control-plane Temporal worker (python -m worker)
-  fleet             simulated node agents, one Temporal worker per node queue (sim.fleet)
+  fleet             simulated node agents, one Temporal worker per node queue (sim.fleet); with
+                    `--hosts libvirt-test` each runs the real backends on libvirt's test driver
+                    (files in .state/libvirt-hosts/<node id>/)
   gateway           the HTTP API (gateway.serve)
 
 and prints where everything is. Ctrl-C or SIGTERM stops it all (PostgreSQL too); if a child dies,
@@ -84,10 +86,15 @@ class StackOptions:
     namespace: str = "default"
     vault_port: int = 8200
     maas_port: int = 5240
+    hosts: str = "simulated"  # sim.fleet --hosts: "simulated" | "libvirt-test"
 
     @property
     def logs_dir(self) -> Path:
         return self.state_dir / "logs"
+
+    @property
+    def libvirt_hosts_dir(self) -> Path:
+        return self.state_dir / "libvirt-hosts"
 
     @property
     def tokens_file(self) -> Path:
@@ -493,7 +500,8 @@ class Stack:
         worker = Child("worker", python_entry("worker"), o.logs_dir / "worker.log", env, REPO_ROOT)
         gateway = Child("gateway", python_entry("gateway.serve"), o.logs_dir / "gateway.log", env,
                         REPO_ROOT)  # fmt: skip
-        fleet = Child("fleet", [*python_entry("sim.fleet"), "--refresh-seconds", "5"],
+        fleet = Child("fleet", [*python_entry("sim.fleet"), "--refresh-seconds", "5", "--hosts",
+                               o.hosts, "--state-dir", str(o.libvirt_hosts_dir)],
                       o.logs_dir / "fleet.log", env, REPO_ROOT)  # fmt: skip
         started = [worker, *([fleet] if o.agents else []), gateway]
         for child in started:
@@ -597,6 +605,8 @@ def print_summary(o: StackOptions, tokens: dict[str, str], stack: Stack) -> None
     ]
     _write_private(o.env_file, "\n".join(env_lines) + "\n")
     agents = "simulated fleet of 5 demo nodes" if o.agents else "no node agents (--no-agents)"
+    if o.agents and o.hosts != "simulated":
+        agents += f", {o.hosts} hosts"
     _say(
         f"""
 ================================================================================
@@ -670,6 +680,10 @@ def parse_args(argv: list[str] | None = None) -> StackOptions:
         help="PostgreSQL data, Temporal history, tokens and logs (default: %(default)s)")
     add("--reset", action="store_true",
         help="delete the state directory first: all data, history and tokens")
+    add("--hosts", choices=("simulated", "libvirt-test"),
+        default=env.get("GPUCLOUD_STACK_HOSTS") or "simulated",
+        help="the fleet's hosts: simulated, or real backends on libvirt's test driver "
+             "(default: %(default)s)")
     args = parser.parse_args(argv)  # fmt: skip
     return StackOptions(
         state_dir=args.state_dir.resolve(),
@@ -685,6 +699,7 @@ def parse_args(argv: list[str] | None = None) -> StackOptions:
         reset=args.reset,
         vault_port=args.vault_port,
         maas_port=args.maas_port,
+        hosts=args.hosts,
     )
 
 

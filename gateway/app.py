@@ -37,6 +37,7 @@ from gateway.controllers.enrollment import (
     AdminNodeEnrollmentController,
     AgentEnrollmentController,
 )
+from gateway.controllers.gpu_slots import AdminGpuSlotsController
 from gateway.controllers.health import HealthController
 from gateway.controllers.maas_sites import AdminMaasSitesController
 from gateway.controllers.ssh_keys import SshKeysController
@@ -136,6 +137,7 @@ def create_app(
             AdminMaasSitesController,
             AdminNodeEnrollmentController,
             AgentEnrollmentController,
+            AdminGpuSlotsController,
         ],
         dependencies={
             "db": Provide(provide_db),

@@ -1,6 +1,8 @@
 """`python -m sim.fleet`: the agents of many simulated nodes in one process.
 
-One Temporal client, one worker per node queue `node-{id}`, one SimulatedHost per node. Nodes come
+One Temporal client, one worker per node queue `node-{id}`, one SimulatedHost per node (or, with
+`--hosts libvirt-test`, the node's real backends on libvirt's test driver: sim.libvirt_hosts, with
+each node's GPU slots read from the database). Nodes come
 from `--node-id` arguments or from the database (nodes that are active or draining: a draining
 node still has allocations to release); with the database, the list is re-read every
 `--refresh-seconds`, so nodes onboarded while the fleet runs get an agent too. Phase delays and
@@ -10,6 +12,7 @@ SIGTERM stops every worker cleanly.
     python -m sim.fleet                                 # every active node in the database
     python -m sim.fleet --node-id 3f0c... --phase-delay 2 --jitter 0.3
     python -m sim.fleet --faults '[{"activity": "slice.vm_provision", "kind": "vfio_error"}]'
+    python -m sim.fleet --hosts libvirt-test --state-dir .state/libvirt-hosts
 """
 
 from __future__ import annotations
@@ -20,24 +23,29 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
 
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 from temporalio.client import Client
 from temporalio.worker import Worker
 
+from agent.backend import HostBackend
 from agent.node_worker import build_node_worker, stop_on_signals
 from core.config import Settings
 from core.temporal import connect
 from schema.db import create_engine, session_factory
-from schema.models import Node
+from schema.models import GpuSlot, Node, Sku
 from schema.states import NodeStatus
 from sim.config import SimHostConfig
 from sim.faults import FaultSpec
 from sim.host import SimulatedHost
+from sim.libvirt_hosts import GpuPlacement, LibvirtTestHost, build_libvirt_test_host
 
 logger = logging.getLogger("sim.fleet")
 
@@ -45,6 +53,8 @@ logger = logging.getLogger("sim.fleet")
 AGENT_NODE_STATUSES = (NodeStatus.ACTIVE.value, NodeStatus.DRAINING.value)
 # One simulated node rarely has more than a couple of tasks in flight; keep polls per node low.
 POLLERS_PER_NODE = 2
+HOST_KINDS = ("simulated", "libvirt-test")
+DEFAULT_LIBVIRT_STATE_DIR = Path(".state/libvirt-hosts")
 
 
 @dataclass(frozen=True)
@@ -60,6 +70,85 @@ async def load_agent_nodes(session: AsyncSession) -> list[AgentNode]:
     return [AgentNode(str(node_id), hostname) for node_id, hostname in rows.all()]
 
 
+@dataclass(frozen=True)
+class NodeHardware:
+    """What a libvirt-test host is generated from: the node's GPU slots (by gpu_index), its NUMA
+    layout and its SKU's image."""
+
+    gpus: tuple[GpuPlacement, ...]
+    numa_layout: tuple[dict[str, object], ...] = ()
+    image: str = ""
+
+
+async def load_node_hardware(
+    session: AsyncSession, node_ids: Iterable[str]
+) -> dict[str, NodeHardware]:
+    ids = [uuid.UUID(n) for n in node_ids]
+    if not ids:
+        return {}
+    nodes = await session.execute(
+        select(Node.id, Node.numa_layout, Sku.image)
+        .outerjoin(Sku, (Sku.name == Node.sku) & (Sku.region == Node.region))
+        .where(Node.id.in_(ids))
+    )
+    slots = await session.execute(
+        select(GpuSlot.node_id, GpuSlot.pci_address, GpuSlot.numa_node)
+        .where(GpuSlot.node_id.in_(ids))
+        .order_by(GpuSlot.node_id, GpuSlot.gpu_index)
+    )
+    gpus: dict[str, list[GpuPlacement]] = {}
+    for node_id, pci_address, numa_node in slots.all():
+        gpus.setdefault(str(node_id), []).append(GpuPlacement(pci_address, numa_node))
+    return {
+        str(node_id): NodeHardware(
+            tuple(gpus.get(str(node_id), ())), tuple(layout or ()), image or ""
+        )
+        for node_id, layout, image in nodes.all()
+    }
+
+
+class HostFactory(Protocol):
+    """Builds the backend of one node (instead of a SimulatedHost); `close()` at fleet stop."""
+
+    def __call__(self, node: AgentNode) -> HostBackend: ...
+
+    def close(self) -> None: ...
+
+
+class LibvirtTestHosts:
+    """`--hosts libvirt-test`: a libvirt test-driver host per node (sim.libvirt_hosts), its
+    connection held open for the process lifetime (a test:/// connection keeps its domains only
+    while open). `hardware` must be loaded (`load`) before a node is started."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
+        self.hardware: dict[str, NodeHardware] = {}
+        self.hosts: dict[str, LibvirtTestHost] = {}
+
+    async def load(self, session: AsyncSession, node_ids: Iterable[str]) -> None:
+        missing = [n for n in node_ids if n not in self.hardware]
+        self.hardware.update(await load_node_hardware(session, missing))
+
+    def __call__(self, node: AgentNode) -> HostBackend:
+        hardware = self.hardware.get(node.node_id)
+        if hardware is None:
+            raise LookupError(f"node {node.node_id} is not in the database")
+        host = build_libvirt_test_host(
+            node.node_id,
+            hardware.gpus,
+            self.state_dir,
+            numa_layout=hardware.numa_layout,
+            images=[hardware.image],
+        )
+        self.hosts[node.node_id] = host
+        return host.backend
+
+    def close(self) -> None:
+        for host in self.hosts.values():
+            host.close()
+        self.hosts.clear()
+
+
 class SimFleet:
     """Simulated agents started on demand; `stop()` shuts every worker down."""
 
@@ -69,11 +158,14 @@ class SimFleet:
         config_for: Callable[[str], SimHostConfig] = lambda _node: SimHostConfig(),
         *,
         pollers_per_node: int = POLLERS_PER_NODE,
+        host_factory: HostFactory | None = None,
     ) -> None:
         self._client = client
         self._config_for = config_for
         self._pollers = pollers_per_node
+        self._host_factory = host_factory
         self.hosts: dict[str, SimulatedHost] = {}
+        self.backends: dict[str, HostBackend] = {}
         self._workers: dict[str, Worker] = {}
         self._runs: dict[str, asyncio.Task[None]] = {}
 
@@ -83,9 +175,20 @@ class SimFleet:
         for node in nodes:
             if node.node_id in self._workers:
                 continue
-            host = SimulatedHost(
-                node.node_id, hostname=node.hostname, config=self._config_for(node.node_id)
-            )
+            host: HostBackend
+            if self._host_factory is None:
+                simulated = SimulatedHost(
+                    node.node_id, hostname=node.hostname, config=self._config_for(node.node_id)
+                )
+                self.hosts[node.node_id] = simulated
+                host = simulated
+            else:
+                try:
+                    host = self._host_factory(node)
+                except Exception as err:  # one bad node must not keep the others down
+                    logger.warning("no host for node %s: %s", node.node_id, err)
+                    continue
+            self.backends[node.node_id] = host
             worker = build_node_worker(
                 self._client,
                 node.node_id,
@@ -93,7 +196,6 @@ class SimFleet:
                 identity=f"sim-agent-{node.node_id}",
                 pollers=self._pollers,
             )
-            self.hosts[node.node_id] = host
             self._workers[node.node_id] = worker
             self._runs[node.node_id] = asyncio.create_task(
                 worker.run(), name=f"sim-agent-{node.node_id}"
@@ -113,6 +215,8 @@ class SimFleet:
                 logger.warning("a simulated agent stopped with %s", type(result).__name__)
         self._workers.clear()
         self._runs.clear()
+        if self._host_factory is not None:
+            self._host_factory.close()
 
     async def run(
         self,
@@ -156,6 +260,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=10.0,
         help="re-read the node list this often (0: read once)",
     )
+    parser.add_argument(
+        "--hosts",
+        choices=HOST_KINDS,
+        default=os.environ.get("GPUCLOUD_SIM_HOSTS") or "simulated",
+        help="simulated hosts, or real backends on libvirt's test driver (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        default=DEFAULT_LIBVIRT_STATE_DIR,
+        help="libvirt-test hosts' files, one directory per node (default: %(default)s)",
+    )
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
 
@@ -182,11 +298,14 @@ def config_factory(args: argparse.Namespace) -> Callable[[str], SimHostConfig]:
 
 
 async def run(args: argparse.Namespace, settings: Settings) -> None:
+    if args.hosts not in HOST_KINDS:
+        raise SystemExit(f"--hosts (GPUCLOUD_SIM_HOSTS) must be one of {', '.join(HOST_KINDS)}")
+    libvirt_hosts = LibvirtTestHosts(args.state_dir) if args.hosts == "libvirt-test" else None
     client = await connect(settings, identity="sim-fleet")
-    fleet = SimFleet(client, config_factory(args))
+    fleet = SimFleet(client, config_factory(args), host_factory=libvirt_hosts)
     stop = asyncio.Event()
     with stop_on_signals(stop):
-        if args.node_id:
+        if args.node_id and libvirt_hosts is None:
             fleet.start(AgentNode(str(n)) for n in args.node_id)
             await fleet.run(stop)
             return
@@ -195,7 +314,15 @@ async def run(args: argparse.Namespace, settings: Settings) -> None:
 
         async def refresh() -> list[AgentNode]:
             async with sessions() as session:
-                return await load_agent_nodes(session)
+                if args.node_id:
+                    nodes = [AgentNode(str(n)) for n in args.node_id]
+                else:
+                    nodes = await load_agent_nodes(session)
+                if libvirt_hosts is not None:  # GPU slots of nodes not started yet
+                    await libvirt_hosts.load(
+                        session, [n.node_id for n in nodes if n.node_id not in fleet.backends]
+                    )
+                return nodes
 
         try:
             await fleet.run(stop, refresh, args.refresh_seconds)

@@ -32,6 +32,7 @@ from agent.contract import (
     HostErrorType,
     HostProvisionInput,
     HostReleaseInput,
+    UnhealthyGpu,
 )
 from sim.config import SimHostConfig
 from sim.faults import GRACEFUL_SHUTDOWN_FAILS, HANG, FaultInjector
@@ -96,6 +97,7 @@ class SimulatedHost:
         self._lock = threading.RLock()
         self._rng = random.Random(seed)
         self._domains: dict[str, SimDomain] = {}
+        self._unhealthy_after_release: dict[str, str] = {}
         self._users: dict[str, SimUser] = {}
         self._gpu_leases: dict[str, str] = {}  # pci address -> allocation id
         self._node_lease: str | None = None  # bare metal: the allocation holding the node
@@ -201,6 +203,8 @@ class SimulatedHost:
     def release_slice_vm(self, spec: HostReleaseInput, progress: Progress) -> ReleaseOutcome:
         run = _Task(self, SLICE_VM_RELEASE, spec.allocation_id, progress)
         hard_stopped = False
+        domain = self.domain(spec.allocation_id)  # its GPUs are checked once it is gone
+        released_gpus = domain.pci_addresses if domain is not None else ()
 
         def hard_stop() -> str:
             nonlocal hard_stopped
@@ -217,12 +221,34 @@ class SimulatedHost:
             shutdown_ok = run.phase("graceful_shutdown", lambda: self._graceful_shutdown(run))
             if not shutdown_ok:
                 run.phase(HARD_STOP_PHASE, hard_stop)
+        unhealthy: list[UnhealthyGpu] = []
+
+        def check_gpus() -> str:
+            with self._lock:
+                for address in released_gpus:
+                    reason = self._unhealthy_after_release.pop(address, None)
+                    if reason is not None:
+                        unhealthy.append(UnhealthyGpu(address, reason))
+            return f"{len(released_gpus) - len(unhealthy)} healthy, {len(unhealthy)} quarantined"
+
         run.phase("domain_destroyed", lambda: self._destroy(spec.allocation_id))
         run.phase("domain_undefined", lambda: self._undefine(spec.allocation_id))
         run.phase("leases_wiped", lambda: self._wipe_leases(spec.allocation_id))
+        run.phase("gpus_health_checked", check_gpus)
         return ReleaseOutcome(
-            released=True, hard_stopped=hard_stopped, wiped=True, leases_released=True
+            released=True,
+            hard_stopped=hard_stopped,
+            wiped=True,
+            leases_released=True,
+            unhealthy_gpus=tuple(unhealthy),
         )
+
+    def fail_gpu_health_after_release(
+        self, pci_address: str, reason: str = "PCI config space reads all-ones"
+    ) -> None:
+        """The next release of a VM holding this GPU finds it unhealthy (e.g. a failed FLR)."""
+        with self._lock:
+            self._unhealthy_after_release[pci_address] = reason
 
     def provision_baremetal_user(
         self, spec: HostProvisionInput, progress: Progress

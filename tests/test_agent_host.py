@@ -528,6 +528,7 @@ async def test_failed_graceful_shutdown_falls_back_to_hard_stop(
         ("domain_destroyed", "succeeded"),
         ("domain_undefined", "succeeded"),
         ("leases_wiped", "succeeded"),
+        ("gpus_health_checked", "succeeded"),
     ]
 
 

@@ -42,7 +42,8 @@ from agent.backend import (
 from agent.backends import cloud_init_seed, domain_xml
 from agent.backends.images import ImageMismatch, ImageMissing, ImageStore
 from agent.backends.readiness import NotReady, ReadinessProbe
-from agent.contract import HostErrorType, HostProvisionInput, HostReleaseInput
+from agent.contract import HostErrorType, HostProvisionInput, HostReleaseInput, UnhealthyGpu
+from agent.gpu_health import GpuHealthCheck
 
 logger = logging.getLogger("agent.backends.libvirt_slice")
 
@@ -76,6 +77,7 @@ class LibvirtSliceBackend:
         driver_timeout_s: float = 300.0,
         poll_interval_s: float = 1.0,
         connection: Any | None = None,
+        gpu_health: GpuHealthCheck | None = None,
     ) -> None:
         """
         uri: libvirt URI ("qemu:///system"; "test:///abs/path/host.xml" in tests).
@@ -85,6 +87,8 @@ class LibvirtSliceBackend:
         disk_dir: per-allocation disks (overlays); defaults to `state_dir/disks`.
         numa_topology: NUMA cell -> host CPUs; default: read from the host's capabilities.
         connection: an open libvirt connection to use instead of opening `uri`.
+        gpu_health: checks each released GPU (agent.gpu_health.SysfsGpuHealthCheck on a real
+            host); None skips the check (the test driver's GPUs have no sysfs).
         """
         self.uri = uri
         self.images = ImageStore(
@@ -95,6 +99,7 @@ class LibvirtSliceBackend:
         self.seed_dir = Path(seed_dir)
         self.lease_dir = Path(state_dir) / "leases"
         self.readiness = readiness
+        self.gpu_health = gpu_health
         self.default_image = default_image
         self.default_vcpus = default_vcpus
         self.default_memory_mb = default_memory_mb
@@ -255,6 +260,18 @@ class LibvirtSliceBackend:
             domain.destroy()
             return "powered off"
 
+        released_gpus = self._domain_gpus(spec.allocation_id)  # read before it is undefined
+        unhealthy: list[UnhealthyGpu] = []
+
+        def check_gpus() -> str:
+            if self.gpu_health is None:
+                return f"{len(released_gpus)} GPU(s) not checked (no health check on this host)"
+            for address in released_gpus:
+                reason = self.gpu_health.check(address)
+                if reason is not None:
+                    unhealthy.append(UnhealthyGpu(address, reason))
+            return f"{len(released_gpus) - len(unhealthy)} healthy, {len(unhealthy)} quarantined"
+
         try:
             if spec.force or not _phase(
                 progress, "graceful_shutdown", lambda: self._graceful(spec, progress)
@@ -267,9 +284,20 @@ class LibvirtSliceBackend:
             raise HostError(
                 HostErrorType.RELEASE_ERROR, f"libvirt: {err.get_error_message()}"
             ) from None
+        _phase(progress, "gpus_health_checked", check_gpus)
         return ReleaseOutcome(
-            released=True, hard_stopped=hard_stopped, wiped=True, leases_released=True
+            released=True,
+            hard_stopped=hard_stopped,
+            wiped=True,
+            leases_released=True,
+            unhealthy_gpus=tuple(unhealthy),
         )
+
+    def _domain_gpus(self, allocation_id: str) -> list[str]:
+        domain = self.lookup_domain(allocation_id)
+        if domain is None:
+            return []
+        return [str(address) for address in domain_xml.parse_domain(domain.XMLDesc(0)).hostdevs]
 
     # ------------------------------------------------------------------ bare metal: not here
 

@@ -1,0 +1,1016 @@
+"""Node maintenance for decommission (seed 003 §5, seed 004): node.gpu_scrub, node.storage_cleanup,
+node.validate_clean, node.drain, node.uninstall and node.hw_sync_reseed.
+
+Two layers, like the host activities:
+
+- `MaintenanceBackend` (a protocol, blocking) does the work; `FileMaintenanceBackend` implements
+  it under a `SystemRoot` (a directory standing for "/", a temporary tree in tests). Everything
+  the node vendor or the OS must do is behind a small protocol: `NodeGpuScrubber` (the vendor's
+  scrub; `WholeNodeScrubber` adapts the bare-metal `GpuScrubber`), `ProcessLister` (default:
+  `ProcProcessLister`, reading `proc/<pid>/status` under the root), `GpuMemoryProbe` (optional
+  `NvmlGpuMemoryProbe`, read-only), `RunningTaskCounter` and `UnitManager` (production: systemd
+  over D-Bus; not implemented here). No operation runs a shell or takes a command, a script or a
+  path to act on from the control plane (seed 003 §2.4): paths come from the agent's own config.
+- `MaintenanceActivities` registers them as Temporal activities on the node's queue, heartbeats
+  the phase list while the backend runs, maps `HostError` to `ApplicationError` and sanitises
+  everything that leaves the node (`sanitise`): secret-looking text redacted, the system root's
+  own location never shown, messages truncated.
+
+Rules:
+
+- storage_cleanup deletes the *contents* of configured scratch roots, never the roots; a root
+  that is a symlink (or under one) is refused (`unsafe_path`), symlinks inside a root are
+  unlinked, never followed; a filesystem mounted below a root is refused before anything is
+  deleted (rmtree would cross into it). Roots marked `tenant_owned_only` (default: /tmp and
+  /var/tmp) lose only top-level entries owned by a uid in the tenant range. scope "weka" is
+  `unsupported` until the Weka integration (seed 003 §11) exists.
+- validate_clean answers each check with passed/failed and a reason; a failed check is a result,
+  not an error. A check that cannot be carried out (no GPU probe, no mount table) fails.
+- drain writes a marker in the agent's state dir (idempotent) and reports the running task count.
+- uninstall removes only the paths listed in `AgentFiles` (the agent's own files).
+- hw_sync_reseed writes the hardware-sync service and timer units from a fixed template; the
+  command they run is agent config, never task input; the interval is validated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import shutil
+import stat
+import traceback
+from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass, field, fields, is_dataclass, replace
+from pathlib import Path, PurePosixPath
+from typing import Any, Protocol, TypeVar
+
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from agent.backend import HostCancelled, HostError, PhaseStatus, Progress
+from agent.backends.baremetal_users import GpuScrubber, UserAccountConfig
+from agent.backends.system_root import SystemRoot, UnsafePath
+from agent.contract import (
+    NODE_DRAIN,
+    NODE_GPU_SCRUB,
+    NODE_HW_SYNC_RESEED,
+    NODE_STORAGE_CLEANUP,
+    NODE_UNINSTALL,
+    NODE_VALIDATE_CLEAN,
+    NON_RETRYABLE_MAINTENANCE_ERRORS,
+    STORAGE_SCOPE_LOCAL_SCRATCH,
+    STORAGE_SCOPE_WEKA,
+    CleanCheck,
+    DrainResult,
+    GpuScrubOutcome,
+    GpuScrubResult,
+    HostErrorType,
+    HostPhase,
+    HwSyncReseedInput,
+    HwSyncReseedResult,
+    NodeMaintenanceInput,
+    ScratchRootOutcome,
+    StorageCleanupInput,
+    StorageCleanupResult,
+    UninstallResult,
+    ValidateCleanResult,
+)
+from agent.host_activities import heartbeat_interval_seconds
+from agent.progress import TaskProgress, utc_now_iso
+
+logger = logging.getLogger("agent.maintenance")
+
+# Phase names, in the order each activity runs them.
+GPU_SCRUB_PHASES = ("gpus_scrubbed",)
+STORAGE_CLEANUP_PHASES = ("mounts_checked", "scratch_cleaned")
+VALIDATE_CLEAN_PHASES = (
+    "users_checked",
+    "processes_checked",
+    "mounts_checked",
+    "gpu_memory_checked",
+)
+DRAIN_PHASES = ("drain_marked", "running_tasks_counted")
+UNINSTALL_PHASES = ("agent_files_removed",)
+HW_SYNC_RESEED_PHASES = ("credentials_checked", "units_written", "units_restarted")
+
+CHECK_TENANT_USERS = "tenant_users"
+CHECK_TENANT_PROCESSES = "tenant_processes"
+CHECK_TENANT_MOUNTS = "tenant_mounts"
+CHECK_GPU_MEMORY = "gpu_memory"
+
+MAX_MESSAGE_CHARS = 240
+_MAX_NAMES = 5
+_INTERVAL_RANGE = (1, 1440)
+
+# --------------------------------------------------------------------------- sanitising
+
+_REDACTED = "[redacted]"
+_SECRET_PATTERNS = (
+    re.compile(r"-----BEGIN [A-Z0-9 ]+-----.*?(-----END [A-Z0-9 ]+-----|$)", re.S),
+    re.compile(
+        r"\b(ssh-(rsa|dss|ed25519)|ecdsa-sha2-\S+|sk-\S+@openssh\.com)\s+[A-Za-z0-9+/=]{16,}"
+    ),
+    re.compile(
+        r"(?i)\b(password|passwd|secret|token|api[_-]?key|credentials?|authorization)"
+        r"(\s*[=:]\s*|\s+)(bearer\s+)?\S+"
+    ),
+    re.compile(r"[A-Za-z0-9+/_-]{32,}={0,2}"),  # long base64 / hex blobs
+)
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+
+
+def sanitise(text: str, *, root: SystemRoot | None = None, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """Text safe for node_tasks output and the timeline: the system root's own location removed
+    (paths read as on the node), secret-looking text redacted, control characters dropped,
+    truncated to `limit` characters."""
+    if root is not None and str(root.path) != "/":
+        text = text.replace(str(root.path), "")
+    for pattern in _SECRET_PATTERNS:
+        text = pattern.sub(_REDACTED, text)
+    text = _CONTROL.sub(" ", text).strip()
+    if len(text) > limit:
+        text = text[: limit - 1] + "…"
+    return text
+
+
+_T = TypeVar("_T")
+
+
+def sanitise_strings(value: _T, *, root: SystemRoot | None = None) -> _T:
+    """Apply `sanitise` to every string field of a (nested) result dataclass, in place."""
+    if is_dataclass(value) and not isinstance(value, type):
+        for f in fields(value):
+            current = getattr(value, f.name)
+            if isinstance(current, str):
+                setattr(value, f.name, sanitise(current, root=root))
+            elif isinstance(current, list):
+                setattr(
+                    value,
+                    f.name,
+                    [
+                        sanitise(item, root=root)
+                        if isinstance(item, str)
+                        else sanitise_strings(item, root=root)
+                        for item in current
+                    ],
+                )
+            elif is_dataclass(current):
+                sanitise_strings(current, root=root)
+    return value
+
+
+# --------------------------------------------------------------------------- interfaces
+
+
+class NodeGpuScrubber(Protocol):
+    """Clears the memory of every GPU on the node (vendor command behind it: nvidia-smi
+    --gpu-reset, rocm-smi --resetgpu or a memory-clearing job). One outcome per GPU; a GPU that
+    could not be scrubbed is an outcome with scrubbed=False. Raises only when the scrub could not
+    be attempted at all."""
+
+    def scrub_each(self) -> list[GpuScrubOutcome]: ...
+
+
+class WholeNodeScrubber:
+    """Adapts the bare-metal `GpuScrubber` (one call for the whole node) to `NodeGpuScrubber`."""
+
+    def __init__(self, scrubber: GpuScrubber) -> None:
+        self._scrubber = scrubber
+
+    def scrub_each(self) -> list[GpuScrubOutcome]:
+        try:
+            message = self._scrubber.scrub()
+        except Exception as err:
+            return [GpuScrubOutcome(gpu="all", scrubbed=False, message=type(err).__name__)]
+        return [GpuScrubOutcome(gpu="all", scrubbed=True, message=message)]
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    pid: int
+    uid: int
+
+
+class ProcessLister(Protocol):
+    """Every process on the node with its real uid."""
+
+    def processes(self) -> list[ProcessInfo]: ...
+
+
+class ProcProcessLister:
+    """Reads `proc/<pid>/status` under the system root ("Uid:" line, real uid). Read-only."""
+
+    def __init__(self, root: SystemRoot) -> None:
+        self._proc = root.host_path("/proc")
+
+    def processes(self) -> list[ProcessInfo]:
+        found: list[ProcessInfo] = []
+        try:
+            entries = list(os.scandir(self._proc))
+        except FileNotFoundError:
+            raise RuntimeError("no /proc under the system root") from None
+        for entry in entries:
+            if not entry.name.isdigit():
+                continue
+            try:
+                text = Path(entry.path, "status").read_text(encoding="utf-8", errors="replace")
+            except OSError:
+                continue  # the process ended while we looked
+            for line in text.splitlines():
+                if line.startswith("Uid:"):
+                    found.append(ProcessInfo(pid=int(entry.name), uid=int(line.split()[1])))
+                    break
+        return found
+
+
+@dataclass(frozen=True)
+class GpuMemoryUse:
+    gpu: str
+    used_bytes: int
+    processes: int  # compute/graphics processes holding memory on it
+
+
+class GpuMemoryProbe(Protocol):
+    """GPU memory in use on each GPU. Read-only: never resets a GPU or changes a setting."""
+
+    def usage(self) -> list[GpuMemoryUse]: ...
+
+
+class NvmlGpuMemoryProbe:
+    """NVML through `pynvml` (nvidia-ml-py), imported lazily. Calls only nvmlInit,
+    nvmlDeviceGetCount, nvmlDeviceGetHandleByIndex, nvmlDeviceGetMemoryInfo,
+    nvmlDeviceGetComputeRunningProcesses, nvmlDeviceGetGraphicsRunningProcesses, nvmlShutdown."""
+
+    def usage(self) -> list[GpuMemoryUse]:  # pragma: no cover - needs an NVIDIA driver
+        import pynvml  # type: ignore[import-not-found, unused-ignore]
+
+        pynvml.nvmlInit()
+        try:
+            result: list[GpuMemoryUse] = []
+            for index in range(pynvml.nvmlDeviceGetCount()):
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+                procs = len(pynvml.nvmlDeviceGetComputeRunningProcesses(handle)) + len(
+                    pynvml.nvmlDeviceGetGraphicsRunningProcesses(handle)
+                )
+                result.append(GpuMemoryUse(str(index), int(memory.used), procs))
+            return result
+        finally:
+            pynvml.nvmlShutdown()
+
+
+class RunningTaskCounter(Protocol):
+    """How many host tasks this agent is running now."""
+
+    def running(self) -> int: ...
+
+
+class UnitManager(Protocol):
+    """systemd, for hw_sync_reseed (production: D-Bus daemon-reload and RestartUnit)."""
+
+    def reload_and_restart(self, units: list[str]) -> None: ...
+
+
+# --------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class ScratchRoot:
+    path: str  # as on the node, e.g. "/scratch"
+    # Only top-level entries owned by a tenant uid are removed (shared dirs such as /tmp).
+    tenant_owned_only: bool = False
+
+
+DEFAULT_SCRATCH_ROOTS = (
+    ScratchRoot("/scratch"),
+    ScratchRoot("/tmp", tenant_owned_only=True),  # noqa: S108 - cleaned, not written to
+    ScratchRoot("/var/tmp", tenant_owned_only=True),  # noqa: S108
+)
+
+
+@dataclass(frozen=True)
+class AgentFiles:
+    """Everything node.uninstall removes: the agent's own files, listed explicitly."""
+
+    state_dir: str = "/var/lib/gpucloud-agent"  # identity.json lives here (agent/enrollment.py)
+    files: tuple[str, ...] = (
+        "/var/lib/gpucloud-agent/identity.json",
+        "/etc/gpucloud/agent.toml",  # written by cloud-init
+        "/etc/systemd/system/gpucloud-agent.service",
+    )
+
+    @property
+    def drain_marker(self) -> str:
+        return f"{self.state_dir.rstrip('/')}/draining"
+
+
+@dataclass(frozen=True)
+class HwSyncConfig:
+    service_unit: str = "/etc/systemd/system/maas_hardware_sync.service"
+    timer_unit: str = "/etc/systemd/system/maas_hardware_sync.timer"
+    credentials: str = "/etc/maas/maas-machine-creds.yml"
+    # Agent config (never task input): what the service runs.
+    exec_start: str = (
+        "/usr/bin/maas-run-scripts report-results --config /etc/maas/maas-machine-creds.yml"
+    )
+
+
+@dataclass(frozen=True)
+class MaintenanceConfig:
+    users: UserAccountConfig = field(default_factory=UserAccountConfig)
+    scratch_roots: tuple[ScratchRoot, ...] = DEFAULT_SCRATCH_ROOTS
+    agent_files: AgentFiles = field(default_factory=AgentFiles)
+    hw_sync: HwSyncConfig = field(default_factory=HwSyncConfig)
+    mounts_file: str = "/proc/self/mounts"
+    # Memory an idle GPU reports as used (driver/context overhead) and still counts as clean.
+    gpu_idle_used_bytes: int = 512 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        owned = [r.path for r in self.scratch_roots]
+        owned += [self.agent_files.state_dir, *self.agent_files.files]
+        owned += [self.hw_sync.service_unit, self.hw_sync.timer_unit]
+        for path in owned:
+            parts = SystemRoot.parts(path)  # refuses "..", "."
+            if not path.startswith("/") or len(parts) < 1:
+                raise ValueError(f"{path!r} must be an absolute path below /")
+        if any(len(SystemRoot.parts(p)) < 2 for p in [*self.agent_files.files]):
+            raise ValueError("agent files must lie in a directory below /")
+
+
+# --------------------------------------------------------------------------- outcomes
+
+
+@dataclass
+class StorageOutcome:
+    scope: str
+    roots: list[ScratchRootOutcome]
+
+
+@dataclass
+class ValidateOutcome:
+    checks: list[CleanCheck]
+
+    @property
+    def clean(self) -> bool:
+        return all(c.passed for c in self.checks)
+
+
+@dataclass
+class DrainOutcome:
+    draining: bool
+    already_draining: bool
+    running_tasks: int
+
+
+@dataclass
+class UninstallOutcome:
+    removed: list[str]
+    absent: list[str]
+
+
+@dataclass
+class HwSyncOutcome:
+    units_written: list[str]
+    units_unchanged: list[str]
+    credentials_present: bool
+    restarted: bool
+
+
+class MaintenanceBackend(Protocol):
+    """Node maintenance. Methods block, raise HostError for classified failures and
+    HostCancelled when `progress` says so; each is idempotent."""
+
+    def gpu_scrub(
+        self, spec: NodeMaintenanceInput, progress: Progress
+    ) -> list[GpuScrubOutcome]: ...
+
+    def storage_cleanup(self, spec: StorageCleanupInput, progress: Progress) -> StorageOutcome: ...
+
+    def validate_clean(self, spec: NodeMaintenanceInput, progress: Progress) -> ValidateOutcome: ...
+
+    def drain(self, spec: NodeMaintenanceInput, progress: Progress) -> DrainOutcome: ...
+
+    def uninstall(self, spec: NodeMaintenanceInput, progress: Progress) -> UninstallOutcome: ...
+
+    def hw_sync_reseed(self, spec: HwSyncReseedInput, progress: Progress) -> HwSyncOutcome: ...
+
+    def sanitise_root(self) -> SystemRoot | None:
+        """The system root whose location `sanitise` strips from what leaves the node."""
+        ...
+
+
+# --------------------------------------------------------------------------- the backend
+
+
+class FileMaintenanceBackend:
+    """Maintenance under a `SystemRoot` ("/" on a node, a temporary tree in tests)."""
+
+    def __init__(
+        self,
+        root: SystemRoot | Path | str,
+        *,
+        scrubber: NodeGpuScrubber,
+        gpu_probe: GpuMemoryProbe | None = None,
+        processes: ProcessLister | None = None,
+        tasks: RunningTaskCounter | None = None,
+        units: UnitManager | None = None,
+        config: MaintenanceConfig | None = None,
+    ) -> None:
+        self.root = root if isinstance(root, SystemRoot) else SystemRoot(root)
+        self.config = config or MaintenanceConfig()
+        self._scrubber = scrubber
+        self._gpu_probe = gpu_probe
+        self._processes = processes or ProcProcessLister(self.root)
+        self._tasks = tasks
+        self._units = units
+
+    def sanitise_root(self) -> SystemRoot | None:
+        return self.root
+
+    # ------------------------------------------------------------------ gpu_scrub
+
+    def gpu_scrub(self, spec: NodeMaintenanceInput, progress: Progress) -> list[GpuScrubOutcome]:
+        (phase,) = GPU_SCRUB_PHASES
+        progress(phase, PhaseStatus.STARTED)
+        try:
+            outcomes = self._scrubber.scrub_each()
+        except Exception as err:
+            raise HostError(
+                HostErrorType.MAINTENANCE_ERROR, f"GPU scrub could not run: {type(err).__name__}"
+            ) from None
+        outcomes = [sanitise_strings(o, root=self.root) for o in outcomes]
+        failed = [o.gpu for o in outcomes if not o.scrubbed]
+        if not outcomes:
+            progress(phase, PhaseStatus.FAILED, "the scrubber reported no GPUs")
+        elif failed:
+            progress(phase, PhaseStatus.FAILED, f"not scrubbed: GPU {', '.join(failed)}")
+        else:
+            progress(phase, PhaseStatus.SUCCEEDED, f"{len(outcomes)} scrubbed")
+        return outcomes
+
+    # ------------------------------------------------------------------ storage_cleanup
+
+    def storage_cleanup(self, spec: StorageCleanupInput, progress: Progress) -> StorageOutcome:
+        if spec.scope == STORAGE_SCOPE_WEKA:
+            raise HostError(
+                HostErrorType.UNSUPPORTED,
+                "Weka storage cleanup is not supported on this node yet (no Weka integration)",
+            )
+        if spec.scope != STORAGE_SCOPE_LOCAL_SCRATCH:
+            raise HostError(HostErrorType.INVALID_SPEC, "scope must be local_scratch or weka")
+        configured = {r.path: r for r in self.config.scratch_roots}
+        unknown = [r for r in spec.roots if r not in configured]
+        if unknown:
+            raise HostError(
+                HostErrorType.UNSAFE_PATH,
+                f"{len(unknown)} requested root(s) are not configured scratch roots",
+            )
+        roots = [configured[r] for r in spec.roots] if spec.roots else list(configured.values())
+
+        mounts_phase, clean_phase = STORAGE_CLEANUP_PHASES
+        progress(mounts_phase, PhaseStatus.STARTED)
+        mounts = self._mount_points()
+        if mounts is None:
+            raise HostError(HostErrorType.MAINTENANCE_ERROR, "the mount table is unreadable")
+        for r in roots:
+            below = [m for m in mounts if _strictly_below(m, r.path)]
+            if below:
+                raise HostError(
+                    HostErrorType.UNSAFE_PATH,
+                    f"{len(below)} filesystem(s) mounted below {r.path}: unmount them first",
+                )
+        progress(mounts_phase, PhaseStatus.SUCCEEDED)
+
+        progress(clean_phase, PhaseStatus.STARTED)
+        results = [self._clean_root(r, progress) for r in roots]
+        removed = sum(r.entries_removed for r in results)
+        progress(clean_phase, PhaseStatus.SUCCEEDED, f"{removed} entries removed")
+        return StorageOutcome(scope=spec.scope, roots=results)
+
+    def _clean_root(self, scratch: ScratchRoot, progress: Progress) -> ScratchRootOutcome:
+        users = self.config.users
+        try:
+            with self.root.open_dir(scratch.path) as dir_fd:
+                removed = kept = 0
+                for name in sorted(os.listdir(dir_fd)):
+                    if progress.cancelled:
+                        raise HostCancelled("cancelled while cleaning scratch")
+                    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                    if scratch.tenant_owned_only and not (
+                        users.uid_min <= st.st_uid <= users.uid_max
+                    ):
+                        kept += 1
+                        continue
+                    if stat.S_ISDIR(st.st_mode):
+                        # fd-based rmtree: never follows a symlink inside the tree.
+                        shutil.rmtree(name, dir_fd=dir_fd)
+                    else:
+                        os.unlink(name, dir_fd=dir_fd)  # a symlink: the link, not its target
+                    removed += 1
+        except FileNotFoundError:
+            return ScratchRootOutcome(root=scratch.path, present=False)
+        except UnsafePath:
+            raise HostError(
+                HostErrorType.UNSAFE_PATH,
+                f"scratch root {scratch.path} is or lies under a symlink: refused",
+            ) from None
+        except OSError as err:
+            raise HostError(
+                HostErrorType.MAINTENANCE_ERROR,
+                f"cleaning {scratch.path} failed: {type(err).__name__} ({err.errno})",
+            ) from None
+        return ScratchRootOutcome(
+            root=scratch.path, present=True, entries_removed=removed, entries_kept=kept
+        )
+
+    def _mount_points(self) -> list[str] | None:
+        try:
+            text = self.root.read_text(self.config.mounts_file)
+        except (OSError, ValueError):
+            return None
+        if text is None:
+            return None
+        points = []
+        for line in text.splitlines():
+            columns = line.split()
+            if len(columns) >= 2:
+                points.append(_unescape_mount(columns[1]))
+        return points
+
+    # ------------------------------------------------------------------ validate_clean
+
+    def validate_clean(self, spec: NodeMaintenanceInput, progress: Progress) -> ValidateOutcome:
+        users_phase, procs_phase, mounts_phase, gpu_phase = VALIDATE_CLEAN_PHASES
+        checks = [
+            self._check(progress, users_phase, self._check_users),
+            self._check(progress, procs_phase, self._check_processes),
+            self._check(progress, mounts_phase, self._check_mounts),
+            self._check(progress, gpu_phase, self._check_gpu_memory),
+        ]
+        return ValidateOutcome(checks=checks)
+
+    def _check(self, progress: Progress, phase: str, run: Callable[[], CleanCheck]) -> CleanCheck:
+        progress(phase, PhaseStatus.STARTED)
+        check = run()
+        check.reason = sanitise(check.reason, root=self.root)
+        # A failed check is a finding, not a failed step: the phase itself succeeded.
+        outcome = "passed" if check.passed else f"failed: {check.reason}"
+        progress(phase, PhaseStatus.SUCCEEDED, outcome)
+        return check
+
+    def _tenant_uid(self, uid: int) -> bool:
+        return self.config.users.uid_min <= uid <= self.config.users.uid_max
+
+    def _check_users(self) -> CleanCheck:
+        try:
+            text = self.root.read_text("/etc/passwd")
+        except (OSError, ValueError) as err:
+            return CleanCheck(CHECK_TENANT_USERS, False, f"passwd unreadable: {type(err).__name__}")
+        if text is None:
+            return CleanCheck(CHECK_TENANT_USERS, False, "no /etc/passwd")
+        names = []
+        for line in text.splitlines():
+            row = line.split(":")
+            if len(row) >= 3 and row[2].isdigit() and self._tenant_uid(int(row[2])):
+                names.append(row[0])
+        if not names:
+            return CleanCheck(CHECK_TENANT_USERS, True, "no tenant accounts")
+        return CleanCheck(
+            CHECK_TENANT_USERS, False, f"{len(names)} tenant account(s) remain: {_few(names)}"
+        )
+
+    def _check_processes(self) -> CleanCheck:
+        try:
+            procs = self._processes.processes()
+        except Exception as err:
+            return CleanCheck(
+                CHECK_TENANT_PROCESSES, False, f"process list unavailable: {type(err).__name__}"
+            )
+        tenant = sorted({p.uid for p in procs if self._tenant_uid(p.uid)})
+        count = sum(1 for p in procs if self._tenant_uid(p.uid))
+        if not count:
+            return CleanCheck(CHECK_TENANT_PROCESSES, True, "no tenant processes")
+        return CleanCheck(
+            CHECK_TENANT_PROCESSES,
+            False,
+            f"{count} tenant process(es) running, uid(s) {_few([str(u) for u in tenant])}",
+        )
+
+    def _check_mounts(self) -> CleanCheck:
+        points = self._mount_points()
+        if points is None:
+            return CleanCheck(CHECK_TENANT_MOUNTS, False, "the mount table is unreadable")
+        watched = [self.config.users.home_base] + [r.path for r in self.config.scratch_roots]
+        tenant = [m for m in points if any(_strictly_below(m, w) for w in watched)]
+        if not tenant:
+            return CleanCheck(CHECK_TENANT_MOUNTS, True, "no tenant mounts")
+        return CleanCheck(
+            CHECK_TENANT_MOUNTS, False, f"{len(tenant)} tenant mount(s): {_few(tenant)}"
+        )
+
+    def _check_gpu_memory(self) -> CleanCheck:
+        if self._gpu_probe is None:
+            return CleanCheck(CHECK_GPU_MEMORY, False, "no GPU memory probe configured")
+        try:
+            usage = self._gpu_probe.usage()
+        except Exception as err:
+            return CleanCheck(CHECK_GPU_MEMORY, False, f"GPU probe failed: {type(err).__name__}")
+        busy = [
+            u.gpu
+            for u in usage
+            if u.processes > 0 or u.used_bytes > self.config.gpu_idle_used_bytes
+        ]
+        if not busy:
+            return CleanCheck(CHECK_GPU_MEMORY, True, f"{len(usage)} GPU(s) idle")
+        return CleanCheck(CHECK_GPU_MEMORY, False, f"GPU memory in use on GPU {_few(busy)}")
+
+    # ------------------------------------------------------------------ drain
+
+    def drain(self, spec: NodeMaintenanceInput, progress: Progress) -> DrainOutcome:
+        mark_phase, count_phase = DRAIN_PHASES
+        files = self.config.agent_files
+        progress(mark_phase, PhaseStatus.STARTED)
+        try:
+            already = self.is_draining()
+            if not already:
+                self._ensure_parents(files.state_dir, mode=0o700)
+                self.root.write_atomic(
+                    files.drain_marker, f"task {spec.task_id}\n{utc_now_iso()}\n", mode=0o600
+                )
+        except UnsafePath:
+            raise HostError(HostErrorType.UNSAFE_PATH, "the agent state dir is a symlink") from None
+        except OSError as err:
+            raise HostError(
+                HostErrorType.MAINTENANCE_ERROR, f"drain marker not written: {type(err).__name__}"
+            ) from None
+        progress(mark_phase, PhaseStatus.SUCCEEDED, "already draining" if already else "")
+        progress(count_phase, PhaseStatus.STARTED)
+        running = self._tasks.running() if self._tasks is not None else 0
+        progress(count_phase, PhaseStatus.SUCCEEDED, f"{running} running")
+        return DrainOutcome(draining=True, already_draining=already, running_tasks=running)
+
+    def is_draining(self) -> bool:
+        """Whether node.drain has run (the host activities may refuse new work on it)."""
+        try:
+            return self.root.read_text(self.config.agent_files.drain_marker) is not None
+        except FileNotFoundError:
+            return False
+
+    def _ensure_parents(self, absolute: str, *, mode: int) -> None:
+        parts = SystemRoot.parts(absolute)
+        for depth in range(1, len(parts) + 1):
+            path = "/" + "/".join(parts[:depth])
+            host = self.root.host_path(path)
+            if host.is_symlink() or (host.exists() and not host.is_dir()):
+                # Never replaced: a symlinked /var (say) is the OS's business, not ours.
+                raise UnsafePath(f"{path} is not a plain directory")
+            if not host.exists():
+                self.root.ensure_dir(path, mode=mode if depth == len(parts) else 0o755)
+
+    # ------------------------------------------------------------------ uninstall
+
+    def uninstall(self, spec: NodeMaintenanceInput, progress: Progress) -> UninstallOutcome:
+        (phase,) = UNINSTALL_PHASES
+        files = self.config.agent_files
+        removed: list[str] = []
+        absent: list[str] = []
+        progress(phase, PhaseStatus.STARTED)
+        try:
+            for path in files.files:
+                (removed if self.root.remove_file(path) else absent).append(path)
+            # The state dir last: identity.json (listed above) and the drain marker lie in it.
+            (removed if self.root.remove_tree(files.state_dir) else absent).append(files.state_dir)
+        except UnsafePath:
+            raise HostError(
+                HostErrorType.UNSAFE_PATH, "an agent path lies under a symlink"
+            ) from None
+        except IsADirectoryError:
+            raise HostError(
+                HostErrorType.UNSAFE_PATH, "an agent file is a directory: refused"
+            ) from None
+        except OSError as err:
+            raise HostError(
+                HostErrorType.MAINTENANCE_ERROR, f"uninstall failed: {type(err).__name__}"
+            ) from None
+        progress(phase, PhaseStatus.SUCCEEDED, f"{len(removed)} removed, {len(absent)} absent")
+        return UninstallOutcome(removed=removed, absent=absent)
+
+    # ------------------------------------------------------------------ hw_sync_reseed
+
+    def hw_sync_reseed(self, spec: HwSyncReseedInput, progress: Progress) -> HwSyncOutcome:
+        low, high = _INTERVAL_RANGE
+        if not low <= spec.interval_minutes <= high:
+            raise HostError(
+                HostErrorType.INVALID_SPEC, f"interval_minutes must be within {low}..{high}"
+            )
+        cfg = self.config.hw_sync
+        creds_phase, write_phase, restart_phase = HW_SYNC_RESEED_PHASES
+        progress(creds_phase, PhaseStatus.STARTED)
+        try:
+            present = self.root.host_path(cfg.credentials).is_file()
+        except ValueError:
+            present = False
+        # Presence only: the credentials' content is never read here.
+        progress(creds_phase, PhaseStatus.SUCCEEDED, "present" if present else "missing")
+
+        progress(write_phase, PhaseStatus.STARTED)
+        wanted = {
+            cfg.service_unit: render_hw_sync_service(cfg),
+            cfg.timer_unit: render_hw_sync_timer(cfg, spec.interval_minutes),
+        }
+        written: list[str] = []
+        unchanged: list[str] = []
+        try:
+            for path, text in wanted.items():
+                if self.root.read_text(path) == text:
+                    unchanged.append(path)
+                else:
+                    self.root.write_atomic(path, text, mode=0o644, uid=0, gid=0)
+                    written.append(path)
+        except UnsafePath:
+            raise HostError(HostErrorType.UNSAFE_PATH, "the unit directory is a symlink") from None
+        except OSError as err:
+            raise HostError(
+                HostErrorType.MAINTENANCE_ERROR, f"unit files not written: {type(err).__name__}"
+            ) from None
+        progress(write_phase, PhaseStatus.SUCCEEDED, f"{len(written)} written")
+
+        progress(restart_phase, PhaseStatus.STARTED)
+        restarted = False
+        if self._units is not None and present:
+            try:
+                self._units.reload_and_restart([PurePosixPath(cfg.timer_unit).name])
+            except Exception as err:
+                raise HostError(
+                    HostErrorType.MAINTENANCE_ERROR, f"restart failed: {type(err).__name__}"
+                ) from None
+            restarted = True
+        progress(
+            restart_phase,
+            PhaseStatus.SUCCEEDED,
+            "restarted" if restarted else ("no unit manager" if present else "no credentials"),
+        )
+        return HwSyncOutcome(
+            units_written=written,
+            units_unchanged=unchanged,
+            credentials_present=present,
+            restarted=restarted,
+        )
+
+
+def render_hw_sync_service(cfg: HwSyncConfig) -> str:
+    return (
+        "# Managed by gpucloud-agent (node.hw_sync_reseed); changes are overwritten.\n"
+        "[Unit]\n"
+        "Description=MAAS hardware sync\n"
+        "Wants=network-online.target\n"
+        "After=network-online.target\n"
+        f"ConditionPathExists={cfg.credentials}\n"
+        "\n"
+        "[Service]\n"
+        "Type=oneshot\n"
+        f"ExecStart={cfg.exec_start}\n"
+    )
+
+
+def render_hw_sync_timer(cfg: HwSyncConfig, interval_minutes: int) -> str:
+    return (
+        "# Managed by gpucloud-agent (node.hw_sync_reseed); changes are overwritten.\n"
+        "[Unit]\n"
+        "Description=MAAS hardware sync timer\n"
+        "\n"
+        "[Timer]\n"
+        "OnBootSec=1min\n"
+        f"OnUnitActiveSec={int(interval_minutes)}min\n"
+        f"Unit={PurePosixPath(cfg.service_unit).name}\n"
+        "\n"
+        "[Install]\n"
+        "WantedBy=timers.target\n"
+    )
+
+
+def _strictly_below(path: str, base: str) -> bool:
+    p = PurePosixPath("/", path)
+    b = PurePosixPath("/", base)
+    return p != b and b in p.parents
+
+
+def _unescape_mount(field_text: str) -> str:
+    """/proc/self/mounts escapes space, tab, newline and backslash as octal (\\040 ...)."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field_text)
+
+
+def _few(items: list[str]) -> str:
+    shown = ", ".join(items[:_MAX_NAMES])
+    return shown + (f" and {len(items) - _MAX_NAMES} more" if len(items) > _MAX_NAMES else "")
+
+
+# --------------------------------------------------------------------------- activities
+
+# An unclassified exception in a maintenance backend: retried (the workflow bounds attempts).
+MAINTENANCE_INTERNAL_ERROR = HostErrorType.MAINTENANCE_ERROR.value
+
+_Out = TypeVar("_Out")
+
+
+class MaintenanceActivities:
+    """The six node.* maintenance activities bound to a backend; register `activities()` on the
+    node's worker (agent.node_worker.build_node_worker(..., maintenance=backend))."""
+
+    def __init__(
+        self,
+        backend: MaintenanceBackend,
+        *,
+        node_id: str | None = None,
+        executor: Executor | None = None,
+        cancel_grace_seconds: float = 10.0,
+    ) -> None:
+        self._backend = backend
+        self._node_id = node_id
+        self._executor = executor or ThreadPoolExecutor(
+            max_workers=4, thread_name_prefix=f"maint-{node_id or 'agent'}"
+        )
+        self._cancel_grace_seconds = cancel_grace_seconds
+
+    def activities(self) -> list[Callable[..., Any]]:
+        return [
+            self.gpu_scrub,
+            self.storage_cleanup,
+            self.validate_clean,
+            self.drain,
+            self.uninstall,
+            self.hw_sync_reseed,
+        ]
+
+    @activity.defn(name=NODE_GPU_SCRUB)
+    async def gpu_scrub(self, spec: NodeMaintenanceInput) -> GpuScrubResult:
+        started = self._start(spec.task_id, spec.node_id)
+        gpus, phases = await self._run(
+            NODE_GPU_SCRUB, spec.task_id, spec.node_id, lambda p: self._backend.gpu_scrub(spec, p)
+        )
+        return self._clean(GpuScrubResult(spec.task_id, started, utc_now_iso(), phases, gpus))
+
+    @activity.defn(name=NODE_STORAGE_CLEANUP)
+    async def storage_cleanup(self, spec: StorageCleanupInput) -> StorageCleanupResult:
+        started = self._start(spec.task_id, spec.node_id)
+        out, phases = await self._run(
+            NODE_STORAGE_CLEANUP,
+            spec.task_id,
+            spec.node_id,
+            lambda p: self._backend.storage_cleanup(spec, p),
+        )
+        return self._clean(
+            StorageCleanupResult(
+                spec.task_id, started, utc_now_iso(), phases, scope=out.scope, roots=out.roots
+            )
+        )
+
+    @activity.defn(name=NODE_VALIDATE_CLEAN)
+    async def validate_clean(self, spec: NodeMaintenanceInput) -> ValidateCleanResult:
+        started = self._start(spec.task_id, spec.node_id)
+        out, phases = await self._run(
+            NODE_VALIDATE_CLEAN,
+            spec.task_id,
+            spec.node_id,
+            lambda p: self._backend.validate_clean(spec, p),
+        )
+        return self._clean(
+            ValidateCleanResult(
+                spec.task_id, started, utc_now_iso(), phases, clean=out.clean, checks=out.checks
+            )
+        )
+
+    @activity.defn(name=NODE_DRAIN)
+    async def drain(self, spec: NodeMaintenanceInput) -> DrainResult:
+        started = self._start(spec.task_id, spec.node_id)
+        out, phases = await self._run(
+            NODE_DRAIN, spec.task_id, spec.node_id, lambda p: self._backend.drain(spec, p)
+        )
+        return self._clean(
+            DrainResult(
+                spec.task_id,
+                started,
+                utc_now_iso(),
+                phases,
+                draining=out.draining,
+                already_draining=out.already_draining,
+                running_tasks=out.running_tasks,
+            )
+        )
+
+    @activity.defn(name=NODE_UNINSTALL)
+    async def uninstall(self, spec: NodeMaintenanceInput) -> UninstallResult:
+        started = self._start(spec.task_id, spec.node_id)
+        out, phases = await self._run(
+            NODE_UNINSTALL, spec.task_id, spec.node_id, lambda p: self._backend.uninstall(spec, p)
+        )
+        return self._clean(
+            UninstallResult(
+                spec.task_id, started, utc_now_iso(), phases, removed=out.removed, absent=out.absent
+            )
+        )
+
+    @activity.defn(name=NODE_HW_SYNC_RESEED)
+    async def hw_sync_reseed(self, spec: HwSyncReseedInput) -> HwSyncReseedResult:
+        started = self._start(spec.task_id, spec.node_id)
+        out, phases = await self._run(
+            NODE_HW_SYNC_RESEED,
+            spec.task_id,
+            spec.node_id,
+            lambda p: self._backend.hw_sync_reseed(spec, p),
+        )
+        return self._clean(
+            HwSyncReseedResult(
+                spec.task_id,
+                started,
+                utc_now_iso(),
+                phases,
+                units_written=out.units_written,
+                units_unchanged=out.units_unchanged,
+                credentials_present=out.credentials_present,
+                restarted=out.restarted,
+            )
+        )
+
+    # ------------------------------------------------------------------ shared flow
+
+    def _start(self, task_id: str, node_id: str) -> str:
+        if not task_id or (self._node_id is not None and node_id != self._node_id):
+            raise ApplicationError(
+                "task id missing or task for another node",
+                type=HostErrorType.INVALID_SPEC.value,
+                non_retryable=True,
+            )
+        return utc_now_iso()
+
+    def _clean(self, result: _T) -> _T:
+        return sanitise_strings(result, root=self._backend.sanitise_root())
+
+    async def _run(
+        self, name: str, task_id: str, node_id: str, call: Callable[[TaskProgress], _Out]
+    ) -> tuple[_Out, list[HostPhase]]:
+        loop = asyncio.get_running_loop()
+        progress = TaskProgress(loop, task_id=task_id, allocation_id="-", activity_name=name)
+        root = self._backend.sanitise_root()
+        logger.info(
+            "task %s (%s, node %s): attempt %d", task_id, name, node_id, activity.info().attempt
+        )
+        heartbeats = asyncio.create_task(self._heartbeat_loop(progress, root))
+        work = loop.run_in_executor(self._executor, call, progress)
+        work.add_done_callback(lambda f: f.cancelled() or f.exception())
+        try:
+            outcome = await asyncio.shield(work)
+        except asyncio.CancelledError:
+            progress.request_cancel()
+            await asyncio.wait({work}, timeout=self._cancel_grace_seconds)
+            raise
+        except HostCancelled:
+            raise asyncio.CancelledError() from None
+        except HostError as err:
+            message = sanitise(err.message, root=root)
+            progress.fail_open_phase(message)
+            logger.warning("task %s (%s): %s", task_id, name, err.error_type.value)
+            raise ApplicationError(
+                message,
+                _clean_phases(progress.snapshot(), root),
+                type=err.error_type.value,
+                non_retryable=err.error_type in NON_RETRYABLE_MAINTENANCE_ERRORS,
+            ) from None
+        except Exception as err:
+            progress.fail_open_phase("unexpected maintenance error")
+            logger.error(
+                "task %s (%s): unexpected %s\n%s",
+                task_id,
+                name,
+                type(err).__name__,
+                "".join(traceback.format_tb(err.__traceback__)),
+            )
+            raise ApplicationError(
+                f"unexpected {type(err).__name__} in {name}",
+                _clean_phases(progress.snapshot(), root),
+                type=MAINTENANCE_INTERNAL_ERROR,
+            ) from None
+        finally:
+            heartbeats.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await heartbeats
+        logger.info("task %s (%s, node %s): done", task_id, name, node_id)
+        return outcome, _clean_phases(progress.snapshot(), root)
+
+    async def _heartbeat_loop(self, progress: TaskProgress, root: SystemRoot | None) -> None:
+        interval = heartbeat_interval_seconds()
+        while True:
+            if not progress.heartbeats_suspended:
+                activity.heartbeat(_clean_phases(progress.snapshot(), root))
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(interval):
+                    await progress.changed.wait()
+            progress.changed.clear()
+
+
+def _clean_phases(phases: list[HostPhase], root: SystemRoot | None) -> list[HostPhase]:
+    return [replace(p, message=sanitise(p.message, root=root)) for p in phases]
