@@ -36,6 +36,7 @@ from temporalio.client import Client
 from temporalio.worker import Worker
 
 from agent.backend import HostBackend
+from agent.heartbeat import DEFAULT_INTERVAL_SECONDS, run_heartbeats
 from agent.node_worker import build_node_worker, stop_on_signals
 from core.config import Settings
 from core.temporal import connect
@@ -159,8 +160,15 @@ class SimFleet:
         *,
         pollers_per_node: int = POLLERS_PER_NODE,
         host_factory: HostFactory | None = None,
+        heartbeat_queue: str | None = None,
+        heartbeat_seconds: float = DEFAULT_INTERVAL_SECONDS,
     ) -> None:
         self._client = client
+        # Simulated agents heartbeat like real ones (liveness only: no GPUs to probe here).
+        self._heartbeat_queue = heartbeat_queue
+        self._heartbeat_seconds = heartbeat_seconds
+        self._heartbeat_stop = asyncio.Event()
+        self._heartbeats: list[asyncio.Task[None]] = []
         self._config_for = config_for
         self._pollers = pollers_per_node
         self._host_factory = host_factory
@@ -200,6 +208,20 @@ class SimFleet:
             self._runs[node.node_id] = asyncio.create_task(
                 worker.run(), name=f"sim-agent-{node.node_id}"
             )
+            if self._heartbeat_queue is not None:
+                self._heartbeats.append(
+                    asyncio.create_task(
+                        run_heartbeats(
+                            self._client,
+                            node.node_id,
+                            control_plane_queue=self._heartbeat_queue,
+                            stop=self._heartbeat_stop,
+                            inventory=lambda: None,
+                            interval=self._heartbeat_seconds,
+                            agent_version="sim",
+                        )
+                    )
+                )
             started.append(node.node_id)
         if started:
             logger.info(
@@ -208,6 +230,9 @@ class SimFleet:
         return started
 
     async def stop(self) -> None:
+        self._heartbeat_stop.set()
+        await asyncio.gather(*self._heartbeats, return_exceptions=True)
+        self._heartbeats.clear()
         workers, runs = list(self._workers.values()), list(self._runs.values())
         await asyncio.gather(*(w.shutdown() for w in workers), return_exceptions=True)
         for result in await asyncio.gather(*runs, return_exceptions=True):
@@ -302,7 +327,15 @@ async def run(args: argparse.Namespace, settings: Settings) -> None:
         raise SystemExit(f"--hosts (GPUCLOUD_SIM_HOSTS) must be one of {', '.join(HOST_KINDS)}")
     libvirt_hosts = LibvirtTestHosts(args.state_dir) if args.hosts == "libvirt-test" else None
     client = await connect(settings, identity="sim-fleet")
-    fleet = SimFleet(client, config_factory(args), host_factory=libvirt_hosts)
+    fleet = SimFleet(
+        client,
+        config_factory(args),
+        host_factory=libvirt_hosts,
+        heartbeat_queue=settings.control_plane_task_queue,
+        heartbeat_seconds=float(
+            os.environ.get("GPUCLOUD_AGENT_HEARTBEAT_S", DEFAULT_INTERVAL_SECONDS)
+        ),
+    )
     stop = asyncio.Event()
     with stop_on_signals(stop):
         if args.node_id and libvirt_hosts is None:

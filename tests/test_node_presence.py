@@ -102,3 +102,27 @@ async def test_agent_heartbeat_loop_keeps_reporting_until_stopped(
     stop.set()
     await asyncio.wait_for(loop, timeout=5)
     assert (await node_row(db_sessions, node.id)).inventory_matches is None
+
+
+async def test_simulated_fleet_agents_heartbeat_too(
+    temporal_client: Any, settings: Any, db_sessions: Any
+) -> None:
+    from sim.fleet import AgentNode, SimFleet
+
+    await create_sku(db_sessions)
+    node = await create_node(db_sessions, gpus=1)
+    fleet = SimFleet(
+        temporal_client,
+        heartbeat_queue=settings.control_plane_task_queue,
+        heartbeat_seconds=0.05,
+    )
+    fleet.start([AgentNode(str(node.id))])
+    try:
+
+        async def alive() -> bool:
+            row = await node_row(db_sessions, node.id)
+            return row.last_agent_contact_at is not None and row.agent_version == "sim"
+
+        await eventually(alive)
+    finally:
+        await fleet.stop()
