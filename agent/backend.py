@@ -34,6 +34,7 @@ SLICE_RELEASE_PHASES = (
 )
 HARD_STOP_PHASE = "hard_stop"
 BAREMETAL_PROVISION_PHASES = ("user_created", "ssh_keys_installed", "access_verified")
+BAREMETAL_REVOKE_PHASES = ("login_disabled", "sessions_terminated")
 BAREMETAL_DEPROVISION_PHASES = (
     "sessions_terminated",
     "user_removed",
@@ -105,6 +106,12 @@ class ReleaseOutcome:
     unhealthy_gpus: tuple[UnhealthyGpu, ...] = ()
 
 
+@dataclass(frozen=True)
+class RevokeOutcome:
+    revoked: bool
+    sessions_terminated: int = 0
+
+
 class HostBackend(Protocol):
     """Host work for one node. Methods block; they raise HostError for classified failures and
     HostCancelled when `progress` says the task was cancelled. Every method must be idempotent:
@@ -124,3 +131,7 @@ class HostBackend(Protocol):
     def deprovision_baremetal_user(
         self, spec: HostReleaseInput, progress: Progress
     ) -> ReleaseOutcome: ...
+
+    def revoke_baremetal_user(
+        self, spec: HostReleaseInput, progress: Progress
+    ) -> RevokeOutcome: ...

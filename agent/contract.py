@@ -12,6 +12,7 @@ SLICE_VM_PROVISION = "slice.vm_provision"
 SLICE_VM_RELEASE = "slice.vm_release"
 BAREMETAL_PROVISION_USER = "allocation.provision_user"
 BAREMETAL_DEPROVISION_USER = "allocation.deprovision_user"
+BAREMETAL_REVOKE_USER = "allocation.revoke_user"
 # Node maintenance for decommission (seed 003 §5.6, seed 004 node.drain / node.uninstall).
 NODE_GPU_SCRUB = "node.gpu_scrub"
 NODE_STORAGE_CLEANUP = "node.storage_cleanup"
@@ -25,6 +26,7 @@ TASK_SUMMARIES = {
     SLICE_VM_RELEASE: "Releasing GPU slice VM",
     BAREMETAL_PROVISION_USER: "Granting bare-metal access",
     BAREMETAL_DEPROVISION_USER: "Revoking bare-metal access and cleaning the node",
+    BAREMETAL_REVOKE_USER: "Revoking bare-metal access (account and data kept)",
     NODE_GPU_SCRUB: "Scrubbing GPU memory",
     NODE_STORAGE_CLEANUP: "Cleaning node storage",
     NODE_VALIDATE_CLEAN: "Checking the node for tenant residue",
@@ -265,3 +267,15 @@ class HwSyncReseedResult:
     units_unchanged: list[str] = field(default_factory=list)
     credentials_present: bool = False
     restarted: bool = False
+
+
+@dataclass
+class HostRevokeResult:
+    """allocation.revoke_user: login disabled and keys removed; the account and home stay."""
+
+    task_id: str
+    started_at: str
+    finished_at: str
+    phases: list[HostPhase]
+    revoked: bool  # False: there was no such user (nothing to revoke)
+    sessions_terminated: int = 0

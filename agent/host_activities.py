@@ -31,10 +31,12 @@ from agent.backend import (
     HostError,
     ProvisionOutcome,
     ReleaseOutcome,
+    RevokeOutcome,
 )
 from agent.contract import (
     BAREMETAL_DEPROVISION_USER,
     BAREMETAL_PROVISION_USER,
+    BAREMETAL_REVOKE_USER,
     NON_RETRYABLE_HOST_ERRORS,
     SLICE_VM_PROVISION,
     SLICE_VM_RELEASE,
@@ -43,6 +45,7 @@ from agent.contract import (
     HostProvisionResult,
     HostReleaseInput,
     HostReleaseResult,
+    HostRevokeResult,
 )
 from agent.progress import TaskProgress, utc_now_iso
 
@@ -57,7 +60,7 @@ HEARTBEAT_FRACTION = 1 / 3
 DEFAULT_HEARTBEAT_INTERVAL_S = 10.0
 MIN_HEARTBEAT_INTERVAL_S = 0.05
 
-_Outcome = TypeVar("_Outcome", ProvisionOutcome, ReleaseOutcome)
+_Outcome = TypeVar("_Outcome", ProvisionOutcome, ReleaseOutcome, RevokeOutcome)
 _Spec = TypeVar("_Spec", HostProvisionInput, HostReleaseInput)
 
 
@@ -88,6 +91,7 @@ class HostActivities:
             self.release_slice_vm,
             self.provision_baremetal_user,
             self.deprovision_baremetal_user,
+            self.revoke_baremetal_user,
         ]
 
     # ------------------------------------------------------------------ activities
@@ -114,6 +118,26 @@ class HostActivities:
         self._validate(validation.validate_baremetal_release, spec)
         return await self._release(
             BAREMETAL_DEPROVISION_USER, spec, self._backend.deprovision_baremetal_user
+        )
+
+    @activity.defn(name=BAREMETAL_REVOKE_USER)
+    async def revoke_baremetal_user(self, spec: HostReleaseInput) -> HostRevokeResult:
+        self._validate(validation.validate_baremetal_release, spec)
+        started_at = utc_now_iso()
+        outcome, progress = await self._run(
+            BAREMETAL_REVOKE_USER,
+            spec.task_id,
+            spec.allocation_id,
+            lambda p: self._backend.revoke_baremetal_user(spec, p),
+            HostErrorType.RELEASE_ERROR.value,
+        )
+        return HostRevokeResult(
+            task_id=spec.task_id,
+            started_at=started_at,
+            finished_at=utc_now_iso(),
+            phases=progress.snapshot(),
+            revoked=outcome.revoked,
+            sessions_terminated=outcome.sessions_terminated,
         )
 
     # ------------------------------------------------------------------ shared flow

@@ -23,10 +23,12 @@ from agent.backend import (
     Progress,
     ProvisionOutcome,
     ReleaseOutcome,
+    RevokeOutcome,
 )
 from agent.contract import (
     BAREMETAL_DEPROVISION_USER,
     BAREMETAL_PROVISION_USER,
+    BAREMETAL_REVOKE_USER,
     SLICE_VM_PROVISION,
     SLICE_VM_RELEASE,
     HostErrorType,
@@ -315,6 +317,35 @@ class SimulatedHost:
         run.phase("home_wiped", lambda: "home directory wiped")
         run.phase("gpu_memory_scrubbed", scrub_gpus)
         return ReleaseOutcome(released=True, hard_stopped=False, wiped=True, leases_released=True)
+
+    def revoke_baremetal_user(
+        self, spec: HostReleaseInput, progress: Progress
+    ) -> RevokeOutcome:
+        run = _Task(self, BAREMETAL_REVOKE_USER, spec.allocation_id, progress)
+        existed = self.user(spec.allocation_id) is not None
+        sessions = 0
+
+        def disable_login() -> str:
+            with self._lock:
+                user = self._users.get(spec.allocation_id)
+                if user is None:
+                    return "no user"
+                self._users[spec.allocation_id] = replace(user, key_fingerprints=())
+            return "login disabled, authorized keys removed"
+
+        def terminate_sessions() -> str:
+            nonlocal sessions
+            with self._lock:
+                user = self._users.get(spec.allocation_id)
+                if user is None:
+                    return "no sessions"
+                sessions = user.sessions
+                self._users[spec.allocation_id] = replace(user, sessions=0)
+            return f"{sessions} session(s) terminated"
+
+        run.phase("login_disabled", disable_login)
+        run.phase("sessions_terminated", terminate_sessions)
+        return RevokeOutcome(revoked=existed, sessions_terminated=sessions)
 
     # ------------------------------------------------------------------ state helpers
 

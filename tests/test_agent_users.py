@@ -519,3 +519,19 @@ async def test_backend_runs_behind_the_host_activities(harness: Harness) -> None
     with pytest.raises(ApplicationError) as err:
         await env.run(activities.provision_baremetal_user, provision_spec("bob"))
     assert err.value.type == HostErrorType.LEASE_CONFLICT.value
+
+
+def test_revoke_activity_path_disables_login_and_keeps_home(harness: Harness) -> None:
+    """allocation.revoke_user on this backend: the phases, and the account and home kept."""
+    from agent.backend import BAREMETAL_REVOKE_PHASES
+
+    harness.backend.provision_baremetal_user(provision_spec(), RecordingProgress())
+    progress = RecordingProgress()
+    outcome = harness.backend.revoke_baremetal_user(release_spec(), progress)
+    assert outcome.revoked is True
+    assert [p for p, s in progress.phases() if s == PhaseStatus.SUCCEEDED] == list(
+        BAREMETAL_REVOKE_PHASES
+    )
+    assert (harness.root / "home/alice").is_dir()
+    assert not (harness.root / "home/alice/.ssh/authorized_keys").exists()
+    assert line_of(harness.root, "passwd", "alice") is not None

@@ -47,6 +47,7 @@ from agent.backend import (
     ProvisionOutcome,
     ReleaseOutcome,
 )
+from agent.backend import RevokeOutcome as HostRevokeOutcome
 from agent.backends.system_root import SystemRoot
 from agent.contract import HostErrorType, HostProvisionInput, HostReleaseInput
 
@@ -285,6 +286,28 @@ class FileBaremetalUserBackend:
         return ReleaseOutcome(released=True, hard_stopped=False, wiped=True, leases_released=True)
 
     # ------------------------------------------------------------------ revoke
+
+    def revoke_baremetal_user(
+        self, spec: HostReleaseInput, progress: Progress
+    ) -> HostRevokeOutcome:
+        """The allocation.revoke_user activity: revoke_user, reported in phases."""
+        outcome: RevokeOutcome | None = None
+
+        def revoke() -> str:
+            nonlocal outcome
+            outcome = self.revoke_user(spec.username, spec.allocation_id)
+            return "login disabled, keys removed" if outcome.existed else "no such user"
+
+        _phase(progress, "login_disabled", revoke)
+        _phase(
+            progress,
+            "sessions_terminated",
+            lambda: f"{outcome.sessions_terminated if outcome else 0} session(s) terminated",
+        )
+        assert outcome is not None
+        return HostRevokeOutcome(
+            revoked=outcome.existed, sessions_terminated=outcome.sessions_terminated
+        )
 
     def revoke_user(self, username: str, allocation_id: str | None = None) -> RevokeOutcome:
         """Disable login (shadow locked and expired, shell nologin), remove authorized_keys and

@@ -8,7 +8,14 @@ answer it themselves.
 
 from __future__ import annotations
 
-from agent.backend import HostBackend, HostError, Progress, ProvisionOutcome, ReleaseOutcome
+from agent.backend import (
+    HostBackend,
+    HostError,
+    Progress,
+    ProvisionOutcome,
+    ReleaseOutcome,
+    RevokeOutcome,
+)
 from agent.contract import HostErrorType, HostProvisionInput, HostReleaseInput
 
 
@@ -46,3 +53,6 @@ class NodeHostBackend:
         self, spec: HostReleaseInput, progress: Progress
     ) -> ReleaseOutcome:
         return self._baremetal().deprovision_baremetal_user(spec, progress)
+
+    def revoke_baremetal_user(self, spec: HostReleaseInput, progress: Progress) -> RevokeOutcome:
+        return self._baremetal().revoke_baremetal_user(spec, progress)

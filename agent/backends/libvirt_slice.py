@@ -38,6 +38,7 @@ from agent.backend import (
     Progress,
     ProvisionOutcome,
     ReleaseOutcome,
+    RevokeOutcome,
 )
 from agent.backends import cloud_init_seed, domain_xml
 from agent.backends.images import ImageMismatch, ImageMissing, ImageStore
@@ -311,6 +312,11 @@ class LibvirtSliceBackend:
     def deprovision_baremetal_user(
         self, spec: HostReleaseInput, progress: Progress
     ) -> ReleaseOutcome:
+        raise HostError(
+            HostErrorType.INVALID_SPEC, "bare-metal access is not served by this backend"
+        )
+
+    def revoke_baremetal_user(self, spec: HostReleaseInput, progress: Progress) -> RevokeOutcome:
         raise HostError(
             HostErrorType.INVALID_SPEC, "bare-metal access is not served by this backend"
         )
