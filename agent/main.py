@@ -27,13 +27,20 @@ from core.temporal import connect
 
 __all__ = ["build_node_worker", "main"]
 
-BACKENDS = ("simulated",)
+BACKENDS = ("simulated", "host")
 AGENT_VERSION = "0.1.0"
 # On SIGTERM, running host tasks get this long to finish before they are cancelled.
 SHUTDOWN_GRACE = timedelta(seconds=10)
 
 
-def make_backend(kind: str, node_id: str, hostname: str | None) -> HostBackend:
+def make_backend(
+    kind: str, node_id: str, hostname: str | None, config_path: Path | None = None
+) -> HostBackend:
+    if kind == "host":
+        # libvirt on this node, configured in the agent config's [libvirt] table.
+        from agent.backends.from_config import host_backend_from_config
+
+        return host_backend_from_config(config_path or DEFAULT_CONFIG_PATH)
     if kind == "simulated":
         # Imported here: a real node's agent never loads the simulator.
         from sim.config import SimHostConfig
@@ -80,7 +87,7 @@ async def run(args: argparse.Namespace, settings: Settings) -> None:
             temporal_namespace=identity.temporal_namespace,
         )
     hostname = args.hostname or socket.gethostname()
-    backend = make_backend(args.backend, node_id, hostname)
+    backend = make_backend(args.backend, node_id, hostname, args.config)
     client = await connect(settings, identity=f"agent-{node_id}@{hostname}")
     worker = build_node_worker(client, node_id, backend, graceful_shutdown=SHUTDOWN_GRACE)
     logging.getLogger("agent").info("agent for node %s polling %s", node_id, worker.task_queue)
