@@ -45,6 +45,7 @@ class HostErrorType(StrEnum):
     LEASE_CONFLICT = "lease_conflict"  # another lease holds the resource: retried, then failed
     RELEASE_ERROR = "release_error"  # cleanup step failed: retried, then release_failed
     INVALID_SPEC = "invalid_spec"
+    NODE_DRAINING = "node_draining"  # node.drain ran: no new tenant work on this node
     UNSUPPORTED = "unsupported"  # the node cannot do this yet (e.g. Weka cleanup): non-retryable
     UNSAFE_PATH = "unsafe_path"  # a path leaves its configured root or is a symlink: non-retryable
     MAINTENANCE_ERROR = "maintenance_error"  # a maintenance step failed: retried, then failed
@@ -56,6 +57,7 @@ NON_RETRYABLE_HOST_ERRORS = frozenset(
         HostErrorType.VFIO_ERROR,
         HostErrorType.READINESS_TIMEOUT,
         HostErrorType.INVALID_SPEC,
+        HostErrorType.NODE_DRAINING,
     }
 )
 

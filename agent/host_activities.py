@@ -76,8 +76,11 @@ class HostActivities:
         executor: Executor | None = None,
         max_concurrent: int = 16,
         cancel_grace_seconds: float = 10.0,
+        is_draining: Callable[[], bool] | None = None,
     ) -> None:
         self._backend = backend
+        # A drained node (node.drain) refuses new tenant work; releases still run.
+        self._is_draining = is_draining
         # When set, tasks for another node are refused (they reached the wrong queue).
         self._node_id = node_id
         self._executor = executor or ThreadPoolExecutor(
@@ -98,6 +101,7 @@ class HostActivities:
 
     @activity.defn(name=SLICE_VM_PROVISION)
     async def provision_slice_vm(self, spec: HostProvisionInput) -> HostProvisionResult:
+        self._refuse_if_draining()
         self._validate(validation.validate_slice_provision, spec)
         return await self._provision(SLICE_VM_PROVISION, spec, self._backend.provision_slice_vm)
 
@@ -108,6 +112,7 @@ class HostActivities:
 
     @activity.defn(name=BAREMETAL_PROVISION_USER)
     async def provision_baremetal_user(self, spec: HostProvisionInput) -> HostProvisionResult:
+        self._refuse_if_draining()
         self._validate(validation.validate_baremetal_provision, spec)
         return await self._provision(
             BAREMETAL_PROVISION_USER, spec, self._backend.provision_baremetal_user
@@ -141,6 +146,14 @@ class HostActivities:
         )
 
     # ------------------------------------------------------------------ shared flow
+
+    def _refuse_if_draining(self) -> None:
+        if self._is_draining is not None and self._is_draining():
+            raise ApplicationError(
+                "this node is draining: it takes no new tenant work",
+                type=HostErrorType.NODE_DRAINING.value,
+                non_retryable=True,
+            )
 
     def _validate(self, check: Callable[[_Spec, str | None], None], spec: _Spec) -> None:
         try:

@@ -398,6 +398,10 @@ class MaintenanceBackend(Protocol):
 
     def hw_sync_reseed(self, spec: HwSyncReseedInput, progress: Progress) -> HwSyncOutcome: ...
 
+    def is_draining(self) -> bool:
+        """Whether node.drain has run: host activities then refuse new tenant work."""
+        ...
+
     def sanitise_root(self) -> SystemRoot | None:
         """The system root whose location `sanitise` strips from what leaves the node."""
         ...

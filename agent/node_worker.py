@@ -40,7 +40,12 @@ def build_node_worker(
     the node.* maintenance activities (agent/maintenance.py) are registered too.
     """
     node = str(node_id)
-    activities = HostActivities(backend, node_id=node, max_concurrent=max_concurrent)
+    activities = HostActivities(
+        backend,
+        node_id=node,
+        max_concurrent=max_concurrent,
+        is_draining=maintenance.is_draining if maintenance is not None else None,
+    )
     registered = activities.activities()
     if maintenance is not None:
         registered += MaintenanceActivities(maintenance, node_id=node).activities()
