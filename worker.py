@@ -3,24 +3,51 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 
 from sqlalchemy.ext.asyncio import AsyncEngine
-from temporalio.client import Client
+from temporalio.client import (
+    Client,
+    Schedule,
+    ScheduleActionStartWorkflow,
+    ScheduleAlreadyRunningError,
+    ScheduleIntervalSpec,
+    ScheduleOverlapPolicy,
+    SchedulePolicy,
+    ScheduleSpec,
+)
 from temporalio.worker import Worker
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
 from activities.allocations import AllocationActivities
+from activities.billing.metering import BillingActivities, MeterInput
 from activities.node_presence import NodePresenceActivities
+from activities.payments.activities import PaymentActivities
+from activities.payments.config import PaymentSettings
+from activities.payments.schedule import ensure_stripe_reconciliation_schedule
+from activities.payments.stripe_api import StripeApi
 from core.config import Settings
+from core.secrets import SecretStore, VaultSecretStore
 from core.temporal import connect
 from schema.db import create_engine, session_factory
 from workflows.allocation import AllocationWorkflow
+from workflows.billing_meter import SCHEDULE_ID as BILLING_SCHEDULE_ID
+from workflows.billing_meter import BillingMeterWorkflow
 from workflows.node_presence import NodePresenceWorkflow
+from workflows.payment_session import PaymentSessionWorkflow
+from workflows.stripe_reconciliation import StripeReconciliationWorkflow
 
-WORKFLOWS = [AllocationWorkflow, NodePresenceWorkflow]
+WORKFLOWS = [
+    AllocationWorkflow,
+    NodePresenceWorkflow,
+    BillingMeterWorkflow,
+    PaymentSessionWorkflow,
+    StripeReconciliationWorkflow,
+]
 
 # Workflow modules stay sandboxed; every other module (our contracts, the SDK, the standard
 # library) is passed through, so starting a workflow run does not re-import them. Determinism is
@@ -31,11 +58,24 @@ WORKFLOW_RUNNER = SandboxedWorkflowRunner(
 
 
 def build_worker(
-    client: Client, settings: Settings, engine: AsyncEngine, *, task_queue: str | None = None
+    client: Client,
+    settings: Settings,
+    engine: AsyncEngine,
+    *,
+    task_queue: str | None = None,
+    secret_store: SecretStore | None = None,
+    stripe_api: StripeApi | None = None,
+    payment_settings: PaymentSettings | None = None,
 ) -> Worker:
     sessions = session_factory(engine)
+    payment_settings = payment_settings or PaymentSettings.from_env()
+    stripe_api = stripe_api or StripeApi(
+        secret_store or VaultSecretStore.from_settings(settings), payment_settings
+    )
+    payments = PaymentActivities(sessions, stripe_api, payment_settings)
     allocations = AllocationActivities(sessions)
     presence = NodePresenceActivities(sessions)
+    billing = BillingActivities(sessions, client)
     return Worker(
         client,
         task_queue=task_queue or settings.control_plane_task_queue,
@@ -48,6 +88,13 @@ def build_worker(
             allocations.begin_release,
             allocations.finish_release,
             presence.record_heartbeat,
+            billing.meter,
+            billing.force_release,
+            payments.create_checkout,
+            payments.credit,
+            payments.fail,
+            payments.expire,
+            payments.reconciliation_scan,
         ],
         # Workflow activations are short CPU bursts under the GIL: a few threads beat many (a
         # hundred threads mostly trade the GIL back and forth on a 2-core machine).
@@ -59,6 +106,24 @@ def build_worker(
     )
 
 
+async def ensure_schedules(client: Client, settings: Settings) -> None:
+    """The control plane's periodic workflows, created once (a second create is a no-op)."""
+    with contextlib.suppress(ScheduleAlreadyRunningError):
+        await client.create_schedule(
+            BILLING_SCHEDULE_ID,
+            Schedule(
+                action=ScheduleActionStartWorkflow(
+                    BillingMeterWorkflow.run,
+                    MeterInput(),
+                    id=f"{BILLING_SCHEDULE_ID}-run",
+                    task_queue=settings.control_plane_task_queue,
+                ),
+                spec=ScheduleSpec(intervals=[ScheduleIntervalSpec(every=timedelta(minutes=1))]),
+                policy=SchedulePolicy(overlap=ScheduleOverlapPolicy.SKIP),
+            ),
+        )
+
+
 async def run(settings: Settings) -> None:
     client = await connect(settings, identity="gpucloud-control-plane")
     engine = create_engine(
@@ -68,6 +133,12 @@ async def run(settings: Settings) -> None:
         max_overflow=30,
     )
     worker = build_worker(client, settings, engine)
+    await ensure_schedules(client, settings)
+    await ensure_stripe_reconciliation_schedule(
+        client,
+        task_queue=settings.control_plane_task_queue,
+        every_seconds=PaymentSettings.from_env().reconciliation_interval_seconds,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

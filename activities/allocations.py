@@ -35,6 +35,7 @@ from activities.allocation_types import (
     ReleasePlan,
     Reservation,
 )
+from activities.billing.usage import close_usage, open_usage
 from activities.placement import FreeSlot, choose_slots
 from agent.contract import (
     BAREMETAL_DEPROVISION_USER,
@@ -452,6 +453,7 @@ class AllocationActivities:
                 event="active",
                 values={"active_at": CLOCK, "connect_host": result.connect_host or None},
             )
+            await open_usage(session, uuid.UUID(input.allocation_id))
 
     @activity.defn(name="allocation.fail_provisioning")
     async def fail_provisioning(self, input: FailProvisioningInput) -> None:
@@ -540,6 +542,8 @@ class AllocationActivities:
             )
             if not input.transition:
                 return
+            # Billing stops here whatever the outcome: a failed release is not charged.
+            await close_usage(session, allocation_id)
             if succeeded:
                 assert result is not None
                 await _transition(

@@ -32,6 +32,7 @@ from gateway.controllers.admin import (
     AdminTokensController,
 )
 from gateway.controllers.allocations import AllocationsController
+from gateway.controllers.billing import AdminBillingController, BillingController
 from gateway.controllers.codec import CodecController
 from gateway.controllers.enrollment import (
     AdminNodeEnrollmentController,
@@ -40,6 +41,11 @@ from gateway.controllers.enrollment import (
 from gateway.controllers.gpu_slots import AdminGpuSlotsController
 from gateway.controllers.health import HealthController
 from gateway.controllers.maas_sites import AdminMaasSitesController
+from gateway.controllers.payments import (
+    AdminPaymentsController,
+    PaymentsController,
+    StripeWebhookController,
+)
 from gateway.controllers.ssh_keys import SshKeysController
 from gateway.errors import exception_handler
 from gateway.runtime import (
@@ -138,6 +144,11 @@ def create_app(
             AdminNodeEnrollmentController,
             AgentEnrollmentController,
             AdminGpuSlotsController,
+            BillingController,
+            AdminBillingController,
+            PaymentsController,
+            StripeWebhookController,
+            AdminPaymentsController,
         ],
         dependencies={
             "db": Provide(provide_db),

@@ -432,3 +432,137 @@ class NodeEnrollmentToken(Base):
     created_by: Mapped[str] = mapped_column(String(200))
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=CLOCK)
     __table_args__ = (Index("node_enrollment_tokens_node", "node_id"),)
+
+
+# --- billing (seed 001 §3-§5) -------------------------------------------------------------------
+
+
+class LedgerEntry(Base):
+    """Credits (positive) and debits (negative) of a project's billing account, in minor units.
+    The balance is their sum; nothing else stores money. `idempotency_key` makes every posting
+    happen at most once: a debit per (usage record, window), a credit per payment session."""
+
+    __tablename__ = "ledger_entries"
+    id: Mapped[uuid.UUID] = mapped_column(UUID, primary_key=True)
+    project_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("projects.id"))
+    amount_minor: Mapped[int] = mapped_column(BigInteger)
+    currency: Mapped[str] = mapped_column(String(3))
+    kind: Mapped[str] = mapped_column(String(32))  # usage_debit | payment_credit | admin_credit
+    idempotency_key: Mapped[str] = mapped_column(String(200), unique=True)
+    usage_record_id: Mapped[uuid.UUID | None] = mapped_column(UUID)
+    description: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=CLOCK)
+    __table_args__ = (
+        CheckConstraint("amount_minor <> 0", name="ledger_nonzero"),
+        CheckConstraint(
+            "(kind = 'usage_debit') = (amount_minor < 0)", name="ledger_debits_negative"
+        ),
+        Index("ledger_project", "project_id", "created_at"),
+    )
+
+
+class UsageRecord(Base):
+    """One allocation's billable window: opened when it becomes active, closed when it is
+    released or lands in release_failed (a failed release is not charged)."""
+
+    __tablename__ = "usage_records"
+    id: Mapped[uuid.UUID] = mapped_column(UUID, primary_key=True)
+    allocation_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("allocations.id"), unique=True)
+    project_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("projects.id"))
+    sku: Mapped[str] = mapped_column(String(100))
+    gpu_count: Mapped[int] = mapped_column(Integer)
+    price_per_gpu_hour_minor: Mapped[int] = mapped_column(BigInteger)
+    currency: Mapped[str] = mapped_column(String(3), server_default=text("'usd'"))
+    started_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    ended_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    # Charged through this instant (windows are closed minute by minute).
+    billed_until: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    __table_args__ = (Index("usage_open", "project_id", postgresql_where=text("ended_at IS NULL")),)
+
+
+class BillingAccount(Base):
+    """A project's balance state (healthy / low_balance / depleted) and its thresholds; the
+    balance itself is always derived from the ledger."""
+
+    __tablename__ = "billing_accounts"
+    project_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("projects.id"), primary_key=True)
+    currency: Mapped[str] = mapped_column(String(3), server_default=text("'usd'"))
+    state: Mapped[str] = mapped_column(String(16), server_default=text("'healthy'"))
+    low_balance_threshold_minor: Mapped[int] = mapped_column(
+        BigInteger, server_default=text("1000")
+    )
+    depleted_threshold_minor: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
+    # One low-balance notification per episode: set when sent, cleared when healthy again.
+    low_balance_notified_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    state_changed_at: Mapped[dt.datetime] = mapped_column(
+        DateTime(timezone=True), server_default=CLOCK
+    )
+    __table_args__ = (
+        CheckConstraint("state IN ('healthy', 'low_balance', 'depleted')", name="billing_state"),
+    )
+
+
+class BillingEvent(Base):
+    """Append-only: balance state changes, notifications, enforcement actions."""
+
+    __tablename__ = "billing_events"
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    project_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("projects.id"))
+    event: Mapped[str] = mapped_column(String(64))
+    details: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
+    occurred_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=CLOCK)
+
+
+# --- payments (seed 001 §5) ---------------------------------------------------------------------
+
+
+class PaymentSession(Base):
+    """Read model of PaymentSessionWorkflow `payment-session-{id}`: one Stripe Checkout Session
+    (initiated → checkout_completed → credited | failed_reconcile | expired). Written only by the
+    workflow's activities; `ledger_entry_id` is the one credit a session may ever post."""
+
+    __tablename__ = "payment_sessions"
+    id: Mapped[uuid.UUID] = mapped_column(UUID, primary_key=True)
+    project_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("projects.id"))
+    stripe_checkout_session_id: Mapped[str | None] = mapped_column(String(255), unique=True)
+    idempotency_key: Mapped[str] = mapped_column(String(200))
+    requested_amount_minor: Mapped[int] = mapped_column(BigInteger)
+    currency: Mapped[str] = mapped_column(String(3))
+    status: Mapped[str] = mapped_column(String(32), server_default=text("'initiated'"))
+    credited_amount_minor: Mapped[int | None] = mapped_column(BigInteger)
+    ledger_entry_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("ledger_entries.id"))
+    checkout_url: Mapped[str | None] = mapped_column(Text)
+    workflow_id: Mapped[str] = mapped_column(String(200))
+    expires_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=CLOCK)
+    completed_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    credited_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    failure_reason: Mapped[str | None] = mapped_column(Text)
+    __table_args__ = (
+        UniqueConstraint("project_id", "idempotency_key", name="payment_sessions_idempotency"),
+        CheckConstraint(
+            "status IN ('initiated', 'checkout_completed', 'credited', 'failed_reconcile',"
+            " 'expired')",
+            name="payment_sessions_status",
+        ),
+        CheckConstraint("requested_amount_minor > 0", name="payment_sessions_positive"),
+        CheckConstraint(
+            "(status = 'credited') = (ledger_entry_id IS NOT NULL)",
+            name="payment_sessions_credit_has_entry",
+        ),
+        Index("payment_sessions_status_created", "status", "created_at"),
+    )
+
+
+class StripeWebhookEvent(Base):
+    """Inbox of verified Stripe webhook deliveries: one row per Stripe event id, so a redelivery
+    is recognised; `processed` turns true once its effect (a signal, or nothing) is done."""
+
+    __tablename__ = "stripe_webhook_events"
+    id: Mapped[str] = mapped_column(String(255), primary_key=True)  # Stripe's evt_… id
+    type: Mapped[str] = mapped_column(String(100))
+    stripe_checkout_session_id: Mapped[str | None] = mapped_column(String(255))
+    received_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=CLOCK)
+    processed: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
+    processed_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    __table_args__ = (Index("stripe_webhook_events_session", "stripe_checkout_session_id"),)

@@ -36,6 +36,7 @@ pytest_plugins = [
     "tests.agent_fixtures",
     "tests.vault_fixtures",
     "tests.maas_fixtures",
+    "tests.stripe_fixtures",
 ]
 
 # Recorded histories in tests/histories were written with this key; keep it fixed.

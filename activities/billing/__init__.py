@@ -1,0 +1,1 @@
+"""Billing: the ledger, usage windows, metering and balance enforcement (seed 001 §3-§4)."""

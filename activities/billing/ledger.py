@@ -1,0 +1,78 @@
+"""The ledger: every movement of money is one append-only row with a unique idempotency key, so a
+retried or replayed posting lands at most once; balances are sums, in minor units, never floats."""
+
+from __future__ import annotations
+
+import uuid
+from enum import StrEnum
+
+from sqlalchemy import func, select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from schema.models import BillingAccount, LedgerEntry
+
+
+class EntryKind(StrEnum):
+    USAGE_DEBIT = "usage_debit"
+    PAYMENT_CREDIT = "payment_credit"
+    ADMIN_CREDIT = "admin_credit"
+
+
+async def ensure_account(session: AsyncSession, project_id: uuid.UUID) -> None:
+    await session.execute(
+        pg_insert(BillingAccount)
+        .values(project_id=project_id)
+        .on_conflict_do_nothing(index_elements=[BillingAccount.project_id])
+    )
+
+
+async def post_entry(
+    session: AsyncSession,
+    *,
+    project_id: uuid.UUID,
+    amount_minor: int,
+    kind: EntryKind,
+    idempotency_key: str,
+    currency: str = "usd",
+    usage_record_id: uuid.UUID | None = None,
+    description: str | None = None,
+) -> tuple[uuid.UUID, bool]:
+    """Post once, in the caller's transaction. Returns the entry id and whether this call created
+    it (False: an earlier posting with the same key stands, whatever this call asked for)."""
+    if amount_minor == 0:
+        raise ValueError("a ledger entry moves money: amount_minor must not be 0")
+    if (kind == EntryKind.USAGE_DEBIT) != (amount_minor < 0):
+        raise ValueError("usage debits are negative and credits positive")
+    await ensure_account(session, project_id)
+    entry_id = await session.scalar(
+        pg_insert(LedgerEntry)
+        .values(
+            id=uuid.uuid4(),
+            project_id=project_id,
+            amount_minor=amount_minor,
+            currency=currency,
+            kind=kind,
+            idempotency_key=idempotency_key,
+            usage_record_id=usage_record_id,
+            description=description,
+        )
+        .on_conflict_do_nothing(index_elements=[LedgerEntry.idempotency_key])
+        .returning(LedgerEntry.id)
+    )
+    if entry_id is not None:
+        return entry_id, True
+    existing = await session.scalar(
+        select(LedgerEntry.id).where(LedgerEntry.idempotency_key == idempotency_key)
+    )
+    assert existing is not None
+    return existing, False
+
+
+async def balance_minor(session: AsyncSession, project_id: uuid.UUID) -> int:
+    total = await session.scalar(
+        select(func.coalesce(func.sum(LedgerEntry.amount_minor), 0)).where(
+            LedgerEntry.project_id == project_id
+        )
+    )
+    return int(total or 0)

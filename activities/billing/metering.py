@@ -1,0 +1,245 @@
+"""Metering and balance enforcement.
+
+Each usage record is charged in fixed windows aligned to its start (window k covers
+[started_at + k·W, started_at + (k+1)·W)); window k's debit is cum(end) - cum(start) with
+cum(t) = ⌊price_per_gpu_hour · gpus · elapsed(t) / 1 h⌋ in minor units, so the sum of the windows
+is exactly the charge for the whole usage, with no rounding drift, and each window is posted under
+the idempotency key (usage_record, k): a retried or replayed meter run never charges twice.
+
+Balances are then reclassified (healthy / low_balance / depleted); the low-balance notice is
+recorded once per episode, and a depleted account's allocations are handed to their own
+workflows for release (billing force-release), never released around them.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from dataclasses import dataclass, field
+
+from sqlalchemy import func, or_, select
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from temporalio import activity
+from temporalio.client import Client, WorkflowUpdateFailedError
+from temporalio.service import RPCError
+
+from activities.billing.ledger import EntryKind, balance_minor, post_entry
+from schema.models import Allocation, BillingAccount, BillingEvent, UsageRecord
+from schema.states import AllocationStatus, ReleaseActor
+from workflows.allocation_contract import (
+    RELEASE_UPDATE,
+    ReleaseAccepted,
+    ReleaseRequest,
+    allocation_workflow_id,
+)
+
+WINDOW_SECONDS = 60
+_US_PER_HOUR = 3_600_000_000
+# A long outage of the meter is caught up over several runs rather than in one huge transaction.
+MAX_WINDOWS_PER_RUN = 24 * 60
+# Allocations that would keep consuming a depleted account.
+_BILLABLE = (AllocationStatus.REQUESTED, AllocationStatus.PROVISIONING, AllocationStatus.ACTIVE)
+
+
+@dataclass
+class MeterInput:
+    # Bill windows that ended by this instant (ISO-8601); None: now, by the database's clock.
+    until: str | None = None
+
+
+@dataclass
+class MeterResult:
+    debits_posted: int = 0
+    charged_minor: int = 0
+    records_billed: int = 0
+    state_changes: list[str] = field(default_factory=list)
+    allocations_to_release: list[str] = field(default_factory=list)
+
+
+@dataclass
+class BillingForceReleaseInput:
+    allocation_ids: list[str]
+    reason: str = "billing account depleted"
+
+
+@dataclass
+class BillingForceReleaseResult:
+    requested: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+
+def cumulative_charge(price_per_gpu_hour_minor: int, gpus: int, elapsed: dt.timedelta) -> int:
+    elapsed_us = max(0, elapsed // dt.timedelta(microseconds=1))
+    return price_per_gpu_hour_minor * gpus * elapsed_us // _US_PER_HOUR
+
+
+def classify(balance: int, account: BillingAccount) -> str:
+    if balance <= account.depleted_threshold_minor:
+        return "depleted"
+    if balance <= account.low_balance_threshold_minor:
+        return "low_balance"
+    return "healthy"
+
+
+class BillingActivities:
+    def __init__(
+        self,
+        sessions: async_sessionmaker[AsyncSession],
+        client: Client | None = None,
+        *,
+        window_seconds: int = WINDOW_SECONDS,
+    ) -> None:
+        self._sessions = sessions
+        self._client = client
+        self._window = dt.timedelta(seconds=window_seconds)
+
+    @activity.defn(name="billing.meter")
+    async def meter(self, input: MeterInput) -> MeterResult:
+        result = MeterResult()
+        async with self._sessions() as session:
+            until = (
+                dt.datetime.fromisoformat(input.until)
+                if input.until
+                else await session.scalar(select(func.clock_timestamp()))
+            )
+            assert until is not None
+            record_ids = (
+                await session.scalars(
+                    select(UsageRecord.id).where(
+                        UsageRecord.billed_until < func.coalesce(UsageRecord.ended_at, until)
+                    )
+                )
+            ).all()
+        projects: set[uuid.UUID] = set()
+        for record_id in record_ids:
+            project_id = await self._bill_record(record_id, until, result)
+            if project_id is not None:
+                projects.add(project_id)
+        async with self._sessions() as session:
+            # Accounts not healthy are looked at every run: a payment may have restored them.
+            projects.update(
+                (
+                    await session.scalars(
+                        select(BillingAccount.project_id).where(BillingAccount.state != "healthy")
+                    )
+                ).all()
+            )
+        for project_id in sorted(projects):
+            await self._reclassify(project_id, result)
+        return result
+
+    async def _bill_record(
+        self, record_id: uuid.UUID, until: dt.datetime, result: MeterResult
+    ) -> uuid.UUID | None:
+        async with self._sessions() as session, session.begin():
+            record = await session.scalar(
+                select(UsageRecord).where(UsageRecord.id == record_id).with_for_update()
+            )
+            if record is None:
+                return None
+            end_of_usage = record.ended_at
+            first = (record.billed_until - record.started_at) // self._window
+            if end_of_usage is not None and end_of_usage <= until:
+                # Closed: bill through the end, its last window partial.
+                last = -(-(end_of_usage - record.started_at) // self._window)  # ceil
+                bill_to = end_of_usage
+            else:
+                last = (until - record.started_at) // self._window  # whole windows only
+                bill_to = record.started_at + last * self._window
+            last = min(last, first + MAX_WINDOWS_PER_RUN)
+            bill_to = min(bill_to, record.started_at + last * self._window)
+            if bill_to <= record.billed_until:
+                return None
+            for k in range(first, last):
+                start = record.started_at + k * self._window
+                end = min(start + self._window, bill_to)
+                charge = cumulative_charge(
+                    record.price_per_gpu_hour_minor, record.gpu_count, end - record.started_at
+                ) - cumulative_charge(
+                    record.price_per_gpu_hour_minor, record.gpu_count, start - record.started_at
+                )
+                if charge <= 0:
+                    continue
+                _, created = await post_entry(
+                    session,
+                    project_id=record.project_id,
+                    amount_minor=-charge,
+                    kind=EntryKind.USAGE_DEBIT,
+                    idempotency_key=f"usage:{record.id}:{k}",
+                    currency=record.currency,
+                    usage_record_id=record.id,
+                    description=f"{record.gpu_count}x {record.sku}, window {k}",
+                )
+                if created:
+                    result.debits_posted += 1
+                    result.charged_minor += charge
+            record.billed_until = bill_to
+            result.records_billed += 1
+            return record.project_id
+
+    async def _reclassify(self, project_id: uuid.UUID, result: MeterResult) -> None:
+        async with self._sessions() as session, session.begin():
+            account = await session.scalar(
+                select(BillingAccount)
+                .where(BillingAccount.project_id == project_id)
+                .with_for_update()
+            )
+            if account is None:
+                return
+            balance = await balance_minor(session, project_id)
+            state = classify(balance, account)
+            if state != account.state:
+                session.add(
+                    BillingEvent(
+                        project_id=project_id,
+                        event=f"balance_{state}",
+                        details={"from": account.state, "balance_minor": balance},
+                    )
+                )
+                result.state_changes.append(f"{project_id}:{account.state}->{state}")
+                account.state = state
+                account.state_changed_at = func.clock_timestamp()
+            if state == "healthy":
+                account.low_balance_notified_at = None  # the next episode gets its own notice
+            elif account.low_balance_notified_at is None:
+                # One notice per episode (low, or straight to depleted), however often we run.
+                session.add(
+                    BillingEvent(
+                        project_id=project_id,
+                        event="low_balance_notified",
+                        details={"balance_minor": balance, "state": state},
+                    )
+                )
+                account.low_balance_notified_at = func.clock_timestamp()
+            if state == "depleted":
+                ids = (
+                    await session.scalars(
+                        select(Allocation.id).where(
+                            Allocation.project_id == project_id,
+                            or_(*(Allocation.status == s for s in _BILLABLE)),
+                            Allocation.release_requested_by.is_(None),
+                        )
+                    )
+                ).all()
+                result.allocations_to_release.extend(str(i) for i in ids)
+
+    @activity.defn(name="billing.force_release")
+    async def force_release(self, input: BillingForceReleaseInput) -> BillingForceReleaseResult:
+        """Ask each allocation's own workflow to release (actor billing)."""
+        if self._client is None:
+            raise RuntimeError("billing.force_release needs a Temporal client")
+        result = BillingForceReleaseResult()
+        for allocation_id in input.allocation_ids:
+            handle = self._client.get_workflow_handle(allocation_workflow_id(allocation_id))
+            try:
+                await handle.execute_update(
+                    RELEASE_UPDATE,
+                    ReleaseRequest(actor=ReleaseActor.BILLING, reason=input.reason),
+                    result_type=ReleaseAccepted,
+                )
+                result.requested.append(allocation_id)
+            except (WorkflowUpdateFailedError, RPCError):
+                # Not releasable any more (failed, or the workflow already finished): nothing to do.
+                result.skipped.append(allocation_id)
+            activity.heartbeat(len(result.requested) + len(result.skipped))
+        return result

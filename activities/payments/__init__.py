@@ -1,0 +1,2 @@
+"""Stripe payment sessions: the Stripe client wrapper, settings and the activities of
+PaymentSessionWorkflow and StripeReconciliationWorkflow."""

@@ -1,0 +1,294 @@
+"""Payment activities: each is one short transaction (never open across a Stripe call) and
+idempotent, since local activities run again after a crash between commit and record.
+
+The credit is the heart of it: in ONE transaction the row moves initiated → checkout_completed →
+credited and the ledger entry is posted with key `payment:{id}`, so a session credits at most
+once, whatever retries, duplicate webhooks or reconciliation runs do.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import uuid
+
+import stripe
+from sqlalchemy import func, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from activities.billing.ledger import EntryKind, post_entry
+from activities.payments.config import PaymentSettings
+from activities.payments.stripe_api import StripeApi, StripeCheckoutSession, StripeNotConfigured
+from schema.models import PaymentSession
+from workflows.payment_session_contract import (
+    AMOUNT_MISMATCH,
+    CURRENCY_MISMATCH,
+    STRIPE_ERROR,
+    CheckoutCreated,
+    CreateCheckoutInput,
+    CreditInput,
+    ExpireInput,
+    FailInput,
+    SettleResult,
+    ledger_idempotency_key,
+    stripe_idempotency_key,
+)
+from workflows.stripe_reconciliation_contract import (
+    PaidSession,
+    ReconciliationInput,
+    ReconciliationScan,
+)
+
+log = logging.getLogger(__name__)
+CLOCK = func.clock_timestamp()
+INITIATED = "initiated"
+CHECKOUT_COMPLETED = "checkout_completed"
+CREDITED = "credited"
+FAILED_RECONCILE = "failed_reconcile"
+EXPIRED = "expired"
+SESSION_MISMATCH = "stripe_session_mismatch"
+# Stripe accepts a Checkout Session expires_at between 30 minutes and 24 hours from now.
+_STRIPE_MIN_TTL, _STRIPE_MAX_TTL = 1800.0, 86400.0
+
+
+def _stripe_failure(err: Exception) -> ApplicationError:
+    """Connection trouble and 5xx/429 are retried; everything else is a non-retryable refusal.
+    Only the error's class is kept: Stripe messages can echo request data."""
+    retryable = isinstance(err, stripe.APIConnectionError | stripe.RateLimitError) or (
+        isinstance(err, stripe.APIError) and not isinstance(err, stripe.InvalidRequestError)
+    )
+    return ApplicationError(
+        f"Stripe call failed ({type(err).__name__})", type=STRIPE_ERROR, non_retryable=not retryable
+    )
+
+
+class PaymentActivities:
+    def __init__(
+        self,
+        sessions: async_sessionmaker[AsyncSession],
+        stripe_api: StripeApi,
+        settings: PaymentSettings,
+    ) -> None:
+        self._sessions = sessions
+        self._stripe = stripe_api
+        self._settings = settings
+
+    # ------------------------------------------------------------------ create
+
+    @activity.defn(name="payments.create_checkout")
+    async def create_checkout(self, input: CreateCheckoutInput) -> CheckoutCreated:
+        """Load (already created? answer from the row) → create the Checkout Session at Stripe
+        (with an idempotency key, so a retry is the same session) → record the row."""
+        ttl = self._settings.session_ttl_seconds
+        session_id = uuid.UUID(input.payment_session_id)
+        existing = await self._load(session_id)
+        if existing is not None:
+            return self._created(existing, ttl)
+        expires_at: int | None = None
+        if ttl >= _STRIPE_MIN_TTL:
+            # Stripe refuses more than 24 h; a minute of margin for clock skew.
+            expires_at = int(dt.datetime.now(dt.UTC).timestamp() + min(ttl, _STRIPE_MAX_TTL - 60))
+        try:
+            checkout = await self._stripe.create_checkout_session(
+                payment_session_id=input.payment_session_id,
+                amount_minor=input.amount_minor,
+                currency=input.currency,
+                idempotency_key=stripe_idempotency_key(input.payment_session_id),
+                expires_at=expires_at,
+            )
+        except StripeNotConfigured as err:
+            raise ApplicationError(str(err), type=STRIPE_ERROR, non_retryable=True) from None
+        except stripe.StripeError as err:
+            raise _stripe_failure(err) from None
+        async with self._sessions() as session, session.begin():
+            await session.execute(
+                pg_insert(PaymentSession)
+                .values(
+                    id=session_id,
+                    project_id=uuid.UUID(input.project_id),
+                    stripe_checkout_session_id=checkout.id,
+                    idempotency_key=input.idempotency_key,
+                    requested_amount_minor=input.amount_minor,
+                    currency=input.currency,
+                    status=INITIATED,
+                    checkout_url=checkout.url,
+                    workflow_id=input.workflow_id,
+                    expires_at=CLOCK + dt.timedelta(seconds=ttl),
+                )
+                .on_conflict_do_nothing(index_elements=[PaymentSession.id])
+            )
+        row = await self._load(session_id)
+        assert row is not None
+        return self._created(row, ttl)
+
+    async def _load(self, session_id: uuid.UUID) -> PaymentSession | None:
+        async with self._sessions() as session:
+            return await session.get(PaymentSession, session_id)
+
+    @staticmethod
+    def _created(row: PaymentSession, ttl: float) -> CheckoutCreated:
+        return CheckoutCreated(
+            payment_session_id=str(row.id),
+            stripe_checkout_session_id=row.stripe_checkout_session_id or "",
+            checkout_url=row.checkout_url or "",
+            status=row.status,
+            expires_at=row.expires_at.isoformat() if row.expires_at else "",
+            ttl_seconds=ttl,
+        )
+
+    # ------------------------------------------------------------------ settle
+
+    @activity.defn(name="payments.credit")
+    async def credit(self, input: CreditInput) -> SettleResult:
+        completion = input.completion
+        session_id = uuid.UUID(input.payment_session_id)
+        async with self._sessions() as session, session.begin():
+            row = await session.get(PaymentSession, session_id, with_for_update=True)
+            if row is None:
+                raise ApplicationError(
+                    "no such payment session", type="not_found", non_retryable=True
+                )
+            if row.status == CREDITED:
+                return SettleResult(str(row.id), CREDITED, str(row.ledger_entry_id))
+            if row.status in (FAILED_RECONCILE, EXPIRED):
+                return SettleResult(str(row.id), row.status, None, row.failure_reason)
+            row.status = CHECKOUT_COMPLETED
+            row.completed_at = CLOCK
+            row.credited_amount_minor = completion.amount_total
+            await session.flush()
+            reason: str | None = None
+            if completion.stripe_checkout_session_id != row.stripe_checkout_session_id:
+                reason = SESSION_MISMATCH
+            elif completion.currency.lower() != row.currency:
+                reason = CURRENCY_MISMATCH
+            elif completion.amount_total != row.requested_amount_minor:
+                reason = AMOUNT_MISMATCH
+            if reason is not None:
+                row.status = FAILED_RECONCILE
+                row.failure_reason = reason
+                return SettleResult(str(row.id), FAILED_RECONCILE, None, reason)
+            entry_id, _ = await post_entry(
+                session,
+                project_id=row.project_id,
+                amount_minor=row.requested_amount_minor,
+                kind=EntryKind.PAYMENT_CREDIT,
+                idempotency_key=ledger_idempotency_key(str(row.id)),
+                currency=row.currency,
+                description=f"Stripe Checkout Session {row.stripe_checkout_session_id}",
+            )
+            row.status = CREDITED
+            row.ledger_entry_id = entry_id
+            row.credited_at = CLOCK
+            return SettleResult(str(row.id), CREDITED, str(entry_id))
+
+    @activity.defn(name="payments.fail")
+    async def fail(self, input: FailInput) -> SettleResult:
+        async with self._sessions() as session, session.begin():
+            result = await session.execute(
+                update(PaymentSession)
+                .where(
+                    PaymentSession.id == uuid.UUID(input.payment_session_id),
+                    PaymentSession.status.in_([INITIATED, CHECKOUT_COMPLETED]),
+                )
+                .values(
+                    status=FAILED_RECONCILE,
+                    failure_reason=input.reason,
+                    credited_amount_minor=func.coalesce(
+                        input.credited_amount_minor, PaymentSession.credited_amount_minor
+                    ),
+                    completed_at=func.coalesce(PaymentSession.completed_at, CLOCK),
+                )
+                .returning(PaymentSession.id)
+            )
+            if result.first() is not None:
+                return SettleResult(input.payment_session_id, FAILED_RECONCILE, None, input.reason)
+        return await self._current(input.payment_session_id)
+
+    @activity.defn(name="payments.expire")
+    async def expire(self, input: ExpireInput) -> SettleResult:
+        async with self._sessions() as session, session.begin():
+            result = await session.execute(
+                update(PaymentSession)
+                .where(
+                    PaymentSession.id == uuid.UUID(input.payment_session_id),
+                    PaymentSession.status == INITIATED,
+                )
+                .values(status=EXPIRED, failure_reason="ttl_elapsed")
+                .returning(PaymentSession.id)
+            )
+            if result.first() is not None:
+                return SettleResult(input.payment_session_id, EXPIRED, None, "ttl_elapsed")
+        return await self._current(input.payment_session_id)
+
+    async def _current(self, payment_session_id: str) -> SettleResult:
+        row = await self._load(uuid.UUID(payment_session_id))
+        if row is None:
+            raise ApplicationError("no such payment session", type="not_found", non_retryable=True)
+        entry = str(row.ledger_entry_id) if row.ledger_entry_id else None
+        return SettleResult(payment_session_id, row.status, entry, row.failure_reason)
+
+    # ------------------------------------------------------------------ reconciliation
+
+    @activity.defn(name="payments.reconciliation_scan")
+    async def reconciliation_scan(self, input: ReconciliationInput) -> ReconciliationScan:
+        """Load our initiated sessions → ask Stripe (one list call, then a lookup for each one
+        the list did not settle) → report paid ones and those past their TTL. Writes nothing:
+        the workflow signals the owning workflows, which apply the outcome."""
+        async with self._sessions() as session:
+            now = await session.scalar(select(CLOCK))
+            rows = list(
+                (
+                    await session.scalars(
+                        select(PaymentSession)
+                        .where(
+                            PaymentSession.status == INITIATED,
+                            PaymentSession.stripe_checkout_session_id.is_not(None),
+                        )
+                        .order_by(PaymentSession.created_at)
+                        .limit(input.max_sessions)
+                    )
+                ).all()
+            )
+        assert now is not None
+        ours = {r.stripe_checkout_session_id: r for r in rows}
+        scan = ReconciliationScan()
+        found: dict[str, StripeCheckoutSession] = {}
+        horizon = now - dt.timedelta(seconds=self._settings.session_ttl_seconds + 3600)
+        try:
+            listed = await self._stripe.list_checkout_sessions(
+                created_after=int(horizon.timestamp())
+            )
+            scan.listed = len(listed)
+            found.update({s.id: s for s in listed if s.id in ours})
+            grace = dt.timedelta(seconds=input.grace_seconds)
+            for stripe_id, row in ours.items():
+                if stripe_id is None or stripe_id in found or row.created_at > now - grace:
+                    continue
+                activity.heartbeat(stripe_id)
+                try:
+                    found[stripe_id] = await self._stripe.retrieve_checkout_session(stripe_id)
+                    scan.checked += 1
+                except stripe.InvalidRequestError:
+                    log.warning("Stripe does not know checkout session %s", stripe_id)
+        except StripeNotConfigured as err:
+            raise ApplicationError(str(err), type=STRIPE_ERROR, non_retryable=True) from None
+        except stripe.StripeError as err:
+            raise _stripe_failure(err) from None
+        for stripe_id, row in ours.items():
+            checkout = found.get(stripe_id or "")
+            if checkout is not None and checkout.payment_status == "paid":
+                scan.paid.append(
+                    PaidSession(
+                        payment_session_id=str(row.id),
+                        stripe_checkout_session_id=checkout.id,
+                        amount_total=checkout.amount_total or 0,
+                        currency=(checkout.currency or row.currency).lower(),
+                        requested_amount_minor=row.requested_amount_minor,
+                    )
+                )
+            elif row.expires_at is not None and row.expires_at < now:
+                scan.overdue.append(str(row.id))
+        return scan

@@ -1,0 +1,408 @@
+"""Payments (seed 001 §5): Stripe Checkout Sessions for tenants, Stripe's webhook, and the admin
+list of stuck sessions.
+
+Creation is update-with-start on PaymentSessionWorkflow `payment-session-{id}` (id = uuid5 of
+project and X-Idempotency-Key): its first activity creates the Checkout Session and records the
+row. The webhook route verifies Stripe-Signature, records the event id (a redelivery is a no-op)
+and signals the owning workflow; it never writes payment state itself.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import uuid
+from typing import Annotated, Any
+
+import msgspec
+import stripe
+from litestar import Controller, Request, Response, get, post
+from litestar.di import NamedDependency
+from litestar.params import HeaderParameter, JSONBody, QueryParameter
+from sqlalchemy import func, or_, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.ext.asyncio import AsyncSession
+from temporalio.client import Client, WithStartWorkflowOperation, WorkflowUpdateFailedError
+from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
+from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError, RPCStatusCode
+
+from activities.payments.config import STRIPE_WEBHOOK_SECRET_PATH, PaymentSettings
+from core.secrets import SecretStore
+from gateway.allocations import IDEMPOTENCY_HEADER, validate_idempotency_key
+from gateway.auth import Principal, admin_guard, tenant_guard
+from gateway.controllers.common import errors
+from gateway.errors import ApiError, InvalidRequest, ServiceUnavailable, Unprocessable
+from gateway.runtime import Runtime
+from gateway.temporal import TemporalOps
+from schema.models import PaymentSession, StripeWebhookEvent
+from workflows.payment_session_contract import (
+    CHECKOUT_UPDATE,
+    COMPLETED_SIGNAL,
+    IDEMPOTENCY_KEY_REUSED,
+    STRIPE_ERROR,
+    WORKFLOW_NAME,
+    CheckoutCompletion,
+    CheckoutCreated,
+    PaymentSessionInput,
+    SettleResult,
+    payment_session_workflow_id,
+)
+
+# Fixed forever: payment session ids derived from idempotency keys must not change.
+PAYMENT_SESSION_ID_NAMESPACE = uuid.UUID("0d3e2a57-9b4c-4f1e-8a2d-7c6b5e4f3a21")
+MAX_AMOUNT_MINOR = 100_000_000  # 1,000,000.00 in a two-decimal currency
+SIGNATURE_HEADER = "Stripe-Signature"
+COMPLETION_EVENTS = frozenset(
+    {"checkout.session.completed", "checkout.session.async_payment_succeeded"}
+)
+
+Currency = Annotated[str, msgspec.Meta(pattern=r"^[a-z]{3}$")]
+
+
+class CheckoutSessionCreate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    amount_minor: Annotated[int, msgspec.Meta(gt=0, le=MAX_AMOUNT_MINOR)]
+    currency: Currency = "usd"
+
+
+class CheckoutSessionCreated(msgspec.Struct, kw_only=True):
+    payment_session_id: uuid.UUID
+    checkout_url: str
+    stripe_checkout_session_id: str
+    status: str
+    expires_at: dt.datetime | None
+
+
+class WebhookAck(msgspec.Struct, kw_only=True):
+    received: bool
+    duplicate: bool = False
+
+
+class PaymentSessionSummary(msgspec.Struct, kw_only=True):
+    payment_session_id: uuid.UUID
+    project_id: uuid.UUID
+    status: str
+    requested_amount_minor: int
+    credited_amount_minor: int | None
+    currency: str
+    stripe_checkout_session_id: str | None
+    workflow_id: str
+    failure_reason: str | None
+    created_at: dt.datetime
+    completed_at: dt.datetime | None
+    expires_at: dt.datetime | None
+
+
+class PaymentSessionList(msgspec.Struct, kw_only=True):
+    items: list[PaymentSessionSummary]
+
+
+def payment_session_id_for(project_id: uuid.UUID, idempotency_key: str) -> uuid.UUID:
+    return uuid.uuid5(PAYMENT_SESSION_ID_NAMESPACE, f"{project_id}:{idempotency_key}")
+
+
+def request_fingerprint(body: CheckoutSessionCreate) -> str:
+    canonical = {"amount_minor": body.amount_minor, "currency": body.currency}
+    return hashlib.sha256(json.dumps(canonical, sort_keys=True).encode()).hexdigest()
+
+
+def _parse_time(value: str) -> dt.datetime | None:
+    try:
+        return dt.datetime.fromisoformat(value) if value else None
+    except ValueError:
+        return None
+
+
+def _reused() -> ApiError:
+    return Unprocessable(
+        "this X-Idempotency-Key was already used with a different request body",
+        code=IDEMPOTENCY_KEY_REUSED,
+    )
+
+
+async def create_checkout_session(
+    db: AsyncSession,
+    temporal: TemporalOps,
+    task_queue: str,
+    *,
+    project_id: uuid.UUID,
+    body: CheckoutSessionCreate,
+    idempotency_key: str | None,
+) -> tuple[CheckoutSessionCreated, bool]:
+    if idempotency_key is None:
+        raise InvalidRequest(
+            f"{IDEMPOTENCY_HEADER} is required", details={"header": IDEMPOTENCY_HEADER}
+        )
+    key = validate_idempotency_key(idempotency_key)
+    assert key is not None
+    payment_session_id = payment_session_id_for(project_id, key)
+    existing = await db.scalar(
+        select(PaymentSession).where(
+            PaymentSession.project_id == project_id, PaymentSession.idempotency_key == key
+        )
+    )
+    if existing is not None:
+        if (existing.requested_amount_minor, existing.currency) != (
+            body.amount_minor,
+            body.currency,
+        ):
+            raise _reused()
+        return (
+            CheckoutSessionCreated(
+                payment_session_id=existing.id,
+                checkout_url=existing.checkout_url or "",
+                stripe_checkout_session_id=existing.stripe_checkout_session_id or "",
+                status=existing.status,
+                expires_at=existing.expires_at,
+            ),
+            True,
+        )
+    await db.close()  # never hold a connection across a Temporal call
+
+    fingerprint = request_fingerprint(body)
+    start: WithStartWorkflowOperation[Any, Any] = WithStartWorkflowOperation(
+        WORKFLOW_NAME,
+        PaymentSessionInput(
+            payment_session_id=str(payment_session_id),
+            project_id=str(project_id),
+            amount_minor=body.amount_minor,
+            currency=body.currency,
+            idempotency_key=key,
+            request_fingerprint=fingerprint,
+        ),
+        id=payment_session_workflow_id(str(payment_session_id)),
+        id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+        id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE_FAILED_ONLY,
+        task_queue=task_queue,
+        result_type=SettleResult,
+    )
+
+    async def checkout(client: Client) -> CheckoutCreated:
+        created: CheckoutCreated = await client.execute_update_with_start_workflow(
+            CHECKOUT_UPDATE,
+            fingerprint,
+            start_workflow_operation=start,
+            result_type=CheckoutCreated,
+            rpc_timeout=temporal.rpc_timeout,
+        )
+        return created
+
+    try:
+        created = await temporal.update(checkout)
+    except WorkflowUpdateFailedError as err:
+        cause = err.cause
+        if isinstance(cause, ApplicationError) and cause.type == IDEMPOTENCY_KEY_REUSED:
+            raise _reused() from None
+        raise ApiError(
+            "the payment provider did not create a checkout session; retry later",
+            code=STRIPE_ERROR,
+            status_code=502,
+        ) from None
+    return (
+        CheckoutSessionCreated(
+            payment_session_id=uuid.UUID(created.payment_session_id),
+            checkout_url=created.checkout_url,
+            stripe_checkout_session_id=created.stripe_checkout_session_id,
+            status=created.status,
+            expires_at=_parse_time(created.expires_at),
+        ),
+        False,
+    )
+
+
+async def _webhook_secret(secrets: SecretStore) -> str:
+    data = await secrets.read(STRIPE_WEBHOOK_SECRET_PATH)
+    secret = (data or {}).get("secret")
+    if not secret:
+        raise ServiceUnavailable(
+            "the Stripe webhook secret is not configured", code="webhook_not_configured"
+        )
+    return secret
+
+
+async def handle_webhook(
+    db: AsyncSession,
+    temporal: TemporalOps,
+    secrets: SecretStore,
+    *,
+    payload: bytes,
+    signature: str | None,
+    tolerance: int,
+) -> WebhookAck:
+    secret = await _webhook_secret(secrets)
+    try:
+        event = stripe.Webhook.construct_event(payload, signature or "", secret, tolerance)
+    except stripe.SignatureVerificationError:
+        raise ApiError(
+            "the Stripe-Signature header does not verify", code="invalid_signature"
+        ) from None
+    except ValueError:
+        raise InvalidRequest("the webhook payload is not a Stripe event") from None
+    raw: dict[str, Any] = event.to_dict()
+    event_id, event_type = str(raw["id"]), str(raw.get("type", ""))
+    obj: dict[str, Any] = (raw.get("data") or {}).get("object") or {}
+    checkout_id = obj.get("id") if event_type.startswith("checkout.session.") else None
+
+    await db.execute(
+        pg_insert(StripeWebhookEvent)
+        .values(id=event_id, type=event_type, stripe_checkout_session_id=checkout_id)
+        .on_conflict_do_nothing(index_elements=[StripeWebhookEvent.id])
+    )
+    await db.commit()
+    processed = await db.scalar(
+        select(StripeWebhookEvent.processed).where(StripeWebhookEvent.id == event_id)
+    )
+    if processed:
+        return WebhookAck(received=True, duplicate=True)
+
+    if event_type in COMPLETION_EVENTS and obj.get("payment_status") == "paid" and checkout_id:
+        row = await db.scalar(
+            select(PaymentSession).where(PaymentSession.stripe_checkout_session_id == checkout_id)
+        )
+        if row is not None:
+            completion = CheckoutCompletion(
+                stripe_checkout_session_id=checkout_id,
+                amount_total=int(obj.get("amount_total") or 0),
+                currency=str(obj.get("currency") or row.currency).lower(),
+                source="webhook",
+                stripe_event_id=event_id,
+            )
+            workflow_id = row.workflow_id
+            await db.close()
+
+            async def signal(client: Client) -> None:
+                handle = client.get_workflow_handle(workflow_id)
+                try:
+                    await handle.signal(COMPLETED_SIGNAL, completion)
+                except RPCError as err:
+                    # Already finished (credited, expired, failed): nothing left to do.
+                    if err.status != RPCStatusCode.NOT_FOUND:
+                        raise
+
+            await temporal.update(signal)
+    # Processed only once its effect is done: a redelivery after a failure tries again.
+    await db.execute(
+        update(StripeWebhookEvent)
+        .where(StripeWebhookEvent.id == event_id)
+        .values(processed=True, processed_at=func.clock_timestamp())
+    )
+    await db.commit()
+    return WebhookAck(received=True)
+
+
+def _summary(row: PaymentSession) -> PaymentSessionSummary:
+    return PaymentSessionSummary(
+        payment_session_id=row.id,
+        project_id=row.project_id,
+        status=row.status,
+        requested_amount_minor=row.requested_amount_minor,
+        credited_amount_minor=row.credited_amount_minor,
+        currency=row.currency,
+        stripe_checkout_session_id=row.stripe_checkout_session_id,
+        workflow_id=row.workflow_id,
+        failure_reason=row.failure_reason,
+        created_at=row.created_at,
+        completed_at=row.completed_at,
+        expires_at=row.expires_at,
+    )
+
+
+class PaymentsController(Controller):
+    path = "/api/v1/payments"
+    guards = [tenant_guard]
+    tags = ["payments"]
+
+    @post(
+        "/checkout-session",
+        status_code=201,
+        summary="Start a Stripe Checkout Session to add credit",
+        description=(
+            "X-Idempotency-Key is required: the same key answers the same session (header "
+            "Idempotent-Replayed: true) without a second Stripe call; the same key with another "
+            "body is 422 idempotency_key_reused."
+        ),
+        responses=errors(400, 403, 422),
+    )
+    async def create(
+        self,
+        data: JSONBody[CheckoutSessionCreate],
+        db: NamedDependency[AsyncSession],
+        temporal: NamedDependency[TemporalOps],
+        runtime: NamedDependency[Runtime],
+        principal: NamedDependency[Principal],
+        idempotency_key: Annotated[
+            str | None, HeaderParameter(name=IDEMPOTENCY_HEADER, required=False)
+        ] = None,
+    ) -> Response[CheckoutSessionCreated]:
+        created, replayed = await create_checkout_session(
+            db,
+            temporal,
+            runtime.settings.control_plane_task_queue,
+            project_id=principal.project,
+            body=data,
+            idempotency_key=idempotency_key,
+        )
+        headers = {"Idempotent-Replayed": "true"} if replayed else {}
+        return Response(created, status_code=201, headers=headers)
+
+
+class StripeWebhookController(Controller):
+    path = "/api/v1/webhooks/stripe"
+    tags = ["payments"]
+
+    @post(
+        "/",
+        status_code=200,
+        summary="Stripe webhook endpoint (authenticated by Stripe-Signature)",
+        security=[],
+        responses=errors(400),
+    )
+    async def receive(
+        self,
+        request: Request[Any, Any, Any],
+        db: NamedDependency[AsyncSession],
+        temporal: NamedDependency[TemporalOps],
+        secrets: NamedDependency[SecretStore],
+    ) -> WebhookAck:
+        return await handle_webhook(
+            db,
+            temporal,
+            secrets,
+            payload=await request.body(),
+            signature=request.headers.get(SIGNATURE_HEADER),
+            tolerance=PaymentSettings.from_env().webhook_tolerance_seconds,
+        )
+
+
+class AdminPaymentsController(Controller):
+    path = "/api/v1/admin/payments"
+    guards = [admin_guard]
+    tags = ["admin", "payments"]
+
+    @get(
+        "/sessions",
+        summary="Stuck payment sessions: initiated for over an hour, or failed_reconcile",
+        responses=errors(400, 403),
+    )
+    async def stuck_sessions(
+        self,
+        db: NamedDependency[AsyncSession],
+        limit: Annotated[int, QueryParameter(ge=1, le=500)] = 100,
+    ) -> PaymentSessionList:
+        stuck_after = dt.timedelta(seconds=PaymentSettings.from_env().stuck_after_seconds)
+        rows = (
+            await db.scalars(
+                select(PaymentSession)
+                .where(
+                    or_(
+                        PaymentSession.status == "failed_reconcile",
+                        (PaymentSession.status == "initiated")
+                        & (PaymentSession.created_at < func.now() - stuck_after),
+                    )
+                )
+                .order_by(PaymentSession.created_at)
+                .limit(limit)
+            )
+        ).all()
+        return PaymentSessionList(items=[_summary(r) for r in rows])

@@ -1,0 +1,209 @@
+"""Usage metering and balance enforcement on real Temporal and PostgreSQL: charges right to the
+minor unit, never twice, nothing for a failed release, and a depleted account's allocations
+released through their own workflows."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import uuid
+from typing import Any
+
+import pytest
+from sqlalchemy import func, select
+
+from activities.billing.metering import BillingActivities, MeterInput, cumulative_charge
+from agent.contract import SLICE_VM_RELEASE, HostErrorType
+from schema.models import BillingEvent, LedgerEntry, UsageRecord
+from tests.histories import record_history
+from tests.lifecycle_support import create_fleet, slice_request, wait_status
+from workflows.billing_meter import BillingMeterWorkflow
+
+pytestmark = pytest.mark.usefixtures("control_plane")
+PRICE = 250  # minor units per GPU-hour in tests/factories.create_sku
+
+
+async def meter(client: Any, settings: Any, until: dt.datetime, record: bool = False) -> Any:
+    handle = await client.start_workflow(
+        BillingMeterWorkflow.run,
+        MeterInput(until=until.isoformat()),
+        id=f"billing-meter-test-{uuid.uuid4()}",
+        task_queue=settings.control_plane_task_queue,
+    )
+    result = await handle.result()
+    if record:
+        await record_history(handle, "billing_meter", "meter_and_force_release")
+    return result
+
+
+async def usage_of(db_sessions: Any, allocation_id: str) -> UsageRecord:
+    async with db_sessions() as session:
+        record = await session.scalar(
+            select(UsageRecord).where(UsageRecord.allocation_id == uuid.UUID(allocation_id))
+        )
+        assert record is not None
+        return record
+
+
+async def charged(db_sessions: Any, project_id: uuid.UUID) -> int:
+    async with db_sessions() as session:
+        total = await session.scalar(
+            select(func.coalesce(func.sum(LedgerEntry.amount_minor), 0)).where(
+                LedgerEntry.project_id == project_id, LedgerEntry.kind == "usage_debit"
+            )
+        )
+    return -int(total or 0)
+
+
+@pytest.fixture
+async def tenant(api: Any, make_project: Any, make_token: Any) -> tuple[Any, Any]:
+    project = await make_project()
+    return project, await api(token=await make_token("tenant", project))
+
+
+async def test_usage_is_charged_per_window_exactly_once(
+    tenant: tuple[Any, Any], db_sessions: Any, start_node_agent: Any, temporal_client: Any,
+    settings: Any,
+) -> None:  # fmt: skip
+    project, client = tenant
+    (node,) = await create_fleet(db_sessions, slice_nodes=1)
+    await start_node_agent(node.id)
+    allocation_id = (await client.post("/api/v1/allocations", json=slice_request(2))).json()[
+        "allocation_id"
+    ]
+    await wait_status(client, allocation_id, "active")
+    record = await usage_of(db_sessions, allocation_id)
+    assert record.ended_at is None
+    assert record.price_per_gpu_hour_minor == PRICE
+
+    ten_and_a_half = record.started_at + dt.timedelta(minutes=10, seconds=30)
+    first = await meter(temporal_client, settings, ten_and_a_half)
+    assert first.debits_posted == 10  # whole windows only while the allocation runs
+    expected = cumulative_charge(PRICE, 2, dt.timedelta(minutes=10))
+    assert await charged(db_sessions, project.id) == expected == 83  # ⌊500 · 10/60⌋
+    # The same run again (a retry, a replay, an overlapping schedule run): nothing more.
+    again = await meter(temporal_client, settings, ten_and_a_half)
+    assert again.debits_posted == 0
+    both = await asyncio.gather(
+        BillingActivities(db_sessions).meter(MeterInput(until=ten_and_a_half.isoformat())),
+        BillingActivities(db_sessions).meter(MeterInput(until=ten_and_a_half.isoformat())),
+    )
+    assert sum(r.debits_posted for r in both) == 0
+    assert await charged(db_sessions, project.id) == expected
+
+    # (The runs above billed ahead of the clock; in production `until` is now. A release now
+    # ends the usage before what was already billed, so nothing more is charged.)
+    await client.post(f"/api/v1/allocations/{allocation_id}/release")
+    await wait_status(client, allocation_id, "released")
+    await meter(temporal_client, settings, ten_and_a_half + dt.timedelta(hours=5))
+    assert await charged(db_sessions, project.id) == expected
+    total = expected
+
+    usage = (await client.get("/api/v1/billing/usage")).json()["items"]
+    assert [(u["allocation_id"], u["charged_minor"]) for u in usage] == [(allocation_id, total)]
+
+
+async def test_a_failed_release_is_not_charged(
+    tenant: tuple[Any, Any], db_sessions: Any, start_node_agent: Any, temporal_client: Any,
+    settings: Any,
+) -> None:  # fmt: skip
+    project, client = tenant
+    (node,) = await create_fleet(db_sessions, slice_nodes=1)
+    agent = await start_node_agent(node.id)
+    allocation_id = (await client.post("/api/v1/allocations", json=slice_request(1))).json()[
+        "allocation_id"
+    ]
+    await wait_status(client, allocation_id, "active")
+    agent.host.faults.inject(SLICE_VM_RELEASE, HostErrorType.RELEASE_ERROR, times=3)
+    await client.post(f"/api/v1/allocations/{allocation_id}/release")
+    await wait_status(client, allocation_id, "release_failed")
+    closed = await usage_of(db_sessions, allocation_id)
+    assert closed.ended_at is not None, "billing stops at release_failed"
+
+    await client.post(f"/api/v1/allocations/{allocation_id}/release")  # retry succeeds later
+    await wait_status(client, allocation_id, "released")
+    assert (await usage_of(db_sessions, allocation_id)).ended_at == closed.ended_at
+    await meter(temporal_client, settings, closed.ended_at + dt.timedelta(days=1))
+    assert await charged(db_sessions, project.id) == cumulative_charge(
+        PRICE, 1, closed.ended_at - closed.started_at
+    )
+
+
+async def test_low_then_depleted_force_releases_through_the_workflows(
+    tenant: tuple[Any, Any], db_sessions: Any, start_node_agent: Any, temporal_client: Any,
+    settings: Any, api: Any, make_token: Any,
+) -> None:  # fmt: skip
+    project, client = tenant
+    admin = await api(token=await make_token("admin"))
+    credit = {"amount_minor": 1200, "idempotency_key": "topup-1", "reason": "trial credit"}
+    url = f"/api/v1/admin/billing/accounts/{project.id}/credits"
+    first = await admin.post(url, json=credit)
+    assert first.status_code == 201, first.text
+    assert (await admin.post(url, json=credit)).json()["created"] is False  # idempotent
+    assert (await client.get("/api/v1/billing/balance")).json()["balance_minor"] == 1200
+    assert (await client.post(url, json=credit)).status_code == 403
+
+    nodes = await create_fleet(db_sessions, slice_nodes=1)
+    await start_node_agent(nodes[0].id)
+    ids = [
+        (await client.post("/api/v1/allocations", json=slice_request(2))).json()["allocation_id"]
+        for _ in range(2)
+    ]
+    for allocation_id in ids:
+        await wait_status(client, allocation_id, "active")
+    start = (await usage_of(db_sessions, ids[0])).started_at
+
+    # 2 allocations x 2 GPUs x 250/h = 1000/h: 15 minutes later 250 are spent, 950 left.
+    await meter(temporal_client, settings, start + dt.timedelta(minutes=15, seconds=30))
+    balance = (await client.get("/api/v1/billing/balance")).json()
+    assert balance["state"] == "low_balance"
+    assert 940 <= balance["balance_minor"] <= 960
+    await meter(temporal_client, settings, start + dt.timedelta(minutes=20, seconds=30))
+
+    # Past 72 minutes the credit is gone: depleted, and both are released by their workflows.
+    result = await meter(
+        temporal_client, settings, start + dt.timedelta(minutes=75, seconds=30), record=True
+    )
+    assert sorted(result.allocations_to_release) == sorted(ids)
+    for allocation_id in ids:
+        final = await wait_status(client, allocation_id, "released")
+        assert final["release_requested_by"] == "billing"
+    assert (await client.get("/api/v1/billing/balance")).json()["state"] == "depleted"
+
+    await meter(temporal_client, settings, start + dt.timedelta(minutes=80))
+    async with db_sessions() as session:
+        notices = await session.scalar(
+            select(func.count()).where(
+                BillingEvent.project_id == project.id, BillingEvent.event == "low_balance_notified"
+            )
+        )
+    assert notices == 1, "one low-balance notice per episode"
+
+
+async def test_closed_usage_is_charged_through_its_last_partial_window(
+    tenant: tuple[Any, Any], db_sessions: Any, start_node_agent: Any, temporal_client: Any,
+    settings: Any,
+) -> None:  # fmt: skip
+    project, client = tenant
+    (node,) = await create_fleet(db_sessions, slice_nodes=1)
+    await start_node_agent(node.id)
+    allocation_id = (await client.post("/api/v1/allocations", json=slice_request(2))).json()[
+        "allocation_id"
+    ]
+    await wait_status(client, allocation_id, "active")
+    # Stand in for 150 s of use: move the window's start back (nothing billed yet).
+    async with db_sessions() as session, session.begin():
+        record = await session.scalar(
+            select(UsageRecord).where(UsageRecord.allocation_id == uuid.UUID(allocation_id))
+        )
+        assert record is not None
+        record.started_at -= dt.timedelta(seconds=150)
+        record.billed_until = record.started_at
+    await client.post(f"/api/v1/allocations/{allocation_id}/release")
+    await wait_status(client, allocation_id, "released")
+    record = await usage_of(db_sessions, allocation_id)
+    assert record.ended_at is not None
+    result = await meter(temporal_client, settings, record.ended_at + dt.timedelta(hours=1))
+    assert result.debits_posted == 3  # two whole minutes and the partial third
+    total = cumulative_charge(PRICE, 2, record.ended_at - record.started_at)
+    assert await charged(db_sessions, project.id) == total >= 20  # ⌊500 · 150 s / 1 h⌋ = 20

@@ -1,0 +1,393 @@
+"""Stripe payment sessions (seed 001 §5) against real Temporal, PostgreSQL, the Vault simulator
+and stripe-mock: checkout idempotency, signed webhooks, reconciliation, TTL expiry, and that every
+paid session is credited exactly once."""
+
+from __future__ import annotations
+
+import datetime as dt
+import random
+import time
+import uuid
+from typing import Any
+
+import pytest
+from sqlalchemy import func, select, update
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from temporalio.client import Client
+
+from activities.billing.ledger import balance_minor
+from activities.payments.schedule import ensure_stripe_reconciliation_schedule
+from schema.models import LedgerEntry, PaymentSession, StripeWebhookEvent
+from tests.histories import record_history
+from tests.lifecycle_support import eventually
+from tests.stripe_fixtures import PAID_AMOUNT, PaymentsFactory, PaymentsPlane, checkout_event
+from workflows.payment_session_contract import payment_session_workflow_id
+from workflows.stripe_reconciliation_contract import (
+    WORKFLOW_NAME as RECONCILIATION,
+)
+from workflows.stripe_reconciliation_contract import (
+    ReconciliationInput,
+    ReconciliationResult,
+)
+
+Sessions = async_sessionmaker[AsyncSession]
+
+
+async def _row(db: Sessions, payment_session_id: str) -> PaymentSession | None:
+    async with db() as session:
+        return await session.get(PaymentSession, uuid.UUID(payment_session_id))
+
+
+async def _status_is(db: Sessions, payment_session_id: str, status: str) -> PaymentSession:
+    async def check() -> PaymentSession | None:
+        row = await _row(db, payment_session_id)
+        return row if row is not None and row.status == status else None
+
+    found: PaymentSession = await eventually(check)
+    return found
+
+
+async def _credits(db: Sessions, project_id: uuid.UUID) -> list[LedgerEntry]:
+    async with db() as session:
+        query = select(LedgerEntry).where(LedgerEntry.project_id == project_id)
+        return list((await session.scalars(query)).all())
+
+
+async def _balance(db: Sessions, project_id: uuid.UUID) -> int:
+    async with db() as session:
+        return await balance_minor(session, project_id)
+
+
+async def _workflow_done(client: Client, payment_session_id: str) -> Any:
+    handle = client.get_workflow_handle(payment_session_workflow_id(payment_session_id))
+    return await handle.result()
+
+
+async def _reconcile(plane: PaymentsPlane) -> ReconciliationResult:
+    result: ReconciliationResult = await plane.temporal.execute_workflow(
+        RECONCILIATION,
+        ReconciliationInput(grace_seconds=0),
+        id=f"stripe-reconciliation-test-{uuid.uuid4()}",
+        task_queue=plane.settings.control_plane_task_queue,
+        result_type=ReconciliationResult,
+    )
+    return result
+
+
+async def test_checkout_is_idempotent_per_key(
+    payments: PaymentsFactory, db_sessions: Sessions
+) -> None:
+    plane = await payments()
+    first = await plane.checkout(2500, key="topup-1")
+    assert first.status_code == 201, first.text
+    body = first.json()
+    assert body["status"] == "initiated"
+    assert body["checkout_url"].startswith("https://")
+    assert body["stripe_checkout_session_id"].startswith("cs_")
+
+    again = await plane.checkout(2500, key="topup-1")
+    assert again.status_code == 201
+    assert again.headers.get("Idempotent-Replayed") == "true"
+    assert again.json()["checkout_url"] == body["checkout_url"]
+    assert again.json()["payment_session_id"] == body["payment_session_id"]
+    assert plane.stripe.calls["checkout.sessions.create"] == 1
+
+    reused = await plane.checkout(9999, key="topup-1")
+    assert reused.status_code == 422
+    assert reused.json()["error"]["code"] == "idempotency_key_reused"
+
+    missing = await plane.client.post(
+        "/api/v1/payments/checkout-session", json={"amount_minor": 100}
+    )
+    assert missing.status_code == 400
+    assert plane.stripe.calls["checkout.sessions.create"] == 1
+
+    row = await _row(db_sessions, body["payment_session_id"])
+    assert row is not None
+    assert row.requested_amount_minor == 2500
+    assert row.workflow_id == payment_session_workflow_id(body["payment_session_id"])
+
+
+async def test_signed_webhook_credits_exactly_once(
+    payments: PaymentsFactory, db_sessions: Sessions, make_project: Any
+) -> None:
+    project = await make_project()
+    plane = await payments(project=project)
+    created = (await plane.checkout(4200, key="k")).json()
+    session_id = created["payment_session_id"]
+    event = checkout_event(created["stripe_checkout_session_id"], 4200)
+
+    delivered = await plane.deliver(event)
+    assert delivered.status_code == 200, delivered.text
+    assert delivered.json() == {"received": True, "duplicate": False}
+    row = await _status_is(db_sessions, session_id, "credited")
+    assert row.credited_amount_minor == 4200
+    assert row.ledger_entry_id is not None
+    assert row.completed_at is not None
+    assert row.credited_at is not None
+
+    # Redelivery of the same event, and a second event for the same session: no effect.
+    duplicate = await plane.deliver(event)
+    assert duplicate.json() == {"received": True, "duplicate": True}
+    other = await plane.deliver(checkout_event(created["stripe_checkout_session_id"], 4200))
+    assert other.status_code == 200
+    await _workflow_done(plane.temporal, session_id)
+
+    entries = await _credits(db_sessions, project.id)
+    assert [(e.amount_minor, e.kind, e.idempotency_key) for e in entries] == [
+        (4200, "payment_credit", f"payment:{session_id}")
+    ]
+    assert await _balance(db_sessions, project.id) == 4200
+    handle = plane.temporal.get_workflow_handle(payment_session_workflow_id(session_id))
+    await record_history(handle, "payment_session", "credited_via_webhook")
+
+
+async def test_out_of_order_deliveries(
+    payments: PaymentsFactory, db_sessions: Sessions, make_project: Any
+) -> None:
+    project = await make_project()
+    plane = await payments(project=project)
+    created = (await plane.checkout(1500, key="ooo")).json()
+    cs_id = created["stripe_checkout_session_id"]
+    # An event for a session we do not know, an unpaid completion (async payment pending),
+    # then the async success before the (older) completed event, then a late expiry notice.
+    assert (await plane.deliver(checkout_event("cs_test_unknown", 10))).status_code == 200
+    unpaid = checkout_event(cs_id, 1500, payment_status="unpaid")
+    assert (await plane.deliver(unpaid)).status_code == 200
+    assert (await _row(db_sessions, created["payment_session_id"])).status == "initiated"  # type: ignore[union-attr]
+    succeeded = checkout_event(cs_id, 1500, event_type="checkout.session.async_payment_succeeded")
+    assert (await plane.deliver(succeeded)).status_code == 200
+    completed = checkout_event(cs_id, 1500)
+    completed["created"] -= 60
+    assert (await plane.deliver(completed)).status_code == 200
+    expired = checkout_event(cs_id, 1500, event_type="checkout.session.expired",
+                             payment_status="unpaid")  # fmt: skip
+    assert (await plane.deliver(expired)).status_code == 200
+
+    await _status_is(db_sessions, created["payment_session_id"], "credited")
+    await _workflow_done(plane.temporal, created["payment_session_id"])
+    assert (await _row(db_sessions, created["payment_session_id"])).status == "credited"  # type: ignore[union-attr]
+    assert await _balance(db_sessions, project.id) == 1500
+    assert len(await _credits(db_sessions, project.id)) == 1
+
+
+@pytest.mark.parametrize("kind", ["forged", "stale", "missing", "tampered"])
+async def test_bad_signatures_are_refused_and_nothing_is_recorded(
+    payments: PaymentsFactory, db_sessions: Sessions, kind: str
+) -> None:
+    import json
+
+    from tests.stripe_fixtures import sign
+
+    plane = await payments()
+    created = (await plane.checkout(700, key="sig")).json()
+    event = checkout_event(created["stripe_checkout_session_id"], 700)
+    if kind == "forged":
+        response = await plane.deliver(event, secret="whsec_not_the_real_one")
+    elif kind == "stale":
+        response = await plane.deliver(event, timestamp=int(time.time()) - 3600)
+    else:
+        payload = json.dumps(event).encode()
+        headers = {"Content-Type": "application/json"}
+        if kind == "tampered":
+            headers["Stripe-Signature"] = sign(payload, plane.webhook_secret)
+            payload = payload.replace(b'"amount_total": 700', b'"amount_total": 70000')
+        response = await plane.client.post(
+            "/api/v1/webhooks/stripe", content=payload, headers=headers
+        )
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == "invalid_signature"
+    async with db_sessions() as session:
+        assert await session.scalar(select(func.count()).select_from(StripeWebhookEvent)) == 0
+        assert await session.scalar(select(func.count()).select_from(LedgerEntry)) == 0
+    assert (await _row(db_sessions, created["payment_session_id"])).status == "initiated"  # type: ignore[union-attr]
+
+
+async def test_amount_mismatch_is_failed_reconcile_without_credit(
+    payments: PaymentsFactory, db_sessions: Sessions, make_project: Any, make_token: Any, api: Any
+) -> None:
+    project = await make_project()
+    plane = await payments(project=project)
+    created = (await plane.checkout(3000, key="mm")).json()
+    await plane.deliver(checkout_event(created["stripe_checkout_session_id"], 2999))
+    row = await _status_is(db_sessions, created["payment_session_id"], "failed_reconcile")
+    assert row.failure_reason == "amount_mismatch"
+    assert row.credited_amount_minor == 2999
+    assert row.ledger_entry_id is None
+    assert await _credits(db_sessions, project.id) == []
+    handle = plane.temporal.get_workflow_handle(
+        payment_session_workflow_id(created["payment_session_id"])
+    )
+    await handle.result()
+    await record_history(handle, "payment_session", "amount_mismatch")
+
+    # The admin list shows it, and an initiated session older than an hour, nothing else.
+    stuck = (await plane.checkout(100, key="stuck")).json()
+    fresh = (await plane.checkout(200, key="fresh")).json()
+    async with db_sessions() as session, session.begin():
+        await session.execute(
+            update(PaymentSession)
+            .where(PaymentSession.id == uuid.UUID(stuck["payment_session_id"]))
+            .values(created_at=func.now() - dt.timedelta(hours=2))
+        )
+    admin = await api(token=await make_token("admin"), settings=plane.settings)
+    listed = await admin.get("/api/v1/admin/payments/sessions")
+    assert listed.status_code == 200, listed.text
+    ids = {item["payment_session_id"]: item["status"] for item in listed.json()["items"]}
+    assert ids == {
+        created["payment_session_id"]: "failed_reconcile",
+        stuck["payment_session_id"]: "initiated",
+    }
+    assert fresh["payment_session_id"] not in ids
+    assert (await plane.client.get("/api/v1/admin/payments/sessions")).status_code == 403
+
+
+async def test_reconciliation_recovers_a_missed_webhook(
+    payments: PaymentsFactory,
+    db_sessions: Sessions,
+    make_project: Any,
+    stripe_mock_paid: Any,
+) -> None:
+    """Stripe (the 'paid' stripe-mock) reports every session paid for PAID_AMOUNT; no webhook
+    ever arrives. Reconciliation credits the matching one and flags the other."""
+    project = await make_project()
+    plane = await payments(project=project, mock=stripe_mock_paid)
+    paid = (await plane.checkout(PAID_AMOUNT, key="paid")).json()
+    short = (await plane.checkout(PAID_AMOUNT - 1, key="short")).json()
+
+    result = await _reconcile(plane)
+    assert sorted(result.signalled) == sorted(
+        [paid["payment_session_id"], short["payment_session_id"]]
+    )
+    assert result.amount_mismatches == [short["payment_session_id"]]
+    await _status_is(db_sessions, paid["payment_session_id"], "credited")
+    flagged = await _status_is(db_sessions, short["payment_session_id"], "failed_reconcile")
+    assert flagged.failure_reason == "amount_mismatch"
+
+    # A second run finds nothing to do; a late webhook changes nothing either.
+    await _workflow_done(plane.temporal, paid["payment_session_id"])
+    again = await _reconcile(plane)
+    assert again.signalled == []
+    assert again.expired == []
+    await plane.deliver(checkout_event(paid["stripe_checkout_session_id"], PAID_AMOUNT))
+    assert await _balance(db_sessions, project.id) == PAID_AMOUNT
+    assert len(await _credits(db_sessions, project.id)) == 1
+    handle = plane.temporal.get_workflow_handle(
+        payment_session_workflow_id(paid["payment_session_id"])
+    )
+    await record_history(handle, "payment_session", "credited_via_reconciliation")
+
+
+async def test_ttl_expiry_and_reconciliation_expires_abandoned_sessions(
+    payments: PaymentsFactory, db_sessions: Sessions, make_project: Any
+) -> None:
+    project = await make_project()
+    plane = await payments(project=project, ttl_seconds=1.0)
+    created = (await plane.checkout(900, key="ttl")).json()
+    row = await _status_is(db_sessions, created["payment_session_id"], "expired")
+    assert row.ledger_entry_id is None
+    handle = plane.temporal.get_workflow_handle(
+        payment_session_workflow_id(created["payment_session_id"])
+    )
+    assert (await handle.result())["status"] == "expired"
+    await record_history(handle, "payment_session", "expired")
+    # A completion after expiry finds the workflow closed: acknowledged, nothing credited.
+    late = await plane.deliver(checkout_event(created["stripe_checkout_session_id"], 900))
+    assert late.status_code == 200
+    assert await _credits(db_sessions, project.id) == []
+
+    # A session whose workflow is gone (terminated) is expired by reconciliation.
+    orphan = (await plane.checkout(800, key="orphan")).json()
+    await plane.temporal.get_workflow_handle(
+        payment_session_workflow_id(orphan["payment_session_id"])
+    ).terminate("test: the workflow is gone")
+    await eventually(lambda: _expired_past(db_sessions, orphan["payment_session_id"]), timeout=10)
+    result = await _reconcile(plane)
+    assert result.expired == [orphan["payment_session_id"]]
+    assert (await _row(db_sessions, orphan["payment_session_id"])).status == "expired"  # type: ignore[union-attr]
+    reconciliation = plane.temporal.get_workflow_handle(await _last_reconciliation_id(plane))
+    await record_history(reconciliation, "stripe_reconciliation", "expires_abandoned")
+
+
+async def _expired_past(db: Sessions, payment_session_id: str) -> bool:
+    async with db() as session:
+        row = await session.get(PaymentSession, uuid.UUID(payment_session_id))
+        now = await session.scalar(select(func.clock_timestamp()))
+        return bool(row and row.expires_at and now and row.expires_at < now)
+
+
+async def _last_reconciliation_id(plane: PaymentsPlane) -> str:
+    query = (
+        f"WorkflowType = '{RECONCILIATION}' AND TaskQueue = "
+        f"'{plane.settings.control_plane_task_queue}'"
+    )
+
+    async def find() -> str | None:
+        async for wf in plane.temporal.list_workflows(query):
+            return wf.id
+        return None
+
+    found: str = await eventually(find)
+    return found
+
+
+async def test_every_paid_session_is_credited_exactly_once_under_interleavings(
+    payments: PaymentsFactory,
+    db_sessions: Sessions,
+    make_project: Any,
+    stripe_mock_paid: Any,
+) -> None:
+    """Seeded random interleavings of duplicate webhooks (same and new event ids), checkout
+    retries and reconciliation runs: each paid session is credited exactly once."""
+    rng = random.Random(20261121)
+    project = await make_project()
+    plane = await payments(project=project, mock=stripe_mock_paid)
+    sessions = [(await plane.checkout(PAID_AMOUNT, key=f"p-{i}")).json() for i in range(4)]
+    events = {s["payment_session_id"]: checkout_event(s["stripe_checkout_session_id"],
+                                                      PAID_AMOUNT) for s in sessions}  # fmt: skip
+    reconciliation_runs = 0
+    for _ in range(24):
+        target = rng.choice(sessions)
+        action = rng.choice(["same_event", "new_event", "reconcile", "retry_checkout"])
+        if action == "same_event":
+            assert (await plane.deliver(events[target["payment_session_id"]])).status_code == 200
+        elif action == "new_event":
+            fresh = checkout_event(target["stripe_checkout_session_id"], PAID_AMOUNT)
+            assert (await plane.deliver(fresh)).status_code == 200
+        elif action == "reconcile" and reconciliation_runs < 3:
+            reconciliation_runs += 1
+            await _reconcile(plane)
+        else:
+            retried = await plane.checkout(PAID_AMOUNT, key=f"p-{sessions.index(target)}")
+            assert retried.json()["checkout_url"] == target["checkout_url"]
+    await _reconcile(plane)  # whatever the dice left unpaid is recovered here
+    for s in sessions:
+        await _status_is(db_sessions, s["payment_session_id"], "credited")
+        await _workflow_done(plane.temporal, s["payment_session_id"])
+    entries = await _credits(db_sessions, project.id)
+    assert sorted(e.idempotency_key for e in entries) == sorted(
+        f"payment:{s['payment_session_id']}" for s in sessions
+    )
+    assert await _balance(db_sessions, project.id) == PAID_AMOUNT * len(sessions)
+    assert plane.stripe.calls["checkout.sessions.create"] == len(sessions)
+    last = plane.temporal.get_workflow_handle(await _last_reconciliation_id(plane))
+    await record_history(last, "stripe_reconciliation", "interleaved_runs")
+
+
+async def test_reconciliation_schedule_is_created_idempotently(
+    temporal_client: Client, settings: Any
+) -> None:
+    schedule_id = f"stripe-reconciliation-test-{uuid.uuid4()}"
+    for _ in range(2):
+        await ensure_stripe_reconciliation_schedule(
+            temporal_client,
+            task_queue=settings.control_plane_task_queue,
+            every_seconds=3600,
+            schedule_id=schedule_id,
+        )
+    handle = temporal_client.get_schedule_handle(schedule_id)
+    try:
+        described = await handle.describe()
+        assert described.schedule.spec.intervals[0].every == dt.timedelta(hours=1)
+    finally:
+        await handle.delete()

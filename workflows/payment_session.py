@@ -1,0 +1,171 @@
+"""PaymentSessionWorkflow `payment-session-{id}` (seed 001 §5): initiated → checkout_completed →
+credited | failed_reconcile | expired.
+
+The gateway starts it with update-with-start: the first (local) activity creates the Stripe
+Checkout Session and records the row, and the `checkout` update hands the URL back to the HTTP
+call. The workflow then waits for the `checkout_completed` signal (webhook route or Stripe
+reconciliation) or its TTL (a durable timer). The first completion wins; later ones are ignored,
+and the credit activity is idempotent besides (ledger key `payment:{id}`).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, ApplicationError
+
+with workflow.unsafe.imports_passed_through():
+    from workflows.payment_session_contract import (
+        CHECKOUT_UPDATE,
+        COMPLETED_SIGNAL,
+        CREDIT_FAILED,
+        IDEMPOTENCY_KEY_REUSED,
+        STATUS_QUERY,
+        STRIPE_ERROR,
+        WORKFLOW_NAME,
+        CheckoutCompletion,
+        CheckoutCreated,
+        CreateCheckoutInput,
+        CreditInput,
+        ExpireInput,
+        FailInput,
+        PaymentSessionInput,
+        PaymentSessionView,
+        SettleResult,
+    )
+
+_LOCAL = timedelta(seconds=30)
+_DB_RETRY = RetryPolicy(initial_interval=timedelta(milliseconds=200), maximum_attempts=20)
+
+
+@workflow.defn(name=WORKFLOW_NAME)
+class PaymentSessionWorkflow:
+    @workflow.init
+    def __init__(self, input: PaymentSessionInput) -> None:
+        self._input = input
+        self._created: CheckoutCreated | None = None
+        self._rejection: ApplicationError | None = None
+        self._completion: CheckoutCompletion | None = None
+        self._status = "creating"
+        self._failure_reason: str | None = None
+
+    @workflow.update(name=CHECKOUT_UPDATE)
+    async def checkout(self, request_fingerprint: str) -> CheckoutCreated:
+        await workflow.wait_condition(
+            lambda: self._created is not None or self._rejection is not None
+        )
+        if self._rejection is not None:
+            raise self._rejection
+        assert self._created is not None
+        return self._created
+
+    @checkout.validator
+    def _validate_checkout(self, request_fingerprint: str) -> None:
+        if request_fingerprint != self._input.request_fingerprint:
+            raise ApplicationError(
+                "this idempotency key was already used with a different request body",
+                type=IDEMPOTENCY_KEY_REUSED,
+            )
+
+    @workflow.signal(name=COMPLETED_SIGNAL)
+    def checkout_completed(self, completion: CheckoutCompletion) -> None:
+        if self._completion is None:
+            self._completion = completion
+
+    @workflow.query(name=STATUS_QUERY)
+    def status(self) -> PaymentSessionView:
+        return PaymentSessionView(
+            payment_session_id=self._input.payment_session_id,
+            status=self._status,
+            stripe_checkout_session_id=(
+                self._created.stripe_checkout_session_id if self._created else None
+            ),
+            failure_reason=self._failure_reason,
+        )
+
+    @workflow.run
+    async def run(self, input: PaymentSessionInput) -> SettleResult:
+        result = await self._lifecycle(input)
+        self._status = result.status
+        self._failure_reason = result.failure_reason
+        await workflow.wait_condition(workflow.all_handlers_finished)
+        if result.status == "rejected":
+            # Failed, so that a retry with the same key may start afresh
+            # (ALLOW_DUPLICATE_FAILED_ONLY): nothing was created at Stripe or recorded.
+            raise ApplicationError(
+                "the Stripe Checkout Session could not be created", type=STRIPE_ERROR
+            )
+        return result
+
+    async def _lifecycle(self, input: PaymentSessionInput) -> SettleResult:
+        created = await self._create(input)
+        if created is None:
+            return SettleResult(input.payment_session_id, "rejected", None, STRIPE_ERROR)
+        self._created = created
+        self._status = created.status
+        try:
+            await workflow.wait_condition(
+                lambda: self._completion is not None,
+                timeout=timedelta(seconds=created.ttl_seconds),
+            )
+        except TimeoutError:
+            return await self._local(
+                "payments.expire", ExpireInput(input.payment_session_id), _DB_RETRY
+            )
+        assert self._completion is not None
+        self._status = "checkout_completed"
+        try:
+            return await self._local(
+                "payments.credit",
+                CreditInput(input.payment_session_id, self._completion),
+                RetryPolicy(
+                    initial_interval=timedelta(milliseconds=200),
+                    maximum_attempts=max(1, input.policy.credit_max_attempts),
+                    non_retryable_error_types=["not_found"],
+                ),
+            )
+        except (ActivityError, ApplicationError) as err:
+            workflow.logger.warning("credit failed after retries: %s", err)
+            return await self._local(
+                "payments.fail",
+                FailInput(input.payment_session_id, CREDIT_FAILED, self._completion.amount_total),
+                _DB_RETRY,
+            )
+
+    async def _create(self, input: PaymentSessionInput) -> CheckoutCreated | None:
+        try:
+            created: CheckoutCreated = await workflow.execute_local_activity(
+                "payments.create_checkout",
+                CreateCheckoutInput(
+                    payment_session_id=input.payment_session_id,
+                    project_id=input.project_id,
+                    amount_minor=input.amount_minor,
+                    currency=input.currency,
+                    idempotency_key=input.idempotency_key,
+                    workflow_id=workflow.info().workflow_id,
+                ),
+                result_type=CheckoutCreated,
+                start_to_close_timeout=_LOCAL,
+                retry_policy=RetryPolicy(
+                    initial_interval=timedelta(milliseconds=500),
+                    maximum_attempts=max(1, input.policy.create_max_attempts),
+                ),
+            )
+            return created
+        except (ActivityError, ApplicationError) as err:
+            cause = err.cause if isinstance(err, ActivityError) else err
+            message = cause.message if isinstance(cause, ApplicationError) else str(err)
+            self._rejection = ApplicationError(message, type=STRIPE_ERROR, non_retryable=True)
+            return None
+
+    async def _local(self, name: str, arg: object, retry: RetryPolicy) -> SettleResult:
+        result: SettleResult = await workflow.execute_local_activity(
+            name,
+            arg,
+            result_type=SettleResult,
+            start_to_close_timeout=_LOCAL,
+            retry_policy=retry,
+        )
+        return result
