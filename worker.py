@@ -151,6 +151,8 @@ async def run(settings: Settings) -> None:
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    # The stripe library logs request and error details (an error body may quote the API key).
+    logging.getLogger("stripe").setLevel(logging.WARNING)
     asyncio.run(run(Settings.from_env()))
 
 

@@ -210,6 +210,7 @@ async def main(args: argparse.Namespace) -> None:
         gateway_port=free_port(),
         vault_port=free_port(),
         maas_port=free_port(),
+        stripe_port=free_port(),
         phase_delay=0.0,
         jitter=0.0,
         agents=False,

@@ -154,6 +154,19 @@ def run_smoke(
             step(f"GET {path} until released")
             _poll_status(http, path, "released", timeout, step)
 
+            step("POST /api/v1/payments/checkout-session (stripe-mock)")
+            checkout = _expect(
+                http.post(
+                    "/api/v1/payments/checkout-session",
+                    json={"amount_minor": 5000, "currency": "usd"},
+                    headers={"X-Idempotency-Key": f"smoke-{uuid.uuid4()}"},
+                ),
+                201,
+            )
+            step(f"    {checkout['status']}: {checkout['checkout_url']}")
+            balance = _expect(http.get("/api/v1/billing/balance"), 200)
+            step(f"GET /api/v1/billing/balance: {balance['balance_minor']} ({balance['state']})")
+
             if admin_token:
                 step("GET /api/v1/admin/allocations?status=release_failed (admin)")
                 listing = _expect(

@@ -52,6 +52,7 @@ from core.config import Settings
 from core.task_queues import node_task_queue
 from devstack.postgres import PostgresCluster
 from devstack.processes import Child, port_in_use, python_entry, tail
+from devstack.stripe_mock import stripe_mock_argv
 from devstack.temporal import dev_server_extra_args, temporal_cli_path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -86,6 +87,7 @@ class StackOptions:
     namespace: str = "default"
     vault_port: int = 8200
     maas_port: int = 5240
+    stripe_port: int = 12111  # stripe-mock's HTTP port; its HTTPS listener takes the next one
     hosts: str = "simulated"  # sim.fleet --hosts: "simulated" | "libvirt-test"
 
     @property
@@ -143,6 +145,10 @@ class StackOptions:
     @property
     def maas_url(self) -> str:
         return f"http://127.0.0.1:{self.maas_port}/MAAS"
+
+    @property
+    def stripe_api_base(self) -> str:
+        return f"http://127.0.0.1:{self.stripe_port}"
 
     @property
     def maas_api_key_file(self) -> Path:
@@ -257,6 +263,19 @@ async def seed(database_url: str, tokens_file: Path) -> dict[str, str]:
         await engine.dispose()
     _write_private(tokens_file, json.dumps(result, indent=2) + "\n")
     return result
+
+
+async def seed_stripe_secrets(o: StackOptions) -> None:
+    """stripe-mock accepts any test key; the webhook secret is made once and kept in Vault (read
+    it there to sign test webhooks). Nothing is overwritten on restart."""
+    from activities.payments.config import STRIPE_API_KEY_PATH, STRIPE_WEBHOOK_SECRET_PATH
+    from core.secrets import VaultSecretStore
+
+    store = VaultSecretStore(o.vault_addr, token_file=o.vault_token_file)
+    if await store.read(STRIPE_API_KEY_PATH) is None:
+        await store.write(STRIPE_API_KEY_PATH, {"key": "sk_test_" + secrets.token_hex(12)})
+    if await store.read(STRIPE_WEBHOOK_SECRET_PATH) is None:
+        await store.write(STRIPE_WEBHOOK_SECRET_PATH, {"secret": "whsec_" + secrets.token_hex(24)})
 
 
 def _maas_api_key(path: Path) -> str:
@@ -381,6 +400,7 @@ class Stack:
                 "GPUCLOUD_SIM_PHASE_JITTER": str(self.o.jitter),
                 "GPUCLOUD_VAULT_ADDR": self.o.vault_addr,
                 "GPUCLOUD_VAULT_TOKEN_FILE": str(self.o.vault_token_file),
+                "GPUCLOUD_STRIPE_API_BASE": self.o.stripe_api_base,
             }
         )
         return env
@@ -394,6 +414,7 @@ class Stack:
                 ("gateway", self.o.gateway_port),
                 ("Vault", self.o.vault_port),
                 ("MAAS simulator", self.o.maas_port),
+                ("stripe-mock", self.o.stripe_port),
             )
             if port_in_use("127.0.0.1", port)
         ]
@@ -478,6 +499,10 @@ class Stack:
                      REPO_ROOT)  # fmt: skip
         self.children.append(maas)
         await maas.start()
+        stripe = Child("stripe-mock", stripe_mock_argv(o.stripe_port, o.stripe_port + 1),
+                       o.logs_dir / "stripe-mock.log", dict(os.environ), REPO_ROOT)  # fmt: skip
+        self.children.append(stripe)
+        await stripe.start()
 
         t0 = time.monotonic()
         database_url = await asyncio.to_thread(self._start_postgres)
@@ -495,6 +520,7 @@ class Stack:
         await self._wait_for("Vault", lambda: _http_ok(f"{o.vault_addr}/v1/sys/health"), vault,
                              limit_s=30)  # fmt: skip
         _say(f"  vault      ready on {o.vault_addr} (pid {vault.pid}), log {vault.log_path}")
+        await seed_stripe_secrets(o)
 
         env = self._child_env(database_url)
         worker = Child("worker", python_entry("worker"), o.logs_dir / "worker.log", env, REPO_ROOT)
@@ -618,6 +644,7 @@ def print_summary(o: StackOptions, tokens: dict[str, str], stack: Stack) -> None
  OpenAPI docs       {api}/schema/swagger
  PostgreSQL         {pg_url}
  Vault (simulator)  {o.vault_addr}  (root token in {_shown(o.vault_token_file)})
+ Stripe (mock)      {o.stripe_api_base}  (stripe-mock; API key and webhook secret in Vault)
  MAAS (simulator)   {o.maas_url}  (site "demo-maas", API key in {_shown(o.maas_api_key_file)})
  Logs               {_shown(o.logs_dir)}/{{{",".join(logs)}}}
 
@@ -675,6 +702,8 @@ def parse_args(argv: list[str] | None = None) -> StackOptions:
         help="Vault simulator port (default: %(default)s)")
     add("--maas-port", type=int, default=int(env.get("GPUCLOUD_MAAS_SIM_PORT", "5240")),
         help="MAAS simulator port (default: %(default)s)")
+    add("--stripe-port", type=int, default=int(env.get("GPUCLOUD_STRIPE_MOCK_PORT", "12111")),
+        help="stripe-mock HTTP port; HTTPS takes the next (default: %(default)s)")
     add("--state-dir", type=Path,
         default=Path(env.get("GPUCLOUD_STATE_DIR", REPO_ROOT / ".state")),
         help="PostgreSQL data, Temporal history, tokens and logs (default: %(default)s)")
@@ -699,6 +728,7 @@ def parse_args(argv: list[str] | None = None) -> StackOptions:
         reset=args.reset,
         vault_port=args.vault_port,
         maas_port=args.maas_port,
+        stripe_port=args.stripe_port,
         hosts=args.hosts,
     )
 
