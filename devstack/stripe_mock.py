@@ -3,33 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 from pathlib import Path
 
-from devstack.temporal import TOOLS_DIR
+from devstack.go_tools import go_tool_path
 
 STRIPE_MOCK_MODULE = "github.com/stripe/stripe-mock@latest"
 
 
 def stripe_mock_path(*, build: bool = True) -> Path:
     """`stripe-mock` from PATH, else the cached build, else build it with Go (once)."""
-    on_path = shutil.which("stripe-mock")
-    if on_path:
-        return Path(on_path)
-    cached = TOOLS_DIR / "stripe-mock"
-    if cached.exists():
-        return cached
-    if not build:
-        raise RuntimeError("stripe-mock not found; run bin/bootstrap")
-    TOOLS_DIR.mkdir(parents=True, exist_ok=True)
-    subprocess.run(
-        ["go", "install", STRIPE_MOCK_MODULE],
-        check=True,
-        env={**os.environ, "GOBIN": str(TOOLS_DIR)},
-    )
-    return cached
+    return go_tool_path("stripe-mock", STRIPE_MOCK_MODULE, build=build)
 
 
 def stripe_mock_argv(http_port: int, https_port: int, fixtures: Path | None = None) -> list[str]:
