@@ -97,6 +97,8 @@ class HostProvisionInput:
     memory_mb: int = 0
     image: str = ""
     image_sha256: str = ""
+    # The allocation's tenant VLAN on the node's uplink; None: an isolated per-allocation bridge.
+    vlan_id: int | None = None
 
 
 @dataclass

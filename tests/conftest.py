@@ -35,6 +35,7 @@ pytest_plugins = [
     "tests.gateway_fixtures",
     "tests.agent_fixtures",
     "tests.vault_fixtures",
+    "tests.netns_fixtures",
     "tests.maas_fixtures",
     "tests.stripe_fixtures",
 ]

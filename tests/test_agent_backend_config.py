@@ -32,6 +32,7 @@ seed_dir = "{tmp_path}/seeds"
 state_dir = "{tmp_path}/state"
 readiness = "ssh"
 check_gpu_health = false
+uplink = "bond0"
 [libvirt.images]
 "ubuntu-22.04-cuda" = "ABCDEF"
 """,
@@ -40,6 +41,8 @@ check_gpu_health = false
     assert isinstance(backend.slice, LibvirtSliceBackend)
     assert backend.slice.images.catalog == {"ubuntu-22.04-cuda": "abcdef"}
     assert backend.slice.gpu_health is None
+    assert backend.slice.networks is not None
+    assert backend.slice.networks.uplink == "bond0"
     with pytest.raises(HostError) as refused:
         backend.provision_baremetal_user(baremetal_spec("n1"), lambda *a, **k: None)  # type: ignore[arg-type]
     assert refused.value.error_type == HostErrorType.INVALID_SPEC

@@ -129,6 +129,8 @@ class SliceDomain:
     seed_path: str
     seed_is_iso: bool
     network: str = "default"
+    # The per-allocation bridge (agent/network); when set it replaces the libvirt network.
+    bridge: str | None = None
     mac_address: str | None = None
     extra: Mapping[str, str] = field(default_factory=dict)
 
@@ -190,10 +192,13 @@ def render_domain(plan: SliceDomain) -> str:
         bus="sata" if plan.seed_is_iso else "fdc",
     )
     _sub(seed, "readonly")
-    iface = _sub(devices, "interface", type="network")
+    iface = _sub(devices, "interface", type="bridge" if plan.bridge else "network")
     if plan.mac_address:
         _sub(iface, "mac", address=plan.mac_address)
-    _sub(iface, "source", network=plan.network)
+    if plan.bridge:
+        _sub(iface, "source", bridge=plan.bridge)
+    else:
+        _sub(iface, "source", network=plan.network)
     _sub(iface, "model", type="virtio")
     channel = _sub(devices, "channel", type="unix")
     _sub(channel, "target", type="virtio", name="org.qemu.guest_agent.0")

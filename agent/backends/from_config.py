@@ -7,6 +7,8 @@
     state_dir = "/var/lib/gpucloud/vms"
     readiness = "guest-agent"            # or "ssh"
     check_gpu_health = true              # sysfs check of every released GPU
+    bridge_per_allocation = true         # an isolated bridge per slice (agent/network)
+    uplink = "bond0"                     # tenant VLANs hang off it (optional)
 
     [libvirt.images]                     # name → expected sha256
     "ubuntu-22.04-cuda-12.4" = "9f86d0…"
@@ -25,6 +27,7 @@ from agent.backends.composite import NodeHostBackend
 from agent.backends.libvirt_slice import LibvirtSliceBackend
 from agent.backends.readiness import GuestAgentProbe, ReadinessProbe, SshPortProbe
 from agent.gpu_health import SysfsGpuHealthCheck
+from agent.network.slice_networks import SliceNetworks
 
 READINESS = {"guest-agent": GuestAgentProbe, "ssh": SshPortProbe}
 
@@ -57,6 +60,11 @@ def host_backend_from_config(path: Path) -> NodeHostBackend:
             state_dir=Path(section["state_dir"]),
             readiness=readiness,
             gpu_health=SysfsGpuHealthCheck() if section.get("check_gpu_health", True) else None,
+            networks=(
+                SliceNetworks(uplink=section.get("uplink"))
+                if section.get("bridge_per_allocation", True)
+                else None
+            ),
         )
     except KeyError as err:
         raise BackendConfigError(f"{path}: [libvirt] needs {err.args[0]}") from None

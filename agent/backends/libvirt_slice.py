@@ -45,6 +45,7 @@ from agent.backends.images import ImageMismatch, ImageMissing, ImageStore
 from agent.backends.readiness import NotReady, ReadinessProbe
 from agent.contract import HostErrorType, HostProvisionInput, HostReleaseInput, UnhealthyGpu
 from agent.gpu_health import GpuHealthCheck
+from agent.network.slice_networks import SliceNetworks
 
 logger = logging.getLogger("agent.backends.libvirt_slice")
 
@@ -79,6 +80,7 @@ class LibvirtSliceBackend:
         poll_interval_s: float = 1.0,
         connection: Any | None = None,
         gpu_health: GpuHealthCheck | None = None,
+        networks: SliceNetworks | None = None,
     ) -> None:
         """
         uri: libvirt URI ("qemu:///system"; "test:///abs/path/host.xml" in tests).
@@ -88,6 +90,7 @@ class LibvirtSliceBackend:
         disk_dir: per-allocation disks (overlays); defaults to `state_dir/disks`.
         numa_topology: NUMA cell -> host CPUs; default: read from the host's capabilities.
         connection: an open libvirt connection to use instead of opening `uri`.
+        networks: per-allocation bridges (agent/network); None keeps the libvirt `network`.
         gpu_health: checks each released GPU (agent.gpu_health.SysfsGpuHealthCheck on a real
             host); None skips the check (the test driver's GPUs have no sysfs).
         """
@@ -101,6 +104,7 @@ class LibvirtSliceBackend:
         self.lease_dir = Path(state_dir) / "leases"
         self.readiness = readiness
         self.gpu_health = gpu_health
+        self.networks = networks
         self.default_image = default_image
         self.default_vcpus = default_vcpus
         self.default_memory_mb = default_memory_mb
@@ -369,6 +373,11 @@ class LibvirtSliceBackend:
             seed_path=str(seed.iso if seed.iso is not None else seed.directory),
             seed_is_iso=seed.iso is not None,
             network=self.network,
+            bridge=(
+                self.networks.prepare(spec.allocation_id, spec.vlan_id)
+                if self.networks is not None
+                else None
+            ),
         )
 
     def _pci_device(self, address: domain_xml.PciAddress) -> domain_xml.PciDevice:
@@ -459,15 +468,18 @@ class LibvirtSliceBackend:
         return f"{message}; removed {', '.join(removed) or 'no storage (already removed)'}"
 
     def _wipe_leases(self, allocation_id: str) -> str:
+        links = ""
+        if self.networks is not None:
+            links = f", {self.networks.remove(allocation_id)} network link(s) removed"
         path = self.lease_path(allocation_id)
         try:
             held = json.loads(path.read_text()).get("gpus", [])
         except FileNotFoundError:
-            return "no leases (already wiped)"
+            return f"no leases (already wiped){links}"
         except ValueError:
             held = []
         path.unlink(missing_ok=True)
-        return f"{len(held)} GPU lease(s) released"
+        return f"{len(held)} GPU lease(s) released{links}"
 
 
 class _ShutdownTimedOut(Exception):
