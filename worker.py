@@ -8,6 +8,7 @@ import logging
 import signal
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio.client import (
@@ -25,6 +26,8 @@ from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxR
 
 from activities.allocations import AllocationActivities
 from activities.billing.metering import BillingActivities, MeterInput
+from activities.maas_reconcile import MaasReconcileActivities
+from activities.node_liveness import LivenessInput, NodeLivenessActivities
 from activities.node_presence import NodePresenceActivities
 from activities.payments.activities import PaymentActivities
 from activities.payments.config import PaymentSettings
@@ -37,6 +40,9 @@ from schema.db import create_engine, session_factory
 from workflows.allocation import AllocationWorkflow
 from workflows.billing_meter import SCHEDULE_ID as BILLING_SCHEDULE_ID
 from workflows.billing_meter import BillingMeterWorkflow
+from workflows.maas_reconciler import MaasSiteReconcilerWorkflow
+from workflows.node_liveness import SCHEDULE_ID as LIVENESS_SCHEDULE_ID
+from workflows.node_liveness import NodeLivenessWorkflow
 from workflows.node_presence import NodePresenceWorkflow
 from workflows.payment_session import PaymentSessionWorkflow
 from workflows.stripe_reconciliation import StripeReconciliationWorkflow
@@ -44,6 +50,8 @@ from workflows.stripe_reconciliation import StripeReconciliationWorkflow
 WORKFLOWS = [
     AllocationWorkflow,
     NodePresenceWorkflow,
+    MaasSiteReconcilerWorkflow,
+    NodeLivenessWorkflow,
     BillingMeterWorkflow,
     PaymentSessionWorkflow,
     StripeReconciliationWorkflow,
@@ -69,12 +77,13 @@ def build_worker(
 ) -> Worker:
     sessions = session_factory(engine)
     payment_settings = payment_settings or PaymentSettings.from_env()
-    stripe_api = stripe_api or StripeApi(
-        secret_store or VaultSecretStore.from_settings(settings), payment_settings
-    )
+    secret_store = secret_store or VaultSecretStore.from_settings(settings)
+    stripe_api = stripe_api or StripeApi(secret_store, payment_settings)
     payments = PaymentActivities(sessions, stripe_api, payment_settings)
     allocations = AllocationActivities(sessions)
     presence = NodePresenceActivities(sessions)
+    maas_reconcile = MaasReconcileActivities(sessions, secret_store)
+    liveness = NodeLivenessActivities(sessions)
     billing = BillingActivities(sessions, client)
     return Worker(
         client,
@@ -88,6 +97,8 @@ def build_worker(
             allocations.begin_release,
             allocations.finish_release,
             presence.record_heartbeat,
+            maas_reconcile.reconcile,
+            liveness.check_liveness,
             billing.meter,
             billing.force_release,
             payments.create_checkout,
@@ -106,22 +117,48 @@ def build_worker(
     )
 
 
-async def ensure_schedules(client: Client, settings: Settings) -> None:
-    """The control plane's periodic workflows, created once (a second create is a no-op)."""
+async def ensure_periodic(
+    client: Client,
+    schedule_id: str,
+    workflow_run: Any,
+    arg: Any,
+    every: timedelta,
+    task_queue: str,
+) -> None:
+    """A Temporal Schedule that starts `workflow_run(arg)` every `every`, overlapping runs
+    skipped; created once (creating it again is a no-op)."""
     with contextlib.suppress(ScheduleAlreadyRunningError):
         await client.create_schedule(
-            BILLING_SCHEDULE_ID,
+            schedule_id,
             Schedule(
                 action=ScheduleActionStartWorkflow(
-                    BillingMeterWorkflow.run,
-                    MeterInput(),
-                    id=f"{BILLING_SCHEDULE_ID}-run",
-                    task_queue=settings.control_plane_task_queue,
+                    workflow_run, arg, id=f"{schedule_id}-run", task_queue=task_queue
                 ),
-                spec=ScheduleSpec(intervals=[ScheduleIntervalSpec(every=timedelta(minutes=1))]),
+                spec=ScheduleSpec(intervals=[ScheduleIntervalSpec(every=every)]),
                 policy=SchedulePolicy(overlap=ScheduleOverlapPolicy.SKIP),
             ),
         )
+
+
+async def ensure_schedules(client: Client, settings: Settings) -> None:
+    """The control plane's own periodic workflows (sites' reconcilers come with their sites)."""
+    queue = settings.control_plane_task_queue
+    await ensure_periodic(
+        client,
+        BILLING_SCHEDULE_ID,
+        BillingMeterWorkflow.run,
+        MeterInput(),
+        timedelta(minutes=1),
+        queue,
+    )
+    await ensure_periodic(
+        client,
+        LIVENESS_SCHEDULE_ID,
+        NodeLivenessWorkflow.run,
+        LivenessInput(settings.node_offline_after_seconds),
+        timedelta(seconds=30),
+        queue,
+    )
 
 
 async def run(settings: Settings) -> None:

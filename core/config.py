@@ -41,6 +41,8 @@ class Settings:
     vault_token: str | None = field(default=None, repr=False)
     vault_token_file: str | None = None
     vault_timeout_seconds: float = 5.0
+    # A node whose agent has not heartbeated for this long goes offline (no new allocations).
+    node_offline_after_seconds: float = 300.0
 
     @property
     def codec_key(self) -> bytes:
@@ -74,4 +76,5 @@ class Settings:
             vault_token=e.get("GPUCLOUD_VAULT_TOKEN") or None,
             vault_token_file=e.get("GPUCLOUD_VAULT_TOKEN_FILE") or None,
             vault_timeout_seconds=float(e.get("GPUCLOUD_VAULT_TIMEOUT_S", "5")),
+            node_offline_after_seconds=float(e.get("GPUCLOUD_NODE_OFFLINE_AFTER_S", "300")),
         )

@@ -46,6 +46,7 @@ from gateway.controllers.payments import (
     PaymentsController,
     StripeWebhookController,
 )
+from gateway.controllers.reconciliation import AdminReconciliationController
 from gateway.controllers.ssh_keys import SshKeysController
 from gateway.errors import exception_handler
 from gateway.runtime import (
@@ -149,6 +150,7 @@ def create_app(
             PaymentsController,
             StripeWebhookController,
             AdminPaymentsController,
+            AdminReconciliationController,
         ],
         dependencies={
             "db": Provide(provide_db),

@@ -38,6 +38,7 @@ class SitePolicy(msgspec.Struct, kw_only=True):
     batch_max_parallel: Annotated[int, msgspec.Meta(ge=1, le=500)] = 10
     site_bootstrap_bundle_ref: Annotated[str, msgspec.Meta(max_length=300)] | None = None
     enrollment_token_ttl_seconds: Annotated[int, msgspec.Meta(ge=60, le=7 * 24 * 3600)] = 7200
+    reconcile_interval_seconds: Annotated[int, msgspec.Meta(ge=30, le=86400)] = 300
 
 
 class SitePolicyPatch(Request):
@@ -54,6 +55,7 @@ class SitePolicyPatch(Request):
     enrollment_token_ttl_seconds: Annotated[int, msgspec.Meta(ge=60, le=7 * 24 * 3600)] | None = (
         None
     )
+    reconcile_interval_seconds: Annotated[int, msgspec.Meta(ge=30, le=86400)] | None = None
 
 
 class SiteCreate(Request):

@@ -12,15 +12,29 @@ import ipaddress
 import re
 import uuid
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 import sqlalchemy.exc
 from sqlalchemy import func, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncSession
+from temporalio.client import (
+    Client,
+    Schedule,
+    ScheduleActionStartWorkflow,
+    ScheduleAlreadyRunningError,
+    ScheduleIntervalSpec,
+    ScheduleOverlapPolicy,
+    SchedulePolicy,
+    ScheduleSpec,
+    ScheduleState,
+    ScheduleUpdate,
+)
 
 from activities.maas.client import MaasClient
 from activities.maas.errors import MaasAuthError, MaasError
+from core.config import Settings
 from core.secret_paths import (
     power_override_path,
     site_api_token_path,
@@ -49,12 +63,15 @@ from gateway.maas_schemas import (
     SitePolicyPatch,
     SiteView,
 )
+from gateway.temporal import TemporalOps
 from schema.models import (
     MaasPowerCredentialOverride,
     MaasRoceAssignment,
     MaasSite,
     MaasSitePolicy,
 )
+from workflows.maas_reconciler_contract import WORKFLOW_NAME as RECONCILER_WORKFLOW
+from workflows.maas_reconciler_contract import ReconcileInput, reconciler_schedule_id
 
 # The credentials check must answer an operator promptly, whatever MAAS is doing.
 MAAS_CHECK_TIMEOUT_SECONDS = 5.0
@@ -175,8 +192,48 @@ async def load_site(db: AsyncSession, site_id: uuid.UUID) -> tuple[MaasSite, Maa
     return site, policy
 
 
+async def sync_reconciler_schedule(
+    temporal: TemporalOps,
+    settings: Settings,
+    site_id: uuid.UUID,
+    *,
+    every_seconds: int,
+    paused: bool,
+) -> None:
+    """The site's reconciler schedule `maas-reconciler-{site_id}` as the site says it should be:
+    created with the site, its interval from the site policy, paused while the site is disabled
+    (a running reconcile finishes; no new ones start)."""
+    schedule_id = reconciler_schedule_id(str(site_id))
+    schedule = Schedule(
+        action=ScheduleActionStartWorkflow(
+            RECONCILER_WORKFLOW,
+            ReconcileInput(str(site_id)),
+            id=f"{schedule_id}-run",
+            task_queue=settings.control_plane_task_queue,
+        ),
+        spec=ScheduleSpec(intervals=[ScheduleIntervalSpec(every=timedelta(seconds=every_seconds))]),
+        policy=SchedulePolicy(overlap=ScheduleOverlapPolicy.SKIP),
+        state=ScheduleState(paused=paused, note="site disabled" if paused else ""),
+    )
+
+    async def apply(client: Client) -> None:
+        try:
+            await client.create_schedule(schedule_id, schedule)
+        except ScheduleAlreadyRunningError:
+            await client.get_schedule_handle(schedule_id).update(
+                lambda _: ScheduleUpdate(schedule=schedule)
+            )
+
+    await temporal.update(apply)
+
+
 async def create_site(
-    db: AsyncSession, principal: Principal, body: SiteCreate, reason: str | None
+    db: AsyncSession,
+    principal: Principal,
+    body: SiteCreate,
+    reason: str | None,
+    temporal: TemporalOps,
+    settings: Settings,
 ) -> SiteView:
     site_id = uuid.uuid4()
     site = MaasSite(
@@ -217,6 +274,10 @@ async def create_site(
         expected_state="active",
         details={"name": body.name, "api_base_url": site.api_base_url},
     )
+    # The schedule before the commit: if Temporal cannot take it, no site is created (503).
+    await sync_reconciler_schedule(
+        temporal, settings, site_id, every_seconds=policy.reconcile_interval_seconds, paused=False
+    )
     await db.commit()
     return await get_site_view(db, site_id)
 
@@ -245,6 +306,8 @@ async def patch_site(
     site_id: uuid.UUID,
     body: SitePatch,
     reason: str | None,
+    temporal: TemporalOps,
+    settings: Settings,
     *,
     action: str = "maas_site.update",
 ) -> SiteView:
@@ -281,6 +344,14 @@ async def patch_site(
             expected_state=site.status,
             details={"changed": sorted(changed)},
         )
+        if "status" in changed or "reconcile_interval_seconds" in policy_changes:
+            await sync_reconciler_schedule(
+                temporal,
+                settings,
+                site_id,
+                every_seconds=policy.reconcile_interval_seconds,
+                paused=site.status == "disabled",
+            )
         await db.commit()
     return await get_site_view(db, site_id)
 

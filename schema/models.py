@@ -371,6 +371,8 @@ class MaasSitePolicy(Base):
     batch_max_parallel: Mapped[int] = mapped_column(Integer, server_default=text("10"))
     site_bootstrap_bundle_ref: Mapped[str | None] = mapped_column(String(300))
     enrollment_token_ttl_seconds: Mapped[int] = mapped_column(Integer, server_default=text("7200"))
+    # How often the site reconciler (Temporal Schedule maas-reconciler-{site_id}) runs.
+    reconcile_interval_seconds: Mapped[int] = mapped_column(Integer, server_default=text("300"))
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=NOW)
     updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=NOW)
     __table_args__ = (
@@ -566,3 +568,50 @@ class StripeWebhookEvent(Base):
     processed: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
     processed_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
     __table_args__ = (Index("stripe_webhook_events_session", "stripe_checkout_session_id"),)
+
+
+# --- MAAS reconciliation (seed 003 §6) ----------------------------------------------------------
+
+
+class NodeMaasState(Base):
+    """Seed 003 §6.5: the runtime reconciliation record of a node's current MAAS binding. The
+    MaasSiteReconcilerWorkflow writes it each run; `drift_rule` names the §6.4 rule that matched
+    (see activities/maas_reconcile.py), `drift_resolved_at` is set when the drift heals."""
+
+    __tablename__ = "node_maas_state"
+    node_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("nodes.id"), primary_key=True)
+    site_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("maas_sites.id"))
+    maas_system_id: Mapped[str] = mapped_column(Text)
+    last_maas_status: Mapped[str | None] = mapped_column(Text)
+    last_maas_power_state: Mapped[str | None] = mapped_column(Text)
+    last_maas_ips: Mapped[list[str] | None] = mapped_column(ARRAY(Text))
+    last_reconciled_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    drift_detected: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
+    drift_rule: Mapped[str | None] = mapped_column(Text)
+    # {"rule": "...", "maas_status": "...", "expected": "...", ...}
+    drift_details: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    drift_resolved_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    __table_args__ = (
+        UniqueConstraint("site_id", "maas_system_id", name="node_maas_state_site_machine"),
+        Index("node_maas_state_drift", "site_id", postgresql_where=text("drift_detected")),
+    )
+
+
+class NodeDriftEvent(Base):
+    """Append-only: each drift the reconciler detects, with its §6.4 alert severity."""
+
+    __tablename__ = "node_drift_events"
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    node_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("nodes.id"))
+    site_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("maas_sites.id"))
+    rule: Mapped[str] = mapped_column(Text)
+    severity: Mapped[str] = mapped_column(String(8))
+    details: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
+    occurred_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=CLOCK)
+    __table_args__ = (
+        CheckConstraint(
+            "severity IN ('CRITICAL', 'WARN', 'INFO', 'DEBUG')", name="node_drift_events_severity"
+        ),
+        Index("node_drift_events_node", "node_id", "occurred_at"),
+        Index("node_drift_events_site", "site_id", "occurred_at"),
+    )

@@ -59,6 +59,26 @@ class NodeStatus(StrEnum):
     DELETED = "deleted"
 
 
+# Seed 004 §3.2: the allowed coarse node transitions (owners in §3.3). Activities apply them as
+# compare-and-set; the MAAS reconciler uses active/offline -> quarantined, heartbeat/liveness
+# detection active <-> offline.
+NODE_TRANSITIONS: dict[NodeStatus, frozenset[NodeStatus]] = {
+    NodeStatus.BOOTSTRAP_ISSUED: frozenset({NodeStatus.ENROLLING}),
+    NodeStatus.ENROLLING: frozenset({NodeStatus.ACTIVE, NodeStatus.QUARANTINED}),
+    NodeStatus.ACTIVE: frozenset({NodeStatus.OFFLINE, NodeStatus.QUARANTINED, NodeStatus.DRAINING}),
+    NodeStatus.OFFLINE: frozenset({NodeStatus.ACTIVE, NodeStatus.QUARANTINED, NodeStatus.DRAINING}),
+    NodeStatus.QUARANTINED: frozenset({NodeStatus.ACTIVE, NodeStatus.DRAINING}),
+    NodeStatus.DRAINING: frozenset({NodeStatus.RETIRED, NodeStatus.OFFLINE}),
+    NodeStatus.RETIRED: frozenset({NodeStatus.ACTIVE, NodeStatus.REMOVING}),
+    NodeStatus.REMOVING: frozenset({NodeStatus.RETIRED, NodeStatus.DELETED}),
+    NodeStatus.DELETED: frozenset(),
+}
+
+
+def node_transition_allowed(src: NodeStatus, dst: NodeStatus) -> bool:
+    return dst in NODE_TRANSITIONS[src]
+
+
 class SkuShape(StrEnum):
     BAREMETAL = "baremetal"
     GPU_SLICE = "gpu_slice"

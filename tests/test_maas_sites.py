@@ -329,3 +329,27 @@ async def test_power_credentials_resolve_in_override_order_and_rotate(
     assert await secret_store.read(created["hostname"]["vault_path"]) is None
     listed = (await admin.get(url)).json()["items"]
     assert sorted(o["selector_type"] for o in listed) == ["ipmi_ip", "pxe_mac"]
+
+
+async def test_site_owns_its_reconciler_schedule(
+    admin: Any, maas_sim: Any, temporal_client: Any
+) -> None:
+    from workflows.maas_reconciler_contract import reconciler_schedule_id
+
+    site = await create_site(admin, maas_sim.base_url)
+    handle = temporal_client.get_schedule_handle(reconciler_schedule_id(site["id"]))
+
+    async def state() -> tuple[bool, float]:
+        described = await handle.describe()
+        every = described.schedule.spec.intervals[0].every.total_seconds()
+        return described.schedule.state.paused, every
+
+    assert await state() == (False, 300.0)
+    await admin.delete(f"/api/v1/admin/maas-sites/{site['id']}")
+    assert await state() == (True, 300.0)
+    await admin.patch(
+        f"/api/v1/admin/maas-sites/{site['id']}",
+        json={"status": "active", "policy": {"reconcile_interval_seconds": 60}},
+    )
+    assert await state() == (False, 60.0)
+    await handle.delete()

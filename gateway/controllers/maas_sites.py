@@ -33,6 +33,7 @@ from gateway.maas_schemas import (
     SitePatch,
     SiteView,
 )
+from gateway.runtime import Runtime
 from schema.models import MaasPowerCredentialOverride, MaasRoceAssignment
 
 AnyRequest = Request[Any, Any, Any]
@@ -55,8 +56,16 @@ class AdminMaasSitesController(Controller):
         db: NamedDependency[AsyncSession],
         principal: NamedDependency[Principal],
         request: AnyRequest,
+        runtime: NamedDependency[Runtime],
     ) -> SiteView:
-        return await maas_sites.create_site(db, principal, data, audit_reason(request, data.reason))
+        return await maas_sites.create_site(
+            db,
+            principal,
+            data,
+            audit_reason(request, data.reason),
+            runtime.temporal,
+            runtime.settings,
+        )
 
     @get("/", summary="List sites", responses=errors(403))
     async def list_sites(self, db: NamedDependency[AsyncSession]) -> SiteList:
@@ -80,9 +89,16 @@ class AdminMaasSitesController(Controller):
         principal: NamedDependency[Principal],
         request: AnyRequest,
         site_id: FromPath[uuid.UUID],
+        runtime: NamedDependency[Runtime],
     ) -> SiteView:
         return await maas_sites.patch_site(
-            db, principal, site_id, data, audit_reason(request, data.reason)
+            db,
+            principal,
+            site_id,
+            data,
+            audit_reason(request, data.reason),
+            runtime.temporal,
+            runtime.settings,
         )
 
     @delete(
@@ -98,6 +114,7 @@ class AdminMaasSitesController(Controller):
         principal: NamedDependency[Principal],
         request: AnyRequest,
         site_id: FromPath[uuid.UUID],
+        runtime: NamedDependency[Runtime],
     ) -> SiteView:
         return await maas_sites.patch_site(
             db,
@@ -105,6 +122,8 @@ class AdminMaasSitesController(Controller):
             site_id,
             SitePatch(status="disabled"),
             audit_reason(request),
+            runtime.temporal,
+            runtime.settings,
             action="maas_site.disable",
         )
 

@@ -1,0 +1,398 @@
+"""The MAAS site reconciler (seed 003 §6): one pass compares what a MAAS region says about its
+machines with the GPUaaS nodes bound to them (node_maas_state) and applies the §6.4 rules.
+
+One pass is: the site row (1 query), its API token from Vault (read now, so a rotated token is used
+by the next run), ONE `GET machines/`, the site's bindings joined with their nodes (1 query), then
+a pure decision per binding (`decide`), the few MAAS actions (release + power off of retired
+nodes), and batched writes: node status changes as one compare-and-set statement per chunk
+(`UPDATE … FROM jsonb_to_recordset(…) WHERE status = expected RETURNING id`), host updates
+likewise, drift events as one multi-row INSERT, node_maas_state as one UPDATE, all of a chunk in
+one transaction. Round trips do not grow with the number of machines (except per CHUNK rows).
+
+Rules as implemented (node status → MAAS status → rule, severity, action):
+
+    active|offline  absent from MAAS                machine_deleted            CRITICAL quarantine
+    active|offline  Ready, Releasing, Disk erasing, released_outside_workflow  CRITICAL quarantine
+                    Allocated, Reserved, New
+    active|offline  Deploying                       redeployed_outside_workflow CRITICAL quarantine
+    active|offline  Failed * / Broken               hardware_failure           CRITICAL quarantine
+    active|offline  Commissioning, Testing          recommissioning            WARN
+    active|offline  Missing, Retired, rescue modes  unexpected_maas_status     WARN
+    offline         Deployed                        deployed_offline           WARN (agent issue)
+    active          Deployed, host not in its IPs   ip_changed                 INFO host updated
+    active          Deployed, power off             deployed_powered_off       WARN (§6.2 row)
+    active          Deployed                        ok
+    retired         Deployed                        retired_cleanup            INFO release+off
+    any             machine with no binding         unmanaged (counted only)   DEBUG, no row
+    bootstrap_issued|enrolling|draining|removing|deleted: owned by an in-flight onboarding or
+                    decommission (or gone): observation recorded, no rule, no action.
+    quarantined:    observation recorded; its drift stays open until an admin resolves it.
+
+Quarantine sets nodes.status only: allocations are NOT released (§6.4: alert the admin first).
+
+Drift bookkeeping (idempotent): an event row is written when a rule starts to match (no open drift,
+or an open drift of another rule); while the same rule keeps matching nothing new is written. When
+no rule matches any more and the node is not quarantined, the drift heals: drift_detected false,
+drift_resolved_at set (ip_changed and retired_cleanup therefore heal on the next run, once MAAS
+shows the fixed state). A compare-and-set that loses a race (the node changed status meanwhile)
+writes neither event nor drift: the next run decides again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import select, text
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from temporalio import activity
+
+from activities.maas.client import MaasClient
+from activities.maas.errors import MaasError
+from activities.maas.types import Machine, MachineStatus, PowerState
+from core.secrets import SecretStore
+from schema.models import MaasSite, Node, NodeMaasState
+from schema.states import NodeStatus, node_transition_allowed
+from workflows.maas_reconciler_contract import ReconcileInput, ReconcileResult
+
+log = logging.getLogger(__name__)
+
+CHUNK = 1000  # rows per batched statement
+
+CRITICAL, WARN, INFO, DEBUG = "CRITICAL", "WARN", "INFO", "DEBUG"
+
+# Nodes a running onboarding/decommission owns (seed 003 §6): observed, never acted on.
+IN_FLIGHT = frozenset(
+    {
+        NodeStatus.BOOTSTRAP_ISSUED,
+        NodeStatus.ENROLLING,
+        NodeStatus.DRAINING,
+        NodeStatus.REMOVING,
+        NodeStatus.DELETED,
+    }
+)
+_WATCHED = frozenset({NodeStatus.ACTIVE, NodeStatus.OFFLINE})
+
+_RELEASED = frozenset(
+    {
+        MachineStatus.READY,
+        MachineStatus.RELEASING,
+        MachineStatus.DISK_ERASING,
+        MachineStatus.ALLOCATED,
+        MachineStatus.RESERVED,
+        MachineStatus.NEW,
+    }
+)
+_RECOMMISSIONING = frozenset({MachineStatus.COMMISSIONING, MachineStatus.TESTING})
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    severity: str
+    message: str
+    quarantine: bool = False
+
+
+MACHINE_DELETED = Rule("machine_deleted", CRITICAL, "machine deleted from MAAS", True)
+RELEASED = Rule("released_outside_workflow", CRITICAL, "node released outside workflow", True)
+REDEPLOYED = Rule("redeployed_outside_workflow", CRITICAL, "node redeployed outside workflow", True)
+HARDWARE_FAILURE = Rule("hardware_failure", CRITICAL, "hardware failure detected", True)
+RECOMMISSIONING = Rule("recommissioning", WARN, "node being recommissioned")
+UNEXPECTED = Rule("unexpected_maas_status", WARN, "unexpected MAAS status for an active node")
+DEPLOYED_OFFLINE = Rule("deployed_offline", WARN, "agent not polling")
+POWERED_OFF = Rule("deployed_powered_off", WARN, "node powered off outside workflow")
+IP_CHANGED = Rule("ip_changed", INFO, "IP change detected")
+RETIRED_CLEANUP = Rule("retired_cleanup", INFO, "cleaning up retired node")
+
+
+@dataclass(frozen=True)
+class Binding:
+    node_id: uuid.UUID
+    node_status: str
+    host_address: str | None
+    maas_system_id: str
+    drift_detected: bool
+    drift_rule: str | None
+
+
+@dataclass
+class Decision:
+    binding: Binding
+    machine: Machine | None
+    rule: Rule | None = None
+    new_host: str | None = None
+
+
+def decide(binding: Binding, machine: Machine | None) -> Decision:
+    """The §6.4 rule that matches one binding (pure: no I/O)."""
+    d = Decision(binding, machine)
+    status = binding.node_status
+    if status not in _WATCHED and status != NodeStatus.RETIRED:
+        return d  # in flight, quarantined or gone: observe only
+    if status == NodeStatus.RETIRED:
+        if machine is not None and machine.status == MachineStatus.DEPLOYED:
+            d.rule = RETIRED_CLEANUP
+        return d
+    if machine is None:
+        d.rule = MACHINE_DELETED
+    elif machine.status == MachineStatus.DEPLOYED:
+        if status == NodeStatus.OFFLINE:
+            d.rule = DEPLOYED_OFFLINE
+        elif machine.ip_addresses and binding.host_address not in machine.ip_addresses:
+            d.rule, d.new_host = IP_CHANGED, machine.ip_addresses[0]
+        elif machine.power_state == PowerState.OFF:
+            d.rule = POWERED_OFF
+    elif machine.status in _RELEASED:
+        d.rule = RELEASED
+    elif machine.status == MachineStatus.DEPLOYING:
+        d.rule = REDEPLOYED
+    elif machine.status.is_failure:
+        d.rule = HARDWARE_FAILURE
+    elif machine.status in _RECOMMISSIONING:
+        d.rule = RECOMMISSIONING
+    else:
+        d.rule = UNEXPECTED
+    return d
+
+
+class MaasReconcileActivities:
+    def __init__(
+        self, sessions: async_sessionmaker[AsyncSession], secret_store: SecretStore
+    ) -> None:
+        self._sessions = sessions
+        self._secrets = secret_store
+
+    @activity.defn(name="maas.reconcile_site")
+    async def reconcile(self, input: ReconcileInput) -> ReconcileResult:
+        result = ReconcileResult(site_id=input.site_id)
+        site_id = uuid.UUID(input.site_id)
+        async with self._sessions() as session:
+            site = await session.get(MaasSite, site_id)
+            if site is None or site.status != "active":
+                result.actions.append(
+                    "skipped:site_missing" if site is None else "skipped:disabled"
+                )
+                return result
+            base_url, token_path = site.api_base_url, site.api_token_vault_path
+        secret = await self._secrets.read(token_path)
+        if not secret or not secret.get("token"):
+            result.actions.append("skipped:no_credentials")
+            return result
+        async with MaasClient(base_url, secret["token"], timeout=30) as maas:
+            machines = {m.system_id: m for m in await maas.list_machines()}
+            result.machines_seen = len(machines)
+            async with self._sessions() as session:
+                bindings = await _load_bindings(session, site_id)
+            result.nodes_checked = len(bindings)
+            bound = {b.maas_system_id for b in bindings}
+            result.unmanaged_machines = sum(1 for s in machines if s not in bound)
+            decisions = [decide(b, machines.get(b.maas_system_id)) for b in bindings]
+            del bindings
+            cleanup_done: dict[uuid.UUID, list[str]] = {}
+            for d in decisions:
+                # Every run while MAAS still shows it Deployed (a failed release is retried).
+                if d.rule is RETIRED_CLEANUP:
+                    cleanup_done[d.binding.node_id] = await _cleanup_retired(maas, d)
+        for start in range(0, len(decisions), CHUNK):
+            await self._write(site_id, decisions[start : start + CHUNK], cleanup_done, result)
+        if result.unmanaged_machines:
+            log.debug(
+                "site %s: %d unmanaged MAAS machines", input.site_id, result.unmanaged_machines
+            )
+        return result
+
+    async def _write(
+        self,
+        site_id: uuid.UUID,
+        chunk: Sequence[Decision],
+        cleanup_done: dict[uuid.UUID, list[str]],
+        result: ReconcileResult,
+    ) -> None:
+        quarantine = [
+            d
+            for d in chunk
+            if d.rule is not None
+            and d.rule.quarantine
+            and node_transition_allowed(NodeStatus(d.binding.node_status), NodeStatus.QUARANTINED)
+        ]
+        host_updates = [d for d in chunk if d.new_host is not None]
+        async with self._sessions() as session, session.begin():
+            lost: set[uuid.UUID] = set()
+            if quarantine:
+                won = await _quarantine(session, quarantine)
+                lost |= {d.binding.node_id for d in quarantine} - won
+                result.actions += [f"quarantined:{n}" for n in sorted(map(str, won))]
+            if host_updates:
+                won = await _update_hosts(session, host_updates)
+                lost |= {d.binding.node_id for d in host_updates} - won
+                result.actions += [f"host_updated:{n}" for n in sorted(map(str, won))]
+            events: list[dict[str, Any]] = []
+            states: list[dict[str, Any]] = []
+            for d in chunk:
+                b, m = d.binding, d.machine
+                row: dict[str, Any] = {
+                    "node_id": str(b.node_id),
+                    "status": m.status_name if m else None,
+                    "power": str(m.power_state) if m else None,
+                    "ips": list(m.ip_addresses) if m else [],
+                    "mode": "observe",
+                }
+                if b.node_id in lost:
+                    pass  # the node moved meanwhile: the next run decides again
+                elif d.rule is not None:
+                    if _is_new_drift(d):
+                        details = _details(d, cleanup_done.get(b.node_id))
+                        events.append(
+                            {
+                                "node_id": str(b.node_id),
+                                "rule": d.rule.name,
+                                "severity": d.rule.severity,
+                                "details": details,
+                            }
+                        )
+                        row.update(mode="drift", rule=d.rule.name, details=details)
+                        result.drift_detected += 1
+                    for action in cleanup_done.get(b.node_id, []):
+                        result.actions.append(f"{action}:{b.node_id}")
+                elif b.drift_detected and b.node_status in (
+                    NodeStatus.ACTIVE,
+                    NodeStatus.OFFLINE,
+                    NodeStatus.RETIRED,
+                ):
+                    row["mode"] = "heal"
+                    result.drift_resolved += 1
+                states.append(row)
+            if events:
+                await session.execute(
+                    text(
+                        "INSERT INTO node_drift_events (node_id, site_id, rule, severity, details)"
+                        " SELECT v.node_id, :site, v.rule, v.severity, v.details"
+                        " FROM jsonb_to_recordset(CAST(:rows AS jsonb))"
+                        " AS v(node_id uuid, rule text, severity text, details jsonb)"
+                    ),
+                    {"site": site_id, "rows": json.dumps(events)},
+                )
+            if states:
+                await session.execute(_UPDATE_STATE, {"rows": json.dumps(states)})
+
+
+_UPDATE_STATE = text(
+    "UPDATE node_maas_state s SET"
+    " last_maas_status = v.status,"
+    " last_maas_power_state = v.power,"
+    " last_maas_ips = v.ips,"
+    " last_reconciled_at = clock_timestamp(),"
+    " drift_detected = CASE v.mode WHEN 'drift' THEN true WHEN 'heal' THEN false"
+    "   ELSE s.drift_detected END,"
+    " drift_rule = CASE WHEN v.mode = 'drift' THEN v.rule ELSE s.drift_rule END,"
+    " drift_details = CASE WHEN v.mode = 'drift' THEN v.details ELSE s.drift_details END,"
+    " drift_resolved_at = CASE v.mode WHEN 'drift' THEN NULL WHEN 'heal' THEN clock_timestamp()"
+    "   ELSE s.drift_resolved_at END"
+    " FROM jsonb_to_recordset(CAST(:rows AS jsonb))"
+    " AS v(node_id uuid, status text, power text, ips text[], mode text, rule text,"
+    " details jsonb)"
+    " WHERE s.node_id = v.node_id"
+)
+
+
+def _is_new_drift(d: Decision) -> bool:
+    b = d.binding
+    return d.rule is not None and not (b.drift_detected and b.drift_rule == d.rule.name)
+
+
+def _details(d: Decision, cleanup: list[str] | None) -> dict[str, Any]:
+    assert d.rule is not None
+    m = d.machine
+    details: dict[str, Any] = {
+        "rule": d.rule.name,
+        "message": d.rule.message,
+        "maas_status": m.status_name if m else None,
+        "maas_power_state": str(m.power_state) if m else None,
+        "node_status": d.binding.node_status,
+        "expected": "Deployed",
+        "maas_system_id": d.binding.maas_system_id,
+    }
+    if d.rule.quarantine:
+        details["action"] = "quarantined"
+    if d.new_host is not None:
+        details.update(action="host_updated", old_host=d.binding.host_address, new_host=d.new_host)
+    if cleanup is not None:
+        details["actions"] = cleanup
+    return details
+
+
+async def _load_bindings(session: AsyncSession, site_id: uuid.UUID) -> list[Binding]:
+    rows = await session.execute(
+        select(
+            Node.id,
+            Node.status,
+            Node.host_address,
+            NodeMaasState.maas_system_id,
+            NodeMaasState.drift_detected,
+            NodeMaasState.drift_rule,
+        )
+        .join(Node, Node.id == NodeMaasState.node_id)
+        .where(NodeMaasState.site_id == site_id)
+    )
+    return [Binding(*row) for row in rows]
+
+
+async def _quarantine(session: AsyncSession, decisions: Sequence[Decision]) -> set[uuid.UUID]:
+    """active|offline → quarantined, compare-and-set, one statement; the ids that moved."""
+    rows = [{"id": str(d.binding.node_id), "expected": d.binding.node_status} for d in decisions]
+    won = await session.scalars(
+        text(
+            "UPDATE nodes n SET status = 'quarantined', updated_at = clock_timestamp()"
+            " FROM jsonb_to_recordset(CAST(:rows AS jsonb)) AS v(id uuid, expected text)"
+            " WHERE n.id = v.id AND n.status = v.expected RETURNING n.id"
+        ),
+        {"rows": json.dumps(rows)},
+    )
+    return set(won)
+
+
+async def _update_hosts(session: AsyncSession, decisions: Sequence[Decision]) -> set[uuid.UUID]:
+    rows = [
+        {
+            "id": str(d.binding.node_id),
+            "expected": d.binding.node_status,
+            "old": d.binding.host_address,
+            "new": d.new_host,
+        }
+        for d in decisions
+    ]
+    won = await session.scalars(
+        text(
+            "UPDATE nodes n SET host_address = v.new, updated_at = clock_timestamp()"
+            " FROM jsonb_to_recordset(CAST(:rows AS jsonb))"
+            " AS v(id uuid, expected text, old text, new text)"
+            " WHERE n.id = v.id AND n.status = v.expected"
+            " AND n.host_address IS NOT DISTINCT FROM v.old RETURNING n.id"
+        ),
+        {"rows": json.dumps(rows)},
+    )
+    return set(won)
+
+
+async def _cleanup_retired(maas: MaasClient, d: Decision) -> list[str]:
+    """§6.4 Deployed + retired: release the machine and power it off. Errors are recorded, not
+    raised: the next run sees the machine still Deployed and tries again."""
+    system_id = d.binding.maas_system_id
+    done: list[str] = []
+    try:
+        await maas.release(system_id, comment="gpuaas: node retired (reconciler)")
+        done.append("released")
+    except MaasError as err:
+        done.append(f"release_failed:{type(err).__name__}")
+        return done
+    try:
+        await maas.power_off(system_id, comment="gpuaas: node retired (reconciler)")
+        done.append("powered_off")
+    except MaasError as err:
+        done.append(f"power_off_failed:{type(err).__name__}")
+    return done

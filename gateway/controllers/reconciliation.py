@@ -1,0 +1,200 @@
+"""Reconciliation admin routes (seed 003 §6.6): the drift summary and list, resolving a drift
+(audited), and running a site's reconciler now (a trigger of its schedule, so overlapping runs
+are still skipped)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from typing import Any
+
+import msgspec
+from litestar import Controller, get, post
+from litestar.di import NamedDependency
+from litestar.params import FromPath, FromQuery, JSONBody
+from sqlalchemy import func, select, update
+from sqlalchemy.ext.asyncio import AsyncSession
+from temporalio.client import Client
+
+from gateway import audit
+from gateway.auth import Principal, admin_guard
+from gateway.controllers.common import errors
+from gateway.errors import Conflict, NotFound
+from gateway.schemas import Reason
+from gateway.schemas import Request as RequestBody
+from gateway.temporal import TemporalOps
+from schema.models import MaasSite, MaasSitePolicy, Node, NodeMaasState
+from workflows.maas_reconciler_contract import reconciler_schedule_id
+
+
+class ReconciliationStatus(msgspec.Struct, kw_only=True):
+    nodes: int
+    ok: int
+    drifted: int
+    # Never reconciled, or not within two of its site's reconcile intervals.
+    unreconciled: int
+
+
+class DriftView(msgspec.Struct, kw_only=True):
+    node_id: uuid.UUID
+    hostname: str
+    node_status: str
+    site_id: uuid.UUID
+    maas_system_id: str
+    rule: str | None
+    details: dict[str, Any] | None
+    last_maas_status: str | None
+    last_reconciled_at: dt.datetime | None
+
+
+class DriftList(msgspec.Struct, kw_only=True):
+    items: list[DriftView]
+
+
+class ResolveDrift(RequestBody):
+    reason: Reason
+
+
+class RunReconcile(RequestBody):
+    site_id: uuid.UUID
+
+
+class RunAccepted(msgspec.Struct, kw_only=True):
+    site_id: uuid.UUID
+    schedule_id: str
+
+
+class AdminReconciliationController(Controller):
+    path = "/api/v1/admin/reconciliation"
+    guards = [admin_guard]
+    tags = ["admin: reconciliation"]
+
+    @get("/status", summary="Nodes bound to MAAS: ok, drifted, unreconciled", responses=errors())
+    async def status(
+        self, db: NamedDependency[AsyncSession], site_id: FromQuery[uuid.UUID | None] = None
+    ) -> ReconciliationStatus:
+        stale = func.clock_timestamp() - func.make_interval(
+            0, 0, 0, 0, 0, 0, 2 * MaasSitePolicy.reconcile_interval_seconds
+        )
+        query = select(
+            func.count(),
+            func.count().filter(NodeMaasState.drift_detected),
+            func.count().filter(
+                (NodeMaasState.last_reconciled_at.is_(None))
+                | (NodeMaasState.last_reconciled_at < stale)
+            ),
+        ).join(MaasSitePolicy, MaasSitePolicy.site_id == NodeMaasState.site_id)
+        if site_id is not None:
+            query = query.where(NodeMaasState.site_id == site_id)
+        total, drifted, unreconciled = (await db.execute(query)).one()
+        return ReconciliationStatus(
+            nodes=total, ok=total - drifted, drifted=drifted, unreconciled=unreconciled
+        )
+
+    @get("/drift", summary="Nodes with unresolved drift", responses=errors())
+    async def drift(
+        self, db: NamedDependency[AsyncSession], site_id: FromQuery[uuid.UUID | None] = None
+    ) -> DriftList:
+        query = (
+            select(NodeMaasState, Node)
+            .join(Node, Node.id == NodeMaasState.node_id)
+            .where(NodeMaasState.drift_detected)
+            .order_by(Node.hostname)
+        )
+        if site_id is not None:
+            query = query.where(NodeMaasState.site_id == site_id)
+        rows = (await db.execute(query)).all()
+        return DriftList(
+            items=[
+                DriftView(
+                    node_id=state.node_id,
+                    hostname=node.hostname,
+                    node_status=node.status,
+                    site_id=state.site_id,
+                    maas_system_id=state.maas_system_id,
+                    rule=state.drift_rule,
+                    details=state.drift_details,
+                    last_maas_status=state.last_maas_status,
+                    last_reconciled_at=state.last_reconciled_at,
+                )
+                for state, node in rows
+            ]
+        )
+
+    @post(
+        "/drift/{node_id:uuid}/resolve",
+        status_code=200,
+        summary="Acknowledge a drift after acting on it (audited)",
+        responses=errors(400, 404, 409, 413),
+    )
+    async def resolve(
+        self,
+        data: JSONBody[ResolveDrift],
+        db: NamedDependency[AsyncSession],
+        principal: NamedDependency[Principal],
+        node_id: FromPath[uuid.UUID],
+    ) -> DriftView:
+        state = await db.get(NodeMaasState, node_id)
+        if state is None:
+            raise NotFound("node is not bound to a MAAS site")
+        rule = state.drift_rule
+        resolved = await db.scalar(
+            update(NodeMaasState)
+            .where(NodeMaasState.node_id == node_id, NodeMaasState.drift_detected)
+            .values(drift_detected=False, drift_resolved_at=func.clock_timestamp())
+            .returning(NodeMaasState)
+            .execution_options(populate_existing=True)
+        )
+        if resolved is None:
+            raise Conflict("this node has no unresolved drift", code="no_drift")
+        audit.record_by(
+            db,
+            principal,
+            action="reconciliation.resolve_drift",
+            target_type="node",
+            target_id=str(node_id),
+            reason=data.reason,
+            prior_state="drift_detected",
+            expected_state="resolved",
+            details={"rule": rule},
+        )
+        await db.commit()
+        node = await db.get(Node, node_id)
+        assert node is not None
+        return DriftView(
+            node_id=node_id,
+            hostname=node.hostname,
+            node_status=node.status,
+            site_id=resolved.site_id,
+            maas_system_id=resolved.maas_system_id,
+            rule=resolved.drift_rule,
+            details=resolved.drift_details,
+            last_maas_status=resolved.last_maas_status,
+            last_reconciled_at=resolved.last_reconciled_at,
+        )
+
+    @post(
+        "/run",
+        status_code=202,
+        summary="Reconcile a site now",
+        responses=errors(400, 404, 409, 413),
+    )
+    async def run(
+        self,
+        data: JSONBody[RunReconcile],
+        db: NamedDependency[AsyncSession],
+        temporal: NamedDependency[TemporalOps],
+    ) -> RunAccepted:
+        site = await db.get(MaasSite, data.site_id)
+        if site is None:
+            raise NotFound("MAAS site not found")
+        if site.status != "active":
+            raise Conflict("the site is disabled", code="site_disabled")
+        await db.close()
+        schedule_id = reconciler_schedule_id(str(data.site_id))
+
+        async def trigger(client: Client) -> None:
+            await client.get_schedule_handle(schedule_id).trigger()
+
+        await temporal.update(trigger)
+        return RunAccepted(site_id=data.site_id, schedule_id=schedule_id)

@@ -1,0 +1,75 @@
+"""Heartbeats as the liveness signal: a silent agent's node goes offline (and gets no new
+allocations); heartbeats bring it back; a node that never heartbeated is left alone."""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from typing import Any
+
+import pytest
+from sqlalchemy import update
+
+from activities.node_liveness import LivenessInput
+from agent.heartbeat import send_heartbeat
+from schema.models import Node
+from tests.histories import record_history
+from tests.lifecycle_support import create_fleet, eventually, slice_request
+from workflows.node_liveness import NodeLivenessWorkflow
+
+pytestmark = pytest.mark.usefixtures("control_plane")
+
+
+async def sweep(client: Any, settings: Any, record: bool = False) -> Any:
+    handle = await client.start_workflow(
+        NodeLivenessWorkflow.run,
+        LivenessInput(offline_after_seconds=300),
+        id=f"node-liveness-test-{uuid.uuid4()}",
+        task_queue=settings.control_plane_task_queue,
+    )
+    result = await handle.result()
+    if record:
+        await record_history(handle, "node_liveness", "offline_then_back")
+    return result
+
+
+async def status_of(db_sessions: Any, node_id: uuid.UUID) -> str:
+    async with db_sessions() as session:
+        node = await session.get(Node, node_id)
+        assert node is not None
+        return node.status
+
+
+async def test_silent_node_goes_offline_and_comes_back(
+    db_sessions: Any, temporal_client: Any, settings: Any, api: Any, make_token: Any
+) -> None:
+    silent, never = await create_fleet(db_sessions, slice_nodes=2)
+    async with db_sessions() as session, session.begin():
+        await session.execute(
+            update(Node)
+            .where(Node.id == silent.id)
+            .values(last_agent_contact_at=dt.datetime.now(dt.UTC) - dt.timedelta(minutes=10))
+        )
+
+    result = await sweep(temporal_client, settings, record=True)
+    assert result.went_offline == [str(silent.id)]
+    assert await status_of(db_sessions, silent.id) == "offline"
+    assert await status_of(db_sessions, never.id) == "active"
+
+    # Offline nodes take no new work: only the other node has capacity left for 8 GPUs.
+    tenant = await api(token=await make_token("tenant"))
+    first = await tenant.post("/api/v1/allocations", json=slice_request(8))
+    assert first.json()["node_id"] == str(never.id)
+    second = await tenant.post("/api/v1/allocations", json=slice_request(8))
+    assert second.status_code == 409
+
+    await send_heartbeat(
+        temporal_client, str(silent.id), control_plane_queue=settings.control_plane_task_queue
+    )
+
+    async def back() -> bool:
+        result = await sweep(temporal_client, settings)
+        return str(silent.id) in result.came_back
+
+    await eventually(back)
+    assert await status_of(db_sessions, silent.id) == "active"
