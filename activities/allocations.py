@@ -51,6 +51,7 @@ from schema.models import (
     Allocation,
     AllocationEvent,
     AllocationResourceClaim,
+    BillingAccount,
     GpuSlot,
     Node,
     NodeTask,
@@ -68,7 +69,7 @@ from schema.states import (
     SkuShape,
     SlotStatus,
 )
-from workflows.allocation_contract import SKU_UNAVAILABLE
+from workflows.allocation_contract import BALANCE_DEPLETED, SKU_UNAVAILABLE
 
 CLOCK = func.clock_timestamp()
 WHOLE_NODE = Range(0, 2**31 - 1)  # a whole-node claim overlaps every GPU index on the node
@@ -155,6 +156,14 @@ class AllocationActivities:
             await asyncio.sleep(min(0.005 * attempt, 0.05) * random.uniform(0.5, 1.5))
 
     async def _offered_sku(self, session: AsyncSession, input: PlaceInput) -> Sku:
+        state = await session.scalar(
+            select(BillingAccount.state).where(
+                BillingAccount.project_id == uuid.UUID(input.project_id)
+            )
+        )
+        if state == "depleted":
+            # It would be force-released at the next metering run: refuse it up front.
+            raise _reject(BALANCE_DEPLETED, "the project's balance is depleted")
         sku = await session.get(Sku, (input.sku, input.region))
         if sku is None or not sku.active:
             raise _reject(SKU_UNAVAILABLE, f"SKU {input.sku!r} is not offered in {input.region!r}")

@@ -57,6 +57,7 @@ from gateway.temporal import TemporalOps
 from schema.models import Allocation, SshKey
 from schema.states import AllocationStatus, ReleaseActor
 from workflows.allocation_contract import (
+    BALANCE_DEPLETED,
     IDEMPOTENCY_KEY_REUSED,
     NOT_RELEASABLE,
     RELEASE_UPDATE,
@@ -80,6 +81,7 @@ MAX_IDEMPOTENCY_KEY_CHARS = 200
 _REJECTIONS: dict[str, tuple[int, str]] = {
     SKU_UNAVAILABLE: (409, "no capacity for this SKU in this region right now"),
     SSH_KEY_NOT_FOUND: (422, "an SSH key in the request does not belong to this project"),
+    BALANCE_DEPLETED: (402, "the project's balance is depleted; add credit to allocate"),
     IDEMPOTENCY_KEY_REUSED: (
         422,
         "this X-Idempotency-Key was already used with a different request body",

@@ -169,6 +169,9 @@ async def test_low_then_depleted_force_releases_through_the_workflows(
         final = await wait_status(client, allocation_id, "released")
         assert final["release_requested_by"] == "billing"
     assert (await client.get("/api/v1/billing/balance")).json()["state"] == "depleted"
+    refused = await client.post("/api/v1/allocations", json=slice_request(1))
+    assert refused.status_code == 402
+    assert refused.json()["error"]["code"] == "balance_depleted"
 
     await meter(temporal_client, settings, start + dt.timedelta(minutes=80))
     async with db_sessions() as session:

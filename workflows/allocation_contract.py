@@ -15,9 +15,10 @@ STATUS_QUERY = "status"
 # Error types the gateway maps to HTTP (see gateway/errors.py).
 SKU_UNAVAILABLE = "sku_unavailable"
 SSH_KEY_NOT_FOUND = "ssh_key_not_found"
+BALANCE_DEPLETED = "balance_depleted"
 IDEMPOTENCY_KEY_REUSED = "idempotency_key_reused"
 NOT_RELEASABLE = "allocation_not_releasable"
-REJECTION_TYPES = (SKU_UNAVAILABLE, SSH_KEY_NOT_FOUND)
+REJECTION_TYPES = (SKU_UNAVAILABLE, SSH_KEY_NOT_FOUND, BALANCE_DEPLETED)
 
 # Provisioning failure reasons beyond the host's own error types.
 NODE_UNREACHABLE = "node_unreachable"

@@ -41,7 +41,7 @@ class AllocationsController(Controller):
             "(header Idempotent-Replayed: true when answered from the record); the same key "
             "with another body is 422 idempotency_key_reused."
         ),
-        responses=errors(400, 403, 409, 413, 422),
+        responses=errors(402, 400, 403, 409, 413, 422),
     )
     async def create_allocation(
         self,

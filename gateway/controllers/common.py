@@ -33,6 +33,7 @@ def audit_reason(request: Request[Any, Any, Any], body_reason: str | None = None
 _DESCRIPTIONS = {
     400: "invalid_request: malformed JSON, wrong types, failed validation",
     401: "unauthenticated: missing, invalid or revoked bearer token",
+    402: "balance_depleted: add credit to the project before allocating",
     403: "forbidden (admin route, tenant token) or tenant_only (tenant route, admin token)",
     404: "not_found (also for another project's resources)",
     409: "conflict (see the code)",
