@@ -3,24 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
-from temporalio.client import (
-    Client,
-    Schedule,
-    ScheduleActionStartWorkflow,
-    ScheduleAlreadyRunningError,
-    ScheduleIntervalSpec,
-    ScheduleOverlapPolicy,
-    SchedulePolicy,
-    ScheduleSpec,
-)
+from temporalio.client import Client
 from temporalio.worker import Worker
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
@@ -34,6 +23,7 @@ from activities.payments.config import PaymentSettings
 from activities.payments.schedule import ensure_stripe_reconciliation_schedule
 from activities.payments.stripe_api import StripeApi
 from core.config import Settings
+from core.schedules import ensure_schedule, periodic_schedule
 from core.secrets import SecretStore, VaultSecretStore
 from core.temporal import connect
 from schema.db import create_engine, session_factory
@@ -117,47 +107,30 @@ def build_worker(
     )
 
 
-async def ensure_periodic(
-    client: Client,
-    schedule_id: str,
-    workflow_run: Any,
-    arg: Any,
-    every: timedelta,
-    task_queue: str,
-) -> None:
-    """A Temporal Schedule that starts `workflow_run(arg)` every `every`, overlapping runs
-    skipped; created once (creating it again is a no-op)."""
-    with contextlib.suppress(ScheduleAlreadyRunningError):
-        await client.create_schedule(
-            schedule_id,
-            Schedule(
-                action=ScheduleActionStartWorkflow(
-                    workflow_run, arg, id=f"{schedule_id}-run", task_queue=task_queue
-                ),
-                spec=ScheduleSpec(intervals=[ScheduleIntervalSpec(every=every)]),
-                policy=SchedulePolicy(overlap=ScheduleOverlapPolicy.SKIP),
-            ),
-        )
-
-
 async def ensure_schedules(client: Client, settings: Settings) -> None:
     """The control plane's own periodic workflows (sites' reconcilers come with their sites)."""
     queue = settings.control_plane_task_queue
-    await ensure_periodic(
+    await ensure_schedule(
         client,
         BILLING_SCHEDULE_ID,
-        BillingMeterWorkflow.run,
-        MeterInput(),
-        timedelta(minutes=1),
-        queue,
+        periodic_schedule(
+            BILLING_SCHEDULE_ID,
+            BillingMeterWorkflow.run,
+            MeterInput(),
+            every=timedelta(minutes=1),
+            task_queue=queue,
+        ),
     )
-    await ensure_periodic(
+    await ensure_schedule(
         client,
         LIVENESS_SCHEDULE_ID,
-        NodeLivenessWorkflow.run,
-        LivenessInput(settings.node_offline_after_seconds),
-        timedelta(seconds=30),
-        queue,
+        periodic_schedule(
+            LIVENESS_SCHEDULE_ID,
+            NodeLivenessWorkflow.run,
+            LivenessInput(settings.node_offline_after_seconds),
+            every=timedelta(seconds=30),
+            task_queue=queue,
+        ),
     )
 
 

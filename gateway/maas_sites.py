@@ -19,22 +19,12 @@ import sqlalchemy.exc
 from sqlalchemy import func, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncSession
-from temporalio.client import (
-    Client,
-    Schedule,
-    ScheduleActionStartWorkflow,
-    ScheduleAlreadyRunningError,
-    ScheduleIntervalSpec,
-    ScheduleOverlapPolicy,
-    SchedulePolicy,
-    ScheduleSpec,
-    ScheduleState,
-    ScheduleUpdate,
-)
+from temporalio.client import Client
 
 from activities.maas.client import MaasClient
 from activities.maas.errors import MaasAuthError, MaasError
 from core.config import Settings
+from core.schedules import periodic_schedule, put_schedule
 from core.secret_paths import (
     power_override_path,
     site_api_token_path,
@@ -204,25 +194,18 @@ async def sync_reconciler_schedule(
     created with the site, its interval from the site policy, paused while the site is disabled
     (a running reconcile finishes; no new ones start)."""
     schedule_id = reconciler_schedule_id(str(site_id))
-    schedule = Schedule(
-        action=ScheduleActionStartWorkflow(
-            RECONCILER_WORKFLOW,
-            ReconcileInput(str(site_id)),
-            id=f"{schedule_id}-run",
-            task_queue=settings.control_plane_task_queue,
-        ),
-        spec=ScheduleSpec(intervals=[ScheduleIntervalSpec(every=timedelta(seconds=every_seconds))]),
-        policy=SchedulePolicy(overlap=ScheduleOverlapPolicy.SKIP),
-        state=ScheduleState(paused=paused, note="site disabled" if paused else ""),
+    schedule = periodic_schedule(
+        schedule_id,
+        RECONCILER_WORKFLOW,
+        ReconcileInput(str(site_id)),
+        every=timedelta(seconds=every_seconds),
+        task_queue=settings.control_plane_task_queue,
+        paused=paused,
+        note="site disabled" if paused else "",
     )
 
     async def apply(client: Client) -> None:
-        try:
-            await client.create_schedule(schedule_id, schedule)
-        except ScheduleAlreadyRunningError:
-            await client.get_schedule_handle(schedule_id).update(
-                lambda _: ScheduleUpdate(schedule=schedule)
-            )
+        await put_schedule(client, schedule_id, schedule)
 
     await temporal.update(apply)
 

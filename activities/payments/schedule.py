@@ -2,20 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 from datetime import timedelta
 
-from temporalio.client import (
-    Client,
-    Schedule,
-    ScheduleActionStartWorkflow,
-    ScheduleAlreadyRunningError,
-    ScheduleIntervalSpec,
-    ScheduleOverlapPolicy,
-    SchedulePolicy,
-    ScheduleSpec,
-)
+from temporalio.client import Client
 
+from core.schedules import ensure_schedule, periodic_schedule
 from workflows.stripe_reconciliation_contract import (
     SCHEDULE_ID,
     WORKFLOW_NAME,
@@ -27,19 +18,14 @@ async def ensure_stripe_reconciliation_schedule(
     client: Client, *, task_queue: str, every_seconds: float, schedule_id: str = SCHEDULE_ID
 ) -> None:
     """Create the schedule unless it exists (a second create is a no-op)."""
-    with contextlib.suppress(ScheduleAlreadyRunningError):
-        await client.create_schedule(
+    await ensure_schedule(
+        client,
+        schedule_id,
+        periodic_schedule(
             schedule_id,
-            Schedule(
-                action=ScheduleActionStartWorkflow(
-                    WORKFLOW_NAME,
-                    ReconciliationInput(),
-                    id=f"{schedule_id}-run",
-                    task_queue=task_queue,
-                ),
-                spec=ScheduleSpec(
-                    intervals=[ScheduleIntervalSpec(every=timedelta(seconds=every_seconds))]
-                ),
-                policy=SchedulePolicy(overlap=ScheduleOverlapPolicy.SKIP),
-            ),
-        )
+            WORKFLOW_NAME,
+            ReconciliationInput(),
+            every=timedelta(seconds=every_seconds),
+            task_queue=task_queue,
+        ),
+    )
