@@ -47,6 +47,7 @@ from agent.contract import (
     HostProvisionInput,
     UnhealthyGpu,
 )
+from core.timestamps import parse_iso
 from schema.models import (
     Allocation,
     AllocationEvent,
@@ -89,13 +90,6 @@ def _reject(type_: str, message: str) -> ApplicationError:
 
 def _truncate(message: str | None) -> str | None:
     return None if message is None else message[:MAX_MESSAGE]
-
-
-def _parse_time(value: str) -> dt.datetime | None:
-    try:
-        return dt.datetime.fromisoformat(value) if value else None
-    except ValueError:
-        return None
 
 
 def username_for(allocation_id: str) -> str:
@@ -203,15 +197,16 @@ class AllocationActivities:
                     .order_by(GpuSlot.gpu_index)
                 )
             ).all()
-            return _reservation(
-                allocation.id,
-                allocation.node_id,
-                allocation.created_at,
-                input_shape=allocation.shape,
+            return Reservation(
+                allocation_id=str(allocation.id),
+                status=AllocationStatus.REQUESTED,
+                node_id=str(allocation.node_id),
+                shape=allocation.shape,
                 sku=allocation.sku,
                 region=allocation.region,
                 gpu_count=allocation.gpu_count,
                 gpus=[GpuAssignment(*row) for row in slots],
+                created_at=allocation.created_at.isoformat(),
             )
 
     async def _reserve_node(self, session: AsyncSession, input: PlaceInput) -> Reservation:
@@ -251,9 +246,7 @@ class AllocationActivities:
                 status=ClaimStatus.HELD,
             )
         )
-        return _reservation(
-            uuid.UUID(input.allocation_id), node_id, created_at, SkuShape.BAREMETAL, input, []
-        )
+        return _reservation(input, node_id, created_at, SkuShape.BAREMETAL, [])
 
     async def _reserve_slots(self, session: AsyncSession, input: PlaceInput) -> Reservation:
         # Ranking happens in SQL (seed 000): nodes where one NUMA node fits the request first,
@@ -329,7 +322,7 @@ class AllocationActivities:
                 ],
             )
             gpus = [GpuAssignment(s.pci_address, s.numa_node, s.gpu_index) for s in chosen]
-            return _reservation(allocation_id, node_id, created_at, SkuShape.GPU_SLICE, input, gpus)
+            return _reservation(input, node_id, created_at, SkuShape.GPU_SLICE, gpus)
         raise PlacementContention()
 
     async def _insert_allocation(
@@ -585,26 +578,21 @@ class AllocationActivities:
 
 
 def _reservation(
-    allocation_id: uuid.UUID,
+    input: PlaceInput,
     node_id: uuid.UUID,
     created_at: dt.datetime,
-    input_shape: str,
-    input: PlaceInput | None = None,
-    gpus: list[GpuAssignment] | None = None,
-    *,
-    sku: str = "",
-    region: str = "",
-    gpu_count: int = 0,
+    shape: str,
+    gpus: list[GpuAssignment],
 ) -> Reservation:
     return Reservation(
-        allocation_id=str(allocation_id),
+        allocation_id=input.allocation_id,
         status=AllocationStatus.REQUESTED,
         node_id=str(node_id),
-        shape=input_shape,
-        sku=input.sku if input else sku,
-        region=input.region if input else region,
-        gpu_count=input.gpus if input else gpu_count,
-        gpus=gpus or [],
+        shape=shape,
+        sku=input.sku,
+        region=input.region,
+        gpu_count=input.gpus,
+        gpus=gpus,
         created_at=created_at.isoformat(),
     )
 
@@ -755,8 +743,8 @@ async def _finish_task(
     error_message: str | None = None,
 ) -> None:
     task_uuid = uuid.UUID(task_id)
-    dispatched = _parse_time(started_at or "")
-    completed = _parse_time(finished_at or "")
+    dispatched = parse_iso(started_at)
+    completed = parse_iso(finished_at)
     await session.execute(
         update(NodeTask)
         .where(NodeTask.id == task_uuid)
@@ -776,7 +764,7 @@ async def _finish_task(
             "phase": p.phase[:64],
             "status": p.status[:16],
             "message": _truncate(p.message),
-            "occurred_at": _parse_time(p.at) or dt.datetime.now(dt.UTC),
+            "occurred_at": parse_iso(p.at) or dt.datetime.now(dt.UTC),
         }
         for p in phases
     ]

@@ -29,14 +29,13 @@ InventoryProbe = Callable[[], list[ReportedGpu] | None]
 
 
 def probe_local_gpus() -> list[ReportedGpu] | None:
-    """This host's GPUs, read-only (agent/inventory.py); None when they cannot be read."""
-    from agent.inventory import InventoryUnavailable, probe_gpus
+    """This host's GPUs, read-only (agent/inventory.py: NVML where present, else sysfs; [] when
+    neither can be read, which the control plane then flags as not matching the node's slots)."""
+    from agent.inventory import probe_gpus
 
-    try:
-        records = probe_gpus()
-    except InventoryUnavailable:
-        return None
-    return [ReportedGpu(r.pci_address, r.numa_node, r.model or "", r.memory_mib) for r in records]
+    return [
+        ReportedGpu(r.pci_address, r.numa_node, r.model or "", r.memory_mib) for r in probe_gpus()
+    ]
 
 
 async def send_heartbeat(

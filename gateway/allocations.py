@@ -8,7 +8,6 @@ never writes it.
 
 from __future__ import annotations
 
-import datetime as dt
 import hashlib
 import json
 import uuid
@@ -36,6 +35,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from activities.allocation_types import Reservation
 from core import search_attributes
 from core.config import Settings
+from core.timestamps import parse_iso
 from gateway.errors import (
     ApiError,
     Conflict,
@@ -152,13 +152,6 @@ def rejection(error_type: str | None, message: str | None = None) -> ApiError:
     )
 
 
-def _parse_time(value: str) -> dt.datetime | None:
-    try:
-        return dt.datetime.fromisoformat(value) if value else None
-    except ValueError:
-        return None
-
-
 def created_from_reservation(reservation: Reservation) -> AllocationCreated:
     return AllocationCreated(
         allocation_id=uuid.UUID(reservation.allocation_id),
@@ -168,7 +161,7 @@ def created_from_reservation(reservation: Reservation) -> AllocationCreated:
         sku=reservation.sku,
         region=reservation.region,
         gpu_count=reservation.gpu_count,
-        created_at=_parse_time(reservation.created_at),
+        created_at=parse_iso(reservation.created_at),
     )
 
 

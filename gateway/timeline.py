@@ -24,6 +24,7 @@ from temporalio.client import Client, WorkflowExecutionDescription
 from temporalio.service import RPCError
 
 from agent.contract import TASK_SUMMARIES, HostPhase
+from core.timestamps import parse_iso
 from gateway.allocations import get_row
 from gateway.errors import TemporalUnavailable
 from gateway.schemas import (
@@ -73,14 +74,6 @@ def _allowed(source: Mapping[str, Any] | None, keys: frozenset[str]) -> dict[str
         if k in keys and (v is None or isinstance(v, bool | int | float | str))
     }
     return {k: (v[:200] if isinstance(v, str) else v) for k, v in kept.items()} or None
-
-
-def _parse_at(value: str) -> dt.datetime | None:
-    try:
-        parsed = dt.datetime.fromisoformat(value)
-    except ValueError:
-        return None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)
 
 
 def event_item(event: AllocationEvent) -> TimelineStateItem:
@@ -136,7 +129,7 @@ async def _decode_phases(client: Client, payloads: Sequence[Payload]) -> list[Ti
     if not isinstance(value, list) or not all(isinstance(p, HostPhase) for p in value):
         return None
     return [
-        TimelinePhase(phase=p.phase, status=p.status, at=_parse_at(p.at), message=_text(p.message))
+        TimelinePhase(phase=p.phase, status=p.status, at=parse_iso(p.at), message=_text(p.message))
         for p in value
     ]
 

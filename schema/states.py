@@ -28,23 +28,6 @@ ALLOCATION_TRANSITIONS: dict[AllocationStatus, frozenset[AllocationStatus]] = {
     AllocationStatus.FAILED: frozenset(),
 }
 
-# States in which an allocation still holds its node or slots.
-ALLOCATION_HOLDS_CAPACITY = frozenset(
-    {
-        AllocationStatus.REQUESTED,
-        AllocationStatus.PROVISIONING,
-        AllocationStatus.ACTIVE,
-        AllocationStatus.RELEASING,
-        AllocationStatus.RELEASE_FAILED,
-    }
-)
-ALLOCATION_TERMINAL = frozenset({AllocationStatus.RELEASED, AllocationStatus.FAILED})
-
-
-def allocation_transition_allowed(src: AllocationStatus, dst: AllocationStatus) -> bool:
-    return dst in ALLOCATION_TRANSITIONS[src]
-
-
 class NodeStatus(StrEnum):
     """Coarse node states of seed 004 §3. Only `active` nodes receive new allocations."""
 

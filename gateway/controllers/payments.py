@@ -30,6 +30,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from activities.payments.config import STRIPE_WEBHOOK_SECRET_PATH, PaymentSettings
 from core.secrets import SecretStore
+from core.timestamps import parse_iso
 from gateway.allocations import IDEMPOTENCY_HEADER, validate_idempotency_key
 from gateway.auth import Principal, admin_guard, tenant_guard
 from gateway.controllers.common import errors
@@ -105,13 +106,6 @@ def payment_session_id_for(project_id: uuid.UUID, idempotency_key: str) -> uuid.
 def request_fingerprint(body: CheckoutSessionCreate) -> str:
     canonical = {"amount_minor": body.amount_minor, "currency": body.currency}
     return hashlib.sha256(json.dumps(canonical, sort_keys=True).encode()).hexdigest()
-
-
-def _parse_time(value: str) -> dt.datetime | None:
-    try:
-        return dt.datetime.fromisoformat(value) if value else None
-    except ValueError:
-        return None
 
 
 def _reused() -> ApiError:
@@ -205,7 +199,7 @@ async def create_checkout_session(
             checkout_url=created.checkout_url,
             stripe_checkout_session_id=created.stripe_checkout_session_id,
             status=created.status,
-            expires_at=_parse_time(created.expires_at),
+            expires_at=parse_iso(created.expires_at),
         ),
         False,
     )
