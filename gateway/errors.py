@@ -19,6 +19,8 @@ from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 from temporalio.service import RPCError, RPCStatusCode
 
+from core.secrets import SecretStoreError
+
 log = logging.getLogger("gateway.errors")
 
 # RPC codes that mean "Temporal is not answering", not "Temporal said no".
@@ -111,6 +113,11 @@ class TemporalUnavailable(ServiceUnavailable):
         super().__init__(message, code="temporal_unavailable", details=details)
 
 
+class SecretStoreUnavailable(ServiceUnavailable):
+    def __init__(self, message: str = "the secret store is not reachable; retry shortly") -> None:
+        super().__init__(message, code="secret_store_unavailable")
+
+
 class DatabaseUnavailable(ServiceUnavailable):
     def __init__(self, message: str = "the database is not reachable; retry shortly") -> None:
         super().__init__(message, code="database_unavailable")
@@ -175,6 +182,9 @@ def translate(exc: BaseException) -> ApiError | None:
         return TemporalUnavailable()
     if is_database_unavailable(exc):
         return DatabaseUnavailable()
+    if isinstance(exc, SecretStoreError):
+        # Vault down, refusing us or misconfigured: the answer names none of it.
+        return SecretStoreUnavailable()
     return None
 
 

@@ -31,10 +31,10 @@ from core.secret_paths import (
     site_default_power_path,
     site_deploy_password_path,
 )
-from core.secrets import SecretStore, SecretStoreError
+from core.secrets import SecretStore
 from gateway import audit
 from gateway.auth import Principal
-from gateway.errors import ApiError, Conflict, NotFound, ServiceUnavailable, Unprocessable
+from gateway.errors import ApiError, Conflict, NotFound, Unprocessable
 from gateway.identity import constraint_name
 from gateway.maas_schemas import (
     CredentialsWritten,
@@ -67,11 +67,6 @@ from workflows.maas_reconciler_contract import ReconcileInput, reconciler_schedu
 MAAS_CHECK_TIMEOUT_SECONDS = 5.0
 _MAC = re.compile(r"^[0-9a-f]{2}(:[0-9a-f]{2}){5}$")
 _HOSTNAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$")
-
-
-class SecretStoreUnavailableError(ServiceUnavailable):
-    def __init__(self, message: str = "the secret store is not reachable; retry shortly") -> None:
-        super().__init__(message, code="secret_store_unavailable")
 
 
 def _maas_rejection(err: MaasError, *, status_code: int) -> ApiError:
@@ -373,11 +368,8 @@ async def set_credentials(
         writes.append((power_path, {"user": body.power.user, "pass": body.power.password}))
     if body.deploy_password is not None:
         writes.append((deploy_path, {"password": body.deploy_password}))
-    try:
-        for path, value in writes:
-            await secrets.write(path, value)
-    except SecretStoreError:
-        raise SecretStoreUnavailableError() from None
+    for path, value in writes:
+        await secrets.write(path, value)
 
     site, _ = await load_site(db, site_id)
     site.credentials_updated_at = func.now()
@@ -401,10 +393,7 @@ async def probe(db: AsyncSession, secrets: SecretStore, site_id: uuid.UUID) -> P
     site, _ = await load_site(db, site_id)
     base_url, token_path = site.api_base_url, site.api_token_vault_path
     await db.rollback()
-    try:
-        secret = await secrets.read(token_path)  # read now: a rotated token is used at once
-    except SecretStoreError:
-        raise SecretStoreUnavailableError() from None
+    secret = await secrets.read(token_path)  # read now: a rotated token is used at once
     if not secret or not secret.get("token"):
         raise Conflict(
             "this site has no MAAS credentials yet (POST …/credentials)",
@@ -552,10 +541,7 @@ async def create_override(
             ) from err
         raise
     # The row is not committed until the secret is in Vault: a failed write leaves nothing.
-    try:
-        await secrets.write(row.vault_path, {"user": body.user, "pass": body.password})
-    except SecretStoreError:
-        raise SecretStoreUnavailableError() from None
+    await secrets.write(row.vault_path, {"user": body.user, "pass": body.password})
     audit.record_by(
         db,
         principal,
@@ -596,10 +582,7 @@ async def patch_override(
     rotated = False
     if body.user is not None and body.password is not None:
         rotated = True
-        try:
-            await secrets.write(row.vault_path, {"user": body.user, "pass": body.password})
-        except SecretStoreError:
-            raise SecretStoreUnavailableError() from None
+        await secrets.write(row.vault_path, {"user": body.user, "pass": body.password})
     if body.status is not None:
         row.status = body.status
     row.updated_at = func.now()
@@ -642,8 +625,5 @@ async def delete_override(
         details={"site_id": str(site_id)},
     )
     # Secret first, then the commit: a failed delete leaves the override as it was.
-    try:
-        await secrets.delete(path)
-    except SecretStoreError:
-        raise SecretStoreUnavailableError() from None
+    await secrets.delete(path)
     await db.commit()

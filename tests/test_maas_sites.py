@@ -353,3 +353,23 @@ async def test_site_owns_its_reconciler_schedule(
     )
     assert await state() == (False, 60.0)
     await handle.delete()
+
+
+async def test_vault_down_answers_503_and_writes_nothing(
+    api: Any, make_token: Any, settings: Any, maas_sim: Any, db_sessions: Any
+) -> None:
+    down = dataclasses.replace(
+        settings, vault_addr=f"http://127.0.0.1:{free_port()}", vault_token="t"
+    )
+    admin = await api(token=await make_token("admin"), settings=down)
+    site = await create_site(admin, maas_sim.base_url)
+    response = await admin.post(
+        f"/api/v1/admin/maas-sites/{site['id']}/credentials",
+        json={"maas_api_key": maas_sim.api_key},
+    )
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "secret_store_unavailable"
+    assert maas_sim.api_key.split(":")[2] not in response.text
+    assert "maas_site.credentials_write" not in await audit_actions(db_sessions, site["id"])
+    probe = await admin.post(f"/api/v1/admin/maas-sites/{site['id']}/probe")
+    assert probe.status_code == 503
