@@ -482,6 +482,11 @@ class UsageRecord(Base):
     __table_args__ = (Index("usage_open", "project_id", postgresql_where=text("ended_at IS NULL")),)
 
 
+# Seed 001 §4 defaults: low at 10.00 or less, depleted at 0 or less (minor units).
+LOW_BALANCE_THRESHOLD_MINOR = 1000
+DEPLETED_THRESHOLD_MINOR = 0
+
+
 class BillingAccount(Base):
     """A project's balance state (healthy / low_balance / depleted) and its thresholds; the
     balance itself is always derived from the ledger."""
@@ -491,9 +496,11 @@ class BillingAccount(Base):
     currency: Mapped[str] = mapped_column(String(3), server_default=text("'usd'"))
     state: Mapped[str] = mapped_column(String(16), server_default=text("'healthy'"))
     low_balance_threshold_minor: Mapped[int] = mapped_column(
-        BigInteger, server_default=text("1000")
+        BigInteger, server_default=text(str(LOW_BALANCE_THRESHOLD_MINOR))
     )
-    depleted_threshold_minor: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
+    depleted_threshold_minor: Mapped[int] = mapped_column(
+        BigInteger, server_default=text(str(DEPLETED_THRESHOLD_MINOR))
+    )
     # One low-balance notification per episode: set when sent, cleared when healthy again.
     low_balance_notified_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
     state_changed_at: Mapped[dt.datetime] = mapped_column(

@@ -22,7 +22,14 @@ from gateway.controllers.common import errors
 from gateway.errors import NotFound
 from gateway.schemas import Reason
 from gateway.schemas import Request as RequestBody
-from schema.models import BillingAccount, LedgerEntry, Project, UsageRecord
+from schema.models import (
+    DEPLETED_THRESHOLD_MINOR,
+    LOW_BALANCE_THRESHOLD_MINOR,
+    BillingAccount,
+    LedgerEntry,
+    Project,
+    UsageRecord,
+)
 
 
 class Balance(msgspec.Struct, kw_only=True):
@@ -74,8 +81,8 @@ async def _balance(db: AsyncSession, project_id: uuid.UUID) -> Balance:
             project_id=project_id,
             currency="usd",
             state="healthy",
-            low_balance_threshold_minor=1000,
-            depleted_threshold_minor=0,
+            low_balance_threshold_minor=LOW_BALANCE_THRESHOLD_MINOR,
+            depleted_threshold_minor=DEPLETED_THRESHOLD_MINOR,
         )
     return Balance(
         project_id=project_id,
