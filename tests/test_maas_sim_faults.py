@@ -285,3 +285,21 @@ async def test_slow_answers(maas_sim: MaasSim) -> None:
         started = time.monotonic()
         await patient.get("machines/")  # times=2: back to normal
         assert time.monotonic() - started < 0.3
+
+
+async def test_a_slow_request_does_not_outlive_a_reset(maas_sim: Any) -> None:
+    """A request still sleeping on a `slow` fault when the simulator is reset must not change the
+    new scenario (it would leak one test's actions into the next)."""
+    await maas_sim.add_request_fault("slow", delay=0.5, op="machine.commission", times=1)
+    async with maas_sim.client() as maas:
+        machines = (await maas.get("machines/", params={"hostname": "node-a"})).json()
+        system_id = machines[0]["system_id"]
+        pending = asyncio.create_task(
+            maas.post(f"machines/{system_id}/", params={"op": "commission"})
+        )
+        await asyncio.sleep(0.1)
+        await maas_sim.reset()
+        answer = await pending
+        assert answer.status_code == 503
+        after = (await maas.get(f"machines/{system_id}/")).json()
+    assert after["status_name"] == "Ready"

@@ -129,7 +129,12 @@ class MaasApp:
         sim.region.advance()
         slow = self._request_fault(SLOW, op_name, system_id)
         if slow is not None:
+            region = sim.region
             await asyncio.sleep(slow.delay)
+            if sim.region is not region:
+                # The simulator was reset while this request slept: it belongs to a world that
+                # no longer exists and must not change the new one.
+                return self._answer(op_name, Response.text("Service Unavailable", 503))
             sim.region.advance()
         failure = self._request_fault(HTTP_ERROR, op_name, system_id)
         if failure is not None and not failure.applied:
