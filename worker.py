@@ -18,6 +18,10 @@ from activities.billing.metering import BillingActivities, MeterInput
 from activities.maas_reconcile import MaasReconcileActivities
 from activities.node_liveness import LivenessInput, NodeLivenessActivities
 from activities.node_presence import NodePresenceActivities
+from activities.onboarding.host_access import HostAccess
+from activities.onboarding.maas_stages import MaasStageActivities
+from activities.onboarding.node_stages import NodeStageActivities
+from activities.onboarding.stage_runtime import OnboardingDeps
 from activities.payments.activities import PaymentActivities
 from activities.payments.config import PaymentSettings
 from activities.payments.schedule import ensure_stripe_reconciliation_schedule
@@ -34,6 +38,8 @@ from workflows.maas_reconciler import MaasSiteReconcilerWorkflow
 from workflows.node_liveness import SCHEDULE_ID as LIVENESS_SCHEDULE_ID
 from workflows.node_liveness import NodeLivenessWorkflow
 from workflows.node_presence import NodePresenceWorkflow
+from workflows.onboarding import MaasNodeOnboardWorkflow
+from workflows.onboarding_batch import MaasNodeBatchOnboardWorkflow
 from workflows.payment_session import PaymentSessionWorkflow
 from workflows.stripe_reconciliation import StripeReconciliationWorkflow
 
@@ -45,6 +51,8 @@ WORKFLOWS = [
     BillingMeterWorkflow,
     PaymentSessionWorkflow,
     StripeReconciliationWorkflow,
+    MaasNodeOnboardWorkflow,
+    MaasNodeBatchOnboardWorkflow,
 ]
 
 # Workflow modules stay sandboxed; every other module (our contracts, the SDK, the standard
@@ -64,6 +72,7 @@ def build_worker(
     secret_store: SecretStore | None = None,
     stripe_api: StripeApi | None = None,
     payment_settings: PaymentSettings | None = None,
+    host_access: HostAccess | None = None,
 ) -> Worker:
     sessions = session_factory(engine)
     payment_settings = payment_settings or PaymentSettings.from_env()
@@ -75,6 +84,13 @@ def build_worker(
     maas_reconcile = MaasReconcileActivities(sessions, secret_store)
     liveness = NodeLivenessActivities(sessions)
     billing = BillingActivities(sessions, client)
+    if host_access is None:
+        from activities.onboarding.host_access_config import host_access_from_env
+
+        host_access = host_access_from_env()
+    onboarding_deps = OnboardingDeps(sessions, secret_store, host_access, settings.public_api_url)
+    maas_stages = MaasStageActivities(onboarding_deps)
+    node_stages = NodeStageActivities(onboarding_deps)
     return Worker(
         client,
         task_queue=task_queue or settings.control_plane_task_queue,
@@ -96,6 +112,27 @@ def build_worker(
             payments.fail,
             payments.expire,
             payments.reconciliation_scan,
+            node_stages.load_site_config,
+            maas_stages.resolve_power_credentials,
+            maas_stages.create_or_find_in_maas,
+            maas_stages.commission_node,
+            maas_stages.wait_for_ready,
+            maas_stages.configure_storage,
+            maas_stages.apply_roce_phase2,
+            maas_stages.ensure_pxe_interface_auto,
+            node_stages.render_cloud_init,
+            node_stages.deploy_via_maas,
+            maas_stages.wait_for_deployed,
+            maas_stages.classify_deploy_failure,
+            maas_stages.recover_for_datasource_retry,
+            node_stages.ensure_hardware_sync_configured,
+            node_stages.wait_for_hardware_sync_healthy,
+            node_stages.wait_for_agent_enrollment,
+            node_stages.refresh_enrollment_token,
+            node_stages.observe_state,
+            node_stages.activate_adopted,
+            node_stages.compensate,
+            node_stages.record_progress,
         ],
         # Workflow activations are short CPU bursts under the GIL: a few threads beat many (a
         # hundred threads mostly trade the GIL back and forth on a 2-core machine).

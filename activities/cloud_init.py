@@ -172,7 +172,10 @@ class CloudInitInput:
     site: SiteFacts
     node: NodeFacts
     agent: AgentBootstrap
-    maas_machine_token: MaasMachineCredentials
+    # None when the machine has no token yet: MAAS creates it only when deploy renders the
+    # preseed, so onboarding deploys without it and seeds the file over SSH afterwards
+    # (seed 003 §4.3 EnsureHardwareSyncConfigured); the units are installed either way.
+    maas_machine_token: MaasMachineCredentials | None = None
     roce: tuple[RoceAssignment, ...] = ()
     # Explicit non-root disks to wipe and mount as /share0, /share1, ...; empty: no destruction.
     share_disks: tuple[str, ...] = ()
@@ -358,7 +361,7 @@ def _validate(spec: CloudInitInput) -> tuple[int, list[_Route]]:
     ):
         raise _fail("agent.state_dir", "must be an absolute path of plain components")
 
-    for part in ("consumer_key", "token_key", "token_secret"):
+    for part in ("consumer_key", "token_key", "token_secret") if token is not None else ():
         value = getattr(token, part)
         if not isinstance(value, str) or not _TOKEN_PART.fullmatch(value):
             raise _fail(f"maas_machine_token.{part}", "missing or malformed")
@@ -633,10 +636,12 @@ def render_cloud_init(spec: CloudInitInput) -> RenderedCloudInit:
     # 4. MAAS hardware sync (§9.1: required)
     layers.append(LAYER_HARDWARE_SYNC)
     write_files += [
-        _file(HW_SYNC.credentials, render_machine_creds(node, spec.maas_machine_token), "0600"),
         _file(HW_SYNC.service_unit, render_hw_sync_service(HW_SYNC)),
         _file(HW_SYNC.timer_unit, render_hw_sync_timer(HW_SYNC, minutes)),
     ]
+    if spec.maas_machine_token is not None:
+        creds = render_machine_creds(node, spec.maas_machine_token)
+        write_files.append(_file(HW_SYNC.credentials, creds, "0600"))
 
     # 5. destructive /shareN initialisation: explicit only
     if spec.share_disks:
@@ -660,7 +665,8 @@ def render_cloud_init(spec: CloudInitInput) -> RenderedCloudInit:
     layers.append(LAYER_RUNCMD)
     if agent.agent_package_url is not None:
         runcmd.append([AGENT_INSTALL_SCRIPT])
-    runcmd.append(["systemctl", "enable", "--now", PurePosixPath(HW_SYNC.timer_unit).name])
+    if spec.maas_machine_token is not None:  # without credentials the seed step starts it
+        runcmd.append(["systemctl", "enable", "--now", PurePosixPath(HW_SYNC.timer_unit).name])
     runcmd.append(["systemctl", "enable", "--now", AGENT_UNIT])
 
     doc["write_files"] = write_files

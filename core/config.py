@@ -43,6 +43,8 @@ class Settings:
     vault_timeout_seconds: float = 5.0
     # A node whose agent has not heartbeated for this long goes offline (no new allocations).
     node_offline_after_seconds: float = 300.0
+    # What a node's agent calls to enroll; written into the cloud-init of every MAAS deploy.
+    public_api_url: str = "http://127.0.0.1:8000"
 
     @property
     def codec_key(self) -> bytes:
@@ -77,4 +79,5 @@ class Settings:
             vault_token_file=e.get("GPUCLOUD_VAULT_TOKEN_FILE") or None,
             vault_timeout_seconds=float(e.get("GPUCLOUD_VAULT_TIMEOUT_S", "5")),
             node_offline_after_seconds=float(e.get("GPUCLOUD_NODE_OFFLINE_AFTER_S", "300")),
+            public_api_url=e.get("GPUCLOUD_PUBLIC_API_URL", "http://127.0.0.1:8000"),
         )

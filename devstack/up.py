@@ -9,11 +9,16 @@ Starts, in order, with all state under .state/ in the repository:
   vault             the Vault simulator (python -m sim.vault), KV v2 on mount `kv`; its root token
                     is generated once into .state/vault-token (0600), secrets are kept in
                     .state/vault-data.json (0600) across restarts
-  worker            the control-plane Temporal worker (python -m worker)
+  worker            the control-plane Temporal worker (python -m worker); it reaches BMCs and
+                    deployed hosts through the simulators (GPUCLOUD_HOST_ACCESS=simulated)
   fleet             simulated node agents, one Temporal worker per node queue (sim.fleet); with
                     `--hosts libvirt-test` each runs the real backends on libvirt's test driver
                     (files in .state/libvirt-hosts/<node id>/)
   gateway           the HTTP API (gateway.serve)
+  maas-sim          the MAAS simulator (python -m sim.maas); its API key and control token are
+                    generated once into .state/maas-api-key and .state/maas-control-token (0600)
+  first-boot        the deployed OS of the MAAS simulator's machines (python -m sim.first_boot):
+                    each machine MAAS deploys boots and its agent enrolls with the gateway
 
 and prints where everything is. Ctrl-C or SIGTERM stops it all (PostgreSQL too); if a child dies,
 the stack reports it, stops and exits 1. `--check` brings the stack up, runs the README's tenant
@@ -155,6 +160,10 @@ class StackOptions:
         return self.state_dir / "maas-api-key"
 
     @property
+    def maas_control_token_file(self) -> Path:
+        return self.state_dir / "maas-control-token"
+
+    @property
     def codec_endpoint(self) -> str:
         return f"{self.gateway_url}/api/v1/admin/codec"
 
@@ -285,6 +294,17 @@ def _maas_api_key(path: Path) -> str:
     key = ":".join(secrets.token_urlsafe(n) for n in (14, 14, 24))
     _write_private(path, key + "\n")
     return key
+
+
+def _maas_control_token(path: Path) -> str:
+    """The MAAS simulator's control-API token (/_sim/), generated once (0600). Its own token,
+    not the API key: the worker gets it to power-cycle simulated BMCs, and the MAAS API key
+    stays with the site's credentials in Vault."""
+    if path.exists():
+        return path.read_text().strip()
+    token = secrets.token_urlsafe(24)
+    _write_private(path, token + "\n")
+    return token
 
 
 async def seed_demo_site(o: StackOptions, admin_token: str, maas_key: str) -> str:
@@ -492,13 +512,22 @@ class Stack:
         self.children.append(vault)
         await vault.start()
         maas_key = _maas_api_key(o.maas_api_key_file)
+        maas_control_token = _maas_control_token(o.maas_control_token_file)
         maas_argv = [sys.executable, "-m", "sim.maas", "--host", "127.0.0.1",
                      "--port", str(o.maas_port),
-                     "--api-key-file", str(o.maas_api_key_file)]  # fmt: skip
+                     "--api-key-file", str(o.maas_api_key_file),
+                     "--control-token-file", str(o.maas_control_token_file)]  # fmt: skip
         maas = Child("maas-sim", maas_argv, o.logs_dir / "maas-sim.log", dict(os.environ),
                      REPO_ROOT)  # fmt: skip
         self.children.append(maas)
         await maas.start()
+        # Polls the MAAS simulator (and retries until it and the gateway answer).
+        first_boot_argv = [sys.executable, "-m", "sim.first_boot", "--maas-url", o.maas_url,
+                           "--control-token-file", str(o.maas_control_token_file)]  # fmt: skip
+        first_boot = Child("first-boot", first_boot_argv, o.logs_dir / "first-boot.log",
+                           {**os.environ, "PYTHONUNBUFFERED": "1"}, REPO_ROOT)  # fmt: skip
+        self.children.append(first_boot)
+        await first_boot.start()
         stripe = Child("stripe-mock", stripe_mock_argv(o.stripe_port, o.stripe_port + 1),
                        o.logs_dir / "stripe-mock.log", dict(os.environ), REPO_ROOT)  # fmt: skip
         self.children.append(stripe)
@@ -523,7 +552,14 @@ class Stack:
         await seed_stripe_secrets(o)
 
         env = self._child_env(database_url)
-        worker = Child("worker", python_entry("worker"), o.logs_dir / "worker.log", env, REPO_ROOT)
+        worker_env = {
+            **env,
+            "GPUCLOUD_HOST_ACCESS": "simulated",
+            "GPUCLOUD_SIM_MAAS_URL": o.maas_url,
+            "GPUCLOUD_SIM_MAAS_CONTROL_TOKEN": maas_control_token,
+        }
+        worker = Child("worker", python_entry("worker"), o.logs_dir / "worker.log", worker_env,
+                       REPO_ROOT)  # fmt: skip
         gateway = Child("gateway", python_entry("gateway.serve"), o.logs_dir / "gateway.log", env,
                         REPO_ROOT)  # fmt: skip
         fleet = Child("fleet", [*python_entry("sim.fleet"), "--refresh-seconds", "5", "--hosts",

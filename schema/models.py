@@ -20,7 +20,7 @@ from sqlalchemy import (
     UniqueConstraint,
     text,
 )
-from sqlalchemy.dialects.postgresql import ARRAY, INT4RANGE, JSONB, UUID
+from sqlalchemy.dialects.postgresql import ARRAY, INET, INT4RANGE, JSONB, UUID
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from schema.states import (
@@ -146,10 +146,14 @@ class Sku(Base):
 class Node(Base):
     __tablename__ = "nodes"
     id: Mapped[uuid.UUID] = mapped_column(UUID, primary_key=True)
-    hostname: Mapped[str] = mapped_column(String(253), unique=True)
+    # Unique among nodes that are not deleted: re-onboarding after a full decommission makes a
+    # new node record with the same hostname (seed 004 §3.3).
+    hostname: Mapped[str] = mapped_column(String(253))
     region: Mapped[str] = mapped_column(String(50))
     sku: Mapped[str] = mapped_column(String(100))
     status: Mapped[str] = mapped_column(String(32))
+    # "maas" for nodes a MaasNodeOnboardWorkflow created; NULL for manually registered ones.
+    onboarding_mode: Mapped[str | None] = mapped_column(String(16))
     gpu_count: Mapped[int] = mapped_column(Integer)
     # [{"numa_node": 0, "cpus": "0-47", "memory_mb": 1024000, "gpus": 4}, ...]
     numa_layout: Mapped[list[dict[str, Any]]] = mapped_column(JSONB, server_default=text("'[]'"))
@@ -167,6 +171,12 @@ class Node(Base):
     __table_args__ = (
         CheckConstraint(_check_in("status", NodeStatus), name="nodes_status"),
         Index("nodes_placement", "region", "sku", "status"),
+        Index(
+            "nodes_hostname_live",
+            "hostname",
+            unique=True,
+            postgresql_where=text("status <> 'deleted'"),
+        ),
     )
 
 
@@ -373,6 +383,16 @@ class MaasSitePolicy(Base):
     enrollment_token_ttl_seconds: Mapped[int] = mapped_column(Integer, server_default=text("7200"))
     # How often the site reconciler (Temporal Schedule maas-reconciler-{site_id}) runs.
     reconcile_interval_seconds: Mapped[int] = mapped_column(Integer, server_default=text("300"))
+    # Seed 003 §4.14: how often onboarding waits poll MAAS, and how long each wait may take.
+    maas_poll_interval_ms: Mapped[int] = mapped_column(Integer, server_default=text("10000"))
+    discovery_timeout_seconds: Mapped[int] = mapped_column(Integer, server_default=text("900"))
+    commission_timeout_seconds: Mapped[int] = mapped_column(Integer, server_default=text("3600"))
+    deploy_timeout_seconds: Mapped[int] = mapped_column(Integer, server_default=text("3600"))
+    hw_sync_seed_timeout_seconds: Mapped[int] = mapped_column(Integer, server_default=text("900"))
+    hw_sync_health_timeout_seconds: Mapped[int] = mapped_column(
+        Integer, server_default=text("1800")
+    )
+    enrollment_timeout_seconds: Mapped[int] = mapped_column(Integer, server_default=text("1800"))
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=NOW)
     updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=NOW)
     __table_args__ = (
@@ -380,7 +400,31 @@ class MaasSitePolicy(Base):
         CheckConstraint("batch_max_parallel BETWEEN 1 AND 500", name="policy_batch_parallel"),
         CheckConstraint("enrollment_token_ttl_seconds > 0", name="policy_enrollment_ttl"),
         CheckConstraint("hardware_sync_interval ~ '^[0-9]+[smh]$'", name="policy_hw_sync_interval"),
+        CheckConstraint("maas_poll_interval_ms BETWEEN 10 AND 600000", name="policy_poll_interval"),
+        CheckConstraint(
+            "LEAST(discovery_timeout_seconds, commission_timeout_seconds, deploy_timeout_seconds,"
+            " hw_sync_seed_timeout_seconds, hw_sync_health_timeout_seconds,"
+            " enrollment_timeout_seconds) > 0",
+            name="policy_timeouts_positive",
+        ),
     )
+
+
+class MaasSiteProfile(Base):
+    """A runtime shape one site can deploy (seed 003 §3.6: architecture and distro series are
+    profile-scoped). NULL columns fall back to the site's own values and policy."""
+
+    __tablename__ = "maas_site_profiles"
+    id: Mapped[uuid.UUID] = mapped_column(UUID, primary_key=True)
+    site_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("maas_sites.id"))
+    name: Mapped[str] = mapped_column(String(100))
+    distro_series: Mapped[str | None] = mapped_column(String(64))
+    architecture: Mapped[str | None] = mapped_column(String(64))
+    node_pxe_iface: Mapped[str | None] = mapped_column(String(64))
+    enable_phase2_roce: Mapped[bool | None] = mapped_column(Boolean)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=NOW)
+    updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=NOW)
+    __table_args__ = (UniqueConstraint("site_id", "name", name="maas_site_profile_name"),)
 
 
 class MaasPowerCredentialOverride(Base):
@@ -621,4 +665,119 @@ class NodeDriftEvent(Base):
         ),
         Index("node_drift_events_node", "node_id", "occurred_at"),
         Index("node_drift_events_site", "site_id", "occurred_at"),
+    )
+
+
+# --- MAAS onboarding (seed 003 §4.2.1, §4.5) ----------------------------------------------------
+
+ONBOARDING_LIVE = (
+    "status IN ('pending', 'running', 'compensating', 'failed_retryable', "
+    "'failed_manual_intervention')"
+)
+
+
+class NodeOnboarding(Base):
+    """The onboarding job's read model, kept current by MaasNodeOnboardWorkflow's activities."""
+
+    __tablename__ = "node_onboardings"
+    onboarding_id: Mapped[uuid.UUID] = mapped_column(UUID, primary_key=True)
+    batch_id: Mapped[uuid.UUID | None] = mapped_column(UUID)
+    # Assigned at submission; the node row itself is created by the render_cloud_init stage.
+    node_id: Mapped[uuid.UUID | None] = mapped_column(UUID)
+    site_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("maas_sites.id"))
+    profile_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("maas_site_profiles.id"))
+    sku_id: Mapped[str] = mapped_column(String(100))
+    hostname: Mapped[str] = mapped_column(String(253))
+    ipmi_ip: Mapped[str] = mapped_column(INET)
+    pxe_mac: Mapped[str | None] = mapped_column(Text)
+    maas_system_id: Mapped[str | None] = mapped_column(Text)
+    requested_by: Mapped[str | None] = mapped_column(Text)
+    current_stage: Mapped[str] = mapped_column(Text)
+    current_attempt: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    status: Mapped[str] = mapped_column(String(32))
+    failure_class: Mapped[str | None] = mapped_column(Text)
+    error_code: Mapped[str | None] = mapped_column(Text)
+    error_message: Mapped[str | None] = mapped_column(Text)
+    error_details: Mapped[dict[str, Any]] = mapped_column(
+        JSONB, server_default=text("'{}'::jsonb")
+    )
+    recommended_action: Mapped[str | None] = mapped_column(Text)
+    last_maas_status: Mapped[str | None] = mapped_column(Text)
+    last_maas_power_state: Mapped[str | None] = mapped_column(Text)
+    last_maas_ips: Mapped[list[str] | None] = mapped_column(ARRAY(Text))
+    boss_disk_id: Mapped[int | None] = mapped_column(Integer)
+    cloud_init_version: Mapped[str | None] = mapped_column(Text)
+    deploy_attempts: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    workflow_id: Mapped[str] = mapped_column(Text)
+    workflow_run_id: Mapped[str | None] = mapped_column(Text)
+    # The admin's X-Idempotency-Key (gateway): a retried request answers the same onboarding.
+    idempotency_key: Mapped[str | None] = mapped_column(String(200))
+    requested_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=NOW)
+    started_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    completed_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=NOW)
+    __table_args__ = (
+        CheckConstraint(
+            "status IN ('pending', 'running', 'completed', 'failed_retryable', "
+            "'failed_manual_intervention', 'cancelled', 'compensating', 'reconciled')",
+            name="node_onboardings_status",
+        ),
+        # One live onboarding per hostname and site: a second request is a 409, not a race.
+        Index(
+            "node_onboardings_live_hostname",
+            "site_id",
+            "hostname",
+            unique=True,
+            postgresql_where=text(ONBOARDING_LIVE),
+        ),
+        Index("node_onboardings_batch", "batch_id"),
+        Index("node_onboardings_site_status", "site_id", "status"),
+        # One row per key and hostname (a batch shares its key across its rows).
+        Index(
+            "node_onboardings_idempotency",
+            "idempotency_key",
+            "hostname",
+            unique=True,
+            postgresql_where=text("idempotency_key IS NOT NULL"),
+        ),
+    )
+
+
+class NodeOnboardingEvent(Base):
+    """Append-only stage history of one onboarding (seed 003 §4.2.1)."""
+
+    __tablename__ = "node_onboarding_events"
+    id: Mapped[uuid.UUID] = mapped_column(UUID, primary_key=True)
+    onboarding_id: Mapped[uuid.UUID] = mapped_column(
+        ForeignKey("node_onboardings.onboarding_id")
+    )
+    stage: Mapped[str] = mapped_column(Text)
+    attempt: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16))
+    message: Mapped[str | None] = mapped_column(Text)
+    details: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
+    occurred_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=CLOCK)
+    __table_args__ = (
+        CheckConstraint(
+            "status IN ('started', 'succeeded', 'failed', 'compensated', 'skipped')",
+            name="node_onboarding_events_status",
+        ),
+        Index("node_onboarding_events_job", "onboarding_id", "occurred_at"),
+    )
+
+
+class DomainEvent(Base):
+    """Append-only domain events (node.onboarding.*, node.decommission.*), written in the same
+    transaction as the state change they announce."""
+
+    __tablename__ = "domain_events"
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    type: Mapped[str] = mapped_column(Text)
+    subject_type: Mapped[str] = mapped_column(Text)
+    subject_id: Mapped[str] = mapped_column(Text)
+    payload: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
+    occurred_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=CLOCK)
+    __table_args__ = (
+        Index("domain_events_subject", "subject_type", "subject_id", "occurred_at"),
+        Index("domain_events_type", "type", "occurred_at"),
     )

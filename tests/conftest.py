@@ -38,6 +38,7 @@ pytest_plugins = [
     "tests.netns_fixtures",
     "tests.maas_fixtures",
     "tests.stripe_fixtures",
+    "tests.onboarding_fixtures",
 ]
 
 # Recorded histories in tests/histories were written with this key; keep it fixed.

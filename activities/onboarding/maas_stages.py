@@ -1,0 +1,576 @@
+"""The MAAS-side onboarding stages (seed 003 §4.3), each status-aware so that re-entry from the
+top converges instead of duplicating work (§4.10): a machine is looked up before it is created,
+commissioning and deploy are never re-issued on a machine that is already past them, and every
+destructive step reads the machine's current state first (§4.13).
+
+Discovery (§4.16) in `create_or_find_in_maas`: hostname, then IPMI power address, then PXE MAC;
+else the machine is created from its BMC alone (an IPMI-only record MAAS cannot commission until
+the machine PXE-boots into it), the BMC is power-cycled, and the poll claims the record that
+becomes usable, or exactly one machine that appeared at that BMC or anywhere during this run;
+several candidates fail closed with state_ambiguity. A sole pre-existing New machine is claimed
+only when the site opts in (auto_claim_single_new_machine).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import uuid
+from typing import Any
+
+from sqlalchemy import select
+from temporalio import activity
+
+from activities.maas.client import MaasClient
+from activities.maas.errors import MaasNotFound
+from activities.maas.types import (
+    EraseMode,
+    Interface,
+    IpmiPowerParameters,
+    LinkMode,
+    Machine,
+    MachineStatus,
+)
+from activities.onboarding.host_access import BmcLogin
+from activities.onboarding.stage_errors import StageError
+from activities.onboarding.stage_runtime import (
+    StageActivitiesBase,
+    StageRun,
+    observe,
+    poll_until,
+    timeout_error,
+)
+from activities.power_credentials import PowerCredentialsMissing, resolve_power_credentials
+from core.failures import FailureClass
+from schema.models import MaasRoceAssignment
+from workflows.onboarding_contract import (
+    OnboardState,
+    SiteConfig,
+    Stage,
+    StageInput,
+    StageResult,
+)
+
+S = MachineStatus
+BOSS_PATTERN = re.compile(r"boss|boot optimi[sz]ed|m\.2", re.IGNORECASE)
+# Past these, the machine's storage and interfaces can no longer be edited (deploy has begun).
+DEPLOY_BOUND = frozenset({S.ALLOCATED, S.DEPLOYING, S.DEPLOYED, S.FAILED_DEPLOYMENT})
+COMMISSION_ACTIVE = frozenset({S.COMMISSIONING, S.TESTING})
+COMMISSION_FAILED = frozenset({S.FAILED_COMMISSIONING, S.FAILED_TESTING, S.BROKEN})
+DATASOURCE_PATTERN = re.compile(r"no datasource|datasource|cloud-?init", re.IGNORECASE)
+RELEASABLE = frozenset({S.ALLOCATED, S.DEPLOYED, S.FAILED_DEPLOYMENT, S.BROKEN})
+
+
+def _ambiguity(code: str, message: str, **details: Any) -> StageError:
+    return StageError(
+        FailureClass.STATE_AMBIGUITY, code, message, details=details, non_retryable=True
+    )
+
+
+async def get_machine_or_ambiguity(maas: MaasClient, system_id: str) -> Machine:
+    try:
+        return await maas.get_machine(system_id)
+    except MaasNotFound as err:
+        raise _ambiguity(
+            "machine_deleted",
+            f"machine {system_id} is no longer in MAAS (deleted out of band?)",
+            system_id=system_id,
+        ) from err
+
+
+class MaasStageActivities(StageActivitiesBase):
+    # ------------------------------------------------------------------ power credentials
+
+    @activity.defn(name="onboarding.resolve_power_credentials")
+    async def resolve_power_credentials(self, input: StageInput) -> StageResult:
+        """Which credentials apply; the secret itself is read again by the stages that use it,
+        so it never enters workflow history."""
+        async with self.stage(input, Stage.RESOLVE_POWER_CREDENTIALS) as run:
+            login, source = await self._bmc_login(run)
+            state = input.state
+            state.power_source = source
+            run.done(state, f"power credentials from {source}", user=login.user)
+        assert run.result is not None
+        return run.result
+
+    async def _bmc_login(self, run: StageRun) -> tuple[BmcLogin, str]:
+        ob = run.input.onboarding
+        try:
+            async with self.deps.sessions() as session:
+                creds = await resolve_power_credentials(
+                    session,
+                    self.deps.secrets,
+                    uuid.UUID(ob.site_id),
+                    pxe_macs=[ob.pxe_mac] if ob.pxe_mac else [],
+                    ipmi_ip=ob.ipmi_ip,
+                    hostname=ob.hostname,
+                )
+        except PowerCredentialsMissing as err:
+            raise StageError(
+                FailureClass.SITE_CAPABILITY_MISSING,
+                "power_credentials_missing",
+                str(err),
+                non_retryable=True,
+            ) from err
+        return BmcLogin(address=ob.ipmi_ip, user=creds.user, password=creds.password), creds.source
+
+    # ------------------------------------------------------------------ create or find
+
+    @activity.defn(name="onboarding.create_or_find_in_maas")
+    async def create_or_find_in_maas(self, input: StageInput) -> StageResult:
+        async with self.stage(input, Stage.CREATE_OR_FIND_IN_MAAS) as run:
+            site, ob = run.site, input.onboarding
+            async with self.maas(site) as maas:
+                found, how = await self._lookup(maas, ob.hostname, ob.ipmi_ip, ob.pxe_mac)
+                if found is not None and _usable(found):
+                    run.done(observe(_with_system(input, found), found), f"found by {how}", how=how)
+                else:
+                    machine = await self._discover(run, maas, found)
+                    run.done(
+                        observe(_with_system(input, machine), machine),
+                        "claimed after PXE discovery",
+                        how="discovery",
+                    )
+        assert run.result is not None
+        return run.result
+
+    async def _lookup(
+        self, maas: MaasClient, hostname: str, ipmi_ip: str, pxe_mac: str | None
+    ) -> tuple[Machine | None, str]:
+        by_name = await maas.list_machines(hostnames=[hostname])
+        if len(by_name) == 1:
+            return by_name[0], "hostname"
+        addresses = await maas.power_addresses()
+        at_bmc = sorted(s for s, addr in addresses.items() if addr == ipmi_ip)
+        if len(at_bmc) > 1:
+            # Two records claim one BMC: which one is this machine is not ours to guess.
+            raise _ambiguity(
+                "bmc_address_ambiguous",
+                f"{len(at_bmc)} MAAS machines use power address {ipmi_ip}",
+                candidates=at_bmc,
+            )
+        if at_bmc:
+            return await maas.get_machine(at_bmc[0]), "ipmi_power_address"
+        if pxe_mac:
+            by_mac = await maas.list_machines(mac_addresses=[pxe_mac])
+            if len(by_mac) == 1:
+                return by_mac[0], "pxe_mac"
+        return None, "none"
+
+    async def _discover(self, run: StageRun, maas: MaasClient, record: Machine | None) -> Machine:
+        site, ob = run.site, run.input.onboarding
+        before = {m.system_id for m in await maas.list_machines()}
+        preexisting_new = [
+            m for m in await maas.list_machines() if m.status == S.NEW and _usable(m)
+        ]
+        login, _ = await self._bmc_login(run)
+        if record is None:
+            record = await maas.create_machine(
+                hostname=ob.hostname,
+                power=IpmiPowerParameters(
+                    power_address=ob.ipmi_ip, power_user=login.user, power_pass=login.password
+                ),
+            )
+        if _usable(record):
+            return record
+        await self.deps.host_access.bmc.power_cycle(login)
+        created = record.system_id
+
+        async def check() -> Machine | None:
+            ours = await maas.get_machine(created)
+            if _usable(ours):
+                return ours
+            appeared = [
+                m
+                for m in await maas.list_machines()
+                if m.system_id not in before and m.system_id != created and _usable(m)
+            ]
+            if len(appeared) == 1:
+                return appeared[0]
+            if len(appeared) > 1:
+                raise _ambiguity(
+                    "discovery_ambiguous",
+                    f"{len(appeared)} machines appeared during discovery",
+                    candidates=sorted(m.system_id for m in appeared),
+                )
+            return None
+
+        machine = await poll_until(
+            site,
+            site.policy.discovery_timeout_seconds,
+            check,
+            progress=lambda: {"stage": "discovery", "system_id": created},
+        )
+        if machine is not None:
+            return machine
+        if site.policy.auto_claim_single_new_machine and len(preexisting_new) == 1:
+            return preexisting_new[0]
+        if len(preexisting_new) > 1 and site.policy.auto_claim_single_new_machine:
+            raise _ambiguity(
+                "discovery_ambiguous",
+                "several New machines and none matched this node",
+                candidates=sorted(m.system_id for m in preexisting_new),
+            )
+        raise timeout_error(
+            "discovery",
+            f"no machine PXE-booted into MAAS from BMC {ob.ipmi_ip} in time",
+            system_id=created,
+        )
+
+    # ------------------------------------------------------------------ commissioning
+
+    @activity.defn(name="onboarding.commission_node")
+    async def commission_node(self, input: StageInput) -> StageResult:
+        async with self.stage(input, Stage.COMMISSION_NODE) as run, self.maas(run.site) as maas:
+            machine = await get_machine_or_ambiguity(maas, run.system_id)
+            state = observe(input.state, machine)
+            if machine.status == S.READY or machine.status in DEPLOY_BOUND:
+                run.skipped(state, f"already {machine.status.label}")
+            elif machine.status in COMMISSION_ACTIVE:
+                run.skipped(state, "already commissioning; waiting")
+            else:
+                login, _ = await self._bmc_login(run)
+                if machine.status == S.NEW:
+                    await maas.accept_machines(machine.system_id)
+                await maas.update_machine(
+                    machine.system_id,
+                    hostname=input.onboarding.hostname,
+                    power=IpmiPowerParameters(
+                        power_address=input.onboarding.ipmi_ip,
+                        power_user=login.user,
+                        power_pass=login.password,
+                    ),
+                )
+                if machine.status != S.NEW:
+                    await maas.commission(machine.system_id, enable_ssh=True, skip_bmc_config=True)
+                machine = await maas.get_machine(machine.system_id)
+                run.done(observe(state, machine), f"commissioning from {machine.status.label}")
+        assert run.result is not None
+        return run.result
+
+    @activity.defn(name="onboarding.wait_for_ready")
+    async def wait_for_ready(self, input: StageInput) -> StageResult:
+        async with self.stage(input, Stage.WAIT_FOR_READY) as run:
+            site = run.site
+            async with self.maas(site) as maas:
+                last: list[Machine] = []
+
+                async def check() -> Machine | None:
+                    machine = await get_machine_or_ambiguity(maas, run.system_id)
+                    last[:] = [machine]
+                    if machine.status == S.READY or machine.status in DEPLOY_BOUND:
+                        return machine
+                    if machine.status in COMMISSION_FAILED:
+                        raise StageError(
+                            FailureClass.HARDWARE_MISMATCH,
+                            "failed_commission",
+                            f"commissioning ended in {machine.status.label}: "
+                            f"{machine.error_description or machine.status_message}",
+                            details={"maas_status": machine.status.label},
+                            non_retryable=True,
+                        )
+                    return None
+
+                machine = await poll_until(
+                    site,
+                    site.policy.commission_timeout_seconds,
+                    check,
+                    progress=lambda: {"maas_status": last[0].status.label if last else None},
+                )
+                if machine is None:
+                    raise timeout_error(
+                        "commission",
+                        "the machine did not reach Ready in time",
+                        maas_status=last[0].status.label if last else None,
+                    )
+                run.done(observe(input.state, machine), f"machine is {machine.status.label}")
+        assert run.result is not None
+        return run.result
+
+    # ------------------------------------------------------------------ storage
+
+    @activity.defn(name="onboarding.configure_storage")
+    async def configure_storage(self, input: StageInput) -> StageResult:
+        async with self.stage(input, Stage.CONFIGURE_STORAGE) as run, self.maas(run.site) as maas:
+            machine = await get_machine_or_ambiguity(maas, run.system_id)
+            state = observe(input.state, machine)
+            if machine.status in DEPLOY_BOUND:
+                run.skipped(state, f"storage is fixed once {machine.status.label}")
+            elif machine.status != S.READY:
+                raise _ambiguity(
+                    "not_ready_for_storage",
+                    f"storage can only be set on a Ready machine, not {machine.status.label}",
+                )
+            else:
+                disks = await maas.list_block_devices(machine.system_id)
+                boss = [
+                    d
+                    for d in disks
+                    if d.type == "physical"
+                    and any(BOSS_PATTERN.search(v or "") for v in (d.model, d.name, d.id_path))
+                ]
+                if not boss:
+                    raise StageError(
+                        FailureClass.HARDWARE_MISMATCH,
+                        "boss_disk_missing",
+                        "no BOSS boot disk (model/name/id_path matching boss, boot "
+                        "optimized or m.2)",
+                        details={"disks": [f"{d.name}:{d.model}" for d in disks][:20]},
+                        non_retryable=True,
+                    )
+                disk = boss[0]
+                await maas.apply_flat_layout(machine.system_id, disk.id)
+                state.boss_disk_id = disk.id
+                run.done(state, f"flat layout on {disk.name} ({disk.model})", disk=disk.name)
+        assert run.result is not None
+        return run.result
+
+    # ------------------------------------------------------------------ RoCE phase 2
+
+    @activity.defn(name="onboarding.apply_roce_phase2")
+    async def apply_roce_phase2(self, input: StageInput) -> StageResult:
+        """Non-fatal (§4.6): every problem becomes a warning in the stage's details."""
+        async with self.stage(input, Stage.APPLY_ROCE_PHASE2) as run:
+            site, state = run.site, input.state
+            if not site.policy.enable_phase2_roce:
+                run.skipped(state, "phase-2 RoCE is off for this profile")
+            else:
+                assignments = await self._roce_rows(site, input.onboarding.hostname)
+                if not assignments:
+                    run.skipped(state, "no RoCE assignments for this hostname")
+                else:
+                    applied, warnings = await self._apply_roce(run, assignments)
+                    state.roce_applied = applied
+                    run.done(state, f"{applied} RoCE link(s) in place", warnings=warnings)
+        assert run.result is not None
+        return run.result
+
+    async def _roce_rows(self, site: SiteConfig, hostname: str) -> list[tuple[str, str]]:
+        async with self.deps.sessions() as session:
+            rows = await session.execute(
+                select(MaasRoceAssignment.interface, MaasRoceAssignment.ipv4_cidr).where(
+                    MaasRoceAssignment.site_id == uuid.UUID(site.site_id),
+                    MaasRoceAssignment.hostname == hostname,
+                )
+            )
+            return [(i, c) for i, c in rows.all()]
+
+    async def _apply_roce(
+        self, run: StageRun, assignments: list[tuple[str, str]]
+    ) -> tuple[int, list[str]]:
+        warnings: list[str] = []
+        applied = 0
+        async with self.maas(run.site) as maas:
+            machine = await get_machine_or_ambiguity(maas, run.system_id)
+            if machine.status in DEPLOY_BOUND:
+                return 0, [f"interfaces are fixed once {machine.status.label}"]
+            interfaces = {i.name: i for i in await maas.list_interfaces(machine.system_id)}
+            for name, cidr in assignments:
+                try:
+                    address = ipaddress.ip_interface(cidr)
+                    iface = interfaces.get(name)
+                    if iface is None:
+                        warnings.append(f"{name}: interface not found")
+                        continue
+                    ip = str(address.ip)
+                    if any(link.ip_address == ip for link in iface.links):
+                        applied += 1
+                        continue
+                    network = str(address.network)
+                    subnet = await maas.find_subnet_by_cidr(network)
+                    if subnet is None:
+                        subnet = await maas.create_subnet(network)
+                    await maas.link_subnet(
+                        machine.system_id, iface.id, mode=LinkMode.STATIC, subnet=subnet.id,
+                        ip_address=ip,
+                    )  # fmt: skip
+                    applied += 1
+                except Exception as err:  # non-fatal by contract; reported
+                    warnings.append(f"{name}: {type(err).__name__}: {str(err)[:200]}")
+        return applied, warnings
+
+    # ------------------------------------------------------------------ PXE interface
+
+    @activity.defn(name="onboarding.ensure_pxe_interface_auto")
+    async def ensure_pxe_interface_auto(self, input: StageInput) -> StageResult:
+        async with self.stage(input, Stage.ENSURE_PXE_INTERFACE_AUTO) as run:
+            site = run.site
+            async with self.maas(site) as maas:
+                machine = await get_machine_or_ambiguity(maas, run.system_id)
+                state = observe(input.state, machine)
+                if machine.status in DEPLOY_BOUND:
+                    run.skipped(state, f"interfaces are fixed once {machine.status.label}")
+                else:
+                    await self._ensure_pxe(run, maas, machine)
+        assert run.result is not None
+        return run.result
+
+    async def _ensure_pxe(self, run: StageRun, maas: MaasClient, machine: Machine) -> None:
+        site, state = run.site, run.input.state
+        interfaces = await maas.list_interfaces(machine.system_id)
+        iface = next((i for i in interfaces if i.name == site.node_pxe_iface), None)
+        if iface is None:
+            raise StageError(
+                FailureClass.HARDWARE_MISMATCH,
+                "pxe_interface_missing",
+                f"the machine has no interface {site.node_pxe_iface}",
+                details={"interfaces": [i.name for i in interfaces]},
+                non_retryable=True,
+            )
+        if _pxe_ok(iface):
+            run.skipped(state, f"{iface.name} already has an AUTO/DHCP subnet link")
+            return
+        subnet_id = await self._pxe_subnet(maas, site, iface)
+        problem = None
+        if subnet_id is None:
+            problem = f"no subnet on the PXE VLAN {site.pxe_vlan_vid} for {iface.name}"
+        else:
+            for link in iface.links:
+                iface = await maas.unlink_subnet(machine.system_id, iface.id, link.id)
+            iface = await maas.link_subnet(
+                machine.system_id, iface.id, mode=LinkMode.AUTO, subnet=subnet_id
+            )
+            if not _pxe_ok(iface):
+                problem = f"{iface.name} still has no AUTO/DHCP link after relinking"
+        if problem is None:
+            run.done(state, f"{iface.name} relinked AUTO", subnet_id=subnet_id)
+        elif site.policy.strict_pxe_preflight:
+            raise StageError(
+                FailureClass.HARDWARE_MISMATCH, "pxe_preflight_failed", problem, non_retryable=True
+            )
+        else:
+            run.done(state, f"warning (strict preflight off): {problem}", warning=problem)
+
+    async def _pxe_subnet(self, maas: MaasClient, site: SiteConfig, iface: Interface) -> int | None:
+        for link in iface.links:
+            if link.subnet is not None:
+                return link.subnet.id
+        for subnet in await maas.list_subnets():
+            if subnet.vlan is not None and subnet.vlan.vid == site.pxe_vlan_vid:
+                return subnet.id
+        return None
+
+    # ------------------------------------------------------------------ deploy outcome
+
+    @activity.defn(name="onboarding.wait_for_deployed")
+    async def wait_for_deployed(self, input: StageInput) -> StageResult:
+        async with self.stage(input, Stage.WAIT_FOR_DEPLOYED) as run:
+            site = run.site
+            async with self.maas(site) as maas:
+                last: list[Machine] = []
+
+                async def check() -> Machine | None:
+                    machine = await get_machine_or_ambiguity(maas, run.system_id)
+                    last[:] = [machine]
+                    if machine.status == S.DEPLOYED:
+                        return machine
+                    if machine.status == S.FAILED_DEPLOYMENT:
+                        raise StageError(
+                            FailureClass.DEPLOY_CLOUD_INIT_FAILURE,
+                            "deploy_failed",
+                            f"deployment failed: {machine.error_description}",
+                            details={"maas_status": machine.status.label},
+                            non_retryable=True,
+                        )
+                    if machine.status not in (S.DEPLOYING, S.ALLOCATED):
+                        raise _ambiguity(
+                            "left_deploy_out_of_band",
+                            f"the machine went {machine.status.label} while deploying",
+                            maas_status=machine.status.label,
+                        )
+                    return None
+
+                machine = await poll_until(
+                    site,
+                    site.policy.deploy_timeout_seconds,
+                    check,
+                    progress=lambda: {"maas_status": last[0].status.label if last else None},
+                )
+                if machine is None:
+                    raise timeout_error("deploy", "the machine did not reach Deployed in time")
+                run.done(observe(input.state, machine), "deployed", ips=list(machine.ip_addresses))
+        assert run.result is not None
+        return run.result
+
+    @activity.defn(name="onboarding.classify_deploy_failure")
+    async def classify_deploy_failure(self, input: StageInput) -> StageResult:
+        """datasource_like | generic, from the machine and its recent MAAS events. Best effort:
+        if MAAS cannot tell, the failure is generic and automatic retry stops (§4.6)."""
+        async with self.stage(input, Stage.CLASSIFY_DEPLOY_FAILURE) as run:
+            verdict, evidence = "generic", ""
+            try:
+                async with self.maas(run.site) as maas:
+                    machine = await get_machine_or_ambiguity(maas, run.system_id)
+                    observe(input.state, machine)
+                    events = await maas.query_events(
+                        system_id=machine.system_id, level="DEBUG", limit=50
+                    )
+                texts = [e.description for e in events[:30]] + [machine.error_description]
+                hit = next((t for t in texts if DATASOURCE_PATTERN.search(t or "")), None)
+                if hit is not None:
+                    verdict, evidence = "datasource_like", hit
+            except Exception as err:  # best effort by contract
+                evidence = f"classification failed: {type(err).__name__}"
+            run.done(input.state, verdict, failure_kind=verdict, evidence=evidence[:300])
+        assert run.result is not None
+        return run.result
+
+    @activity.defn(name="onboarding.recover_for_datasource_retry")
+    async def recover_for_datasource_retry(self, input: StageInput) -> StageResult:
+        stage = Stage.RECOVER_FOR_DATASOURCE_RETRY
+        async with self.stage(input, stage) as run, self.maas(run.site) as maas:
+            machine = await release_to_ready(maas, run.site, run.system_id)
+            run.done(observe(input.state, machine), "released back to Ready for a redeploy")
+        assert run.result is not None
+        return run.result
+
+
+async def release_to_ready(maas: MaasClient, site: SiteConfig, system_id: str) -> Machine:
+    """Abort a deploy in progress, release, and wait until MAAS shows Ready (§4.6 deploy
+    compensation). Ready already: nothing to do."""
+    machine = await get_machine_or_ambiguity(maas, system_id)
+    if machine.status == S.DEPLOYING:
+        machine = await maas.abort(system_id, comment="gpucloud onboarding: redeploy")
+    if machine.status in RELEASABLE:
+        await maas.release(system_id, erase=EraseMode.NONE, comment="gpucloud onboarding")
+
+    async def check() -> Machine | None:
+        current = await get_machine_or_ambiguity(maas, system_id)
+        if current.status == S.READY:
+            return current
+        if current.status.is_failure and current.status not in RELEASABLE:
+            raise StageError(
+                FailureClass.STATE_AMBIGUITY,
+                "release_failed",
+                f"release ended in {current.status.label}",
+                non_retryable=True,
+            )
+        return None
+
+    ready = await poll_until(site, site.policy.deploy_timeout_seconds, check)
+    if ready is None:
+        raise StageError(
+            FailureClass.STATE_AMBIGUITY,
+            "release_timeout",
+            "the machine did not come back to Ready after release",
+            non_retryable=True,
+        )
+    return ready
+
+
+def _usable(machine: Machine) -> bool:
+    """MAAS can commission it: it has interfaces (an IPMI-only New record has none)."""
+    return machine.status != S.NEW or bool(machine.interfaces)
+
+
+def _pxe_ok(iface: Interface) -> bool:
+    return any(
+        link.mode in (LinkMode.AUTO, LinkMode.DHCP) and link.subnet is not None
+        for link in iface.links
+    )
+
+
+def _with_system(input: StageInput, machine: Machine) -> OnboardState:
+    state = input.state
+    state.system_id = machine.system_id
+    return state

@@ -1,0 +1,691 @@
+"""The onboarding stages that join MAAS with our own records (seed 003 §4.3): the site config,
+the node record and its cloud-init, the deploy itself, hardware sync (§9.1) and agent enrollment,
+plus what the workflow needs for operator actions (observe, compensate, refresh the token) and
+its own read-model writes (`record_progress`, a local activity).
+
+Secrets never leave these activities: the enrollment token and the cloud-init content are made
+inside `deploy_via_maas` (a fresh token per deploy) and handed straight to MAAS; the deploy
+password and the machine token are read where they are used.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+
+from sqlalchemy import delete, func, select, update
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.ext.asyncio import AsyncSession
+from temporalio import activity
+
+from activities.cloud_init import (
+    AgentBootstrap,
+    CloudInitError,
+    CloudInitInput,
+    DeployUser,
+    MaasMachineCredentials,
+    NodeFacts,
+    SiteFacts,
+    hardware_sync_minutes,
+    hash_deploy_password,
+    render_agent_toml,
+    render_cloud_init,
+    render_machine_creds,
+)
+from activities.cloud_init import RoceAssignment as CloudInitRoce
+from activities.enrollment_tokens import issue_enrollment_token
+from activities.maas.client import MaasClient
+from activities.maas.errors import MaasNotFound
+from activities.maas.types import Machine, MachineStatus
+from activities.onboarding import read_model
+from activities.onboarding.host_access import SshLogin
+from activities.onboarding.maas_stages import (
+    RELEASABLE,
+    get_machine_or_ambiguity,
+    release_to_ready,
+)
+from activities.onboarding.stage_errors import StageError, as_application_error
+from activities.onboarding.stage_runtime import (
+    StageActivitiesBase,
+    StageRun,
+    observe,
+    poll_until,
+    timeout_error,
+)
+from core.failures import ClassifiedError, FailureClass
+from schema.models import (
+    MaasRoceAssignment,
+    MaasSite,
+    MaasSitePolicy,
+    MaasSiteProfile,
+    Node,
+    NodeEnrollmentToken,
+    NodeMaasState,
+    NodeOnboarding,
+    Sku,
+)
+from schema.states import NodeStatus
+from workflows.onboarding_contract import (
+    NodeObservation,
+    OnboardState,
+    ProgressRecord,
+    SiteConfig,
+    SitePolicyView,
+    Stage,
+    StageInput,
+    StageResult,
+)
+
+S = MachineStatus
+CREATED_BY = "onboarding"
+
+
+class NodeStageActivities(StageActivitiesBase):
+    # ------------------------------------------------------------------ site config
+
+    @activity.defn(name="onboarding.load_site_config")
+    async def load_site_config(self, input: StageInput) -> StageResult:
+        """Site, policy, profile and SKU from the database; the MAAS token from Vault, checked
+        against MAAS (§4.14 preflight: site active, MAAS reachable, token valid)."""
+        async with self.stage(input, Stage.LOAD_SITE_CONFIG) as run:
+            site = await self._site_config(input)
+            async with self.maas(site) as maas:
+                version = await maas.version()
+            site.maas_version = version.version
+            run.result = StageResult(
+                state=input.state,
+                message=f"site {site.site_name}, MAAS {version.version}",
+                site=site,
+            )
+        assert run.result is not None
+        return run.result
+
+    async def _site_config(self, input: StageInput) -> SiteConfig:
+        ob = input.onboarding
+
+        def bad_input(code: str, message: str) -> StageError:
+            return StageError(FailureClass.INPUT_CONFIG_ERROR, code, message, non_retryable=True)
+
+        async with self.deps.sessions() as session:
+            site = await session.get(MaasSite, uuid.UUID(ob.site_id))
+            policy = await session.get(MaasSitePolicy, uuid.UUID(ob.site_id))
+            profile = await session.get(MaasSiteProfile, uuid.UUID(ob.profile_id))
+            if site is None or policy is None:
+                raise bad_input("unknown_site", f"MAAS site {ob.site_id} does not exist")
+            if site.status != "active":
+                raise bad_input("site_disabled", f"MAAS site {site.name} is disabled")
+            if profile is None or profile.site_id != site.id:
+                raise bad_input("unknown_profile", f"profile {ob.profile_id} is not this site's")
+            sku = await session.get(Sku, (ob.sku_id, site.region_code))
+            if sku is None or not sku.active:
+                raise bad_input("unknown_sku", f"SKU {ob.sku_id} is not sold in {site.region_code}")
+            roce = policy.enable_phase2_roce
+            if profile.enable_phase2_roce is not None:
+                roce = profile.enable_phase2_roce
+            return SiteConfig(
+                site_id=str(site.id),
+                site_name=site.name,
+                region_code=site.region_code,
+                api_base_url=site.api_base_url,
+                api_token_vault_path=site.api_token_vault_path,
+                deploy_password_vault_path=site.deploy_password_vault_path,
+                pxe_vlan_vid=site.pxe_vlan_vid,
+                node_pxe_iface=profile.node_pxe_iface or site.node_pxe_iface,
+                deploy_user=site.deploy_user,
+                deploy_ssh_iface=site.deploy_ssh_iface,
+                upstream_dns_servers=list(site.upstream_dns_servers or []),
+                distro_series=profile.distro_series or site.distro_series,
+                architecture=profile.architecture or site.architecture,
+                sku_id=sku.name,
+                gpu_count=max(sku.allowed_gpu_counts),
+                policy=SitePolicyView(
+                    strict_pxe_preflight=policy.strict_pxe_preflight,
+                    enable_phase2_roce=roce,
+                    require_hw_sync=policy.require_hw_sync,
+                    hardware_sync_interval=policy.hardware_sync_interval,
+                    release_fallback_no_erase=policy.release_fallback_no_erase,
+                    enable_deploy_retry_on_datasource_failure=(
+                        policy.enable_deploy_retry_on_datasource_failure
+                    ),
+                    max_deploy_retry_attempts=policy.max_deploy_retry_attempts,
+                    auto_claim_single_new_machine=policy.auto_claim_single_new_machine,
+                    batch_max_parallel=policy.batch_max_parallel,
+                    site_bootstrap_bundle_ref=policy.site_bootstrap_bundle_ref,
+                    enrollment_token_ttl_seconds=policy.enrollment_token_ttl_seconds,
+                    maas_poll_interval_ms=policy.maas_poll_interval_ms,
+                    discovery_timeout_seconds=policy.discovery_timeout_seconds,
+                    commission_timeout_seconds=policy.commission_timeout_seconds,
+                    deploy_timeout_seconds=policy.deploy_timeout_seconds,
+                    hw_sync_seed_timeout_seconds=policy.hw_sync_seed_timeout_seconds,
+                    hw_sync_health_timeout_seconds=policy.hw_sync_health_timeout_seconds,
+                    enrollment_timeout_seconds=policy.enrollment_timeout_seconds,
+                ),
+            )
+
+    # ------------------------------------------------------------------ node record
+
+    @activity.defn(name="onboarding.render_cloud_init")
+    async def render_cloud_init(self, input: StageInput) -> StageResult:
+        """Create (or recover) the node record in `enrolling`, and prove the cloud-init renders
+        for this site and node. The content deployed is rendered again at deploy time with a
+        fresh enrollment token, so it never has to be stored or passed around."""
+        async with self.stage(input, Stage.RENDER_CLOUD_INIT) as run:
+            node_id, how = await self._ensure_node(run)
+            spec = await self._cloud_init_spec(run, enrollment_token="gpe_" + "x" * 43)
+            try:
+                rendered = render_cloud_init(spec)
+            except CloudInitError as err:
+                raise StageError(
+                    FailureClass.INPUT_CONFIG_ERROR,
+                    "cloud_init_invalid",
+                    str(err),
+                    non_retryable=True,
+                ) from err
+            state = input.state
+            state.cloud_init_layers = list(rendered.layers)
+            run.done(
+                state,
+                f"node {how}; cloud-init renders",
+                node_id=node_id,
+                layers=state.cloud_init_layers,
+            )
+        assert run.result is not None
+        return run.result
+
+    async def _ensure_node(self, run: StageRun) -> tuple[str, str]:
+        ob, site = run.input.onboarding, run.site
+        node_id = uuid.UUID(ob.node_id)
+        async with self.deps.sessions() as session, session.begin():
+            existing = await session.scalar(
+                select(Node).where(Node.hostname == ob.hostname, Node.status != NodeStatus.DELETED)
+            )
+            if existing is not None and existing.id != node_id:
+                recoverable = existing.onboarding_mode == "maas" and existing.status in (
+                    NodeStatus.ENROLLING,
+                    NodeStatus.BOOTSTRAP_ISSUED,
+                )
+                if not recoverable:
+                    raise StageError(
+                        FailureClass.STATE_AMBIGUITY,
+                        "node_exists",
+                        f"node {existing.id} already holds hostname {ob.hostname} "
+                        f"({existing.status})",
+                        details={"node_id": str(existing.id)},
+                        non_retryable=True,
+                    )
+                # §4.6: a duplicate node record is recovered, not duplicated.
+                await session.execute(
+                    update(Node)
+                    .where(Node.id == existing.id)
+                    .values(status=NodeStatus.ENROLLING, updated_at=func.now())
+                )
+                await self._set_job_node(session, run, existing.id)
+                run.input.onboarding.node_id = str(existing.id)
+                return str(existing.id), "recovered"
+            if existing is not None:
+                return str(node_id), "already created"
+            await session.execute(
+                insert(Node)
+                .values(
+                    id=node_id,
+                    hostname=ob.hostname,
+                    region=site.region_code,
+                    sku=site.sku_id,
+                    status=NodeStatus.ENROLLING,
+                    gpu_count=site.gpu_count,
+                    onboarding_mode="maas",
+                )
+                .on_conflict_do_nothing(index_elements=[Node.id])
+            )
+            return str(node_id), "created"
+
+    @staticmethod
+    async def _set_job_node(session: AsyncSession, run: StageRun, node_id: uuid.UUID) -> None:
+        await session.execute(
+            update(NodeOnboarding)
+            .where(NodeOnboarding.onboarding_id == run.onboarding_id)
+            .values(node_id=node_id)
+        )
+
+    async def _cloud_init_spec(self, run: StageRun, *, enrollment_token: str) -> CloudInitInput:
+        site, ob = run.site, run.input.onboarding
+        password = await self.read_secret(
+            site.deploy_password_vault_path, "password", "deploy_password"
+        )
+        async with self.deps.sessions() as session:
+            roce = (
+                await session.execute(
+                    select(MaasRoceAssignment.interface, MaasRoceAssignment.ipv4_cidr).where(
+                        MaasRoceAssignment.site_id == uuid.UUID(site.site_id),
+                        MaasRoceAssignment.hostname == ob.hostname,
+                    )
+                )
+            ).all()
+        return CloudInitInput(
+            site=SiteFacts(
+                name=site.site_name,
+                deploy_user=DeployUser(
+                    name=site.deploy_user, password_hash=hash_deploy_password(password)
+                ),
+                hardware_sync_interval=site.policy.hardware_sync_interval,
+                upstream_dns_servers=tuple(site.upstream_dns_servers),
+                site_bootstrap_bundle_ref=site.policy.site_bootstrap_bundle_ref,
+            ),
+            node=NodeFacts(
+                hostname=ob.hostname,
+                maas_system_id=run.system_id,
+                maas_url=site.api_base_url,
+            ),
+            agent=AgentBootstrap(api_url=self.deps.api_url, enrollment_token=enrollment_token),
+            roce=tuple(CloudInitRoce(i, c) for i, c in roce)
+            if site.policy.enable_phase2_roce
+            else (),
+        )
+
+    # ------------------------------------------------------------------ deploy
+
+    @activity.defn(name="onboarding.deploy_via_maas")
+    async def deploy_via_maas(self, input: StageInput) -> StageResult:
+        """Never deploy blindly (§4.10): a machine already Deploying or Deployed is adopted; a
+        Failed deployment goes to the classify/recover path instead of a second deploy."""
+        async with self.stage(input, Stage.DEPLOY_VIA_MAAS) as run, self.maas(run.site) as maas:
+            machine = await get_machine_or_ambiguity(maas, run.system_id)
+            state = observe(input.state, machine)
+            if machine.status in (S.DEPLOYING, S.DEPLOYED):
+                if state.deployed_since is None:
+                    state.deployed_since = await self._db_now()
+                run.skipped(state, f"already {machine.status.label}; adopted")
+            elif machine.status == S.FAILED_DEPLOYMENT:
+                raise StageError(
+                    FailureClass.DEPLOY_CLOUD_INIT_FAILURE,
+                    "deploy_failed",
+                    f"the machine is in Failed deployment: {machine.error_description}",
+                    non_retryable=True,
+                )
+            elif machine.status not in (S.READY, S.ALLOCATED):
+                raise StageError(
+                    FailureClass.STATE_AMBIGUITY,
+                    "not_deployable",
+                    f"cannot deploy a machine in {machine.status.label}",
+                    non_retryable=True,
+                )
+            else:
+                await self._deploy(run, maas, state)
+        assert run.result is not None
+        return run.result
+
+    async def _deploy(self, run: StageRun, maas: MaasClient, state: OnboardState) -> None:
+        site = run.site
+        node_id = uuid.UUID(run.input.onboarding.node_id)
+        async with self.deps.sessions() as session, session.begin():
+            await _expire_unused_tokens(session, node_id)
+            _, token = await issue_enrollment_token(
+                session,
+                node_id,
+                created_by=CREATED_BY,
+                ttl_seconds=site.policy.enrollment_token_ttl_seconds,
+            )
+            issued_at = await session.scalar(select(func.clock_timestamp()))
+        spec = await self._cloud_init_spec(run, enrollment_token=token)
+        rendered = render_cloud_init(spec)
+        del token, spec
+        machine = await maas.deploy(
+            run.system_id,
+            distro_series=site.distro_series,
+            user_data=rendered.content,
+            enable_hw_sync=site.policy.require_hw_sync,
+            comment=f"gpucloud onboarding {run.input.onboarding.onboarding_id}",
+        )
+        state.cloud_init_version = rendered.version
+        state.deployed_since = issued_at.isoformat() if issued_at else None
+        state.deploy_attempts += 1
+        run.done(observe(state, machine), "deploy issued", cloud_init_version=rendered.version)
+
+    async def _db_now(self) -> str:
+        async with self.deps.sessions() as session:
+            now = await session.scalar(select(func.clock_timestamp()))
+        assert isinstance(now, dt.datetime)
+        return now.isoformat()
+
+    # ------------------------------------------------------------------ hardware sync
+
+    @activity.defn(name="onboarding.ensure_hardware_sync_configured")
+    async def ensure_hardware_sync_configured(self, input: StageInput) -> StageResult:
+        async with self.stage(input, Stage.ENSURE_HARDWARE_SYNC_CONFIGURED) as run:
+            if not run.site.policy.require_hw_sync:
+                run.skipped(input.state, "hardware sync is not required by this site")
+            else:
+                async with self.maas(run.site) as maas:
+                    machine, address = await self._seed(run, maas)
+                    run.done(observe(input.state, machine), f"seeded over SSH at {address}")
+        assert run.result is not None
+        return run.result
+
+    async def _seed(self, run: StageRun, maas: MaasClient) -> tuple[Machine, str]:
+        """§9.1 re-sync steps 2-5: enable_hw_sync, the machine token (waiting for MAAS to make
+        it), the credentials file and the timer pushed over SSH."""
+        site = run.site
+        await maas.update_machine(run.system_id, enable_hw_sync=True)
+
+        async def token_ready() -> object | None:
+            return await maas.get_machine_token(run.system_id)
+
+        token = await poll_until(site, site.policy.hw_sync_seed_timeout_seconds, token_ready)
+        if token is None:
+            raise timeout_error("hw_sync_seed", "MAAS never issued the machine's token")
+        machine = await get_machine_or_ambiguity(maas, run.system_id)
+        address = await self._ssh_address(maas, site, machine)
+        creds = render_machine_creds(
+            NodeFacts(run.input.onboarding.hostname, run.system_id, site.api_base_url),
+            MaasMachineCredentials.from_token(token),
+        )
+        login = await self._ssh_login(site, address)
+        last_error: ClassifiedError | None = None
+
+        async def pushed() -> bool | None:
+            nonlocal last_error
+            try:
+                await self.deps.host_access.seeder.seed_hardware_sync(
+                    login,
+                    creds_yaml=creds,
+                    interval_minutes=hardware_sync_minutes(site.policy.hardware_sync_interval),
+                )
+                return True
+            except ClassifiedError as err:
+                last_error = err
+                return None
+
+        if await poll_until(site, site.policy.hw_sync_seed_timeout_seconds, pushed) is None:
+            message = last_error.message if last_error else "the SSH seed never succeeded"
+            raise StageError(
+                FailureClass.POST_DEPLOY_CONNECTIVITY_FAILURE,
+                "hw_sync_seed_push_failed",
+                message,
+                details={"address": address},
+                non_retryable=True,
+            )
+        return machine, address
+
+    async def _ssh_address(self, maas: MaasClient, site: SiteConfig, machine: Machine) -> str:
+        """The site's deploy SSH interface's address, else the first deployed IP (§4.3)."""
+        for iface in await maas.list_interfaces(machine.system_id):
+            if iface.name == site.deploy_ssh_iface:
+                for link in iface.links:
+                    if link.ip_address:
+                        return str(link.ip_address)
+        if machine.ip_addresses:
+            return machine.ip_addresses[0]
+        raise StageError(
+            FailureClass.POST_DEPLOY_CONNECTIVITY_FAILURE,
+            "no_ssh_address",
+            "MAAS reports no address to reach the deployed host",
+            non_retryable=True,
+        )
+
+    async def _ssh_login(self, site: SiteConfig, address: str) -> SshLogin:
+        password = await self.read_secret(
+            site.deploy_password_vault_path, "password", "deploy_password"
+        )
+        return SshLogin(address=address, user=site.deploy_user, password=password)
+
+    @activity.defn(name="onboarding.wait_for_hardware_sync_healthy")
+    async def wait_for_hardware_sync_healthy(self, input: StageInput) -> StageResult:
+        """Healthy means a sync MAAS observed *after* this stage began (a fresh last_sync,
+        §9.1 step 6), not the timestamp deployment left behind. Reseeds periodically."""
+        async with self.stage(input, Stage.WAIT_FOR_HARDWARE_SYNC_HEALTHY) as run:
+            site = run.site
+            if not site.policy.require_hw_sync:
+                run.skipped(input.state, "hardware sync is not required by this site")
+            else:
+                async with self.maas(site) as maas:
+                    first = await get_machine_or_ambiguity(maas, run.system_id)
+                    baseline = first.hardware_sync.last_sync
+                    reseed_every = max(site.policy.hw_sync_health_timeout_seconds / 4, 1.0)
+                    next_reseed = [dt.datetime.now(dt.UTC) + dt.timedelta(seconds=reseed_every)]
+                    last: list[Machine] = [first]
+
+                    async def healthy() -> Machine | None:
+                        machine = await get_machine_or_ambiguity(maas, run.system_id)
+                        last[0] = machine
+                        sync = machine.hardware_sync
+                        now = dt.datetime.now(dt.UTC)
+                        fresh = sync.last_sync is not None and (
+                            baseline is None or sync.last_sync > baseline
+                        )
+                        if sync.enabled and fresh and (sync.healthy(now) or not sync.available):
+                            return machine
+                        if now >= next_reseed[0]:
+                            next_reseed[0] = now + dt.timedelta(seconds=reseed_every)
+                            try:
+                                await self._seed(run, maas)
+                            except ClassifiedError as err:
+                                activity.logger.warning("hardware-sync reseed failed: %s", err)
+                        return None
+
+                    machine = await poll_until(
+                        site,
+                        site.policy.hw_sync_health_timeout_seconds,
+                        healthy,
+                        progress=lambda: {
+                            "last_sync": str(last[0].hardware_sync.last_sync),
+                            "enabled": last[0].hardware_sync.enabled,
+                        },
+                    )
+                    if machine is None:
+                        raise timeout_error(
+                            "hw_sync_health",
+                            "MAAS never observed a fresh hardware sync from the node",
+                            last_sync=str(last[0].hardware_sync.last_sync),
+                        )
+                    run.done(observe(input.state, machine), "hardware sync healthy")
+        assert run.result is not None
+        return run.result
+
+    # ------------------------------------------------------------------ enrollment
+
+    @activity.defn(name="onboarding.wait_for_agent_enrollment")
+    async def wait_for_agent_enrollment(self, input: StageInput) -> StageResult:
+        async with self.stage(input, Stage.WAIT_FOR_AGENT_ENROLLMENT) as run:
+            site = run.site
+            node_id = uuid.UUID(input.onboarding.node_id)
+
+            async def enrolled() -> bool | None:
+                return True if await self._enrolled(node_id, input.state) else None
+
+            if await poll_until(site, site.policy.enrollment_timeout_seconds, enrolled) is None:
+                raise timeout_error(
+                    "enrollment",
+                    "the node agent did not enroll in time",
+                    attempt=input.state.enrollment_attempts + 1,
+                )
+            await self._activate(run)
+            run.done(input.state, "agent enrolled; node active", node_id=str(node_id))
+        assert run.result is not None
+        return run.result
+
+    async def _enrolled(self, node_id: uuid.UUID, state: OnboardState) -> bool:
+        since = dt.datetime.fromisoformat(state.deployed_since) if state.deployed_since else None
+        async with self.deps.sessions() as session:
+            enrolled_at = await session.scalar(select(Node.enrolled_at).where(Node.id == node_id))
+        return enrolled_at is not None and (since is None or enrolled_at >= since)
+
+    async def _activate(self, run: StageRun) -> None:
+        """enrolling → active (the onboarding workflow owns this transition, seed 004 §3.3)
+        and the node's MAAS binding, in one transaction."""
+        state, site = run.input.state, run.site
+        node_id = uuid.UUID(run.input.onboarding.node_id)
+        async with self.deps.sessions() as session, session.begin():
+            await session.execute(
+                update(Node)
+                .where(Node.id == node_id, Node.status == NodeStatus.ENROLLING)
+                .values(status=NodeStatus.ACTIVE, updated_at=func.now())
+            )
+            binding = {
+                "site_id": uuid.UUID(site.site_id),
+                "maas_system_id": run.system_id,
+                "last_maas_status": state.observed.maas_status,
+                "last_maas_power_state": state.observed.power_state,
+                "last_maas_ips": list(state.observed.ip_addresses),
+            }
+            await session.execute(
+                insert(NodeMaasState)
+                .values(node_id=node_id, **binding)
+                .on_conflict_do_update(index_elements=[NodeMaasState.node_id], set_=binding)
+            )
+
+    @activity.defn(name="onboarding.refresh_enrollment_token")
+    async def refresh_enrollment_token(self, input: StageInput) -> StageResult:
+        """§4.6 WaitForAgentEnrollment: a fresh token pushed to the running OS, then wait again."""
+        async with self.stage(input, Stage.WAIT_FOR_AGENT_ENROLLMENT) as run:
+            site = run.site
+            node_id = uuid.UUID(input.onboarding.node_id)
+            async with self.deps.sessions() as session, session.begin():
+                await _expire_unused_tokens(session, node_id)
+                _, token = await issue_enrollment_token(
+                    session,
+                    node_id,
+                    created_by=CREATED_BY,
+                    ttl_seconds=site.policy.enrollment_token_ttl_seconds,
+                )
+            agent_toml = render_agent_toml(
+                AgentBootstrap(api_url=self.deps.api_url, enrollment_token=token)
+            )
+            del token
+            async with self.maas(site) as maas:
+                machine = await get_machine_or_ambiguity(maas, run.system_id)
+                address = await self._ssh_address(maas, site, machine)
+            login = await self._ssh_login(site, address)
+            await self.deps.host_access.seeder.push_agent_config(login, agent_toml=agent_toml)
+            state = input.state
+            state.enrollment_attempts += 1
+            run.done(state, "fresh enrollment token pushed to the node", address=address)
+        assert run.result is not None
+        return run.result
+
+    # ------------------------------------------------------------------ operator support
+
+    @activity.defn(name="onboarding.observe")
+    async def observe_state(self, input: StageInput) -> NodeObservation:
+        """What MAAS and the node record say now, for adopt_observed_state (§4.13)."""
+        state = input.state
+        machine_present, maas_status = False, None
+        if input.site is not None and state.system_id is not None:
+            async with self.maas(input.site) as maas:
+                try:
+                    machine = await maas.get_machine(state.system_id)
+                    machine_present, maas_status = True, machine.status.label
+                    observe(state, machine)
+                except MaasNotFound:
+                    pass
+        node_id = uuid.UUID(input.onboarding.node_id)
+        async with self.deps.sessions() as session:
+            node_status = await session.scalar(select(Node.status).where(Node.id == node_id))
+        return NodeObservation(
+            machine_present=machine_present,
+            maas_status=maas_status,
+            node_status=node_status,
+            enrolled_since_deploy=await self._enrolled(node_id, state),
+            state=state,
+        )
+
+    @activity.defn(name="onboarding.activate_adopted")
+    async def activate_adopted(self, input: StageInput) -> StageResult:
+        """Adopt a late success: the agent enrolled after the workflow gave up (§4.13)."""
+        async with self.stage(input, Stage.WAIT_FOR_AGENT_ENROLLMENT) as run:
+            await self._activate(run)
+            run.done(input.state, "late enrollment adopted; node active")
+        assert run.result is not None
+        return run.result
+
+    @activity.defn(name="onboarding.compensate")
+    async def compensate(self, input: StageInput) -> StageResult:
+        """Cancel / restart_clean compensation (§4.6). Before the OS runs: a machine the
+        deploy took goes back to Ready, unused enrollment tokens are consumed and the node
+        record (never enrolled) is deleted. After it (the node enrolled, or post-deploy
+        stages began): MAAS is left alone and an enrolling node is quarantined."""
+        notes: list[str] = []
+        state = input.state
+        node_id = uuid.UUID(input.onboarding.node_id)
+        async with self.deps.sessions() as session:
+            node = await session.get(Node, node_id)
+        # restart_clean starts over from bare metal: it releases a deployed machine too.
+        os_running = input.compensation != "restart_clean" and (
+            state.os_running or (node is not None and node.enrolled_at is not None)
+        )
+        try:
+            if input.site is not None and state.system_id is not None and not os_running:
+                async with self.maas(input.site) as maas:
+                    try:
+                        machine: Machine | None = await maas.get_machine(state.system_id)
+                    except MaasNotFound:
+                        machine = None
+                    if machine is not None and (
+                        machine.status in RELEASABLE or machine.status == S.DEPLOYING
+                    ):
+                        machine = await release_to_ready(maas, input.site, machine.system_id)
+                        notes.append("machine released back to Ready")
+                    if machine is not None:
+                        observe(state, machine)
+        except ClassifiedError as err:
+            async with self.deps.sessions() as session, session.begin():
+                await read_model.add_event(
+                    session,
+                    uuid.UUID(input.onboarding.onboarding_id),
+                    stage=Stage.DEPLOY_VIA_MAAS.value,
+                    attempt=input.attempt,
+                    status="failed",
+                    message=f"compensation failed: {err.message}",
+                )
+            raise as_application_error(err) from err
+        async with self.deps.sessions() as session, session.begin():
+            await _expire_unused_tokens(session, node_id)
+            if (
+                node is not None
+                and node.enrolled_at is None
+                and node.status == NodeStatus.ENROLLING
+            ):
+                await session.execute(
+                    delete(NodeEnrollmentToken).where(NodeEnrollmentToken.node_id == node_id)
+                )
+                await session.execute(
+                    delete(Node).where(Node.id == node_id, Node.status == NodeStatus.ENROLLING)
+                )
+                notes.append("node record deleted")
+            elif node is not None and node.status == NodeStatus.ENROLLING:
+                await session.execute(
+                    update(Node)
+                    .where(Node.id == node_id, Node.status == NodeStatus.ENROLLING)
+                    .values(status=NodeStatus.QUARANTINED, updated_at=func.now())
+                )
+                notes.append("node quarantined (its OS is running; MAAS left alone)")
+            await read_model.add_event(
+                session,
+                uuid.UUID(input.onboarding.onboarding_id),
+                stage=Stage.DEPLOY_VIA_MAAS.value if notes else "compensate",
+                attempt=input.attempt,
+                status="compensated",
+                message="; ".join(notes) or "nothing to compensate",
+            )
+        return StageResult(
+            state=state,
+            message="; ".join(notes) or "nothing to compensate",
+            details={"compensated": notes},
+        )
+
+    @activity.defn(name="onboarding.record_progress")
+    async def record_progress(self, record: ProgressRecord) -> None:
+        async with self.deps.sessions() as session, session.begin():
+            await read_model.record_progress(session, record)
+
+
+async def _expire_unused_tokens(session: AsyncSession, node_id: uuid.UUID) -> None:
+    """A fresh token supersedes the older ones that were never used."""
+    await session.execute(
+        update(NodeEnrollmentToken)
+        .where(
+            NodeEnrollmentToken.node_id == node_id,
+            NodeEnrollmentToken.used_at.is_(None),
+            NodeEnrollmentToken.expires_at > func.clock_timestamp(),
+        )
+        .values(expires_at=func.clock_timestamp())
+    )

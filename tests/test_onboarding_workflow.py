@@ -1,0 +1,135 @@
+"""MaasNodeOnboardWorkflow end to end: real Temporal, real PostgreSQL, the MAAS simulator over
+HTTP, the Vault simulator, and a simulated deployed OS that enrolls its agent over HTTP.
+Every assertion reads what an operator would: the read model, MAAS (the simulator's state and
+request counters), the node record."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+from sqlalchemy import func, select
+
+from schema.models import DomainEvent, Node, NodeMaasState
+from tests.maas_fixtures import sim_machine, sim_scenario
+from tests.onboarding_fixtures import DEPLOY_PASSWORD, OnboardingRig
+
+HAPPY = sim_scenario(
+    sim_machine("onb-ready", "10.176.16.40"),
+    sim_machine("onb-new", "10.176.16.41", status="New"),
+    sim_machine("onb-dark", "10.176.16.42", enlisted=False),
+    sim_machine("onb-noboss", "10.176.16.43", boss=False),
+)
+
+
+async def _node(rig: OnboardingRig, node_id: str) -> Node | None:
+    async with rig.sessions() as session:
+        return await session.get(Node, uuid.UUID(node_id))
+
+
+async def _count(rig: OnboardingRig, model: Any, *where: Any) -> int:
+    async with rig.sessions() as session:
+        return int(await session.scalar(select(func.count()).select_from(model).where(*where)) or 0)
+
+
+@pytest.mark.maas_scenario(HAPPY)
+async def test_ready_machine_onboards_to_an_active_node(onboarding: OnboardingRig) -> None:
+    job = await onboarding.start("onb-ready", "10.176.16.40")
+    row = await onboarding.wait_status(job, "completed")
+
+    node = await _node(onboarding, job.node_id)
+    assert node is not None
+    assert node.status == "active"
+    assert node.onboarding_mode == "maas"
+    assert node.enrolled_at is not None
+    assert row.maas_system_id
+    assert row.last_maas_status == "Deployed"
+    assert row.cloud_init_version
+    assert row.cloud_init_version.startswith("gpucloud-cloud-init/1/")
+    assert row.boss_disk_id is not None
+    assert row.completed_at is not None
+    assert row.failure_class is None
+    assert row.deploy_attempts == 1
+
+    machine = await onboarding.maas_sim.machine(row.maas_system_id)
+    assert machine["status_name"] == "Deployed"
+    assert machine["enable_hw_sync"] is True
+    assert machine["boot_disk"] == "sda"
+    # The deployed user data carries the agent bootstrap, never the plain deploy password.
+    assert "/etc/gpucloud/agent.toml" in machine["user_data_text"]
+    assert DEPLOY_PASSWORD not in machine["user_data_text"]
+    assert onboarding.seeder.seeds, "hardware sync was seeded over (simulated) SSH"
+
+    async with onboarding.sessions() as session:
+        binding = await session.get(NodeMaasState, uuid.UUID(job.node_id))
+        assert binding is not None
+        assert binding.maas_system_id == row.maas_system_id
+        kinds = list(
+            await session.scalars(
+                select(DomainEvent.type).where(DomainEvent.subject_id == job.onboarding_id)
+            )
+        )
+    assert kinds == ["node.onboarding.started", "node.onboarding.completed"]
+
+    stages = [(e.stage, e.status) for e in await onboarding.events(job)]
+    succeeded = [s for s, status in stages if status in ("succeeded", "skipped")]
+    assert succeeded == [
+        "load_site_config",
+        "resolve_power_credentials",
+        "create_or_find_in_maas",
+        "commission_node",
+        "wait_for_ready",
+        "configure_storage",
+        "apply_roce_phase2",
+        "ensure_pxe_interface_auto",
+        "render_cloud_init",
+        "deploy_via_maas",
+        "wait_for_deployed",
+        "ensure_hardware_sync_configured",
+        "wait_for_hardware_sync_healthy",
+        "wait_for_agent_enrollment",
+    ]
+    counters = await onboarding.maas_sim.counters()
+    assert counters["machines"][row.maas_system_id].get("machine.deploy") == 1
+    assert counters["ops"].get("machines.create", 0) == 0  # found by hostname, not created
+
+    # Nothing secret in the read model.
+    for event in await onboarding.events(job):
+        assert DEPLOY_PASSWORD not in str(event.details)
+        assert "gpe_" not in str(event.details)
+
+
+@pytest.mark.maas_scenario(HAPPY)
+async def test_new_and_undiscovered_machines_are_commissioned_and_onboarded(
+    onboarding: OnboardingRig,
+) -> None:
+    new = await onboarding.start("onb-new", "10.176.16.41")
+    dark = await onboarding.start("onb-dark", "10.176.16.42")
+    for job in (new, dark):
+        row = await onboarding.wait_status(job, "completed")
+        node = await _node(onboarding, job.node_id)
+        assert node is not None, row.error_message
+        assert node.status == "active", row.error_message
+    dark_row = await onboarding.row(dark)
+    machine = await onboarding.maas_sim.machine(dark_row.maas_system_id)
+    # The IPMI-only record the workflow created is the one the machine PXE-booted into.
+    assert machine["hostname"] == "onb-dark"
+    counters = await onboarding.maas_sim.counters()
+    assert counters["ops"].get("machines.create", 0) == 1
+
+
+@pytest.mark.maas_scenario(HAPPY)
+async def test_missing_boss_disk_blocks_for_manual_intervention(onboarding: OnboardingRig) -> None:
+    job = await onboarding.start("onb-noboss", "10.176.16.43")
+    row = await onboarding.wait_status(job, "failed_manual_intervention")
+    assert (row.failure_class, row.error_code) == ("hardware_mismatch", "boss_disk_missing")
+    assert row.current_stage == "configure_storage"
+    assert row.recommended_action == "rerun"
+    assert await _node(onboarding, job.node_id) is None  # no node record before render
+    machine = await onboarding.maas_sim.machine(row.maas_system_id)
+    assert machine["status_name"] == "Ready"  # pre-deploy failure: the machine stays Ready
+    result = await onboarding.action(job, "cancel")
+    assert result.accepted
+    assert result.expected_status == "cancelled"
+    await onboarding.wait_status(job, "cancelled")

@@ -1,0 +1,626 @@
+"""MaasNodeOnboardWorkflow `onboarding-{id}` (seed 003 §4.3-§4.13, seed 004 §4).
+
+The stages of §4.3 run in order as activities (activities/onboarding/); each is status-aware, so
+re-entering from any point converges. The workflow owns the job state (§4.8): a stage failure
+that its retry policy cannot cure is classified (workflows/onboarding_policy.py) into
+failed_retryable or failed_manual_intervention with a recommended action, and the workflow then
+*waits* for an operator action instead of closing, so every recovery of §4.9 is an update on the
+same workflow and the same history:
+
+    retry_stage   the failed stage again, then onwards
+    resume        from the failed stage's checkpoint (e.g. reseed before waiting for sync)
+    rerun         from load_site_config, every stage adopting what is already done
+    restart_clean compensate (release to Ready, drop the unenrolled node record), then rerun
+    cancel        compensate where possible, close as cancelled (also while a stage runs)
+    adopt         accept what MAAS and the node show now and continue from there (reconciled)
+    mark_manual_intervention_required   freeze: stop the running stage, wait for a human
+
+Deploy failures go through classify_deploy_failure: a datasource/cloud-init-like failure gets
+the site's bounded redeploy (recover_for_datasource_retry releases to Ready first); anything else
+(or the bound reached) releases back to Ready and fails. Post-deploy failures never touch MAAS.
+Enrollment gets one token refresh before it fails.
+
+A child of a batch signals its parent once, the first time it settles (completed, a failed
+state, or cancelled), so the batch can move on while a failed node waits for an operator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+from typing import Any
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError
+
+with workflow.unsafe.imports_passed_through():
+    from core import search_attributes as sa
+    from core.failures import FailureClass
+    from workflows.onboarding_contract import (
+        CHILD_SETTLED_SIGNAL,
+        DEPLOY_STAGES,
+        FAILED_JOB_STATUSES,
+        OPERATOR_ACTION_UPDATE,
+        POST_DEPLOY_STAGES,
+        PROGRESS_QUERY,
+        STAGE_ORDER,
+        WORKFLOW_NAME,
+        ActionResult,
+        ChildSettled,
+        EventStatus,
+        JobStatus,
+        NodeObservation,
+        OnboardInput,
+        OnboardResult,
+        OnboardState,
+        OperatorAction,
+        OperatorRequest,
+        Progress,
+        ProgressRecord,
+        SiteConfig,
+        Stage,
+        StageInput,
+        StageResult,
+    )
+    from workflows.onboarding_policy import ALLOWED_ACTIONS, checkpoint_for, outcome_for
+
+QUICK_TIMEOUT = timedelta(minutes=2)
+ENROLLMENT_ATTEMPTS = 2  # §4.6: regenerate the token once, then fail
+# §4.6 retry strategy per stage (attempts in total); unlisted stages: DEFAULT_ATTEMPTS.
+STAGE_ATTEMPTS = {
+    Stage.LOAD_SITE_CONFIG: 3,
+    Stage.CREATE_OR_FIND_IN_MAAS: 3,
+    Stage.COMMISSION_NODE: 3,
+    Stage.DEPLOY_VIA_MAAS: 2,
+    Stage.ENSURE_PXE_INTERFACE_AUTO: 2,
+    Stage.RECOVER_FOR_DATASOURCE_RETRY: 2,
+}
+DEFAULT_ATTEMPTS = 3
+ACTIVITY_NAMES = {stage: f"onboarding.{stage.value}" for stage in Stage}
+
+
+class StageFailure(Exception):
+    def __init__(
+        self,
+        stage: Stage,
+        failure_class: str,
+        error_code: str,
+        message: str,
+        details: dict[str, Any],
+    ) -> None:
+        super().__init__(message)
+        self.stage = stage
+        self.failure_class = failure_class
+        self.error_code = error_code
+        self.message = message
+        self.details = details
+
+
+class Interrupted(Exception):
+    """An operator stopped the running stage (cancel / mark manual intervention)."""
+
+
+def _failure_from(stage: Stage, err: ActivityError) -> StageFailure:
+    cause = err.cause
+    if isinstance(cause, ApplicationError):
+        info: dict[str, Any] = {}
+        if cause.details and isinstance(cause.details[0], dict):
+            info = cause.details[0]
+        return StageFailure(
+            stage,
+            cause.type or FailureClass.UPSTREAM_TRANSIENT.value,
+            str(info.get("error_code") or cause.type or "unknown"),
+            cause.message,
+            dict(info.get("details") or {}),
+        )
+    if isinstance(cause, TimeoutError):
+        return StageFailure(
+            stage,
+            FailureClass.UPSTREAM_TRANSIENT.value,
+            "activity_timeout",
+            f"{stage.value} timed out ({cause.type.name if cause.type else 'timeout'})",
+            {},
+        )
+    return StageFailure(
+        stage, FailureClass.UPSTREAM_TRANSIENT.value, "activity_failed", str(err), {}
+    )
+
+
+@workflow.defn(name=WORKFLOW_NAME)
+class MaasNodeOnboardWorkflow:
+    def __init__(self) -> None:
+        self._input: OnboardInput | None = None
+        self._site: SiteConfig | None = None
+        self._state = OnboardState()
+        self._status = JobStatus.PENDING
+        self._stage = Stage.LOAD_SITE_CONFIG
+        self._entries: dict[Stage, int] = {}
+        self._failure: StageFailure | None = None
+        self._pending: OperatorRequest | None = None
+        self._interrupt: OperatorAction | None = None
+        self._stage_task: asyncio.Task[None] | None = None
+        self._adopted = False
+        self._parent_told = False
+
+    # ------------------------------------------------------------------ run
+
+    @workflow.run
+    async def run(self, input: OnboardInput) -> OnboardResult:
+        self._input = input
+        await self._set_status(
+            JobStatus.RUNNING,
+            workflow_run_id=workflow.info().run_id,
+            domain_event="node.onboarding.started",
+        )
+        start = Stage.LOAD_SITE_CONFIG
+        while True:
+            outcome = await self._attempt(start)
+            if outcome is not None:
+                return outcome
+            next_start = await self._await_operator()
+            if next_start is None:
+                return await self._cancel()
+            start = next_start
+
+    async def _attempt(self, start: Stage) -> OnboardResult | None:
+        """Run from `start`; the result when the job closed, None when it failed and waits."""
+        self._stage_task = asyncio.create_task(self._run_from(start))
+        try:
+            await self._stage_task
+        except StageFailure as failure:
+            await self._fail(failure)
+            return None
+        except asyncio.CancelledError:
+            if self._interrupt is None:  # the workflow itself was cancelled: compensate
+                self._interrupt = OperatorAction.CANCEL
+            if self._interrupt == OperatorAction.CANCEL:
+                self._interrupt = None
+                return await self._cancel()
+            self._interrupt = None
+            await self._fail(
+                StageFailure(
+                    self._stage,
+                    self._failure.failure_class if self._failure else "",
+                    "manual_intervention_requested",
+                    "an operator froze automation",
+                    {},
+                ),
+                forced=JobStatus.FAILED_MANUAL_INTERVENTION,
+            )
+            return None
+        finally:
+            self._stage_task = None
+        final = JobStatus.RECONCILED if self._adopted else JobStatus.COMPLETED
+        await self._set_status(final, domain_event="node.onboarding.completed", clear_error=True)
+        await self._tell_parent()
+        return self._result()
+
+    async def _run_from(self, start: Stage) -> None:
+        order = list(STAGE_ORDER)
+        if start in DEPLOY_STAGES and start != Stage.DEPLOY_VIA_MAAS:
+            index = order.index(Stage.WAIT_FOR_DEPLOYED)
+        else:
+            index = order.index(start)
+        first = start
+        while index < len(order):
+            stage = order[index]
+            if stage == Stage.DEPLOY_VIA_MAAS:
+                await self._deploy_group(Stage.DEPLOY_VIA_MAAS)
+                index += 2  # deploy + wait_for_deployed
+                continue
+            if stage == Stage.WAIT_FOR_DEPLOYED:
+                await self._deploy_group(first if first in DEPLOY_STAGES else stage)
+                index += 1
+                continue
+            if stage == Stage.WAIT_FOR_AGENT_ENROLLMENT:
+                await self._enrollment()
+            else:
+                await self._run_stage(stage)
+            index += 1
+
+    async def _deploy_group(self, entry: Stage) -> None:
+        """deploy → wait; on failure classify → bounded datasource redeploy, else release to
+        Ready and fail (§4.6)."""
+        stage = entry
+        while True:
+            try:
+                if stage == Stage.DEPLOY_VIA_MAAS:
+                    await self._run_stage(Stage.DEPLOY_VIA_MAAS)
+                    stage = Stage.WAIT_FOR_DEPLOYED
+                if stage == Stage.WAIT_FOR_DEPLOYED:
+                    await self._run_stage(Stage.WAIT_FOR_DEPLOYED)
+                    return
+                if stage == Stage.RECOVER_FOR_DATASOURCE_RETRY:
+                    await self._run_stage(Stage.RECOVER_FOR_DATASOURCE_RETRY)
+                    stage = Stage.DEPLOY_VIA_MAAS
+                    continue
+                if stage == Stage.CLASSIFY_DEPLOY_FAILURE:
+                    raise StageFailure(
+                        stage, FailureClass.DEPLOY_CLOUD_INIT_FAILURE.value, "deploy_failed", "", {}
+                    )
+            except StageFailure as failure:
+                if failure.failure_class != FailureClass.DEPLOY_CLOUD_INIT_FAILURE.value:
+                    raise
+                stage = await self._after_deploy_failure(failure)
+
+    async def _after_deploy_failure(self, failure: StageFailure) -> Stage:
+        result = await self._run_stage(Stage.CLASSIFY_DEPLOY_FAILURE)
+        kind = str(result.details.get("failure_kind", "generic"))
+        policy = self._site.policy if self._site else None
+        redeploys = max(self._state.deploy_attempts - 1, 0)
+        if (
+            kind == "datasource_like"
+            and policy is not None
+            and policy.enable_deploy_retry_on_datasource_failure
+            and redeploys < policy.max_deploy_retry_attempts
+        ):
+            return Stage.RECOVER_FOR_DATASOURCE_RETRY
+        # Compensation: the machine goes back to Ready before the job fails (§4.6).
+        await self._run_stage(Stage.RECOVER_FOR_DATASOURCE_RETRY)
+        code = (
+            "deploy_datasource_retries_exhausted"
+            if kind == "datasource_like"
+            else failure.error_code
+        )
+        raise StageFailure(
+            Stage.WAIT_FOR_DEPLOYED,
+            FailureClass.DEPLOY_CLOUD_INIT_FAILURE.value,
+            code,
+            f"{failure.message} ({kind}); the machine was released back to Ready",
+            {**failure.details, "failure_kind": kind, "evidence": result.details.get("evidence")},
+        )
+
+    async def _enrollment(self) -> None:
+        while True:
+            try:
+                await self._run_stage(Stage.WAIT_FOR_AGENT_ENROLLMENT)
+                return
+            except StageFailure as failure:
+                if (
+                    failure.error_code != "failed_enrollment"
+                    or self._state.enrollment_attempts + 1 >= ENROLLMENT_ATTEMPTS
+                ):
+                    raise
+                await self._run_stage(
+                    Stage.WAIT_FOR_AGENT_ENROLLMENT, activity="onboarding.refresh_enrollment_token"
+                )
+
+    async def _run_stage(self, stage: Stage, *, activity: str | None = None) -> StageResult:
+        assert self._input is not None
+        self._stage = stage
+        self._entries[stage] = self._entries.get(stage, 0) + 1
+        if stage in POST_DEPLOY_STAGES:
+            self._state.os_running = True
+        self._upsert_search_attributes()
+        wait_seconds = self._wait_seconds(stage)
+        try:
+            result: StageResult = await workflow.execute_activity(
+                activity or ACTIVITY_NAMES[stage],
+                StageInput(self._input, self._site, self._state, self._entries[stage]),
+                result_type=StageResult,
+                start_to_close_timeout=timedelta(seconds=wait_seconds + 120),
+                heartbeat_timeout=self._heartbeat_timeout() if wait_seconds else None,
+                retry_policy=RetryPolicy(
+                    initial_interval=timedelta(seconds=1),
+                    maximum_interval=timedelta(seconds=30),
+                    maximum_attempts=STAGE_ATTEMPTS.get(stage, DEFAULT_ATTEMPTS),
+                ),
+            )
+        except ActivityError as err:
+            raise _failure_from(stage, err) from None
+        self._state = result.state
+        if result.site is not None:
+            self._site = result.site
+        node_id = result.details.get("node_id")
+        if isinstance(node_id, str) and node_id != self._input.node_id:
+            self._input.node_id = node_id  # a recovered duplicate node record (§4.6)
+        return result
+
+    def _wait_seconds(self, stage: Stage) -> int:
+        policy = self._site.policy if self._site else None
+        if policy is None:
+            return 0
+        return {
+            Stage.CREATE_OR_FIND_IN_MAAS: policy.discovery_timeout_seconds,
+            Stage.WAIT_FOR_READY: policy.commission_timeout_seconds,
+            Stage.WAIT_FOR_DEPLOYED: policy.deploy_timeout_seconds,
+            Stage.RECOVER_FOR_DATASOURCE_RETRY: policy.deploy_timeout_seconds,
+            Stage.ENSURE_HARDWARE_SYNC_CONFIGURED: 2 * policy.hw_sync_seed_timeout_seconds,
+            Stage.WAIT_FOR_HARDWARE_SYNC_HEALTHY: policy.hw_sync_health_timeout_seconds
+            + 2 * policy.hw_sync_seed_timeout_seconds,
+            Stage.WAIT_FOR_AGENT_ENROLLMENT: policy.enrollment_timeout_seconds
+            + policy.hw_sync_seed_timeout_seconds,
+        }.get(stage, 0)
+
+    def _heartbeat_timeout(self) -> timedelta:
+        poll_ms = self._site.policy.maas_poll_interval_ms if self._site else 10_000
+        return timedelta(seconds=max(60.0, 3 * poll_ms / 1000.0 + 30))
+
+    # ------------------------------------------------------------------ failure and actions
+
+    async def _fail(self, failure: StageFailure, *, forced: JobStatus | None = None) -> None:
+        self._failure = failure
+        outcome = outcome_for(failure.failure_class, failure.error_code)
+        status = forced or outcome.job_status
+        self._stage = failure.stage
+        details = {**failure.details, "hint": outcome.hint}
+        await self._set_status(
+            status,
+            failure=failure,
+            recommended_action=outcome.recommended_action.value,
+            details=details,
+            event_status=EventStatus.FAILED,
+            domain_event=(
+                "node.onboarding.manual_intervention_required"
+                if status == JobStatus.FAILED_MANUAL_INTERVENTION
+                else "node.onboarding.failed"
+            ),
+        )
+        await self._tell_parent()
+
+    async def _await_operator(self) -> Stage | None:
+        """Wait for an accepted action; answer where to start again (None: cancel)."""
+        while True:
+            await workflow.wait_condition(lambda: self._pending is not None)
+            request, self._pending = self._pending, None
+            assert request is not None
+            action = OperatorAction(request.action)
+            failed_stage = self._failure.stage if self._failure else Stage.LOAD_SITE_CONFIG
+            if action == OperatorAction.CANCEL:
+                return None
+            if action == OperatorAction.MARK_MANUAL_INTERVENTION:
+                await self._set_status(JobStatus.FAILED_MANUAL_INTERVENTION, stage=failed_stage)
+                continue
+            await self._set_status(JobStatus.RUNNING, clear_error=True)
+            if action == OperatorAction.RERUN:
+                return Stage.LOAD_SITE_CONFIG
+            if action == OperatorAction.RESTART_CLEAN:
+                await self._compensate("restart_clean")
+                self._state = OnboardState()
+                self._adopted = False
+                return Stage.LOAD_SITE_CONFIG
+            start = checkpoint_for(failed_stage) if action == OperatorAction.RESUME else None
+            if action == OperatorAction.RETRY_STAGE:
+                start = failed_stage
+            if start is not None:
+                if start == Stage.WAIT_FOR_AGENT_ENROLLMENT:
+                    self._state.enrollment_attempts = 0  # a fresh token before failing again
+                return start
+            # adopt_observed_state
+            try:
+                start = await self._adopt()
+            except StageFailure as failure:
+                await self._fail(failure)
+                continue
+            if start is not None:
+                return start
+
+    async def _adopt(self) -> Stage | None:
+        assert self._input is not None
+        if self._site is None:
+            await self._run_stage(Stage.LOAD_SITE_CONFIG)
+        observation: NodeObservation = await workflow.execute_activity(
+            "onboarding.observe",
+            StageInput(self._input, self._site, self._state, 1),
+            result_type=NodeObservation,
+            start_to_close_timeout=QUICK_TIMEOUT,
+            retry_policy=RetryPolicy(maximum_attempts=3),
+        )
+        self._state = observation.state
+        self._adopted = True
+        status = observation.maas_status
+        if observation.machine_present and status == "Deployed":
+            if observation.enrolled_since_deploy or observation.node_status == "active":
+                return Stage.WAIT_FOR_AGENT_ENROLLMENT  # returns at once: enrolled
+            return Stage.ENSURE_HARDWARE_SYNC_CONFIGURED
+        starts = {
+            "Deploying": Stage.WAIT_FOR_DEPLOYED,
+            "Ready": Stage.CONFIGURE_STORAGE,
+            "Allocated": Stage.DEPLOY_VIA_MAAS,
+            "Commissioning": Stage.WAIT_FOR_READY,
+            "Testing": Stage.WAIT_FOR_READY,
+            "New": Stage.COMMISSION_NODE,
+        }
+        if observation.machine_present and status in starts:
+            return starts[status]
+        if not observation.machine_present and self._state.system_id is None:
+            return Stage.CREATE_OR_FIND_IN_MAAS
+        self._adopted = False
+        await self._fail(
+            StageFailure(
+                self._stage,
+                FailureClass.STATE_AMBIGUITY.value,
+                "cannot_adopt",
+                f"nothing to adopt: the machine is {status or 'absent from MAAS'}",
+                {"maas_status": status, "node_status": observation.node_status},
+            )
+        )
+        return None
+
+    async def _cancel(self) -> OnboardResult:
+        await self._set_status(JobStatus.COMPENSATING)
+        await self._compensate("cancel")
+        await self._set_status(JobStatus.CANCELLED, domain_event="node.onboarding.cancelled")
+        await self._tell_parent()
+        return self._result()
+
+    async def _compensate(self, mode: str) -> None:
+        assert self._input is not None
+        try:
+            result: StageResult = await workflow.execute_activity(
+                "onboarding.compensate",
+                StageInput(self._input, self._site, self._state, 1, compensation=mode),
+                result_type=StageResult,
+                start_to_close_timeout=timedelta(
+                    seconds=(self._site.policy.deploy_timeout_seconds if self._site else 600) + 120
+                ),
+                heartbeat_timeout=self._heartbeat_timeout(),
+                retry_policy=RetryPolicy(maximum_attempts=3),
+            )
+            self._state = result.state
+        except ActivityError as err:
+            # Compensation that cannot finish is surfaced, never retried blindly.
+            workflow.logger.warning("onboarding compensation failed: %s", err)
+
+    # ------------------------------------------------------------------ operator surface
+
+    @workflow.update(name=OPERATOR_ACTION_UPDATE)
+    async def operator_action(self, request: OperatorRequest) -> ActionResult:
+        action = OperatorAction(request.action)
+        prior_status, prior_stage = self._status, self._stage
+        expected = _expected_status(action)
+        noop = self._is_noop(action)
+        if noop:
+            message = f"{action.value}: already in effect"
+        elif self._status in (JobStatus.PENDING, JobStatus.RUNNING):
+            self._interrupt = action  # cancel or mark_manual_intervention_required
+            if self._stage_task is not None:
+                self._stage_task.cancel()
+            message = f"{action.value}: stopping {self._stage.value}"
+        else:
+            self._pending = request
+            message = f"{action.value} accepted"
+        return ActionResult(
+            action=action.value,
+            accepted=not noop,
+            prior_status=prior_status.value,
+            prior_stage=prior_stage.value,
+            expected_status=expected.value,
+            message=message,
+        )
+
+    @operator_action.validator
+    def _validate_action(self, request: OperatorRequest) -> None:
+        try:
+            action = OperatorAction(request.action)
+        except ValueError:
+            raise ApplicationError(
+                f"unknown action {request.action!r}", type="action_not_allowed"
+            ) from None
+        if self._is_noop(action):
+            return
+        if self._pending is not None or self._interrupt is not None:
+            raise ApplicationError(
+                "another operator action is being applied", type="action_not_allowed"
+            )
+        if self._status not in ALLOWED_ACTIONS[action]:
+            raise ApplicationError(
+                f"{action.value} is not allowed while the onboarding is {self._status.value}",
+                type="action_not_allowed",
+            )
+
+    def _is_noop(self, action: OperatorAction) -> bool:
+        return (action == OperatorAction.CANCEL and self._status == JobStatus.CANCELLED) or (
+            action == OperatorAction.MARK_MANUAL_INTERVENTION
+            and self._status == JobStatus.FAILED_MANUAL_INTERVENTION
+        )
+
+    @workflow.query(name=PROGRESS_QUERY)
+    def progress(self) -> Progress:
+        failure = self._failure if self._status in FAILED_JOB_STATUSES else None
+        return Progress(
+            onboarding_id=self._input.onboarding_id if self._input else "",
+            status=self._status.value,
+            stage=self._stage.value,
+            attempt=self._entries.get(self._stage, 0),
+            failure_class=failure.failure_class if failure else None,
+            error_code=failure.error_code if failure else None,
+            system_id=self._state.system_id,
+            node_id=self._input.node_id if self._input else None,
+        )
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    async def _set_status(
+        self,
+        status: JobStatus,
+        *,
+        stage: Stage | None = None,
+        failure: StageFailure | None = None,
+        recommended_action: str | None = None,
+        details: dict[str, Any] | None = None,
+        event_status: EventStatus | None = None,
+        domain_event: str | None = None,
+        clear_error: bool = False,
+        workflow_run_id: str | None = None,
+    ) -> None:
+        assert self._input is not None
+        self._status = status
+        if stage is not None:
+            self._stage = stage
+        self._upsert_search_attributes()
+        record = ProgressRecord(
+            onboarding_id=self._input.onboarding_id,
+            status=status.value,
+            stage=self._stage.value,
+            attempt=self._entries.get(self._stage, 0),
+            event_status=event_status.value if event_status else None,
+            message=failure.message if failure else "",
+            details={**(details or {}), "node_id": self._input.node_id},
+            state=self._state,
+            failure_class=failure.failure_class if failure else None,
+            error_code=failure.error_code if failure else None,
+            recommended_action=recommended_action,
+            clear_error=clear_error,
+            workflow_run_id=workflow_run_id,
+            domain_event=domain_event,
+        )
+        await workflow.execute_local_activity(
+            "onboarding.record_progress",
+            record,
+            start_to_close_timeout=timedelta(seconds=30),
+            retry_policy=RetryPolicy(maximum_interval=timedelta(seconds=10)),
+        )
+
+    def _upsert_search_attributes(self) -> None:
+        assert self._input is not None
+        updates = [
+            sa.LIFECYCLE_STATUS.value_set(self._status.value),
+            sa.CURRENT_STAGE.value_set(self._stage.value),
+            sa.SITE_ID.value_set(self._input.site_id),
+            sa.HOSTNAME.value_set(self._input.hostname),
+            sa.NODE_ID.value_set(self._input.node_id),
+        ]
+        if self._input.batch_id:
+            updates.append(sa.BATCH_ID.value_set(self._input.batch_id))
+        workflow.upsert_search_attributes(updates)
+
+    async def _tell_parent(self) -> None:
+        parent = workflow.info().parent
+        if parent is None or self._parent_told or self._input is None:
+            return
+        self._parent_told = True
+        failure = self._failure if self._status in FAILED_JOB_STATUSES else None
+        await workflow.get_external_workflow_handle(parent.workflow_id).signal(
+            CHILD_SETTLED_SIGNAL,
+            ChildSettled(
+                onboarding_id=self._input.onboarding_id,
+                status=self._status.value,
+                failure_class=failure.failure_class if failure else None,
+                error_code=failure.error_code if failure else None,
+            ),
+        )
+
+    def _result(self) -> OnboardResult:
+        assert self._input is not None
+        failure = self._failure if self._status in FAILED_JOB_STATUSES else None
+        return OnboardResult(
+            onboarding_id=self._input.onboarding_id,
+            hostname=self._input.hostname,
+            status=self._status.value,
+            node_id=self._input.node_id,
+            system_id=self._state.system_id,
+            failure_class=failure.failure_class if failure else None,
+            error_code=failure.error_code if failure else None,
+        )
+
+
+def _expected_status(action: OperatorAction) -> JobStatus:
+    if action == OperatorAction.CANCEL:
+        return JobStatus.CANCELLED
+    if action == OperatorAction.MARK_MANUAL_INTERVENTION:
+        return JobStatus.FAILED_MANUAL_INTERVENTION
+    if action == OperatorAction.ADOPT:
+        return JobStatus.RECONCILED
+    return JobStatus.COMPLETED

@@ -1,0 +1,141 @@
+"""MaasNodeBatchOnboardWorkflow `onboarding-batch-{id}` (seed 003 §4.4): one
+MaasNodeOnboardWorkflow child per node, at most `max_parallel` in flight.
+
+A child is in flight until it *settles* (its first completed / failed_* / cancelled state, told
+by signal): a failed node then waits for an operator without holding a slot, so one node's
+failure never blocks the others, and the batch ends once every node has settled. Children are
+abandoned when the batch closes (they outlive it, waiting for their operator actions), and each
+keeps its own per-node history in the read model. The summary counts completed (and
+reconciled) nodes as succeeded, everything else as failed."""
+
+from __future__ import annotations
+
+import asyncio
+
+from temporalio import workflow
+from temporalio.common import SearchAttributePair, TypedSearchAttributes
+from temporalio.exceptions import ChildWorkflowError
+from temporalio.workflow import ParentClosePolicy
+
+with workflow.unsafe.imports_passed_through():
+    from core import search_attributes as sa
+    from workflows.onboarding_contract import (
+        BATCH_WORKFLOW_NAME,
+        CHILD_SETTLED_SIGNAL,
+        PROGRESS_QUERY,
+        WORKFLOW_NAME,
+        BatchInput,
+        BatchNode,
+        BatchSummary,
+        ChildSettled,
+        JobStatus,
+        OnboardInput,
+        OnboardResult,
+        onboarding_workflow_id,
+    )
+
+SUCCEEDED = frozenset({JobStatus.COMPLETED.value, JobStatus.RECONCILED.value})
+
+
+@workflow.defn(name=BATCH_WORKFLOW_NAME)
+class MaasNodeBatchOnboardWorkflow:
+    def __init__(self) -> None:
+        self._settled: dict[str, ChildSettled] = {}
+        self._in_flight: set[str] = set()
+        self._max_in_flight = 0
+        self._started = 0
+        self._total = 0
+
+    @workflow.run
+    async def run(self, input: BatchInput) -> BatchSummary:
+        self._total = len(input.nodes)
+        limit = max(1, input.max_parallel)
+        pending = list(input.nodes)
+        watchers: list[asyncio.Task[None]] = []
+        while pending or self._in_flight:
+            while pending and len(self._in_flight) < limit:
+                node = pending.pop(0)
+                watchers.append(asyncio.create_task(self._start_child(input, node)))
+                self._in_flight.add(node.onboarding_id)
+                self._started += 1
+                self._max_in_flight = max(self._max_in_flight, len(self._in_flight))
+            await workflow.wait_condition(lambda: any(o in self._settled for o in self._in_flight))
+            self._in_flight -= set(self._settled)
+        workflow.upsert_search_attributes([sa.LIFECYCLE_STATUS.value_set("completed")])
+        details = [
+            OnboardResult(
+                onboarding_id=node.onboarding_id,
+                hostname=node.hostname,
+                status=self._settled[node.onboarding_id].status,
+                node_id=node.node_id,
+                failure_class=self._settled[node.onboarding_id].failure_class,
+                error_code=self._settled[node.onboarding_id].error_code,
+            )
+            for node in input.nodes
+        ]
+        succeeded = sum(1 for d in details if d.status in SUCCEEDED)
+        return BatchSummary(
+            batch_id=input.batch_id,
+            succeeded=succeeded,
+            failed=len(details) - succeeded,
+            details=details,
+            max_in_flight=self._max_in_flight,
+        )
+
+    async def _start_child(self, input: BatchInput, node: BatchNode) -> None:
+        """Start one child and, should it close without having told us (terminated, or a bug),
+        settle it from its result so the batch cannot hang."""
+        handle = await workflow.start_child_workflow(
+            WORKFLOW_NAME,
+            OnboardInput(
+                onboarding_id=node.onboarding_id,
+                site_id=input.site_id,
+                profile_id=input.profile_id,
+                sku_id=input.sku_id,
+                hostname=node.hostname,
+                ipmi_ip=node.ipmi_ip,
+                node_id=node.node_id,
+                batch_id=input.batch_id,
+                requested_by=input.requested_by,
+            ),
+            id=onboarding_workflow_id(node.onboarding_id),
+            task_queue=workflow.info().task_queue,
+            parent_close_policy=ParentClosePolicy.ABANDON,
+            result_type=OnboardResult,
+            search_attributes=TypedSearchAttributes(
+                [
+                    SearchAttributePair(sa.SITE_ID, input.site_id),
+                    SearchAttributePair(sa.HOSTNAME, node.hostname),
+                    SearchAttributePair(sa.BATCH_ID, input.batch_id),
+                    SearchAttributePair(sa.NODE_ID, node.node_id),
+                    SearchAttributePair(sa.LIFECYCLE_STATUS, JobStatus.PENDING.value),
+                    SearchAttributePair(sa.CURRENT_STAGE, "load_site_config"),
+                ]
+            ),
+        )
+        try:
+            result: OnboardResult = await handle
+            status, failure_class, error_code = (
+                result.status,
+                result.failure_class,
+                result.error_code,
+            )
+        except ChildWorkflowError as err:
+            status, failure_class, error_code = "failed_manual_intervention", None, str(err)[:200]
+        self._settled.setdefault(
+            node.onboarding_id, ChildSettled(node.onboarding_id, status, failure_class, error_code)
+        )
+
+    @workflow.signal(name=CHILD_SETTLED_SIGNAL)
+    def child_settled(self, settled: ChildSettled) -> None:
+        self._settled.setdefault(settled.onboarding_id, settled)
+
+    @workflow.query(name=PROGRESS_QUERY)
+    def progress(self) -> dict[str, int]:
+        return {
+            "total": self._total,
+            "started": self._started,
+            "in_flight": len(self._in_flight),
+            "settled": len(self._settled),
+            "max_in_flight": self._max_in_flight,
+        }

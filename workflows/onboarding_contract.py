@@ -1,0 +1,350 @@
+"""The MAAS onboarding contract (seed 003 §4, seed 004 §4): workflow names and IDs, the stage
+catalogue in order, job states, operator actions, and the values that cross the workflow /
+activity / gateway boundaries. Nothing here is secret: power credentials, MAAS tokens, the
+enrollment token and the cloud-init content stay inside the activities that use them.
+
+    MaasNodeOnboardWorkflow       onboarding-{onboarding_id}
+    MaasNodeBatchOnboardWorkflow  onboarding-batch-{batch_id}
+
+Operator actions are workflow updates (`OPERATOR_ACTION_UPDATE`): the validator refuses an
+action the job state does not allow (the gateway answers 409), and an update id derived from
+the request makes a repeated call answer the first call's result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+WORKFLOW_NAME = "MaasNodeOnboardWorkflow"
+BATCH_WORKFLOW_NAME = "MaasNodeBatchOnboardWorkflow"
+OPERATOR_ACTION_UPDATE = "operator_action"
+PROGRESS_QUERY = "progress"
+CHILD_SETTLED_SIGNAL = "child_settled"
+
+
+def onboarding_workflow_id(onboarding_id: str) -> str:
+    return f"onboarding-{onboarding_id}"
+
+
+def batch_workflow_id(batch_id: str) -> str:
+    return f"onboarding-batch-{batch_id}"
+
+
+class Stage(StrEnum):
+    """Seed 004 §4.2, in execution order (classify/recover run only after a deploy failure)."""
+
+    LOAD_SITE_CONFIG = "load_site_config"
+    RESOLVE_POWER_CREDENTIALS = "resolve_power_credentials"
+    CREATE_OR_FIND_IN_MAAS = "create_or_find_in_maas"
+    COMMISSION_NODE = "commission_node"
+    WAIT_FOR_READY = "wait_for_ready"
+    CONFIGURE_STORAGE = "configure_storage"
+    APPLY_ROCE_PHASE2 = "apply_roce_phase2"
+    ENSURE_PXE_INTERFACE_AUTO = "ensure_pxe_interface_auto"
+    RENDER_CLOUD_INIT = "render_cloud_init"
+    DEPLOY_VIA_MAAS = "deploy_via_maas"
+    WAIT_FOR_DEPLOYED = "wait_for_deployed"
+    CLASSIFY_DEPLOY_FAILURE = "classify_deploy_failure"
+    RECOVER_FOR_DATASOURCE_RETRY = "recover_for_datasource_retry"
+    ENSURE_HARDWARE_SYNC_CONFIGURED = "ensure_hardware_sync_configured"
+    WAIT_FOR_HARDWARE_SYNC_HEALTHY = "wait_for_hardware_sync_healthy"
+    WAIT_FOR_AGENT_ENROLLMENT = "wait_for_agent_enrollment"
+
+
+# The main line; the deploy-recovery stages are entered from wait_for_deployed only.
+STAGE_ORDER: tuple[Stage, ...] = (
+    Stage.LOAD_SITE_CONFIG,
+    Stage.RESOLVE_POWER_CREDENTIALS,
+    Stage.CREATE_OR_FIND_IN_MAAS,
+    Stage.COMMISSION_NODE,
+    Stage.WAIT_FOR_READY,
+    Stage.CONFIGURE_STORAGE,
+    Stage.APPLY_ROCE_PHASE2,
+    Stage.ENSURE_PXE_INTERFACE_AUTO,
+    Stage.RENDER_CLOUD_INIT,
+    Stage.DEPLOY_VIA_MAAS,
+    Stage.WAIT_FOR_DEPLOYED,
+    Stage.ENSURE_HARDWARE_SYNC_CONFIGURED,
+    Stage.WAIT_FOR_HARDWARE_SYNC_HEALTHY,
+    Stage.WAIT_FOR_AGENT_ENROLLMENT,
+)
+# Stages after which the OS runs on the machine: failures there leave MAAS alone (§4.6).
+POST_DEPLOY_STAGES = frozenset(
+    {
+        Stage.ENSURE_HARDWARE_SYNC_CONFIGURED,
+        Stage.WAIT_FOR_HARDWARE_SYNC_HEALTHY,
+        Stage.WAIT_FOR_AGENT_ENROLLMENT,
+    }
+)
+DEPLOY_STAGES = frozenset(
+    {
+        Stage.DEPLOY_VIA_MAAS,
+        Stage.WAIT_FOR_DEPLOYED,
+        Stage.CLASSIFY_DEPLOY_FAILURE,
+        Stage.RECOVER_FOR_DATASOURCE_RETRY,
+    }
+)
+
+
+class JobStatus(StrEnum):
+    """Seed 004 §4.1 / §5.1: the workflow's job state (not the coarse node state)."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED_RETRYABLE = "failed_retryable"
+    FAILED_MANUAL_INTERVENTION = "failed_manual_intervention"
+    CANCELLED = "cancelled"
+    COMPENSATING = "compensating"
+    RECONCILED = "reconciled"
+
+
+TERMINAL_JOB_STATUSES = frozenset({JobStatus.COMPLETED, JobStatus.CANCELLED, JobStatus.RECONCILED})
+FAILED_JOB_STATUSES = frozenset({JobStatus.FAILED_RETRYABLE, JobStatus.FAILED_MANUAL_INTERVENTION})
+# A hostname has at most one onboarding in these states per site (a partial unique index).
+LIVE_JOB_STATUSES = frozenset(
+    {
+        JobStatus.PENDING,
+        JobStatus.RUNNING,
+        JobStatus.COMPENSATING,
+        JobStatus.FAILED_RETRYABLE,
+        JobStatus.FAILED_MANUAL_INTERVENTION,
+    }
+)
+
+
+class OperatorAction(StrEnum):
+    """Seed 003 §4.9: distinct operations, not synonyms."""
+
+    RETRY_STAGE = "retry_stage"  # rerun only the failed stage, then go on
+    RESUME = "resume"  # from the failed stage's last safe checkpoint, state refreshed
+    RERUN = "rerun"  # from the top, every stage adopting what is already done
+    RESTART_CLEAN = "restart_clean"  # compensate known progress, then from the top
+    CANCEL = "cancel"  # stop and compensate where possible
+    ADOPT = "adopt_observed_state"  # accept externally advanced MAAS/node state
+    MARK_MANUAL_INTERVENTION = "mark_manual_intervention_required"  # freeze automation
+
+
+class EventStatus(StrEnum):
+    STARTED = "started"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    COMPENSATED = "compensated"
+    SKIPPED = "skipped"
+
+
+@dataclass
+class OnboardInput:
+    onboarding_id: str
+    site_id: str
+    profile_id: str
+    sku_id: str
+    hostname: str
+    ipmi_ip: str
+    node_id: str  # assigned at submission, so a batch answer can name it
+    batch_id: str | None = None
+    requested_by: str = ""
+    pxe_mac: str | None = None
+
+
+@dataclass
+class SitePolicyView:
+    """The site policy knobs (seed 003 §3.6) and timeouts (§4.14) a run uses."""
+
+    strict_pxe_preflight: bool = True
+    enable_phase2_roce: bool = True
+    require_hw_sync: bool = True
+    hardware_sync_interval: str = "15m"
+    release_fallback_no_erase: bool = True
+    enable_deploy_retry_on_datasource_failure: bool = True
+    max_deploy_retry_attempts: int = 1
+    auto_claim_single_new_machine: bool = False
+    batch_max_parallel: int = 10
+    site_bootstrap_bundle_ref: str | None = None
+    enrollment_token_ttl_seconds: int = 7200
+    maas_poll_interval_ms: int = 10_000
+    discovery_timeout_seconds: int = 900
+    commission_timeout_seconds: int = 3600
+    deploy_timeout_seconds: int = 3600
+    hw_sync_seed_timeout_seconds: int = 900
+    hw_sync_health_timeout_seconds: int = 1800
+    enrollment_timeout_seconds: int = 1800
+
+
+@dataclass
+class SiteConfig:
+    """load_site_config's answer: where things are, never what the secrets are."""
+
+    site_id: str
+    site_name: str
+    region_code: str
+    api_base_url: str
+    api_token_vault_path: str
+    deploy_password_vault_path: str
+    pxe_vlan_vid: int
+    node_pxe_iface: str
+    deploy_user: str
+    deploy_ssh_iface: str
+    upstream_dns_servers: list[str]
+    distro_series: str  # the profile's, else the site's
+    architecture: str
+    sku_id: str
+    gpu_count: int
+    policy: SitePolicyView
+    maas_version: str = ""
+
+
+@dataclass
+class Observed:
+    """What MAAS (and the node record) looked like the last time a stage checked."""
+
+    maas_status: str | None = None
+    power_state: str | None = None
+    ip_addresses: list[str] = field(default_factory=list)
+
+
+@dataclass
+class OnboardState:
+    """What the run knows so far; the workflow passes it to each stage and merges the answer."""
+
+    system_id: str | None = None
+    boss_disk_id: int | None = None
+    power_source: str | None = None  # "site_default" | "override:<selector>"
+    cloud_init_version: str | None = None
+    cloud_init_layers: list[str] = field(default_factory=list)
+    deployed_since: str | None = None  # ISO time the (latest) deploy was issued
+    deploy_attempts: int = 0
+    enrollment_attempts: int = 0
+    roce_applied: int = 0
+    os_running: bool = False  # post-deploy stages began: cancel leaves MAAS alone (§4.6)
+    observed: Observed = field(default_factory=Observed)
+
+
+@dataclass
+class StageInput:
+    onboarding: OnboardInput
+    site: SiteConfig | None
+    state: OnboardState
+    attempt: int = 1
+    compensation: str = ""  # compensate only: "cancel" | "restart_clean"
+
+
+@dataclass
+class StageResult:
+    state: OnboardState
+    message: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+    skipped: bool = False
+    site: SiteConfig | None = None  # load_site_config's answer
+
+
+@dataclass
+class NodeObservation:
+    """What adopt_observed_state decides from: MAAS's machine and the node record now."""
+
+    machine_present: bool
+    maas_status: str | None
+    node_status: str | None
+    enrolled_since_deploy: bool
+    state: OnboardState
+
+
+@dataclass
+class ProgressRecord:
+    """One read-model write: the job row's new values and, optionally, one stage event."""
+
+    onboarding_id: str
+    status: str
+    stage: str
+    attempt: int
+    event_status: str | None = None
+    message: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+    state: OnboardState | None = None
+    failure_class: str | None = None
+    error_code: str | None = None
+    recommended_action: str | None = None
+    clear_error: bool = False
+    workflow_run_id: str | None = None
+    domain_event: str | None = None  # node.onboarding.started|completed|failed|...
+
+
+@dataclass
+class OperatorRequest:
+    action: str  # OperatorAction value
+    actor: str = ""
+    reason: str = ""
+
+
+@dataclass
+class ActionResult:
+    action: str
+    accepted: bool
+    prior_status: str
+    prior_stage: str
+    expected_status: str
+    message: str = ""
+
+
+@dataclass
+class Progress:
+    onboarding_id: str
+    status: str
+    stage: str
+    attempt: int
+    failure_class: str | None = None
+    error_code: str | None = None
+    recommended_action: str | None = None
+    system_id: str | None = None
+    node_id: str | None = None
+
+
+@dataclass
+class OnboardResult:
+    onboarding_id: str
+    hostname: str
+    status: str
+    node_id: str | None = None
+    system_id: str | None = None
+    failure_class: str | None = None
+    error_code: str | None = None
+
+
+@dataclass
+class BatchNode:
+    hostname: str
+    ipmi_ip: str
+    onboarding_id: str
+    node_id: str
+
+
+@dataclass
+class BatchInput:
+    batch_id: str
+    site_id: str
+    profile_id: str
+    sku_id: str
+    nodes: list[BatchNode]
+    max_parallel: int = 10
+    requested_by: str = ""
+
+
+@dataclass
+class ChildSettled:
+    """A child's first settled outcome: completed, a failed_* state, or cancelled."""
+
+    onboarding_id: str
+    status: str
+    failure_class: str | None = None
+    error_code: str | None = None
+
+
+@dataclass
+class BatchSummary:
+    batch_id: str
+    succeeded: int
+    failed: int
+    details: list[OnboardResult] = field(default_factory=list)
+    max_in_flight: int = 0
