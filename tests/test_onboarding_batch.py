@@ -1,0 +1,134 @@
+"""MaasNodeBatchOnboardWorkflow: 20 nodes with mixed simulator faults. Each fault must end in the
+failure class, job state, node state and recommended action seed 003 §4.6/§4.7/§4.11 prescribe,
+no node's failure blocks another, and never more than max_parallel run at once."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+
+from schema.models import Node
+from tests.histories import record_history
+from tests.maas_fixtures import sim_machine, sim_scenario
+from tests.onboarding_fixtures import OnboardingRig
+
+PLAIN = [f"b-ok-{i:02d}" for i in range(14)]
+# hostname -> (scenario machine kwargs, expected (status, failure_class, error_code, action))
+FAULTY: dict[str, tuple[dict[str, Any], tuple[str, str | None, str | None, str | None]]] = {
+    "b-noboss": (
+        {"boss": False},
+        ("failed_manual_intervention", "hardware_mismatch", "boss_disk_missing", "rerun"),
+    ),
+    "b-ds-once": (
+        {"faults": [{"kind": "deploy_fails_datasource"}]},
+        ("completed", None, None, None),
+    ),
+    "b-ds-always": (
+        {"faults": [{"kind": "deploy_fails_datasource", "times": 5}]},
+        (
+            "failed_manual_intervention",
+            "deploy_cloud_init_failure",
+            "deploy_datasource_retries_exhausted",
+            "rerun",
+        ),
+    ),
+    "b-deploy-fails": (
+        {"faults": [{"kind": "deploy_fails"}]},
+        ("failed_retryable", "deploy_cloud_init_failure", "deploy_failed", "rerun"),
+    ),
+    "b-no-sync": (
+        {"faults": [{"kind": "hw_sync_never_healthy"}]},
+        (
+            "failed_manual_intervention",
+            "hardware_sync_failure",
+            "failed_hw_sync_health",
+            "resume",
+        ),
+    ),
+}
+AMBIGUOUS = "b-ambiguous"  # two MAAS records claim its BMC
+AMBIGUOUS_BMC = "10.176.17.99"
+
+
+def _bmc(i: int) -> str:
+    return f"10.176.17.{10 + i}"
+
+
+MACHINES = [
+    sim_machine(name, _bmc(i), status="New" if i % 3 == 0 else "Ready")
+    for i, name in enumerate(PLAIN)
+] + [
+    sim_machine(name, _bmc(20 + i), **kwargs)
+    for i, (name, (kwargs, _)) in enumerate(FAULTY.items())
+]
+MACHINES.append(sim_machine("b-ambiguous-maas", AMBIGUOUS_BMC))
+SCENARIO = sim_scenario(*MACHINES)
+BMC_OF = {m["hostname"]: m["bmc"]["address"] for m in MACHINES}
+BMC_OF[AMBIGUOUS] = AMBIGUOUS_BMC
+
+
+@pytest.mark.maas_scenario(SCENARIO)
+async def test_batch_of_twenty_with_mixed_faults(onboarding: OnboardingRig) -> None:
+    # A stale IPMI-only record at the same BMC: discovery must fail closed, not guess.
+    async with onboarding.maas_sim.client() as maas:
+        created = await maas.post(
+            "machines/",
+            data={"hostname": "b-stale", "power_type": "ipmi",
+                  "power_parameters_power_address": AMBIGUOUS_BMC},
+        )  # fmt: skip
+        assert created.status_code == 200, created.text
+
+    names = [*PLAIN, *FAULTY, AMBIGUOUS]
+    assert len(names) == 20
+    batch_id, jobs, handle = await onboarding.start_batch(
+        [(n, BMC_OF[n]) for n in names], max_parallel=5
+    )
+    summary = await handle.result()
+    await record_history(handle, "onboarding_batch", "mixed_faults")
+
+    assert summary.max_in_flight <= 5
+    assert summary.succeeded == 15, [d for d in summary.details if d.status != "completed"]
+    assert summary.failed == 5
+    by_host = {job.hostname: job for job in jobs}
+    for hostname in PLAIN:
+        row = await onboarding.row(by_host[hostname])
+        assert row.status == "completed", (hostname, row.error_code, row.error_message)
+    for hostname, (_, (status, failure_class, code, action)) in FAULTY.items():
+        row = await onboarding.row(by_host[hostname])
+        got = (row.status, row.failure_class, row.error_code, row.recommended_action)
+        assert got == (status, failure_class, code, action), (hostname, row.error_message)
+    ambiguous = await onboarding.row(by_host[AMBIGUOUS])
+    assert (ambiguous.status, ambiguous.failure_class, ambiguous.error_code) == (
+        "failed_manual_intervention",
+        "state_ambiguity",
+        "bmc_address_ambiguous",
+    )
+    assert ambiguous.recommended_action == "adopt_observed_state"
+
+    # Node states: active only where onboarding completed; none before render; the one whose
+    # hardware sync never became healthy stays enrolling (never active).
+    async with onboarding.sessions() as session:
+        nodes = {n.hostname: n for n in await session.scalars(select(Node))}
+    assert all(nodes[h].status == "active" for h in [*PLAIN, "b-ds-once"])
+    assert nodes["b-no-sync"].status == "enrolling"
+    assert "b-noboss" not in nodes
+    assert AMBIGUOUS not in nodes
+
+    # MAAS: the generic failure went back to Ready; the datasource-once node deployed twice.
+    failed_generic = await onboarding.row(by_host["b-deploy-fails"])
+    assert (await onboarding.maas_sim.machine(failed_generic.maas_system_id))["status_name"] == (
+        "Ready"
+    )
+    once = await onboarding.row(by_host["b-ds-once"])
+    assert once.deploy_attempts == 2
+    counters = await onboarding.maas_sim.counters()
+    assert counters["machines"][once.maas_system_id]["machine.deploy"] == 2
+    # Deploys never exceed the bound: 1 + max_deploy_retry_attempts (1) per node.
+    for hostname in names:
+        row = await onboarding.row(by_host[hostname])
+        if row.maas_system_id:
+            assert counters["machines"][row.maas_system_id].get("machine.deploy", 0) <= 2
+    assert uuid.UUID(batch_id)
