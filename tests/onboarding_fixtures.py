@@ -229,17 +229,15 @@ class OnboardingRig:
                 setattr(policy, key, value)
 
 
-@pytest.fixture
-async def onboarding(
+@contextlib.asynccontextmanager
+async def onboarding_rig(
     settings: Settings,
     temporal_client: Client,
-    db_engine: AsyncEngine,
     db_sessions: async_sessionmaker[AsyncSession],
     secret_store: Any,
     maas_sim: Any,
 ) -> AsyncIterator[OnboardingRig]:
-    from worker import build_worker
-
+    """The site, its secrets, the gateway over HTTP and the first-boot simulator; no worker."""
     port = _free_port()
     settings = dataclasses.replace(settings, public_api_url=f"http://127.0.0.1:{port}")
     site_id, profile_id = uuid.uuid4(), uuid.uuid4()
@@ -276,38 +274,72 @@ async def onboarding(
         await asyncio.sleep(0.02)
     first_boot = FirstBootSimulator(maas_sim.base_url, maas_sim.control_token, poll_interval=0.05)
     seeder = SimulatedHostSeeder(first_boot=first_boot)
-    host_access = HostAccess(
-        bmc=SimulatedBmc(maas_sim.base_url, maas_sim.control_token), seeder=seeder
-    )
     await first_boot.start()
+    rig = OnboardingRig(
+        site_id=site_id,
+        profile_id=profile_id,
+        sessions=db_sessions,
+        client=temporal_client,
+        settings=settings,
+        maas_sim=maas_sim,
+        first_boot=first_boot,
+        seeder=seeder,
+    )
     try:
-        async with build_worker(
-            temporal_client, settings, db_engine, secret_store=secret_store,
-            host_access=host_access,
-        ):  # fmt: skip
-            rig = OnboardingRig(
-                site_id=site_id,
-                profile_id=profile_id,
-                sessions=db_sessions,
-                client=temporal_client,
-                settings=settings,
-                maas_sim=maas_sim,
-                first_boot=first_boot,
-                seeder=seeder,
-            )
-            try:
-                yield rig
-            finally:
-                # Failed jobs wait for operators forever: end them so the worker can stop.
-                for job in rig.jobs:
-                    with contextlib.suppress(Exception):
-                        await temporal_client.get_workflow_handle(job.workflow_id).terminate()
-                for batch_id in rig.batches:
-                    with contextlib.suppress(Exception):
-                        await temporal_client.get_workflow_handle(
-                            batch_workflow_id(batch_id)
-                        ).terminate()
+        yield rig
     finally:
+        # Failed jobs wait for operators forever: end them so workers can stop.
+        for workflow_id in [j.workflow_id for j in rig.jobs] + [
+            batch_workflow_id(b) for b in rig.batches
+        ]:
+            with contextlib.suppress(Exception):
+                await temporal_client.get_workflow_handle(workflow_id).terminate()
         await first_boot.stop()
         server.should_exit = True
         await serving
+
+
+@pytest.fixture
+async def onboarding_without_worker(
+    settings: Settings,
+    temporal_client: Client,
+    db_sessions: async_sessionmaker[AsyncSession],
+    secret_store: Any,
+    maas_sim: Any,
+) -> AsyncIterator[OnboardingRig]:
+    async with onboarding_rig(
+        settings, temporal_client, db_sessions, secret_store, maas_sim
+    ) as rig:
+        yield rig
+
+
+@pytest.fixture
+async def onboarding(
+    settings: Settings,
+    temporal_client: Client,
+    db_engine: AsyncEngine,
+    db_sessions: async_sessionmaker[AsyncSession],
+    secret_store: Any,
+    maas_sim: Any,
+) -> AsyncIterator[OnboardingRig]:
+    """The rig plus the control-plane worker in-process with the rig's simulated host access."""
+    from worker import build_worker
+
+    async with onboarding_rig(
+        settings, temporal_client, db_sessions, secret_store, maas_sim
+    ) as rig:
+        host_access = HostAccess(
+            bmc=SimulatedBmc(maas_sim.base_url, maas_sim.control_token), seeder=rig.seeder
+        )
+        async with build_worker(
+            temporal_client, rig.settings, db_engine, secret_store=secret_store,
+            host_access=host_access,
+        ):  # fmt: skip
+            try:
+                yield rig
+            finally:
+                for workflow_id in [j.workflow_id for j in rig.jobs] + [
+                    batch_workflow_id(b) for b in rig.batches
+                ]:
+                    with contextlib.suppress(Exception):
+                        await temporal_client.get_workflow_handle(workflow_id).terminate()

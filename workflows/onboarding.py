@@ -169,32 +169,39 @@ class MaasNodeOnboardWorkflow:
         try:
             await self._stage_task
         except StageFailure as failure:
-            await self._fail(failure)
-            return None
+            if self._interrupt is None:
+                await self._fail(failure)
+                return None
+            # An operator interrupt: the cancelled stage's failure is not the job's outcome.
+            return await self._interrupted()
         except asyncio.CancelledError:
             if self._interrupt is None:  # the workflow itself was cancelled: compensate
                 self._interrupt = OperatorAction.CANCEL
-            if self._interrupt == OperatorAction.CANCEL:
-                self._interrupt = None
-                return await self._cancel()
-            self._interrupt = None
-            await self._fail(
-                StageFailure(
-                    self._stage,
-                    self._failure.failure_class if self._failure else "",
-                    "manual_intervention_requested",
-                    "an operator froze automation",
-                    {},
-                ),
-                forced=JobStatus.FAILED_MANUAL_INTERVENTION,
-            )
-            return None
+            return await self._interrupted()
         finally:
             self._stage_task = None
         final = JobStatus.RECONCILED if self._adopted else JobStatus.COMPLETED
         await self._set_status(final, domain_event="node.onboarding.completed", clear_error=True)
         await self._tell_parent()
         return self._result()
+
+    async def _interrupted(self) -> OnboardResult | None:
+        """cancel → compensate and close; mark_manual_intervention_required → freeze."""
+        if self._interrupt == OperatorAction.CANCEL:
+            self._interrupt = None
+            return await self._cancel()
+        self._interrupt = None
+        await self._fail(
+            StageFailure(
+                self._stage,
+                self._failure.failure_class if self._failure else "",
+                "manual_intervention_requested",
+                "an operator froze automation",
+                {},
+            ),
+            forced=JobStatus.FAILED_MANUAL_INTERVENTION,
+        )
+        return None
 
     async def _run_from(self, start: Stage) -> None:
         order = list(STAGE_ORDER)
@@ -300,7 +307,7 @@ class MaasNodeOnboardWorkflow:
                 StageInput(self._input, self._site, self._state, self._entries[stage]),
                 result_type=StageResult,
                 start_to_close_timeout=timedelta(seconds=wait_seconds + 120),
-                heartbeat_timeout=self._heartbeat_timeout() if wait_seconds else None,
+                heartbeat_timeout=self._heartbeat_timeout(),
                 retry_policy=RetryPolicy(
                     initial_interval=timedelta(seconds=1),
                     maximum_interval=timedelta(seconds=30),
@@ -334,8 +341,10 @@ class MaasNodeOnboardWorkflow:
         }.get(stage, 0)
 
     def _heartbeat_timeout(self) -> timedelta:
+        # Every stage heartbeats at least every few seconds (stage_runtime keep-alive), polls
+        # after each MAAS check: a dead worker is noticed in seconds.
         poll_ms = self._site.policy.maas_poll_interval_ms if self._site else 10_000
-        return timedelta(seconds=max(60.0, 3 * poll_ms / 1000.0 + 30))
+        return timedelta(seconds=max(15.0, 3 * poll_ms / 1000.0 + 10))
 
     # ------------------------------------------------------------------ failure and actions
 

@@ -651,6 +651,18 @@ class NodeStageActivities(StageActivitiesBase):
                     delete(Node).where(Node.id == node_id, Node.status == NodeStatus.ENROLLING)
                 )
                 notes.append("node record deleted")
+            elif (
+                node is not None
+                and node.status == NodeStatus.ENROLLING
+                and input.compensation == "restart_clean"
+            ):
+                # The OS that enrolled is being wiped: keep the identity, enroll again later.
+                await session.execute(
+                    update(Node)
+                    .where(Node.id == node_id, Node.status == NodeStatus.ENROLLING)
+                    .values(enrolled_at=None, updated_at=func.now())
+                )
+                notes.append("node enrollment reset")
             elif node is not None and node.status == NodeStatus.ENROLLING:
                 await session.execute(
                     update(Node)

@@ -120,9 +120,10 @@ class StageActivitiesBase:
     @contextlib.asynccontextmanager
     async def stage(self, input: StageInput, stage: Stage) -> AsyncIterator[StageRun]:
         run = StageRun(input=input, stage=stage)
-        attempt = activity.info().attempt if activity.in_activity() else input.attempt
+        attempt = input.attempt
         async with self.deps.sessions() as session, session.begin():
             await read_model.stage_started(session, run.onboarding_id, stage.value, attempt)
+        keepalive = asyncio.create_task(_keep_alive()) if activity.in_activity() else None
         try:
             yield run
         except ClassifiedError as err:
@@ -132,6 +133,9 @@ class StageActivitiesBase:
             wrapped = StageError(FailureClass.UPSTREAM_TRANSIENT, "vault_unavailable", str(err))
             await self._finish(run, attempt, EventStatus.FAILED, None, str(err), wrapped)
             raise as_application_error(wrapped) from err
+        finally:
+            if keepalive is not None:
+                keepalive.cancel()
         if run.result is None:
             raise RuntimeError(f"stage {stage} finished without a result")
         status = EventStatus.SKIPPED if run.result.skipped else EventStatus.SUCCEEDED
@@ -186,6 +190,17 @@ class StageActivitiesBase:
                 non_retryable=True,
             )
         return str(value[key])
+
+
+KEEPALIVE_SECONDS = 2.0
+
+
+async def _keep_alive() -> None:
+    """Heartbeat while any stage runs, so a worker that dies mid-stage is noticed within the
+    heartbeat timeout (seconds), not the stage's start-to-close timeout (up to hours)."""
+    while True:
+        await asyncio.sleep(KEEPALIVE_SECONDS)
+        activity.heartbeat()
 
 
 def poll_interval(site: SiteConfig) -> float:

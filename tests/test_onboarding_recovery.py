@@ -1,0 +1,185 @@
+"""Operator recovery (seed 003 §4.9, §4.10, §4.13): each action on a real failed or running
+onboarding, asserting convergence without duplicates through the MAAS simulator's counters, the
+node table and the stage events."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from sqlalchemy import func, select
+from temporalio.client import WorkflowUpdateFailedError
+
+from schema.models import Node
+from tests.histories import record_history
+from tests.maas_fixtures import sim_machine, sim_scenario
+from tests.onboarding_fixtures import Job, OnboardingRig
+
+SCENARIO = sim_scenario(
+    sim_machine("r-deploy-once", "10.176.18.10", faults=[{"kind": "deploy_fails", "times": 1}]),
+    sim_machine("r-nosync", "10.176.18.11", faults=[{"kind": "hw_sync_never_healthy"}]),
+    sim_machine("r-nosync2", "10.176.18.12", faults=[{"kind": "hw_sync_never_healthy"}]),
+    sim_machine("r-late", "10.176.18.13"),
+    sim_machine("r-slow", "10.176.18.14", timings={"deploying": 60_000}),
+    sim_machine("r-clean", "10.176.18.15", faults=[{"kind": "hw_sync_never_healthy"}]),
+    sim_machine("r-gone", "10.176.18.16", boss=False),
+)
+
+
+async def _nodes_named(rig: OnboardingRig, hostname: str) -> list[Node]:
+    async with rig.sessions() as session:
+        return list(await session.scalars(select(Node).where(Node.hostname == hostname)))
+
+
+async def _stages_after(rig: OnboardingRig, job: Job, marker: int) -> list[tuple[str, str]]:
+    return [(e.stage, e.status) for e in (await rig.events(job))[marker:]]
+
+
+@pytest.mark.maas_scenario(SCENARIO)
+async def test_rerun_after_deploy_failure_converges_without_duplicates(
+    onboarding: OnboardingRig,
+) -> None:
+    job = await onboarding.start("r-deploy-once", "10.176.18.10")
+    row = await onboarding.wait_status(job, "failed_retryable")
+    assert row.error_code == "deploy_failed"
+    system_id = row.maas_system_id
+    assert (await onboarding.maas_sim.machine(system_id))["status_name"] == "Ready"
+
+    # Not allowed: a second, different action while one is pending is fine to refuse, and
+    # an unknown action is refused by the validator.
+    with pytest.raises(WorkflowUpdateFailedError):
+        await onboarding.action(job, "reboot_everything")
+
+    result = await onboarding.action(job, "rerun")
+    assert result.accepted
+    assert (result.prior_status, result.prior_stage) == ("failed_retryable", "wait_for_deployed")
+    row = await onboarding.wait_status(job, "completed")
+    counters = await onboarding.maas_sim.counters()
+    assert counters["ops"].get("machines.create", 0) == 0
+    assert counters["machines"][system_id]["machine.deploy"] == 2  # the failed one + one more
+    assert row.maas_system_id == system_id
+    nodes = await _nodes_named(onboarding, "r-deploy-once")
+    assert [str(n.id) for n in nodes] == [job.node_id]
+    assert nodes[0].status == "active"
+    # Closed: further actions are refused by Temporal (the gateway answers 409).
+    with pytest.raises(Exception):  # noqa: B017, PT011 - RPC "workflow execution already completed"
+        await onboarding.action(job, "retry_stage")
+    await record_history(
+        onboarding.client.get_workflow_handle(job.workflow_id), "onboarding", "rerun_after_failure"
+    )
+
+
+@pytest.mark.maas_scenario(SCENARIO)
+async def test_retry_stage_reruns_only_the_wait_and_resume_reseeds_first(
+    onboarding: OnboardingRig,
+) -> None:
+    retry = await onboarding.start("r-nosync", "10.176.18.11")
+    resume = await onboarding.start("r-nosync2", "10.176.18.12")
+    for job in (retry, resume):
+        row = await onboarding.wait_status(job, "failed_manual_intervention")
+        assert row.error_code == "failed_hw_sync_health"
+        assert row.current_stage == "wait_for_hardware_sync_healthy"
+    # The operator fixes maas-agent on both nodes (the fault is cleared).
+    await onboarding.maas_sim.clear_faults("r-nosync")
+    await onboarding.maas_sim.clear_faults("r-nosync2")
+    marks = {job.hostname: len(await onboarding.events(job)) for job in (retry, resume)}
+
+    assert (await onboarding.action(retry, "retry_stage")).accepted
+    assert (await onboarding.action(resume, "resume")).accepted
+    for job in (retry, resume):
+        await onboarding.wait_status(job, "completed")
+
+    retried = await _stages_after(onboarding, retry, marks["r-nosync"])
+    resumed = await _stages_after(onboarding, resume, marks["r-nosync2"])
+    assert retried[0] == ("wait_for_hardware_sync_healthy", "started")
+    assert ("ensure_hardware_sync_configured", "started") not in retried
+    assert resumed[0] == ("ensure_hardware_sync_configured", "started")
+    assert ("ensure_hardware_sync_configured", "succeeded") in resumed
+    await record_history(
+        onboarding.client.get_workflow_handle(retry.workflow_id), "onboarding", "retry_stage"
+    )
+    await record_history(
+        onboarding.client.get_workflow_handle(resume.workflow_id), "onboarding", "resume"
+    )
+
+
+@pytest.mark.maas_scenario(SCENARIO)
+async def test_late_enrollment_is_adopted(onboarding: OnboardingRig) -> None:
+    onboarding.first_boot.hold("r-late")  # the agent cannot reach the API
+    job = await onboarding.start("r-late", "10.176.18.13")
+    row = await onboarding.wait_status(job, "failed_manual_intervention", timeout=90)
+    assert (row.failure_class, row.error_code) == ("agent_enrollment_failure", "failed_enrollment")
+    assert row.recommended_action == "adopt_observed_state"
+    assert onboarding.seeder.agent_config_pushes == 1  # one token refresh before failing
+    node = (await _nodes_named(onboarding, "r-late"))[0]
+    assert node.status == "enrolling"
+    assert (await onboarding.maas_sim.machine(row.maas_system_id))["status_name"] == "Deployed"
+
+    onboarding.first_boot.release("r-late")  # it enrolls late, with the pushed token
+    await onboarding.first_boot.wait_for("r-late", enrolled=True, timeout=20)
+    result = await onboarding.action(job, "adopt_observed_state")
+    assert result.expected_status == "reconciled"
+    row = await onboarding.wait_status(job, "reconciled")
+    node = (await _nodes_named(onboarding, "r-late"))[0]
+    assert node.status == "active"
+    counters = await onboarding.maas_sim.counters()
+    assert counters["machines"][row.maas_system_id]["machine.deploy"] == 1
+    await record_history(
+        onboarding.client.get_workflow_handle(job.workflow_id),
+        "onboarding",
+        "adopt_late_enrollment",
+    )
+
+
+@pytest.mark.maas_scenario(SCENARIO)
+async def test_cancel_while_deploying_compensates(onboarding: OnboardingRig) -> None:
+    job = await onboarding.start("r-slow", "10.176.18.14")
+    deadline_row = await onboarding.wait_status(job, "running")
+    while deadline_row.current_stage != "wait_for_deployed":
+        deadline_row = await onboarding.wait_status(job, "running")
+    result = await onboarding.action(job, "cancel")
+    assert result.accepted
+    assert result.prior_status == "running"
+    row = await onboarding.wait_status(job, "cancelled")
+    machine = await onboarding.maas_sim.machine(row.maas_system_id)
+    assert machine["status_name"] == "Ready"  # deploy compensation: released back to Ready
+    assert await _nodes_named(onboarding, "r-slow") == []  # the never-enrolled node is gone
+    await record_history(
+        onboarding.client.get_workflow_handle(job.workflow_id), "onboarding", "cancel_running"
+    )
+
+
+@pytest.mark.maas_scenario(SCENARIO)
+async def test_restart_clean_releases_and_starts_over(onboarding: OnboardingRig) -> None:
+    job = await onboarding.start("r-clean", "10.176.18.15")
+    row = await onboarding.wait_status(job, "failed_manual_intervention")
+    system_id = row.maas_system_id
+    await onboarding.maas_sim.clear_faults("r-clean")
+    assert (await onboarding.action(job, "restart_clean")).accepted
+    row = await onboarding.wait_status(job, "completed")
+    counters = await onboarding.maas_sim.counters()
+    assert counters["machines"][system_id]["machine.release"] >= 1
+    assert counters["machines"][system_id]["machine.deploy"] == 2
+    nodes = await _nodes_named(onboarding, "r-clean")
+    assert len(nodes) == 1
+    assert nodes[0].status == "active"
+
+
+@pytest.mark.maas_scenario(SCENARIO)
+async def test_mark_manual_and_adopt_refusals(onboarding: OnboardingRig) -> None:
+    job = await onboarding.start("r-gone", "10.176.18.16")
+    row = await onboarding.wait_status(job, "failed_manual_intervention")
+    assert row.error_code == "boss_disk_missing"
+    # Idempotent: marking an already-blocked job answers "already in effect".
+    again = await onboarding.action(job, "mark_manual_intervention_required")
+    assert not again.accepted
+    # The machine disappears from MAAS behind our back: adopt has nothing to adopt.
+    await onboarding.maas_sim.delete(row.maas_system_id)
+    await onboarding.action(job, "adopt_observed_state")
+    row = await onboarding.wait_status(job, "failed_manual_intervention")
+    events = await onboarding.events(job)
+    assert any(e.status == "failed" for e in events)
+    async with onboarding.sessions() as session:
+        count = await session.scalar(select(func.count()).select_from(Node))
+    assert count == 0
+    assert uuid.UUID(job.node_id)
