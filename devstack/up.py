@@ -557,6 +557,8 @@ class Stack:
             "GPUCLOUD_HOST_ACCESS": "simulated",
             "GPUCLOUD_SIM_MAAS_URL": o.maas_url,
             "GPUCLOUD_SIM_MAAS_CONTROL_TOKEN": maas_control_token,
+            # Deployed nodes' agents enroll here (written into their cloud-init).
+            "GPUCLOUD_PUBLIC_API_URL": o.gateway_probe_url,
         }
         worker = Child("worker", python_entry("worker"), o.logs_dir / "worker.log", worker_env,
                        REPO_ROOT)  # fmt: skip
