@@ -41,6 +41,7 @@ from gateway.controllers.enrollment import (
 from gateway.controllers.gpu_slots import AdminGpuSlotsController
 from gateway.controllers.health import HealthController
 from gateway.controllers.maas_sites import AdminMaasSitesController
+from gateway.controllers.onboardings import AdminOnboardingsController
 from gateway.controllers.payments import (
     AdminPaymentsController,
     PaymentsController,
@@ -142,6 +143,7 @@ def create_app(
             AllocationsController,
             CodecController,
             AdminMaasSitesController,
+            AdminOnboardingsController,
             AdminNodeEnrollmentController,
             AgentEnrollmentController,
             AdminGpuSlotsController,

@@ -22,6 +22,12 @@ RegionCode = Annotated[str, msgspec.Meta(min_length=1, max_length=50, pattern=r"
 Url = Annotated[str, msgspec.Meta(min_length=8, max_length=500, pattern=r"^https?://[^\s]+$")]
 Secret = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
 SiteStatus = Literal["active", "disabled"]
+# The bounds of the maas_site_policies check constraints (poll 10 ms to 10 min), timeouts at most
+# a week.
+PollIntervalMs = Annotated[int, msgspec.Meta(ge=10, le=600_000)]
+TimeoutSeconds = Annotated[int, msgspec.Meta(ge=1, le=7 * 24 * 3600)]
+DistroSeries = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+Architecture = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 
 
 class SitePolicy(msgspec.Struct, kw_only=True):
@@ -39,6 +45,14 @@ class SitePolicy(msgspec.Struct, kw_only=True):
     site_bootstrap_bundle_ref: Annotated[str, msgspec.Meta(max_length=300)] | None = None
     enrollment_token_ttl_seconds: Annotated[int, msgspec.Meta(ge=60, le=7 * 24 * 3600)] = 7200
     reconcile_interval_seconds: Annotated[int, msgspec.Meta(ge=30, le=86400)] = 300
+    # Seed 003 §4.14: how often onboarding waits poll MAAS, and how long each wait may take.
+    maas_poll_interval_ms: PollIntervalMs = 10_000
+    discovery_timeout_seconds: TimeoutSeconds = 900
+    commission_timeout_seconds: TimeoutSeconds = 3600
+    deploy_timeout_seconds: TimeoutSeconds = 3600
+    hw_sync_seed_timeout_seconds: TimeoutSeconds = 900
+    hw_sync_health_timeout_seconds: TimeoutSeconds = 1800
+    enrollment_timeout_seconds: TimeoutSeconds = 1800
 
 
 class SitePolicyPatch(Request):
@@ -56,6 +70,13 @@ class SitePolicyPatch(Request):
         None
     )
     reconcile_interval_seconds: Annotated[int, msgspec.Meta(ge=30, le=86400)] | None = None
+    maas_poll_interval_ms: PollIntervalMs | None = None
+    discovery_timeout_seconds: TimeoutSeconds | None = None
+    commission_timeout_seconds: TimeoutSeconds | None = None
+    deploy_timeout_seconds: TimeoutSeconds | None = None
+    hw_sync_seed_timeout_seconds: TimeoutSeconds | None = None
+    hw_sync_health_timeout_seconds: TimeoutSeconds | None = None
+    enrollment_timeout_seconds: TimeoutSeconds | None = None
 
 
 class SiteCreate(Request):
@@ -115,6 +136,10 @@ class SiteView(msgspec.Struct, kw_only=True):
     credentials_updated_at: dt.datetime | None
     maas_version: str | None
     policy: SitePolicy
+    # The site's profiles (by name); `default_profile_id` is the one named "default", created
+    # with the site.
+    default_profile_id: uuid.UUID | None
+    profile_ids: list[uuid.UUID]
     created_at: dt.datetime
     updated_at: dt.datetime
 
@@ -222,3 +247,56 @@ class PowerOverrideView(msgspec.Struct, kw_only=True):
 
 class PowerOverrideList(msgspec.Struct, kw_only=True):
     items: list[PowerOverrideView]
+
+
+# --- site profiles (seed 003 §3.7): runtime shapes one site can deploy ---
+
+DEFAULT_PROFILE_NAME = "default"
+
+
+class ProfileCreate(Request):
+    """A NULL (absent) override falls back to the site's own value."""
+
+    name: Name
+    distro_series: DistroSeries | None = None
+    architecture: Architecture | None = None
+    node_pxe_iface: Interface | None = None
+    enable_phase2_roce: bool | None = None
+    reason: Reason | None = None
+
+
+class ProfilePatch(Request):
+    """Absent fields stay as they are; `null` clears an override (the site's value applies)."""
+
+    name: Name | msgspec.UnsetType = msgspec.UNSET
+    distro_series: DistroSeries | msgspec.UnsetType | None = msgspec.UNSET
+    architecture: Architecture | msgspec.UnsetType | None = msgspec.UNSET
+    node_pxe_iface: Interface | msgspec.UnsetType | None = msgspec.UNSET
+    enable_phase2_roce: bool | msgspec.UnsetType | None = msgspec.UNSET
+    reason: Reason | None = None
+
+
+class ProfileEffective(msgspec.Struct, kw_only=True):
+    """What a run with this profile uses: the override, else the site's value."""
+
+    distro_series: str
+    architecture: str
+    node_pxe_iface: str
+    enable_phase2_roce: bool
+
+
+class ProfileView(msgspec.Struct, kw_only=True):
+    id: uuid.UUID
+    site_id: uuid.UUID
+    name: str
+    distro_series: str | None
+    architecture: str | None
+    node_pxe_iface: str | None
+    enable_phase2_roce: bool | None
+    effective: ProfileEffective
+    created_at: dt.datetime
+    updated_at: dt.datetime
+
+
+class ProfileList(msgspec.Struct, kw_only=True):
+    items: list[ProfileView]

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
+import msgspec
 import sqlalchemy.exc
 from sqlalchemy import func, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -37,11 +38,16 @@ from gateway.auth import Principal
 from gateway.errors import ApiError, Conflict, NotFound, Unprocessable
 from gateway.identity import constraint_name
 from gateway.maas_schemas import (
+    DEFAULT_PROFILE_NAME,
     CredentialsWritten,
     PowerOverrideCreate,
     PowerOverridePatch,
     PowerOverrideView,
     ProbeResult,
+    ProfileCreate,
+    ProfileEffective,
+    ProfilePatch,
+    ProfileView,
     RackControllerView,
     RoceBulk,
     RoceUpserted,
@@ -59,6 +65,7 @@ from schema.models import (
     MaasRoceAssignment,
     MaasSite,
     MaasSitePolicy,
+    MaasSiteProfile,
 )
 from workflows.maas_reconciler_contract import WORKFLOW_NAME as RECONCILER_WORKFLOW
 from workflows.maas_reconciler_contract import ReconcileInput, reconciler_schedule_id
@@ -95,7 +102,11 @@ def policy_view(policy: MaasSitePolicy) -> SitePolicy:
     )
 
 
-def site_view(site: MaasSite, policy: MaasSitePolicy) -> SiteView:
+def site_view(
+    site: MaasSite, policy: MaasSitePolicy, profiles: Sequence[MaasSiteProfile] = ()
+) -> SiteView:
+    ordered = sorted(profiles, key=lambda p: p.name)
+    default = next((p.id for p in ordered if p.name == DEFAULT_PROFILE_NAME), None)
     return SiteView(
         id=site.id,
         name=site.name,
@@ -116,8 +127,34 @@ def site_view(site: MaasSite, policy: MaasSitePolicy) -> SiteView:
         credentials_updated_at=site.credentials_updated_at,
         maas_version=site.maas_version,
         policy=policy_view(policy),
+        default_profile_id=default,
+        profile_ids=[p.id for p in ordered],
         created_at=site.created_at,
         updated_at=site.updated_at,
+    )
+
+
+def profile_view(profile: MaasSiteProfile, site: MaasSite, policy: MaasSitePolicy) -> ProfileView:
+    return ProfileView(
+        id=profile.id,
+        site_id=profile.site_id,
+        name=profile.name,
+        distro_series=profile.distro_series,
+        architecture=profile.architecture,
+        node_pxe_iface=profile.node_pxe_iface,
+        enable_phase2_roce=profile.enable_phase2_roce,
+        effective=ProfileEffective(
+            distro_series=profile.distro_series or site.distro_series,
+            architecture=profile.architecture or site.architecture,
+            node_pxe_iface=profile.node_pxe_iface or site.node_pxe_iface,
+            enable_phase2_roce=(
+                policy.enable_phase2_roce
+                if profile.enable_phase2_roce is None
+                else profile.enable_phase2_roce
+            ),
+        ),
+        created_at=profile.created_at,
+        updated_at=profile.updated_at,
     )
 
 
@@ -239,6 +276,9 @@ async def create_site(
         raise Conflict("a MAAS site with this name already exists", code="site_exists") from err
     policy = MaasSitePolicy(site_id=site_id)
     db.add(policy)
+    # The profile the site's own columns describe (no overrides), so onboarding can name one.
+    profile_id = uuid.uuid4()
+    db.add(MaasSiteProfile(id=profile_id, site_id=site_id, name=DEFAULT_PROFILE_NAME))
     await db.flush()
     await db.refresh(policy)
     _apply_policy(policy, body.policy)
@@ -250,7 +290,11 @@ async def create_site(
         target_id=str(site_id),
         reason=reason,
         expected_state="active",
-        details={"name": body.name, "api_base_url": site.api_base_url},
+        details={
+            "name": body.name,
+            "api_base_url": site.api_base_url,
+            "default_profile_id": str(profile_id),
+        },
     )
     # The schedule before the commit: if Temporal cannot take it, no site is created (503).
     await sync_reconciler_schedule(
@@ -264,7 +308,8 @@ async def get_site_view(db: AsyncSession, site_id: uuid.UUID) -> SiteView:
     site, policy = await load_site(db, site_id)
     await db.refresh(site)
     await db.refresh(policy)
-    return site_view(site, policy)
+    profiles = await db.scalars(select(MaasSiteProfile).where(MaasSiteProfile.site_id == site_id))
+    return site_view(site, policy, list(profiles))
 
 
 async def list_sites(db: AsyncSession) -> list[SiteView]:
@@ -275,7 +320,10 @@ async def list_sites(db: AsyncSession) -> list[SiteView]:
             .order_by(MaasSite.name)
         )
     ).all()
-    return [site_view(site, policy) for site, policy in rows]
+    by_site: dict[uuid.UUID, list[MaasSiteProfile]] = {}
+    for profile in await db.scalars(select(MaasSiteProfile)):
+        by_site.setdefault(profile.site_id, []).append(profile)
+    return [site_view(site, policy, by_site.get(site.id, [])) for site, policy in rows]
 
 
 async def patch_site(
@@ -332,6 +380,125 @@ async def patch_site(
             )
         await db.commit()
     return await get_site_view(db, site_id)
+
+
+# --- profiles (seed 003 §3.7) ---------------------------------------------------------------
+
+
+async def load_profile(
+    db: AsyncSession, site_id: uuid.UUID, profile_id: uuid.UUID
+) -> MaasSiteProfile:
+    profile = await db.get(MaasSiteProfile, profile_id)
+    if profile is None or profile.site_id != site_id:
+        raise NotFound("site profile not found")
+    return profile
+
+
+def _profile_conflict(err: sqlalchemy.exc.IntegrityError) -> ApiError | None:
+    if constraint_name(err) == "maas_site_profile_name":
+        return Conflict("this site already has a profile with this name", code="profile_exists")
+    return None
+
+
+async def create_profile(
+    db: AsyncSession,
+    principal: Principal,
+    site_id: uuid.UUID,
+    body: ProfileCreate,
+    reason: str | None,
+) -> ProfileView:
+    site, policy = await load_site(db, site_id)
+    profile_id = uuid.uuid4()
+    profile = MaasSiteProfile(
+        id=profile_id,
+        site_id=site_id,
+        name=body.name,
+        distro_series=body.distro_series,
+        architecture=body.architecture,
+        node_pxe_iface=body.node_pxe_iface,
+        enable_phase2_roce=body.enable_phase2_roce,
+    )
+    db.add(profile)
+    try:
+        await db.flush()
+    except sqlalchemy.exc.IntegrityError as err:
+        conflict = _profile_conflict(err)
+        if conflict is None:
+            raise
+        raise conflict from err
+    audit.record_by(
+        db,
+        principal,
+        action="maas_site.profile_create",
+        target_type="maas_site_profile",
+        target_id=str(profile_id),
+        reason=reason,
+        details={"site_id": str(site_id), "name": body.name},
+    )
+    await db.commit()
+    await db.refresh(profile)
+    return profile_view(profile, site, policy)
+
+
+async def list_profiles(db: AsyncSession, site_id: uuid.UUID) -> list[ProfileView]:
+    site, policy = await load_site(db, site_id)
+    rows = await db.scalars(
+        select(MaasSiteProfile)
+        .where(MaasSiteProfile.site_id == site_id)
+        .order_by(MaasSiteProfile.name)
+    )
+    return [profile_view(p, site, policy) for p in rows]
+
+
+async def get_profile(db: AsyncSession, site_id: uuid.UUID, profile_id: uuid.UUID) -> ProfileView:
+    site, policy = await load_site(db, site_id)
+    return profile_view(await load_profile(db, site_id, profile_id), site, policy)
+
+
+async def patch_profile(
+    db: AsyncSession,
+    principal: Principal,
+    site_id: uuid.UUID,
+    profile_id: uuid.UUID,
+    body: ProfilePatch,
+    reason: str | None,
+) -> ProfileView:
+    site, policy = await load_site(db, site_id)
+    profile = await load_profile(db, site_id, profile_id)
+    changed: list[str] = []
+    for field in ProfilePatch.__struct_fields__:
+        if field == "reason":
+            continue
+        value = getattr(body, field)
+        if value is msgspec.UNSET or getattr(profile, field) == value:
+            continue
+        if field == "name" and profile.name == DEFAULT_PROFILE_NAME:
+            raise Conflict(
+                "the site's default profile keeps its name", code="default_profile_rename"
+            )
+        setattr(profile, field, value)
+        changed.append(field)
+    if changed:
+        profile.updated_at = func.now()
+        try:
+            await db.flush()
+        except sqlalchemy.exc.IntegrityError as err:
+            conflict = _profile_conflict(err)
+            if conflict is None:
+                raise
+            raise conflict from err
+        audit.record_by(
+            db,
+            principal,
+            action="maas_site.profile_update",
+            target_type="maas_site_profile",
+            target_id=str(profile_id),
+            reason=reason,
+            details={"site_id": str(site_id), "changed": sorted(changed)},
+        )
+        await db.commit()
+        await db.refresh(profile)
+    return profile_view(profile, site, policy)
 
 
 # --- credentials and probe ------------------------------------------------------------------

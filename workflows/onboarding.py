@@ -164,7 +164,11 @@ class MaasNodeOnboardWorkflow:
             start = next_start
 
     async def _attempt(self, start: Stage) -> OnboardResult | None:
-        """Run from `start`; the result when the job closed, None when it failed and waits."""
+        """Run from `start`; the result when the job closed, None when it failed and waits.
+        An operator interrupt (cancel, mark manual) wins over whatever the stage then did: it
+        may arrive between stages, or in the same step a stage finishes."""
+        if self._interrupt is not None:
+            return await self._interrupted()
         self._stage_task = asyncio.create_task(self._run_from(start))
         try:
             await self._stage_task
@@ -180,6 +184,8 @@ class MaasNodeOnboardWorkflow:
             return await self._interrupted()
         finally:
             self._stage_task = None
+        if self._interrupt is not None:
+            return await self._interrupted()
         final = JobStatus.RECONCILED if self._adopted else JobStatus.COMPLETED
         await self._set_status(final, domain_event="node.onboarding.completed", clear_error=True)
         await self._tell_parent()

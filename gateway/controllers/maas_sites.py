@@ -1,5 +1,6 @@
-"""Admin routes for MAAS sites (seed 003 §3.4): sites and their policy, credentials (validated
-against MAAS, written to Vault), probe, RoCE assignments and power credential overrides."""
+"""Admin routes for MAAS sites (seed 003 §3.4): sites and their policy, profiles (§3.7),
+credentials (validated against MAAS, written to Vault), probe, RoCE assignments and power
+credential overrides."""
 
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ from gateway.maas_schemas import (
     PowerOverridePatch,
     PowerOverrideView,
     ProbeResult,
+    ProfileCreate,
+    ProfileList,
+    ProfilePatch,
+    ProfileView,
     RoceBulk,
     RoceList,
     RoceUpserted,
@@ -160,6 +165,68 @@ class AdminMaasSitesController(Controller):
         site_id: FromPath[uuid.UUID],
     ) -> ProbeResult:
         return await maas_sites.probe(db, secrets, site_id)
+
+    # --- profiles ---
+
+    @post(
+        "/{site_id:uuid}/profiles",
+        status_code=201,
+        summary="Add a profile: a runtime shape of the site (overrides of distro series, "
+        "architecture, node PXE interface, phase-2 RoCE; absent = the site's value)",
+        responses=errors(400, 403, 404, 409, 413),
+    )
+    async def create_profile(
+        self,
+        data: JSONBody[ProfileCreate],
+        db: NamedDependency[AsyncSession],
+        principal: NamedDependency[Principal],
+        request: AnyRequest,
+        site_id: FromPath[uuid.UUID],
+    ) -> ProfileView:
+        return await maas_sites.create_profile(
+            db, principal, site_id, data, audit_reason(request, data.reason)
+        )
+
+    @get(
+        "/{site_id:uuid}/profiles",
+        summary='The site\'s profiles, by name ("default" is created with the site)',
+        responses=errors(403, 404),
+    )
+    async def list_profiles(
+        self, db: NamedDependency[AsyncSession], site_id: FromPath[uuid.UUID]
+    ) -> ProfileList:
+        return ProfileList(items=await maas_sites.list_profiles(db, site_id))
+
+    @get(
+        "/{site_id:uuid}/profiles/{profile_id:uuid}",
+        summary="One profile with its effective values",
+        responses=errors(403, 404),
+    )
+    async def get_profile(
+        self,
+        db: NamedDependency[AsyncSession],
+        site_id: FromPath[uuid.UUID],
+        profile_id: FromPath[uuid.UUID],
+    ) -> ProfileView:
+        return await maas_sites.get_profile(db, site_id, profile_id)
+
+    @patch(
+        "/{site_id:uuid}/profiles/{profile_id:uuid}",
+        summary="Change a profile; null clears an override (the default profile keeps its name)",
+        responses=errors(400, 403, 404, 409, 413),
+    )
+    async def patch_profile(
+        self,
+        data: JSONBody[ProfilePatch],
+        db: NamedDependency[AsyncSession],
+        principal: NamedDependency[Principal],
+        request: AnyRequest,
+        site_id: FromPath[uuid.UUID],
+        profile_id: FromPath[uuid.UUID],
+    ) -> ProfileView:
+        return await maas_sites.patch_profile(
+            db, principal, site_id, profile_id, data, audit_reason(request, data.reason)
+        )
 
     # --- RoCE assignments ---
 

@@ -1,0 +1,316 @@
+"""Admin routes for MAAS node onboarding (seed 003 §4.1, §4.2, §4.15): submit one node or a
+batch, read the job read model, and the operator recovery actions (workflow updates)."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated
+
+from litestar import Controller, Response, get, post
+from litestar.di import NamedDependency
+from litestar.params import FromPath, FromQuery, HeaderParameter, JSONBody, QueryParameter
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from gateway import onboardings
+from gateway.allocations import IDEMPOTENCY_HEADER
+from gateway.auth import Principal, admin_guard
+from gateway.controllers.common import errors
+from gateway.onboarding_schemas import (
+    BatchCreated,
+    OnboardingBatchCreate,
+    OnboardingCreate,
+    OnboardingCreated,
+    OnboardingDetail,
+    OnboardingList,
+    OperatorActionAnswer,
+    OperatorActionRequest,
+)
+from gateway.runtime import Runtime
+from gateway.temporal import TemporalOps
+from workflows.onboarding_contract import OperatorAction
+
+IdempotencyKey = Annotated[str | None, HeaderParameter(name=IDEMPOTENCY_HEADER, required=False)]
+
+_CREATE_NOTES = (
+    " 422 carries field errors in error.details.errors ({key, source, code, message}); codes "
+    "invalid_hostname, invalid_ipmi_ip, unknown_site, unknown_profile, unknown_sku, "
+    "site_disabled (several different ones: validation_failed), idempotency_key_reused. "
+    "With X-Idempotency-Key a retry gets the same answer (Idempotent-Replayed: true). 503 "
+    "temporal_unavailable leaves nothing behind."
+)
+_ACTION_NOTES = (
+    " Answers the workflow's decision: 409 action_not_allowed (with the workflow's reason) when "
+    "the job's state does not allow it, 409 onboarding_closed once the workflow has ended, 409 "
+    "onboarding_not_started for a batch node the batch has not started yet. A repeated request "
+    "(same X-Idempotency-Key, or without one the same reason while the job has not changed) "
+    "gets the first answer. Audited as onboarding.<action>."
+)
+
+
+class AdminOnboardingsController(Controller):
+    path = "/api/v1/admin/onboardings"
+    guards = [admin_guard]
+    tags = ["admin: onboarding"]
+
+    @post(
+        "/",
+        status_code=201,
+        summary="Onboard one MAAS node (starts MaasNodeOnboardWorkflow)",
+        description="201 {onboarding_id, status: pending, node_id}. 409 onboarding_in_progress "
+        "(a live onboarding of this hostname at this site; details.onboarding_id) or node_exists "
+        "(a node with this hostname that is not deleted)." + _CREATE_NOTES,
+        responses=errors(400, 403, 409, 413, 422),
+    )
+    async def create_onboarding(
+        self,
+        data: JSONBody[OnboardingCreate],
+        db: NamedDependency[AsyncSession],
+        temporal: NamedDependency[TemporalOps],
+        runtime: NamedDependency[Runtime],
+        principal: NamedDependency[Principal],
+        idempotency_key: IdempotencyKey = None,
+    ) -> Response[OnboardingCreated]:
+        outcome = await onboardings.create(
+            db, temporal, runtime.settings, principal, data, idempotency_key
+        )
+        headers = {"Idempotent-Replayed": "true"} if outcome.replayed else {}
+        return Response(outcome.body, status_code=201, headers=headers)
+
+    @post(
+        "/batch",
+        status_code=201,
+        summary="Onboard 1-500 nodes of one site, profile and SKU (starts "
+        "MaasNodeBatchOnboardWorkflow, which starts one child per node)",
+        description="201 {batch_id, onboardings: [{hostname, onboarding_id, node_id}]}; field "
+        "errors name the node (nodes[3].hostname; also duplicate_hostname, duplicate_ipmi_ip, "
+        "empty_batch, batch_too_large). 409 when a hostname is already onboarding or exists as "
+        "a node (details.hostnames, details.conflicts): nothing is submitted." + _CREATE_NOTES,
+        responses=errors(400, 403, 409, 413, 422),
+    )
+    async def create_batch(
+        self,
+        data: JSONBody[OnboardingBatchCreate],
+        db: NamedDependency[AsyncSession],
+        temporal: NamedDependency[TemporalOps],
+        runtime: NamedDependency[Runtime],
+        principal: NamedDependency[Principal],
+        idempotency_key: IdempotencyKey = None,
+    ) -> Response[BatchCreated]:
+        outcome = await onboardings.create_batch(
+            db, temporal, runtime.settings, principal, data, idempotency_key
+        )
+        headers = {"Idempotent-Replayed": "true"} if outcome.replayed else {}
+        return Response(outcome.body, status_code=201, headers=headers)
+
+    @get(
+        "/",
+        summary="Onboardings, newest first; with ?batch_id= also the batch's counts per job "
+        "state (summary, total)",
+        description="Filters: batch_id, status (a job state: pending, running, completed, "
+        "failed_retryable, failed_manual_intervention, cancelled, compensating, reconciled; "
+        "anything else is 422 unknown_status), site_id, hostname. Pages with limit and cursor.",
+        responses=errors(400, 403, 422),
+    )
+    async def list_onboardings(
+        self,
+        db: NamedDependency[AsyncSession],
+        batch_id: FromQuery[uuid.UUID | None] = None,
+        status: FromQuery[str | None] = None,
+        site_id: FromQuery[uuid.UUID | None] = None,
+        hostname: FromQuery[str | None] = None,
+        limit: Annotated[int, QueryParameter(ge=1, le=200)] = 50,
+        cursor: FromQuery[str | None] = None,
+    ) -> OnboardingList:
+        return await onboardings.list_rows(
+            db,
+            batch_id=batch_id,
+            status=status,
+            site_id=site_id,
+            hostname=hostname,
+            limit=limit,
+            cursor=cursor,
+        )
+
+    @get(
+        "/{onboarding_id:uuid}",
+        summary="One onboarding: the job read model and its 50 most recent stage events",
+        responses=errors(403, 404),
+    )
+    async def get_onboarding(
+        self, db: NamedDependency[AsyncSession], onboarding_id: FromPath[uuid.UUID]
+    ) -> OnboardingDetail:
+        return await onboardings.detail(db, onboarding_id)
+
+    # --- operator actions (seed 003 §4.9): one route each, the same shape ---
+
+    async def _act(
+        self,
+        action: OperatorAction,
+        data: OperatorActionRequest,
+        db: AsyncSession,
+        temporal: TemporalOps,
+        principal: Principal,
+        onboarding_id: uuid.UUID,
+        idempotency_key: str | None,
+    ) -> OperatorActionAnswer:
+        return await onboardings.operator_action(
+            db, temporal, principal, onboarding_id, action, data.reason, idempotency_key
+        )
+
+    @post(
+        "/{onboarding_id:uuid}/retry",
+        status_code=200,
+        summary="retry_stage: rerun only the failed stage, then go on",
+        description=_ACTION_NOTES,
+        responses=errors(400, 403, 404, 409, 413),
+    )
+    async def retry(
+        self,
+        data: JSONBody[OperatorActionRequest],
+        db: NamedDependency[AsyncSession],
+        temporal: NamedDependency[TemporalOps],
+        principal: NamedDependency[Principal],
+        onboarding_id: FromPath[uuid.UUID],
+        idempotency_key: IdempotencyKey = None,
+    ) -> OperatorActionAnswer:
+        return await self._act(
+            OperatorAction.RETRY_STAGE,
+            data,
+            db,
+            temporal,
+            principal,
+            onboarding_id,
+            idempotency_key,
+        )
+
+    @post(
+        "/{onboarding_id:uuid}/resume",
+        status_code=200,
+        summary="resume: continue from the failed stage's last safe checkpoint, state refreshed",
+        description=_ACTION_NOTES,
+        responses=errors(400, 403, 404, 409, 413),
+    )
+    async def resume(
+        self,
+        data: JSONBody[OperatorActionRequest],
+        db: NamedDependency[AsyncSession],
+        temporal: NamedDependency[TemporalOps],
+        principal: NamedDependency[Principal],
+        onboarding_id: FromPath[uuid.UUID],
+        idempotency_key: IdempotencyKey = None,
+    ) -> OperatorActionAnswer:
+        return await self._act(
+            OperatorAction.RESUME, data, db, temporal, principal, onboarding_id, idempotency_key
+        )
+
+    @post(
+        "/{onboarding_id:uuid}/rerun",
+        status_code=200,
+        summary="rerun: from the top, every stage adopting what is already done",
+        description=_ACTION_NOTES,
+        responses=errors(400, 403, 404, 409, 413),
+    )
+    async def rerun(
+        self,
+        data: JSONBody[OperatorActionRequest],
+        db: NamedDependency[AsyncSession],
+        temporal: NamedDependency[TemporalOps],
+        principal: NamedDependency[Principal],
+        onboarding_id: FromPath[uuid.UUID],
+        idempotency_key: IdempotencyKey = None,
+    ) -> OperatorActionAnswer:
+        return await self._act(
+            OperatorAction.RERUN, data, db, temporal, principal, onboarding_id, idempotency_key
+        )
+
+    @post(
+        "/{onboarding_id:uuid}/restart-clean",
+        status_code=200,
+        summary="restart_clean: compensate known progress, then start again from the top",
+        description=_ACTION_NOTES,
+        responses=errors(400, 403, 404, 409, 413),
+    )
+    async def restart_clean(
+        self,
+        data: JSONBody[OperatorActionRequest],
+        db: NamedDependency[AsyncSession],
+        temporal: NamedDependency[TemporalOps],
+        principal: NamedDependency[Principal],
+        onboarding_id: FromPath[uuid.UUID],
+        idempotency_key: IdempotencyKey = None,
+    ) -> OperatorActionAnswer:
+        return await self._act(
+            OperatorAction.RESTART_CLEAN,
+            data,
+            db,
+            temporal,
+            principal,
+            onboarding_id,
+            idempotency_key,
+        )
+
+    @post(
+        "/{onboarding_id:uuid}/cancel",
+        status_code=200,
+        summary="cancel: stop the workflow and compensate where possible",
+        description=_ACTION_NOTES,
+        responses=errors(400, 403, 404, 409, 413),
+    )
+    async def cancel(
+        self,
+        data: JSONBody[OperatorActionRequest],
+        db: NamedDependency[AsyncSession],
+        temporal: NamedDependency[TemporalOps],
+        principal: NamedDependency[Principal],
+        onboarding_id: FromPath[uuid.UUID],
+        idempotency_key: IdempotencyKey = None,
+    ) -> OperatorActionAnswer:
+        return await self._act(
+            OperatorAction.CANCEL, data, db, temporal, principal, onboarding_id, idempotency_key
+        )
+
+    @post(
+        "/{onboarding_id:uuid}/adopt",
+        status_code=200,
+        summary="adopt_observed_state: accept externally advanced MAAS/node state and go on",
+        description=_ACTION_NOTES,
+        responses=errors(400, 403, 404, 409, 413),
+    )
+    async def adopt(
+        self,
+        data: JSONBody[OperatorActionRequest],
+        db: NamedDependency[AsyncSession],
+        temporal: NamedDependency[TemporalOps],
+        principal: NamedDependency[Principal],
+        onboarding_id: FromPath[uuid.UUID],
+        idempotency_key: IdempotencyKey = None,
+    ) -> OperatorActionAnswer:
+        return await self._act(
+            OperatorAction.ADOPT, data, db, temporal, principal, onboarding_id, idempotency_key
+        )
+
+    @post(
+        "/{onboarding_id:uuid}/mark-manual-intervention",
+        status_code=200,
+        summary="mark_manual_intervention_required: freeze automation until a human resolves it",
+        description=_ACTION_NOTES,
+        responses=errors(400, 403, 404, 409, 413),
+    )
+    async def mark_manual_intervention(
+        self,
+        data: JSONBody[OperatorActionRequest],
+        db: NamedDependency[AsyncSession],
+        temporal: NamedDependency[TemporalOps],
+        principal: NamedDependency[Principal],
+        onboarding_id: FromPath[uuid.UUID],
+        idempotency_key: IdempotencyKey = None,
+    ) -> OperatorActionAnswer:
+        return await self._act(
+            OperatorAction.MARK_MANUAL_INTERVENTION,
+            data,
+            db,
+            temporal,
+            principal,
+            onboarding_id,
+            idempotency_key,
+        )
