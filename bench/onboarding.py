@@ -5,7 +5,7 @@ with zero simulator delays (only the deployed OS's hardware-sync timer ticks, ev
 batch_max_parallel 10, until every node has settled.
 
 Reports the wall time from the POST to the last node settled, the highest number of nodes in
-flight (the batch workflow's own count, and the read model sampled every 50 ms), and the
+flight (the batch workflow's own count, and the read model sampled every 250 ms), and the
 outcome counts.
 
     .venv/bin/python -m bench.onboarding [--nodes 200] [--parallel 10]
@@ -25,11 +25,13 @@ from collections import Counter
 from typing import Any
 
 import httpx
+from sqlalchemy import text
 
-from bench.allocations import free_port, private_state_dir
+from bench.allocations import cpu_seconds, free_port, private_state_dir
 from core.config import Settings
 from core.temporal import connect
 from devstack.up import Stack, StackOptions
+from schema.db import create_engine
 from sim.demo_fleet import BAREMETAL_SKU
 from workflows.onboarding_contract import BatchSummary, batch_workflow_id
 
@@ -104,6 +106,8 @@ async def main(args: argparse.Namespace) -> None:
     )
     stack = Stack(options)
     samples: list[int] = []
+    stage_times: list[tuple[str, float]] = []
+    cpu: dict[str, float] = {}
     statuses: Counter[str] = Counter()
     try:
         tokens = await stack.start()
@@ -132,13 +136,16 @@ async def main(args: argparse.Namespace) -> None:
                 {"hostname": f"bench-{i:04d}", "ipmi_ip": f"10.200.{i // 250}.{i % 250 + 1}"}
                 for i in range(args.nodes)
             ]
+            pids = {c.name: c.pid for c in stack.children if c.pid is not None}
+            cpu_before = cpu_seconds(pids)
             started = time.monotonic()
             created = await api.post(
                 "/api/v1/admin/onboardings/batch",
                 json={"site_id": site_id, "profile_id": profile_id, "sku_id": BAREMETAL_SKU,
-                      "nodes": nodes, "reason": "bench"},
+                      "nodes": nodes},
             )  # fmt: skip
-            created.raise_for_status()
+            if created.status_code != 201:
+                raise SystemExit(f"batch refused: {created.status_code} {created.text[:500]}")
             batch_id = created.json()["batch_id"]
             while True:
                 rows = await _rows(api, batch_id)
@@ -148,8 +155,12 @@ async def main(args: argparse.Namespace) -> None:
                     break
                 if time.monotonic() - started > args.timeout:
                     raise SystemExit(f"not settled after {args.timeout} s: {dict(statuses)}")
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(0.25)
             wall = time.monotonic() - started
+            cpu_after = cpu_seconds(pids)
+            cpu = {name: cpu_after[name] - cpu_before.get(name, 0.0) for name in cpu_after}
+        assert stack.cluster is not None
+        stage_times = await _stage_seconds(stack.cluster.url("gpucloud"))
         settings = Settings.from_env({"GPUCLOUD_TEMPORAL_ADDRESS": options.temporal_address})
         client = await connect(settings)
         handle = client.get_workflow_handle(batch_workflow_id(batch_id), result_type=BatchSummary)
@@ -167,17 +178,47 @@ async def main(args: argparse.Namespace) -> None:
     )
     print(f"outcomes: {dict(statuses)}")
     print(
+        "CPU seconds during the batch: "
+        + ", ".join(f"{name} {used:.1f}" for name, used in sorted(cpu.items(), key=lambda x: -x[1]))
+    )
+    print(
+        "mean seconds per stage (started -> finished): "
+        + ", ".join(f"{stage} {mean:.2f}" for stage, mean in stage_times)
+    )
+    print(
         f"in flight: max {max(samples) if samples else 0} sampled from the read model"
         + f", {summary.max_in_flight} by the batch workflow"
         + f" (limit {args.parallel})"
     )
 
 
+async def _stage_seconds(database_url: str) -> list[tuple[str, float]]:
+    """Where a node's time goes: each stage's mean duration over the batch, slowest first."""
+    engine = create_engine(database_url)
+    try:
+        async with engine.connect() as conn:
+            rows = await conn.execute(
+                text(
+                    "SELECT s.stage, avg(EXTRACT(EPOCH FROM f.occurred_at - s.occurred_at)) "
+                    "FROM node_onboarding_events s JOIN LATERAL ("
+                    "  SELECT occurred_at FROM node_onboarding_events f"
+                    "  WHERE f.onboarding_id = s.onboarding_id AND f.stage = s.stage"
+                    "    AND f.attempt = s.attempt AND f.status <> 'started'"
+                    "    AND f.occurred_at >= s.occurred_at"
+                    "  ORDER BY f.occurred_at LIMIT 1) f ON true "
+                    "WHERE s.status = 'started' GROUP BY s.stage ORDER BY 2 DESC"
+                )
+            )
+            return [(str(stage), float(mean)) for stage, mean in rows.all()]
+    finally:
+        await engine.dispose()
+
+
 async def _rows(api: httpx.AsyncClient, batch_id: str) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     cursor: str | None = None
     while True:
-        params: dict[str, str | int] = {"batch_id": batch_id, "limit": 500}
+        params: dict[str, str | int] = {"batch_id": batch_id, "limit": 200}
         if cursor:
             params["cursor"] = cursor
         page = (await api.get("/api/v1/admin/onboardings", params=params)).json()

@@ -13,6 +13,7 @@ so neither __cause__ nor __context__ links back to it.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, runtime_checkable
@@ -98,6 +99,7 @@ class VaultSecretStore:
         self._token = token or None
         self._token_file = Path(token_file) if token_file is not None else None
         self._timeout = timeout
+        self._local = threading.local()
 
     @classmethod
     def from_settings(cls, settings: Settings) -> VaultSecretStore:
@@ -193,15 +195,29 @@ class VaultSecretStore:
             )
         raise error from None
 
+    def _client(self, token: str) -> hvac.Client:
+        """One client (and HTTP connection pool) per calling thread and token: a fresh client
+        per call paid a new connection every time, a tenth of a busy worker's CPU. A rotated
+        token (token file) gets a new client on the next call."""
+        cached: tuple[str, hvac.Client] | None = getattr(self._local, "client", None)
+        if cached is not None and cached[0] == token:
+            return cached[1]
+        if cached is not None:
+            cached[1].adapter.close()
+        client = hvac.Client(url=self._addr, token=token, timeout=self._timeout)
+        self._local.client = (token, client)
+        return client
+
     def _run(self, operation: str, path: str, call: Callable[[hvac.Client], T]) -> T:
-        client = hvac.Client(url=self._addr, token=self._current_token(path), timeout=self._timeout)
+        client = self._client(self._current_token(path))
         error: SecretStoreError
         try:
             return call(client)
         except Exception as exc:  # translated below, outside this block, so nothing chains
             error = self._translate(exc, operation, path)
-        finally:
+            # A broken connection must not poison the next call on this thread.
             client.adapter.close()
+            self._local.client = None
         raise error from None
 
     def _translate(self, exc: Exception, operation: str, path: str) -> SecretStoreError:
