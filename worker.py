@@ -15,6 +15,8 @@ from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxR
 
 from activities.allocations import AllocationActivities
 from activities.billing.metering import BillingActivities, MeterInput
+from activities.decommission.reimage import ReimageActivities
+from activities.decommission.stages import DecommissionActivities, DecommissionDeps
 from activities.maas_reconcile import MaasReconcileActivities
 from activities.node_liveness import LivenessInput, NodeLivenessActivities
 from activities.node_presence import NodePresenceActivities
@@ -34,6 +36,7 @@ from schema.db import create_engine, session_factory
 from workflows.allocation import AllocationWorkflow
 from workflows.billing_meter import SCHEDULE_ID as BILLING_SCHEDULE_ID
 from workflows.billing_meter import BillingMeterWorkflow
+from workflows.decommission import NodeDecommissionWorkflow
 from workflows.maas_reconciler import MaasSiteReconcilerWorkflow
 from workflows.node_liveness import SCHEDULE_ID as LIVENESS_SCHEDULE_ID
 from workflows.node_liveness import NodeLivenessWorkflow
@@ -53,6 +56,7 @@ WORKFLOWS = [
     StripeReconciliationWorkflow,
     MaasNodeOnboardWorkflow,
     MaasNodeBatchOnboardWorkflow,
+    NodeDecommissionWorkflow,
 ]
 
 # Workflow modules stay sandboxed; every other module (our contracts, the SDK, the standard
@@ -91,6 +95,10 @@ def build_worker(
     onboarding_deps = OnboardingDeps(sessions, secret_store, host_access, settings.public_api_url)
     maas_stages = MaasStageActivities(onboarding_deps)
     node_stages = NodeStageActivities(onboarding_deps)
+    decommission = DecommissionActivities(
+        DecommissionDeps(sessions, secret_store, host_access, settings.public_api_url, client)
+    )
+    reimage = ReimageActivities(onboarding_deps)
     return Worker(
         client,
         task_queue=task_queue or settings.control_plane_task_queue,
@@ -133,6 +141,34 @@ def build_worker(
             node_stages.activate_adopted,
             node_stages.compensate,
             node_stages.record_progress,
+            decommission.disable_node,
+            decommission.load_node,
+            decommission.force_release_allocations,
+            decommission.await_quiet_node,
+            decommission.retire_gpuaas_node,
+            decommission.enable_node,
+            decommission.quarantine_node,
+            decommission.release_maas_node,
+            decommission.power_off_maas_node,
+            decommission.remove_maas_record,
+            decommission.begin_remove,
+            decommission.finish_remove,
+            decommission.cleanup_secrets,
+            decommission.observe,
+            decommission.compensate,
+            decommission.node_status,
+            decommission.record_progress,
+            decommission.record_node_task,
+            reimage.decommission_load_site_config,
+            reimage.decommission_configure_storage,
+            reimage.decommission_apply_roce_phase2,
+            reimage.decommission_ensure_pxe_interface_auto,
+            reimage.decommission_render_cloud_init,
+            reimage.decommission_deploy_via_maas,
+            reimage.decommission_wait_for_deployed,
+            reimage.decommission_ensure_hardware_sync_configured,
+            reimage.decommission_wait_for_hardware_sync_healthy,
+            reimage.decommission_wait_for_agent_enrollment,
         ],
         # Workflow activations are short CPU bursts under the GIL: a few threads beat many (a
         # hundred threads mostly trade the GIL back and forth on a 2-core machine).

@@ -26,3 +26,15 @@ def site_deploy_password_path(site_id: uuid.UUID) -> str:
 def power_override_path(site_id: uuid.UUID, override_id: uuid.UUID) -> str:
     """→ {"user": ..., "pass": ...}"""
     return f"{KV_MOUNT}/maas-sites/{site_id}/power/overrides/{override_id}"
+
+
+def node_secret_root(node_id: uuid.UUID) -> str:
+    """Node-scoped secrets (none are required today; operators and future agent features keep
+    per-node material here), deleted by a full decommission's CleanupSecrets (seed 003 §5.4)."""
+    return f"{KV_MOUNT}/nodes/{node_id}"
+
+
+def node_secret_paths(node_id: uuid.UUID) -> list[str]:
+    """The node-scoped paths a full decommission deletes."""
+    root = node_secret_root(node_id)
+    return [f"{root}/agent", f"{root}/bmc"]

@@ -34,6 +34,7 @@ from gateway.controllers.admin import (
 from gateway.controllers.allocations import AllocationsController
 from gateway.controllers.billing import AdminBillingController, BillingController
 from gateway.controllers.codec import CodecController
+from gateway.controllers.decommissions import AdminDecommissionsController
 from gateway.controllers.enrollment import (
     AdminNodeEnrollmentController,
     AgentEnrollmentController,
@@ -144,6 +145,7 @@ def create_app(
             CodecController,
             AdminMaasSitesController,
             AdminOnboardingsController,
+            AdminDecommissionsController,
             AdminNodeEnrollmentController,
             AgentEnrollmentController,
             AdminGpuSlotsController,

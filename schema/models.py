@@ -781,3 +781,96 @@ class DomainEvent(Base):
         Index("domain_events_subject", "subject_type", "subject_id", "occurred_at"),
         Index("domain_events_type", "type", "occurred_at"),
     )
+
+
+# --- node decommission (seed 003 §5.7, seed 004 §5) --------------------------------------------
+
+DECOMMISSION_LIVE = (
+    "status IN ('pending', 'running', 'compensating', 'failed_retryable', "
+    "'failed_manual_intervention')"
+)
+
+
+class NodeDecommission(Base):
+    """The decommission job's read model (seed 003 §5.7), kept current by NodeDecommissionWorkflow
+    and its activities; the gateway only reads it (and inserts the pending row it starts the
+    workflow for). At most one live job per node: a second request is a 409, not a race."""
+
+    __tablename__ = "node_decommissions"
+    decommission_id: Mapped[uuid.UUID] = mapped_column(UUID, primary_key=True)
+    # No foreign key: the job row is kept as audit history after the node is deleted, and a
+    # job can name a node id the gateway has just checked (the workflow re-checks).
+    node_id: Mapped[uuid.UUID] = mapped_column(UUID)
+    site_id: Mapped[uuid.UUID | None] = mapped_column(UUID)
+    maas_system_id: Mapped[str | None] = mapped_column(Text)
+    hostname: Mapped[str | None] = mapped_column(String(253))
+    mode: Mapped[str] = mapped_column(String(32))
+    erase: Mapped[str] = mapped_column(String(16), server_default=text("'none'"))
+    storage_cleanup: Mapped[str] = mapped_column(String(16), server_default=text("'none'"))
+    remove_maas_record: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
+    force_release_allocations: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
+    reason: Mapped[str | None] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(String(32))
+    current_stage: Mapped[str] = mapped_column(Text)
+    current_attempt: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    requested_by: Mapped[str | None] = mapped_column(Text)
+    requested_by_token_id: Mapped[uuid.UUID | None] = mapped_column(UUID)
+    failure_class: Mapped[str | None] = mapped_column(Text)
+    error_code: Mapped[str | None] = mapped_column(Text)
+    error_message: Mapped[str | None] = mapped_column(Text)
+    error_details: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
+    recommended_action: Mapped[str | None] = mapped_column(Text)
+    last_maas_status: Mapped[str | None] = mapped_column(Text)
+    last_maas_power_state: Mapped[str | None] = mapped_column(Text)
+    # Follow-up work a completed job left behind (secrets cleanup, MAAS record kept, ...).
+    followups: Mapped[list[dict[str, Any]]] = mapped_column(
+        JSONB, server_default=text("'[]'::jsonb")
+    )
+    workflow_id: Mapped[str] = mapped_column(Text)
+    workflow_run_id: Mapped[str | None] = mapped_column(Text)
+    requested_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=NOW)
+    started_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    completed_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=NOW)
+    __table_args__ = (
+        CheckConstraint(
+            "status IN ('pending', 'running', 'completed', 'failed_retryable', "
+            "'failed_manual_intervention', 'cancelled', 'compensating', 'reconciled')",
+            name="node_decommissions_status",
+        ),
+        CheckConstraint(
+            "mode IN ('soft_reset', 'reimage', 'full_decommission', 'storage_cleanup')",
+            name="node_decommissions_mode",
+        ),
+        Index(
+            "node_decommissions_live_node",
+            "node_id",
+            unique=True,
+            postgresql_where=text(DECOMMISSION_LIVE),
+        ),
+        Index("node_decommissions_node", "node_id", "requested_at"),
+        Index("node_decommissions_status", "status", "requested_at"),
+    )
+
+
+class NodeDecommissionEvent(Base):
+    """Append-only stage history of one decommission (seed 003 §5.7)."""
+
+    __tablename__ = "node_decommission_events"
+    id: Mapped[uuid.UUID] = mapped_column(UUID, primary_key=True)
+    decommission_id: Mapped[uuid.UUID] = mapped_column(
+        ForeignKey("node_decommissions.decommission_id")
+    )
+    stage: Mapped[str] = mapped_column(Text)
+    attempt: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16))
+    message: Mapped[str | None] = mapped_column(Text)
+    details: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
+    occurred_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=CLOCK)
+    __table_args__ = (
+        CheckConstraint(
+            "status IN ('started', 'succeeded', 'failed', 'compensated', 'skipped')",
+            name="node_decommission_events_status",
+        ),
+        Index("node_decommission_events_job", "decommission_id", "occurred_at"),
+    )

@@ -39,6 +39,7 @@ pytest_plugins = [
     "tests.maas_fixtures",
     "tests.stripe_fixtures",
     "tests.onboarding_fixtures",
+    "tests.decommission_fixtures",
 ]
 
 # Recorded histories in tests/histories were written with this key; keep it fixed.

@@ -1,0 +1,269 @@
+"""Admin routes for node decommission (seed 003 §5.1, §5.5, §5.7; seed 004 §8): start one of the
+four modes, read the job read model, and the operator recovery actions (workflow updates)."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated
+
+from litestar import Controller, Response, get, post
+from litestar.di import NamedDependency
+from litestar.params import FromPath, FromQuery, JSONBody, QueryParameter
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from gateway import decommissions
+from gateway.auth import Principal, admin_guard
+from gateway.controllers.common import errors
+from gateway.decommissions import (
+    ActionAnswer,
+    ActionRequest,
+    DecommissionCreate,
+    DecommissionCreated,
+    DecommissionDetail,
+    DecommissionList,
+    StorageCleanupCreate,
+)
+from gateway.runtime import Runtime
+from gateway.temporal import TemporalOps
+from workflows.decommission_contract import OperatorAction
+
+_START_NOTES = (
+    " 201 {decommission_id, node_id, mode, status: started, workflow_id}; the same request while "
+    "its job is live answers that job (200, replayed: true). 404 unknown node, 410 node_deleted "
+    "(its identity is never reused), 409 decommission_in_progress (another mode is live; "
+    "details.decommission_id), node_not_decommissionable, node_not_maas_managed (reimage), "
+    "node_has_allocations (set force_release_allocations). 422 field errors in "
+    "error.details.errors. 503 temporal_unavailable leaves nothing behind. Audited."
+)
+_ACTION_NOTES = (
+    " Answers the workflow's decision: 409 action_not_allowed when the job's state does not "
+    "allow it, 409 decommission_closed once the workflow has ended. A repeated identical "
+    "request gets the first answer. Audited as node.decommission.<action>."
+)
+
+
+class AdminDecommissionsController(Controller):
+    path = "/api/v1/admin"
+    guards = [admin_guard]
+    tags = ["admin: decommission"]
+
+    @post(
+        "/nodes/{node_id:uuid}/decommission",
+        status_code=201,
+        summary="Decommission a node: soft_reset, reimage or full_decommission (starts "
+        "NodeDecommissionWorkflow)",
+        description="Body {mode, erase, storage_cleanup, remove_maas_record, "
+        "force_release_allocations, reason}. erase (none|quick|secure|standard or bool) applies "
+        "to reimage and full_decommission; storage_cleanup (none|local|weka|all or bool) to "
+        "soft_reset and reimage; remove_maas_record (default false: MAAS keeps the record) to "
+        "full_decommission." + _START_NOTES,
+        responses=errors(400, 403, 404, 409, 410, 413, 422),
+    )
+    async def decommission(
+        self,
+        data: JSONBody[DecommissionCreate],
+        db: NamedDependency[AsyncSession],
+        temporal: NamedDependency[TemporalOps],
+        runtime: NamedDependency[Runtime],
+        principal: NamedDependency[Principal],
+        node_id: FromPath[uuid.UUID],
+    ) -> Response[DecommissionCreated]:
+        plan = decommissions.plan_from(data)
+        started = await decommissions.start(
+            db, temporal, runtime.settings, principal, node_id, plan
+        )
+        return Response(started.body, status_code=200 if started.replayed else 201)
+
+    @post(
+        "/nodes/{node_id:uuid}/storage-cleanup",
+        status_code=201,
+        summary="Storage-only cleanup between tenants (seed 003 §5.5): cleanup_storage + "
+        "validate_clean_node",
+        description="Body {scope: local|weka|all, reason}; an unknown scope is 422 "
+        "invalid_storage_scope." + _START_NOTES,
+        responses=errors(400, 403, 404, 409, 410, 413, 422),
+    )
+    async def storage_cleanup(
+        self,
+        data: JSONBody[StorageCleanupCreate],
+        db: NamedDependency[AsyncSession],
+        temporal: NamedDependency[TemporalOps],
+        runtime: NamedDependency[Runtime],
+        principal: NamedDependency[Principal],
+        node_id: FromPath[uuid.UUID],
+    ) -> Response[DecommissionCreated]:
+        plan = decommissions.storage_plan(data)
+        started = await decommissions.start(
+            db, temporal, runtime.settings, principal, node_id, plan
+        )
+        return Response(started.body, status_code=200 if started.replayed else 201)
+
+    @post(
+        "/nodes/{node_id:uuid}/resume",
+        status_code=200,
+        summary="Resume a node's lifecycle in draining or removing (seed 004 §8)",
+        description="Forwards resume to the node's live decommission (a no-op while its host "
+        "task is live; a fresh task once it expired or failed); without one, starts a "
+        "decommission of the last mode that adopts what is done (201-shaped body). 409 "
+        "node_not_in_progress for any other node state." + _ACTION_NOTES,
+        responses=errors(400, 403, 404, 409, 410, 413),
+    )
+    async def resume_node(
+        self,
+        data: JSONBody[ActionRequest],
+        db: NamedDependency[AsyncSession],
+        temporal: NamedDependency[TemporalOps],
+        runtime: NamedDependency[Runtime],
+        principal: NamedDependency[Principal],
+        node_id: FromPath[uuid.UUID],
+    ) -> ActionAnswer | DecommissionCreated:
+        return await decommissions.resume_node(
+            db, temporal, runtime.settings, principal, node_id, data.reason
+        )
+
+    @get(
+        "/decommissions",
+        summary="Decommissions, newest first (seed 003 §5.7)",
+        description="Filters: node_id, status (a job state, or `failed` for both failed "
+        "states; else 422 unknown_status), mode (else 422 unknown_mode). Pages with limit and "
+        "cursor.",
+        responses=errors(400, 403, 422),
+    )
+    async def list_decommissions(
+        self,
+        db: NamedDependency[AsyncSession],
+        node_id: FromQuery[uuid.UUID | None] = None,
+        status: FromQuery[str | None] = None,
+        mode: FromQuery[str | None] = None,
+        limit: Annotated[int, QueryParameter(ge=1, le=200)] = 50,
+        cursor: FromQuery[str | None] = None,
+    ) -> DecommissionList:
+        return await decommissions.list_rows(
+            db, node_id=node_id, status=status, mode=mode, limit=limit, cursor=cursor
+        )
+
+    @get(
+        "/decommissions/{decommission_id:uuid}",
+        summary="One decommission: status, stage, error, recommended action and its 50 most "
+        "recent stage events",
+        responses=errors(403, 404),
+    )
+    async def get_decommission(
+        self, db: NamedDependency[AsyncSession], decommission_id: FromPath[uuid.UUID]
+    ) -> DecommissionDetail:
+        return await decommissions.detail(db, decommission_id)
+
+    # --- operator actions: one route each, the same shape ---
+
+    async def _act(
+        self,
+        action: OperatorAction,
+        data: ActionRequest,
+        db: AsyncSession,
+        temporal: TemporalOps,
+        principal: Principal,
+        decommission_id: uuid.UUID,
+    ) -> ActionAnswer:
+        return await decommissions.operator_action(
+            db, temporal, principal, decommission_id, action, data.reason
+        )
+
+    @post(
+        "/decommissions/{decommission_id:uuid}/retry",
+        status_code=200,
+        summary="retry_stage: rerun the failed stage, then go on",
+        description=_ACTION_NOTES,
+        responses=errors(400, 403, 404, 409, 413),
+    )
+    async def retry(
+        self,
+        data: JSONBody[ActionRequest],
+        db: NamedDependency[AsyncSession],
+        temporal: NamedDependency[TemporalOps],
+        principal: NamedDependency[Principal],
+        decommission_id: FromPath[uuid.UUID],
+    ) -> ActionAnswer:
+        return await self._act(
+            OperatorAction.RETRY_STAGE, data, db, temporal, principal, decommission_id
+        )
+
+    @post(
+        "/decommissions/{decommission_id:uuid}/resume",
+        status_code=200,
+        summary="resume: continue from the failed stage's checkpoint (a fresh host task); "
+        "a no-op while the job runs",
+        description=_ACTION_NOTES,
+        responses=errors(400, 403, 404, 409, 413),
+    )
+    async def resume(
+        self,
+        data: JSONBody[ActionRequest],
+        db: NamedDependency[AsyncSession],
+        temporal: NamedDependency[TemporalOps],
+        principal: NamedDependency[Principal],
+        decommission_id: FromPath[uuid.UUID],
+    ) -> ActionAnswer:
+        return await self._act(
+            OperatorAction.RESUME, data, db, temporal, principal, decommission_id
+        )
+
+    @post(
+        "/decommissions/{decommission_id:uuid}/adopt",
+        status_code=200,
+        summary="adopt_observed_state: accept what MAAS and the node show now (or vouch for "
+        "host work) and go on; ends reconciled",
+        description=_ACTION_NOTES,
+        responses=errors(400, 403, 404, 409, 413),
+    )
+    async def adopt(
+        self,
+        data: JSONBody[ActionRequest],
+        db: NamedDependency[AsyncSession],
+        temporal: NamedDependency[TemporalOps],
+        principal: NamedDependency[Principal],
+        decommission_id: FromPath[uuid.UUID],
+    ) -> ActionAnswer:
+        return await self._act(OperatorAction.ADOPT, data, db, temporal, principal, decommission_id)
+
+    @post(
+        "/decommissions/{decommission_id:uuid}/mark-manual-intervention",
+        status_code=200,
+        summary="mark_manual_intervention_required: freeze automation until a human resolves",
+        description=_ACTION_NOTES,
+        responses=errors(400, 403, 404, 409, 413),
+    )
+    async def mark_manual_intervention(
+        self,
+        data: JSONBody[ActionRequest],
+        db: NamedDependency[AsyncSession],
+        temporal: NamedDependency[TemporalOps],
+        principal: NamedDependency[Principal],
+        decommission_id: FromPath[uuid.UUID],
+    ) -> ActionAnswer:
+        return await self._act(
+            OperatorAction.MARK_MANUAL_INTERVENTION,
+            data,
+            db,
+            temporal,
+            principal,
+            decommission_id,
+        )
+
+    @post(
+        "/decommissions/{decommission_id:uuid}/cancel",
+        status_code=200,
+        summary="cancel: stop (best effort) and compensate where possible; MAAS is not rolled back",
+        description=_ACTION_NOTES,
+        responses=errors(400, 403, 404, 409, 413),
+    )
+    async def cancel(
+        self,
+        data: JSONBody[ActionRequest],
+        db: NamedDependency[AsyncSession],
+        temporal: NamedDependency[TemporalOps],
+        principal: NamedDependency[Principal],
+        decommission_id: FromPath[uuid.UUID],
+    ) -> ActionAnswer:
+        return await self._act(
+            OperatorAction.CANCEL, data, db, temporal, principal, decommission_id
+        )

@@ -1,0 +1,817 @@
+"""Node decommission use cases behind the admin controller (seed 003 §5.1, §5.5, §5.7; seed 004
+§5, §8), with their request and response bodies.
+
+Starting a decommission checks the request (422 with field errors for invalid combinations:
+erase on soft_reset, an unknown storage scope, remove_maas_record outside full_decommission),
+the node (404; 410 once deleted: a deleted identity is never reused; 409 when its state does not
+allow the mode), and the live job for the node (one at a time, a partial unique index backs it):
+the same request again answers the live job (200: a rerun never conflicts with the action
+already in progress), a different one is 409 decommission_in_progress. Then the pending row is
+inserted and committed, the workflow started, and the audit row written; if Temporal does not
+take the workflow the row is deleted again and the answer is 503, so nothing is left behind.
+
+Operator actions (retry, resume, adopt, cancel, mark-manual-intervention) are the workflow's
+`operator_action` update, audited with actor, role, reason, prior state and stage, requested
+action, expected state and workflow id. `POST /nodes/{id}/resume` is the node-level resume of
+seed 004 §8: it forwards to the node's live decommission, or, when the node sits in draining or
+removing without one (its workflow was lost), starts a new decommission of the same mode that
+adopts what is already done.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import sqlalchemy.exc
+from sqlalchemy import delete, exists, select, tuple_
+from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.sql.elements import ColumnElement
+from temporalio.client import Client, WorkflowUpdateFailedError
+from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
+from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
+from temporalio.service import RPCError, RPCStatusCode
+
+from core import search_attributes
+from core.config import Settings
+from gateway import audit
+from gateway.auth import Principal
+from gateway.errors import ApiError, Conflict, InvalidRequest, NotFound, Unprocessable
+from gateway.identity import constraint_name
+from gateway.pagination import decode_cursor, encode_cursor
+from gateway.schemas import Reason, Request
+from gateway.temporal import TemporalOps
+from schema.models import Allocation, Node, NodeDecommission, NodeDecommissionEvent, NodeMaasState
+from schema.states import AllocationStatus, NodeStatus
+from workflows.decommission_contract import (
+    OPERATOR_ACTION_UPDATE,
+    STAGES_BY_MODE,
+    WORKFLOW_NAME,
+    ActionResult,
+    DecommissionInput,
+    DecommissionPolicy,
+    Erase,
+    Mode,
+    OperatorAction,
+    OperatorRequest,
+    StorageScope,
+    decommission_workflow_id,
+)
+from workflows.onboarding_contract import LIVE_JOB_STATUSES, JobStatus
+
+log = logging.getLogger("gateway.decommissions")
+EVENTS_SHOWN = 50
+ACTION_NOT_ALLOWED = "action_not_allowed"
+_LIVE = [s.value for s in LIVE_JOB_STATUSES]
+_LIVE_ALLOCATION = [
+    AllocationStatus.REQUESTED.value,
+    AllocationStatus.PROVISIONING.value,
+    AllocationStatus.ACTIVE.value,
+    AllocationStatus.RELEASING.value,
+    AllocationStatus.RELEASE_FAILED.value,
+]
+# Node states each mode may start from. draining/removing: a lost owning operation is resumed
+# (seed 004 §3.3 guardrail), never left stranded.
+_STARTABLE: dict[Mode, frozenset[str]] = {
+    Mode.SOFT_RESET: frozenset({"active", "offline", "quarantined", "draining"}),
+    Mode.REIMAGE: frozenset({"active", "offline", "quarantined", "draining"}),
+    Mode.FULL_DECOMMISSION: frozenset(
+        {"active", "offline", "quarantined", "draining", "retired", "removing"}
+    ),
+    Mode.STORAGE_CLEANUP: frozenset({"active", "offline", "quarantined"}),
+}
+
+# --- bodies ------------------------------------------------------------------------------------
+
+
+class DecommissionCreate(Request):
+    """seed 003 §5.1. `erase`: none | quick | secure | standard, or a boolean (true: MAAS's
+    standard erase); `storage_cleanup`: none | local | weka | all, or a boolean (true: local)."""
+
+    mode: str
+    reason: Reason
+    erase: bool | str = False
+    storage_cleanup: bool | str = False
+    remove_maas_record: bool = False
+    force_release_allocations: bool = False
+
+
+class StorageCleanupCreate(Request):
+    scope: str
+    reason: Reason
+    force_release_allocations: bool = False
+
+
+class DecommissionCreated(msgspec.Struct, kw_only=True):
+    decommission_id: uuid.UUID
+    node_id: uuid.UUID
+    mode: str
+    status: str  # "started", or the live job's status when the same request is repeated
+    workflow_id: str
+    replayed: bool = False
+
+
+class DecommissionEventView(msgspec.Struct, kw_only=True):
+    id: uuid.UUID
+    stage: str
+    attempt: int
+    status: str
+    message: str | None
+    details: dict[str, Any]
+    occurred_at: Any
+
+
+class DecommissionView(msgspec.Struct, kw_only=True):
+    """One row of node_decommissions (seed 003 §5.7; seed 004 §9.2: workflow state, stage,
+    attempt, failure class, last MAAS state, recommended next action)."""
+
+    decommission_id: uuid.UUID
+    node_id: uuid.UUID
+    hostname: str | None
+    site_id: uuid.UUID | None
+    maas_system_id: str | None
+    mode: str
+    erase: str
+    storage_cleanup: str
+    remove_maas_record: bool
+    force_release_allocations: bool
+    reason: str | None
+    status: str
+    current_stage: str
+    current_attempt: int
+    failure_class: str | None
+    error_code: str | None
+    error_message: str | None
+    error_details: dict[str, Any]
+    recommended_action: str | None
+    last_maas_status: str | None
+    last_maas_power_state: str | None
+    followups: list[dict[str, Any]]
+    requested_by: str | None
+    workflow_id: str
+    workflow_run_id: str | None
+    requested_at: Any
+    started_at: Any
+    completed_at: Any
+    updated_at: Any
+
+
+class DecommissionDetail(DecommissionView, kw_only=True):
+    events: list[DecommissionEventView]
+
+
+class DecommissionList(msgspec.Struct, kw_only=True):
+    items: list[DecommissionView]
+    next_cursor: str | None = None
+
+
+class ActionRequest(Request):
+    reason: Reason
+
+
+class ActionAnswer(msgspec.Struct, kw_only=True):
+    decommission_id: uuid.UUID
+    action: str
+    accepted: bool
+    prior_status: str
+    prior_stage: str
+    expected_status: str
+    message: str
+
+
+# --- field errors ------------------------------------------------------------------------------
+
+
+def _field(key: str, code: str, message: str, source: str = "body") -> dict[str, str]:
+    return {"key": key, "source": source, "code": code, "message": message}
+
+
+def _unprocessable(errors: list[dict[str, str]]) -> Unprocessable:
+    codes = {e["code"] for e in errors}
+    code = next(iter(codes)) if len(codes) == 1 else "validation_failed"
+    message = errors[0]["message"] if len(errors) == 1 else f"{len(errors)} fields are invalid"
+    return Unprocessable(message, code=code, details={"errors": errors})
+
+
+def _erase(value: bool | str, errors: list[dict[str, str]]) -> Erase:
+    if isinstance(value, bool):
+        return Erase.STANDARD if value else Erase.NONE
+    try:
+        return Erase(value)
+    except ValueError:
+        errors.append(
+            _field(
+                "erase", "invalid_erase", "erase must be none, quick, secure, standard or a bool"
+            )
+        )
+        return Erase.NONE
+
+
+def _scope(value: bool | str, key: str, errors: list[dict[str, str]]) -> StorageScope:
+    if isinstance(value, bool):
+        return StorageScope.LOCAL if value else StorageScope.NONE
+    try:
+        return StorageScope(value)
+    except ValueError:
+        errors.append(
+            _field(key, "invalid_storage_scope", f"{key} must be none, local, weka or all")
+        )
+        return StorageScope.NONE
+
+
+@dataclass(frozen=True)
+class Plan:
+    mode: Mode
+    erase: Erase
+    scope: StorageScope
+    remove_maas_record: bool
+    force_release_allocations: bool
+    reason: str
+
+
+def plan_from(body: DecommissionCreate) -> Plan:
+    """The request's combination, or 422 with a field error for each invalid part."""
+    errors: list[dict[str, str]] = []
+    try:
+        mode = Mode(body.mode)
+    except ValueError:
+        mode = Mode.SOFT_RESET
+        errors.append(
+            _field("mode", "invalid_mode", "mode must be soft_reset, reimage or full_decommission")
+        )
+    if mode == Mode.STORAGE_CLEANUP:
+        errors.append(
+            _field(
+                "mode",
+                "invalid_mode",
+                "storage-only cleanup has its own route: POST /nodes/{id}/storage-cleanup",
+            )
+        )
+    erase = _erase(body.erase, errors)
+    scope = _scope(body.storage_cleanup, "storage_cleanup", errors)
+    if mode == Mode.SOFT_RESET and erase != Erase.NONE:
+        errors.append(
+            _field(
+                "erase",
+                "erase_not_allowed",
+                "soft_reset keeps the OS and MAAS state: erase applies to reimage and "
+                "full_decommission only",
+            )
+        )
+    if mode == Mode.FULL_DECOMMISSION and scope != StorageScope.NONE:
+        errors.append(
+            _field(
+                "storage_cleanup",
+                "storage_cleanup_not_allowed",
+                "full_decommission releases (and erases) the machine: storage_cleanup applies "
+                "to soft_reset and reimage",
+            )
+        )
+    if mode != Mode.FULL_DECOMMISSION and body.remove_maas_record:
+        errors.append(
+            _field(
+                "remove_maas_record",
+                "remove_maas_record_not_allowed",
+                "only full_decommission may remove the MAAS record",
+            )
+        )
+    reason = body.reason.strip()
+    if not reason:
+        errors.append(_field("reason", "blank_reason", "reason must not be blank"))
+    if errors:
+        raise _unprocessable(errors)
+    return Plan(
+        mode,
+        erase,
+        scope,
+        body.remove_maas_record,
+        body.force_release_allocations or mode == Mode.FULL_DECOMMISSION,
+        reason,
+    )
+
+
+def storage_plan(body: StorageCleanupCreate) -> Plan:
+    errors: list[dict[str, str]] = []
+    scope = _scope(body.scope, "scope", errors)
+    if not errors and scope == StorageScope.NONE:
+        errors.append(_field("scope", "invalid_storage_scope", "scope must be local, weka or all"))
+    reason = body.reason.strip()
+    if not reason:
+        errors.append(_field("reason", "blank_reason", "reason must not be blank"))
+    if errors:
+        raise _unprocessable(errors)
+    return Plan(
+        Mode.STORAGE_CLEANUP,
+        Erase.NONE,
+        scope,
+        False,
+        body.force_release_allocations,
+        reason,
+    )
+
+
+def policy_from(settings: Settings) -> DecommissionPolicy:
+    return DecommissionPolicy(
+        node_schedule_to_start_seconds=settings.node_schedule_to_start_seconds,
+        node_heartbeat_timeout_seconds=max(settings.host_heartbeat_timeout_seconds, 10.0),
+    )
+
+
+# --- start -------------------------------------------------------------------------------------
+
+
+def _same(row: NodeDecommission, plan: Plan) -> bool:
+    return (
+        row.mode == plan.mode.value
+        and row.erase == plan.erase.value
+        and row.storage_cleanup == plan.scope.value
+        and row.remove_maas_record == plan.remove_maas_record
+    )
+
+
+async def _live_job(db: AsyncSession, node_id: uuid.UUID) -> NodeDecommission | None:
+    return await db.scalar(
+        select(NodeDecommission).where(
+            NodeDecommission.node_id == node_id, NodeDecommission.status.in_(_LIVE)
+        )
+    )
+
+
+def _created(row: NodeDecommission, *, replayed: bool) -> DecommissionCreated:
+    return DecommissionCreated(
+        decommission_id=row.decommission_id,
+        node_id=row.node_id,
+        mode=row.mode,
+        status=row.status if replayed else "started",
+        workflow_id=row.workflow_id,
+        replayed=replayed,
+    )
+
+
+@dataclass(frozen=True)
+class Started:
+    body: DecommissionCreated
+    replayed: bool
+
+
+async def start(
+    db: AsyncSession,
+    temporal: TemporalOps,
+    settings: Settings,
+    principal: Principal,
+    node_id: uuid.UUID,
+    plan: Plan,
+) -> Started:
+    node = await db.get(Node, node_id)
+    if node is None:
+        raise NotFound("node not found")
+    if node.status == NodeStatus.DELETED:
+        raise ApiError(
+            "the node was deleted by a full decommission; its identity cannot be reused "
+            "(re-onboard the machine as a new node)",
+            code="node_deleted",
+            status_code=410,
+        )
+    live = await _live_job(db, node_id)
+    if live is not None:
+        if _same(live, plan):
+            answer = _created(live, replayed=True)
+            await db.rollback()
+            return Started(answer, replayed=True)
+        raise Conflict(
+            f"a {live.mode} decommission of this node is already {live.status}",
+            code="decommission_in_progress",
+            details={"decommission_id": str(live.decommission_id), "mode": live.mode},
+        )
+    if node.status not in _STARTABLE[plan.mode]:
+        raise Conflict(
+            f"a node in {node.status} cannot start a {plan.mode.value}",
+            code="node_not_decommissionable",
+            details={"node_status": node.status, "mode": plan.mode.value},
+        )
+    if plan.mode == Mode.REIMAGE and await db.get(NodeMaasState, node_id) is None:
+        raise Conflict(
+            "reimage needs a MAAS-managed node (this one has no MAAS binding)",
+            code="node_not_maas_managed",
+        )
+    if plan.mode != Mode.FULL_DECOMMISSION and not plan.force_release_allocations:
+        held = await db.scalar(
+            select(exists().where(Allocation.node_id == node_id, Allocation.status.in_(
+                [s for s in _LIVE_ALLOCATION if s != AllocationStatus.RELEASING.value]
+            )))
+        )  # fmt: skip
+        if held:
+            raise Conflict(
+                "live allocations hold this node; release them first or set "
+                "force_release_allocations",
+                code="node_has_allocations",
+            )
+    prior_node_status = node.status
+    decommission_id = uuid.uuid4()
+    workflow_id = decommission_workflow_id(str(decommission_id))
+    row = NodeDecommission(
+        decommission_id=decommission_id,
+        node_id=node_id,
+        hostname=node.hostname,
+        mode=plan.mode.value,
+        erase=plan.erase.value,
+        storage_cleanup=plan.scope.value,
+        remove_maas_record=plan.remove_maas_record,
+        force_release_allocations=plan.force_release_allocations,
+        reason=plan.reason,
+        status=JobStatus.PENDING.value,
+        current_stage=STAGES_BY_MODE[plan.mode][0].value,
+        requested_by=principal.name,
+        requested_by_token_id=principal.token_id,
+        workflow_id=workflow_id,
+    )
+    db.add(row)
+    try:
+        await db.flush()
+    except sqlalchemy.exc.IntegrityError as err:
+        if constraint_name(err) != "node_decommissions_live_node":
+            raise
+        await db.rollback()
+        raise Conflict(
+            "another decommission of this node was submitted at the same time",
+            code="decommission_in_progress",
+        ) from err
+    await db.commit()
+
+    arg = DecommissionInput(
+        decommission_id=str(decommission_id),
+        node_id=str(node_id),
+        mode=plan.mode.value,
+        erase=plan.erase.value,
+        storage_cleanup=plan.scope.value,
+        remove_maas_record=plan.remove_maas_record,
+        force_release_allocations=plan.force_release_allocations,
+        reason=plan.reason,
+        requested_by=principal.name,
+        policy=policy_from(settings),
+    )
+    await _start_or_undo(db, temporal, settings, arg, workflow_id, decommission_id)
+    audit.record_by(
+        db,
+        principal,
+        action=f"node.decommission.{plan.mode.value}",
+        target_type="node",
+        target_id=str(node_id),
+        reason=plan.reason,
+        prior_state=prior_node_status,
+        expected_state=_expected_node_state(plan.mode),
+        workflow_ids=[workflow_id],
+        details={
+            "decommission_id": str(decommission_id),
+            "mode": plan.mode.value,
+            "erase": plan.erase.value,
+            "storage_cleanup": plan.scope.value,
+            "remove_maas_record": plan.remove_maas_record,
+            "force_release_allocations": plan.force_release_allocations,
+            "actor_role": principal.role,
+        },
+    )
+    await db.commit()
+    return Started(_created(row, replayed=False), replayed=False)
+
+
+def _expected_node_state(mode: Mode) -> str:
+    return "deleted" if mode == Mode.FULL_DECOMMISSION else "active"
+
+
+async def _start_or_undo(
+    db: AsyncSession,
+    temporal: TemporalOps,
+    settings: Settings,
+    arg: DecommissionInput,
+    workflow_id: str,
+    decommission_id: uuid.UUID,
+) -> None:
+    async def call(client: Client) -> None:
+        await client.start_workflow(
+            WORKFLOW_NAME,
+            arg,
+            id=workflow_id,
+            task_queue=settings.control_plane_task_queue,
+            id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+            search_attributes=TypedSearchAttributes(
+                [
+                    SearchAttributePair(search_attributes.NODE_ID, arg.node_id),
+                    SearchAttributePair(
+                        search_attributes.LIFECYCLE_STATUS, JobStatus.PENDING.value
+                    ),
+                    SearchAttributePair(
+                        search_attributes.CURRENT_STAGE,
+                        STAGES_BY_MODE[Mode(arg.mode)][0].value,
+                    ),
+                ]
+            ),
+            rpc_timeout=temporal.rpc_timeout,
+        )
+
+    try:
+        await temporal.update(call)
+    except WorkflowAlreadyStartedError:
+        log.info("workflow %s was already started; answering as started", workflow_id)
+    except Exception:
+        await db.rollback()
+        moved = await db.scalar(
+            select(
+                exists().where(
+                    NodeDecommission.decommission_id == decommission_id,
+                    NodeDecommission.status != JobStatus.PENDING.value,
+                )
+            )
+        )
+        events = await db.scalar(
+            select(exists().where(NodeDecommissionEvent.decommission_id == decommission_id))
+        )
+        if not moved and not events:
+            await db.execute(
+                delete(NodeDecommission).where(NodeDecommission.decommission_id == decommission_id)
+            )
+            await db.commit()
+            raise
+        await db.rollback()
+        log.warning("workflow %s answered late but runs; keeping its row", workflow_id)
+
+
+# --- reads -------------------------------------------------------------------------------------
+
+
+def _fields(row: NodeDecommission) -> dict[str, Any]:
+    return {
+        "decommission_id": row.decommission_id,
+        "node_id": row.node_id,
+        "hostname": row.hostname,
+        "site_id": row.site_id,
+        "maas_system_id": row.maas_system_id,
+        "mode": row.mode,
+        "erase": row.erase,
+        "storage_cleanup": row.storage_cleanup,
+        "remove_maas_record": row.remove_maas_record,
+        "force_release_allocations": row.force_release_allocations,
+        "reason": row.reason,
+        "status": row.status,
+        "current_stage": row.current_stage,
+        "current_attempt": row.current_attempt,
+        "failure_class": row.failure_class,
+        "error_code": row.error_code,
+        "error_message": row.error_message,
+        "error_details": dict(row.error_details or {}),
+        "recommended_action": row.recommended_action,
+        "last_maas_status": row.last_maas_status,
+        "last_maas_power_state": row.last_maas_power_state,
+        "followups": list(row.followups or []),
+        "requested_by": row.requested_by,
+        "workflow_id": row.workflow_id,
+        "workflow_run_id": row.workflow_run_id,
+        "requested_at": row.requested_at,
+        "started_at": row.started_at,
+        "completed_at": row.completed_at,
+        "updated_at": row.updated_at,
+    }
+
+
+async def load(db: AsyncSession, decommission_id: uuid.UUID) -> NodeDecommission:
+    row = await db.get(NodeDecommission, decommission_id)
+    if row is None:
+        raise NotFound("decommission not found")
+    return row
+
+
+async def detail(db: AsyncSession, decommission_id: uuid.UUID) -> DecommissionDetail:
+    row = await load(db, decommission_id)
+    events = await db.scalars(
+        select(NodeDecommissionEvent)
+        .where(NodeDecommissionEvent.decommission_id == decommission_id)
+        .order_by(NodeDecommissionEvent.occurred_at.desc(), NodeDecommissionEvent.id.desc())
+        .limit(EVENTS_SHOWN)
+    )
+    return DecommissionDetail(
+        **_fields(row),
+        events=[
+            DecommissionEventView(
+                id=e.id,
+                stage=e.stage,
+                attempt=e.attempt,
+                status=e.status,
+                message=e.message,
+                details=dict(e.details or {}),
+                occurred_at=e.occurred_at,
+            )
+            for e in events
+        ],
+    )
+
+
+def _query_error(key: str, allowed: list[str]) -> Unprocessable:
+    return Unprocessable(
+        f"unknown {key}",
+        code=f"unknown_{key}",
+        details={
+            "errors": [
+                _field(
+                    key,
+                    f"unknown_{key}",
+                    f"{key} must be one of: " + ", ".join(allowed),
+                    source="query",
+                )
+            ],
+            "allowed": allowed,
+        },
+    )
+
+
+async def list_rows(
+    db: AsyncSession,
+    *,
+    node_id: uuid.UUID | None,
+    status: str | None,
+    mode: str | None,
+    limit: int,
+    cursor: str | None,
+) -> DecommissionList:
+    statuses = [s.value for s in JobStatus]
+    modes = [m.value for m in Mode]
+    filters: list[ColumnElement[bool]] = []
+    if status is not None:
+        if status == "failed":  # seed 003 §5.7 ?status=failed: both failed states
+            filters.append(
+                NodeDecommission.status.in_(
+                    [JobStatus.FAILED_RETRYABLE.value, JobStatus.FAILED_MANUAL_INTERVENTION.value]
+                )
+            )
+        elif status in statuses:
+            filters.append(NodeDecommission.status == status)
+        else:
+            raise _query_error("status", [*statuses, "failed"])
+    if mode is not None:
+        if mode not in modes:
+            raise _query_error("mode", modes)
+        filters.append(NodeDecommission.mode == mode)
+    if node_id is not None:
+        filters.append(NodeDecommission.node_id == node_id)
+    query = select(NodeDecommission).where(*filters)
+    if cursor:
+        requested_at, row_id = decode_cursor(cursor)
+        query = query.where(
+            tuple_(NodeDecommission.requested_at, NodeDecommission.decommission_id)
+            < (requested_at, row_id)
+        )
+    query = query.order_by(
+        NodeDecommission.requested_at.desc(), NodeDecommission.decommission_id.desc()
+    ).limit(limit + 1)
+    rows = list((await db.scalars(query)).all())
+    next_cursor = None
+    if len(rows) > limit:
+        rows = rows[:limit]
+        next_cursor = encode_cursor(rows[-1].requested_at, rows[-1].decommission_id)
+    return DecommissionList(
+        items=[DecommissionView(**_fields(r)) for r in rows], next_cursor=next_cursor
+    )
+
+
+# --- operator actions --------------------------------------------------------------------------
+
+
+def _update_id(action: OperatorAction, row: NodeDecommission, reason: str) -> str:
+    """The same request against the same job version gets the same id, so Temporal answers a
+    repeat with the first result instead of applying the action twice."""
+    version = row.updated_at.isoformat() if row.updated_at else str(row.current_attempt)
+    digest = hashlib.sha256(reason.encode()).hexdigest()[:16]
+    return f"{action.value}:{version}:{digest}"
+
+
+async def operator_action(
+    db: AsyncSession,
+    temporal: TemporalOps,
+    principal: Principal,
+    decommission_id: uuid.UUID,
+    action: OperatorAction,
+    reason: str,
+) -> ActionAnswer:
+    reason = reason.strip()
+    if not reason:
+        raise InvalidRequest(
+            "reason must not be blank",
+            details={"errors": [{"key": "reason", "source": "body", "message": "blank"}]},
+        )
+    row = await load(db, decommission_id)
+    prior_status, prior_stage, workflow_id = row.status, row.current_stage, row.workflow_id
+    node_id = row.node_id
+    request_id = _update_id(action, row, reason)
+    await db.close()  # never hold a database connection across a Temporal call
+
+    async def call(client: Client) -> ActionResult:
+        result: ActionResult = await client.get_workflow_handle(workflow_id).execute_update(
+            OPERATOR_ACTION_UPDATE,
+            OperatorRequest(action=action.value, actor=principal.name, reason=reason),
+            id=request_id,
+            result_type=ActionResult,
+            rpc_timeout=temporal.rpc_timeout,
+        )
+        return result
+
+    state = {"status": prior_status, "stage": prior_stage, "action": action.value}
+    try:
+        result = await temporal.update(call)
+    except WorkflowUpdateFailedError as err:
+        cause = err.cause
+        if isinstance(cause, ApplicationError) and cause.type == ACTION_NOT_ALLOWED:
+            raise Conflict(cause.message, code=ACTION_NOT_ALLOWED, details=state) from None
+        raise ApiError(
+            "the decommission workflow refused the action unexpectedly",
+            code="workflow_error",
+            status_code=502,
+            details=state,
+        ) from None
+    except RPCError as err:
+        if err.status != RPCStatusCode.NOT_FOUND:
+            raise
+        raise Conflict(
+            "this decommission's workflow has ended; it takes no more actions",
+            code="decommission_closed",
+            details=state,
+        ) from None
+    audit.record_by(
+        db,
+        principal,
+        action=f"node.decommission.{action.value}",
+        target_type="node_decommission",
+        target_id=str(decommission_id),
+        reason=reason,
+        prior_state=prior_status,
+        expected_state=result.expected_status,
+        workflow_ids=[workflow_id],
+        details={
+            "node_id": str(node_id),
+            "workflow_id": workflow_id,
+            "actor_role": principal.role,
+            "prior_stage": prior_stage,
+            "requested_action": action.value,
+            "accepted": result.accepted,
+            "message": result.message,
+            "update_id": request_id,
+        },
+    )
+    await db.commit()
+    return ActionAnswer(
+        decommission_id=decommission_id,
+        action=result.action,
+        accepted=result.accepted,
+        prior_status=result.prior_status,
+        prior_stage=result.prior_stage,
+        expected_status=result.expected_status,
+        message=result.message,
+    )
+
+
+async def resume_node(
+    db: AsyncSession,
+    temporal: TemporalOps,
+    settings: Settings,
+    principal: Principal,
+    node_id: uuid.UUID,
+    reason: str,
+) -> ActionAnswer | DecommissionCreated:
+    """Seed 004 §8 for a node in draining or removing: the live decommission answers resume
+    (a no-op while its task is live, a requeue once it failed); without one, a new
+    decommission of the last mode starts and adopts what is already done."""
+    node = await db.get(Node, node_id)
+    if node is None:
+        raise NotFound("node not found")
+    if node.status not in (NodeStatus.DRAINING, NodeStatus.REMOVING):
+        raise Conflict(
+            f"resume applies to a node in draining or removing, not {node.status}",
+            code="node_not_in_progress",
+            details={"node_status": node.status},
+        )
+    live = await _live_job(db, node_id)
+    if live is not None:
+        return await operator_action(
+            db, temporal, principal, live.decommission_id, OperatorAction.RESUME, reason
+        )
+    last = await db.scalar(
+        select(NodeDecommission)
+        .where(NodeDecommission.node_id == node_id)
+        .order_by(NodeDecommission.requested_at.desc())
+        .limit(1)
+    )
+    if node.status == NodeStatus.REMOVING or last is None:
+        plan = Plan(Mode.FULL_DECOMMISSION, Erase.NONE, StorageScope.NONE, False, True, reason)
+    else:
+        plan = Plan(
+            Mode(last.mode),
+            Erase(last.erase),
+            StorageScope(last.storage_cleanup),
+            last.remove_maas_record,
+            last.force_release_allocations,
+            reason,
+        )
+    started = await start(db, temporal, settings, principal, node_id, plan)
+    return started.body

@@ -1,0 +1,363 @@
+"""The failure and recovery rows of seed 003 §5.8, one by one, with the simulators' faults: an
+unreachable agent while MAAS is mutable, erase failing with the no-erase fallback on and off, a
+validation that finds residue (quarantine + alert), uninstall failing after retirement, MAAS
+changed out of band, allocations force-released through their own workflows (and one whose
+release fails), and resume's idempotency under a live and a stale task (seed 004 §8)."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import threading
+import uuid
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+
+from agent.contract import BAREMETAL_DEPROVISION_USER, HostErrorType
+from schema.models import Allocation, DomainEvent, Node, NodeDriftEvent, NodeMaasState, NodeTask
+from schema.states import SkuShape
+from tests.decommission_fixtures import DecommissionRig
+from tests.factories import BAREMETAL_SKU, create_node, create_sku
+from tests.histories import record_history
+from tests.lifecycle_support import Tenant, baremetal_request, wait_status
+from tests.maas_fixtures import sim_machine, sim_scenario
+from workflows.allocation_contract import allocation_workflow_id
+
+MACHINES = sim_scenario(
+    sim_machine("fail-a", "10.176.18.10"),
+    sim_machine("fail-b", "10.176.18.11"),
+    sim_machine("fail-c", "10.176.18.12"),
+)
+
+
+async def _node_status(rig: DecommissionRig, node_id: str) -> str:
+    async with rig.sessions() as session:
+        status = await session.scalar(select(Node.status).where(Node.id == uuid.UUID(node_id)))
+        assert status is not None
+        return str(status)
+
+
+async def _tasks(rig: DecommissionRig, node_id: str, kind: str) -> list[NodeTask]:
+    async with rig.sessions() as session:
+        return list(
+            await session.scalars(
+                select(NodeTask)
+                .where(NodeTask.node_id == uuid.UUID(node_id), NodeTask.kind == kind)
+                .order_by(NodeTask.created_at)
+            )
+        )
+
+
+async def _system_id(rig: DecommissionRig, node_id: str) -> str:
+    async with rig.sessions() as session:
+        binding = await session.get(NodeMaasState, uuid.UUID(node_id))
+        assert binding is not None
+        return binding.maas_system_id
+
+
+@pytest.mark.maas_scenario(MACHINES)
+async def test_agent_unreachable_while_maas_is_mutable_needs_an_operator(
+    decommission: DecommissionRig,
+) -> None:
+    node_id = await decommission.maas_node("fail-a", "10.176.18.10")
+    system_id = await _system_id(decommission, node_id)
+    job = await decommission.start(node_id, "full_decommission")  # no agent runs
+    row = await decommission.wait_status(job, "failed_manual_intervention")
+    assert row.current_stage == "drain_node"
+    assert row.error_code == "agent_unreachable_maas_mutable"
+    assert row.failure_class == "state_ambiguity"
+    assert row.recommended_action == "resume"
+    # Nothing was released: MAAS still holds the machine deployed.
+    machine = await decommission.onboarding.maas_sim.machine(system_id)
+    assert machine["status_name"] == "Deployed"
+    assert await _node_status(decommission, node_id) == "draining"
+
+    await decommission.agent(node_id)  # the agent comes back
+    answer = await decommission.action(job, "resume")
+    assert answer.accepted
+    assert answer.prior_status == "failed_manual_intervention"
+    await decommission.wait_status(job, "completed")
+    await record_history(decommission.handle(job), "decommission", "agent_unreachable_resumed")
+    drains = [(t.status, t.error_type) for t in await _tasks(decommission, node_id, "node.drain")]
+    assert drains == [("failed", "agent_unreachable_maas_mutable"), ("completed", None)]
+    assert await _node_status(decommission, node_id) == "deleted"
+    async with decommission.sessions() as session:
+        kinds = list(
+            await session.scalars(
+                select(DomainEvent.type)
+                .where(DomainEvent.subject_id == job.decommission_id)
+                .order_by(DomainEvent.id)
+            )
+        )
+    assert kinds == [
+        "node.decommission.started",
+        "node.decommission.manual_intervention_required",
+        "node.decommission.completed",
+    ]
+
+
+@pytest.mark.maas_scenario(MACHINES)
+async def test_erase_failure_falls_back_to_no_erase_when_the_site_allows(
+    decommission: DecommissionRig,
+) -> None:
+    node_id = await decommission.maas_node("fail-b", "10.176.18.11")
+    await decommission.agent(node_id)
+    system_id = await _system_id(decommission, node_id)
+    await decommission.onboarding.maas_sim.set_fault(system_id, "erase_fails")
+    await decommission.onboarding.set_policy(release_fallback_no_erase=True)
+    job = await decommission.start(node_id, "full_decommission", erase="secure")
+    row = await decommission.wait_status(job, "completed")
+    assert [f["kind"] for f in row.followups] == ["agent_drained", "erase_fallback"]
+    machine = await decommission.onboarding.maas_sim.machine(system_id)
+    assert machine["status_name"] == "Ready"
+    counters = await decommission.onboarding.maas_sim.counters()
+    assert counters["machines"][system_id].get("machine.release") == 2  # erase, then none
+
+
+@pytest.mark.maas_scenario(MACHINES)
+async def test_erase_failure_stops_for_an_operator_when_the_site_forbids_the_fallback(
+    decommission: DecommissionRig,
+) -> None:
+    node_id = await decommission.maas_node("fail-c", "10.176.18.12")
+    await decommission.agent(node_id)
+    system_id = await _system_id(decommission, node_id)
+    await decommission.onboarding.maas_sim.set_fault(system_id, "erase_fails")
+    await decommission.onboarding.set_policy(release_fallback_no_erase=False)
+    job = await decommission.start(node_id, "full_decommission", erase="quick")
+    row = await decommission.wait_status(job, "failed_manual_intervention")
+    assert (row.current_stage, row.error_code) == ("release_maas_node", "erase_failed")
+    assert row.last_maas_status == "Failed disk erasing"
+    assert await _node_status(decommission, node_id) == "draining"  # never retired early
+    # The operator fixed the disks: retry erases again, without the fallback.
+    await decommission.onboarding.maas_sim.clear_faults(system_id)
+    answer = await decommission.action(job, "retry_stage")
+    assert answer.accepted
+    row = await decommission.wait_status(job, "completed")
+    assert not any(f["kind"] == "erase_fallback" for f in row.followups)
+    assert await _node_status(decommission, node_id) == "deleted"
+
+
+async def test_failed_validation_quarantines_the_node_and_alerts(
+    decommission: DecommissionRig,
+) -> None:
+    node_id = await decommission.plain_node()
+    agent = await decommission.agent(node_id)
+    agent.add_tenant_user("mallory")  # residue the cleanup does not remove
+    job = await decommission.start(node_id, "soft_reset", storage_cleanup="local")
+    row = await decommission.wait_status(job, "failed_manual_intervention")
+    assert (row.current_stage, row.error_code) == ("validate_clean_node", "validation_residue")
+    assert await _node_status(decommission, node_id) == "quarantined"
+    async with decommission.sessions() as session:
+        alert = await session.scalar(
+            select(DomainEvent).where(
+                DomainEvent.type == "node.decommission.validation_failed",
+                DomainEvent.subject_id == node_id,
+            )
+        )
+    assert alert is not None
+    assert alert.payload["severity"] == "CRITICAL"
+    assert alert.payload["checks"][0]["checks"][0]["check"] == "tenant_users"
+
+    # The operator removed the account by hand and adopts: the node returns to service.
+    answer = await decommission.action(job, "adopt_observed_state")
+    assert answer.expected_status == "reconciled"
+    await decommission.wait_status(job, "reconciled")
+    await record_history(decommission.handle(job), "decommission", "validation_adopted")
+    assert await _node_status(decommission, node_id) == "active"
+
+
+@pytest.mark.maas_scenario(MACHINES)
+async def test_failed_validation_on_a_maas_node_writes_a_drift_alert(
+    decommission: DecommissionRig,
+) -> None:
+    node_id = await decommission.maas_node("fail-a", "10.176.18.10")
+    agent = await decommission.agent(node_id)
+    agent.add_tenant_user()
+    job = await decommission.start(node_id, "storage_cleanup", storage_cleanup="local")
+    await decommission.wait_status(job, "failed_manual_intervention")
+    assert await _node_status(decommission, node_id) == "quarantined"  # active -> quarantined
+    async with decommission.sessions() as session:
+        drift = await session.scalar(
+            select(NodeDriftEvent).where(NodeDriftEvent.node_id == uuid.UUID(node_id))
+        )
+    assert drift is not None
+    assert (drift.rule, drift.severity) == ("decommission_validation_failed", "CRITICAL")
+
+
+async def test_uninstall_failure_after_retirement_keeps_the_node_retired(
+    decommission: DecommissionRig,
+) -> None:
+    node_id = await decommission.plain_node()
+    agent = await decommission.agent(node_id)
+    agent.maintenance.fail["uninstall"] = 2  # both automatic attempts
+    job = await decommission.start(node_id, "full_decommission")
+    row = await decommission.wait_status(job, "failed_retryable")
+    assert (row.current_stage, row.error_code) == ("remove_gpuaas_node_record", "uninstall_failed")
+    assert row.recommended_action == "resume"
+    assert await _node_status(decommission, node_id) == "retired"  # not deleted prematurely
+
+    await decommission.action(job, "resume")
+    await decommission.wait_status(job, "completed")
+    await record_history(decommission.handle(job), "decommission", "uninstall_failed_resumed")
+    assert await _node_status(decommission, node_id) == "deleted"
+    assert not (agent.root / "var/lib/gpucloud-agent").exists()  # the agent removed itself
+    uninstalls = [t.status for t in await _tasks(decommission, node_id, "node.uninstall")]
+    assert uninstalls == ["failed", "completed"]
+
+
+async def test_resume_while_the_drain_task_is_live_does_not_duplicate_it(
+    decommission: DecommissionRig,
+) -> None:
+    node_id = await decommission.plain_node()
+    agent = await decommission.agent(node_id)
+    gate = threading.Event()
+    agent.maintenance.hang["drain"] = gate
+    job = await decommission.start(node_id, "full_decommission")
+    await decommission.wait_stage(job, "drain_node")
+    for _ in range(200):
+        if agent.maintenance.calls.get("drain"):
+            break
+        await asyncio.sleep(0.02)
+    assert await _node_status(decommission, node_id) == "draining"
+
+    first = await decommission.action(job, "resume", reason="is it stuck?")
+    second = await decommission.action(job, "resume", reason="again")
+    for answer in (first, second):
+        assert not answer.accepted
+        assert answer.expected_status == "running"
+        assert "is live" in answer.message
+    live = await _tasks(decommission, node_id, "node.drain")
+    assert [t.status for t in live] == ["queued"]
+
+    gate.set()
+    await decommission.wait_status(job, "completed")
+    assert agent.maintenance.calls["drain"] == 1
+    assert [t.status for t in await _tasks(decommission, node_id, "node.drain")] == ["completed"]
+
+
+async def test_resume_requeues_a_stale_drain_task(decommission: DecommissionRig) -> None:
+    node_id = await decommission.plain_node()
+    job = await decommission.start(node_id, "full_decommission")  # no agent: the task expires
+    row = await decommission.wait_status(job, "failed_manual_intervention")
+    assert row.error_code == "agent_unreachable"  # not MAAS-managed: no MAAS ambiguity
+    # A stale drain row left by a lost run (its lease long gone) is still "dispatched".
+    async with decommission.sessions() as session, session.begin():
+        session.add(
+            NodeTask(
+                id=uuid.uuid4(),
+                node_id=uuid.UUID(node_id),
+                kind="node.drain",
+                status="dispatched",
+                workflow_id="decommission-lost",
+                created_at=dt.datetime.now(dt.UTC) - dt.timedelta(hours=2),
+                dispatched_at=dt.datetime.now(dt.UTC) - dt.timedelta(hours=2),
+            )
+        )
+    agent = await decommission.agent(node_id)
+    answer = await decommission.action(job, "resume")
+    assert answer.accepted
+    await decommission.wait_status(job, "completed")
+    drains = await _tasks(decommission, node_id, "node.drain")
+    statuses = sorted(
+        (t.workflow_id == "decommission-lost", t.status, t.error_type) for t in drains
+    )
+    assert statuses == [
+        (False, "completed", None),
+        (False, "failed", "agent_unreachable"),
+        (True, "failed", "superseded"),
+    ]
+    assert agent.maintenance.calls["drain"] == 1
+
+
+@pytest.mark.maas_scenario(MACHINES)
+async def test_machine_deleted_out_of_band_is_adopted_by_an_operator(
+    decommission: DecommissionRig,
+) -> None:
+    node_id = await decommission.maas_node("fail-b", "10.176.18.11")
+    agent = await decommission.agent(node_id)
+    system_id = await _system_id(decommission, node_id)
+    gate = threading.Event()
+    agent.maintenance.hang["drain"] = gate
+    job = await decommission.start(node_id, "full_decommission")
+    await decommission.wait_stage(job, "drain_node")
+    await decommission.onboarding.maas_sim.delete(system_id)  # someone deletes it in MAAS
+    gate.set()
+    row = await decommission.wait_status(job, "failed_manual_intervention")
+    assert row.error_code == "machine_deleted"
+    assert row.recommended_action == "adopt_observed_state"
+    await decommission.action(job, "adopt_observed_state")
+    await decommission.wait_status(job, "reconciled")
+    assert await _node_status(decommission, node_id) == "deleted"
+
+
+# --------------------------------------------------------------------------- allocations
+
+
+@pytest.fixture
+async def tenant(api: Any, make_project: Any, make_token: Any) -> Tenant:
+    from tests.gateway_fixtures import ed25519_public_key
+
+    project = await make_project()
+    client = await api(token=await make_token("tenant", project))
+    public_key = ed25519_public_key("bob@laptop")
+    response = await client.post("/api/v1/ssh-keys", json={"name": "bob", "public_key": public_key})
+    assert response.status_code == 201, response.text
+    return Tenant(client, project.id, response.json()["id"], public_key)
+
+
+async def _allocate_baremetal(rig: DecommissionRig, tenant: Tenant) -> tuple[str, str]:
+    await create_sku(rig.sessions, BAREMETAL_SKU, shape=SkuShape.BAREMETAL, allowed=(8,))
+    node = await create_node(rig.sessions, sku=BAREMETAL_SKU)
+    await rig.agent(str(node.id))
+    response = await tenant.client.post(
+        "/api/v1/allocations", json=baremetal_request(tenant.ssh_key_id)
+    )
+    assert response.status_code == 201, response.text
+    allocation_id = response.json()["allocation_id"]
+    await wait_status(tenant.client, allocation_id, "active")
+    return str(node.id), allocation_id
+
+
+async def test_force_release_ends_allocations_through_their_workflows(
+    decommission: DecommissionRig, tenant: Tenant
+) -> None:
+    node_id, allocation_id = await _allocate_baremetal(decommission, tenant)
+    job = await decommission.start(node_id, "full_decommission")
+    await decommission.wait_status(job, "completed")
+    await record_history(decommission.handle(job), "decommission", "force_release")
+    async with decommission.sessions() as session:
+        allocation = await session.get(Allocation, uuid.UUID(allocation_id))
+        assert allocation is not None
+    assert allocation.status == "released"
+    assert allocation.release_requested_by == "admin"
+    # The allocation's own workflow did the release (its history has the update), and ended.
+    handle = decommission.client.get_workflow_handle(allocation_workflow_id(allocation_id))
+    history = await handle.fetch_history()
+    updates = [
+        e.workflow_execution_update_accepted_event_attributes.accepted_request.input.name
+        for e in history.events
+        if e.HasField("workflow_execution_update_accepted_event_attributes")
+    ]
+    assert "request_release" in updates
+    described = await handle.describe()
+    assert described.status is not None
+    assert described.status.name == "COMPLETED"
+    assert await _node_status(decommission, node_id) == "deleted"
+
+
+async def test_allocation_whose_release_fails_stays_attached_for_an_operator(
+    decommission: DecommissionRig, tenant: Tenant
+) -> None:
+    node_id, allocation_id = await _allocate_baremetal(decommission, tenant)
+    (agent,) = [a for a in decommission.agents if a.node_id == node_id]
+    agent.host.faults.inject(BAREMETAL_DEPROVISION_USER, HostErrorType.RELEASE_ERROR, times=10)
+    job = await decommission.start(node_id, "full_decommission")
+    row = await decommission.wait_status(job, "failed_manual_intervention")
+    assert (row.current_stage, row.error_code) == (
+        "force_release_allocations",
+        "allocations_release_failed",
+    )
+    assert allocation_id in row.error_details["allocations"]
+    assert await _node_status(decommission, node_id) == "draining"

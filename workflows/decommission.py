@@ -1,0 +1,891 @@
+"""NodeDecommissionWorkflow `decommission-{id}`: the four decommission modes of seed 003 §5
+(soft_reset, reimage, full_decommission, storage_cleanup) with the job-state model of seed 004
+§5 and the failure and recovery model of §5.8.
+
+The mode's stages (workflows/decommission_contract.py STAGES_BY_MODE) run in order. Control-plane
+stages are activities on the control-plane queue (activities/decommission/); host work runs on
+the node's own queue `node-{node_id}` as the agent's maintenance activities (node.drain,
+node.storage_cleanup, node.gpu_scrub, node.validate_clean, node.uninstall) with a
+schedule-to-start timeout, so an unreachable agent is detected instead of waited on; each host
+call is mirrored as a node_tasks row (queued → completed/failed) for the timeline and for
+resume's stale-task rule (seed 004 §8).
+
+A stage failure its retries cannot cure is classified (workflows/decommission_policy.py) into
+failed_retryable or failed_manual_intervention with a recommended action; the workflow then waits
+for an operator action (the `operator_action` update) instead of closing:
+
+    retry_stage   the failed stage again, then onwards
+    resume        from the failed stage's checkpoint; a host task gets a fresh node_tasks row
+                  (the stale one is closed as superseded). While the job runs, resume is an
+                  idempotent no-op that names the live task: nothing is duplicated.
+    adopt         accept what the node and MAAS show now (or the operator's word for host
+                  work: "continue with explicit override", §5.8) and go on; ends `reconciled`
+    cancel        stop (also while a stage runs) and compensate where possible: MAAS is never
+                  rolled back; the node leaves draining/removing for offline/quarantined/retired
+    mark_manual_intervention_required   freeze: stop the running stage, wait for a human
+
+A failed validate_clean quarantines the node and raises an alert before the job fails; an
+uninstall that fails after retirement sends the node back to retired (never deleted early).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError, TimeoutType
+
+with workflow.unsafe.imports_passed_through():
+    from agent.contract import (
+        NODE_DRAIN,
+        NODE_GPU_SCRUB,
+        NODE_STORAGE_CLEANUP,
+        NODE_UNINSTALL,
+        NODE_VALIDATE_CLEAN,
+        NON_RETRYABLE_MAINTENANCE_ERRORS,
+        STORAGE_SCOPE_LOCAL_SCRATCH,
+        STORAGE_SCOPE_WEKA,
+        DrainResult,
+        GpuScrubResult,
+        HostErrorType,
+        NodeMaintenanceInput,
+        StorageCleanupInput,
+        StorageCleanupResult,
+        UninstallResult,
+        ValidateCleanResult,
+    )
+    from core import search_attributes as sa
+    from core.failures import FailureClass
+    from core.task_queues import node_task_queue
+    from workflows.decommission_contract import (
+        OPERATOR_ACTION_UPDATE,
+        PROGRESS_QUERY,
+        STAGES_BY_MODE,
+        WORKFLOW_NAME,
+        ActionResult,
+        DecommissionInput,
+        DecommissionResult,
+        DecommissionState,
+        EventStatus,
+        Mode,
+        NodeTaskRecord,
+        NodeTaskRef,
+        Observation,
+        OperatorAction,
+        OperatorRequest,
+        Progress,
+        ProgressRecord,
+        Stage,
+        StageInput,
+        StageResult,
+        StorageScope,
+    )
+    from workflows.decommission_policy import (
+        ALLOWED_ACTIONS,
+        DEFAULT_ATTEMPTS,
+        STAGE_ATTEMPTS,
+        checkpoint_for,
+        outcome_for,
+    )
+    from workflows.onboarding_contract import JobStatus, SiteConfig
+
+QUICK = timedelta(minutes=2)
+LOCAL = timedelta(seconds=30)
+_FAILED = frozenset({JobStatus.FAILED_RETRYABLE, JobStatus.FAILED_MANUAL_INTERVENTION})
+
+
+class StageFailure(Exception):
+    def __init__(
+        self,
+        stage: Stage,
+        failure_class: str,
+        error_code: str,
+        message: str,
+        details: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.stage = stage
+        self.failure_class = failure_class
+        self.error_code = error_code
+        self.message = message
+        self.details = dict(details or {})
+
+
+def _failure_from(stage: Stage, err: ActivityError) -> StageFailure:
+    cause = err.cause
+    if isinstance(cause, ApplicationError):
+        info: dict[str, Any] = {}
+        if cause.details and isinstance(cause.details[0], dict):
+            info = cause.details[0]
+        return StageFailure(
+            stage,
+            cause.type or FailureClass.UPSTREAM_TRANSIENT.value,
+            str(info.get("error_code") or cause.type or "unknown"),
+            cause.message,
+            dict(info.get("details") or {}),
+        )
+    if isinstance(cause, TimeoutError):
+        return StageFailure(
+            stage,
+            FailureClass.UPSTREAM_TRANSIENT.value,
+            "activity_timeout",
+            f"{stage.value} timed out ({cause.type.name if cause.type else 'timeout'})",
+        )
+    return StageFailure(stage, FailureClass.UPSTREAM_TRANSIENT.value, "activity_failed", str(err))
+
+
+@workflow.defn(name=WORKFLOW_NAME)
+class NodeDecommissionWorkflow:
+    def __init__(self) -> None:
+        self._input: DecommissionInput | None = None
+        self._site: SiteConfig | None = None
+        self._state = DecommissionState()
+        self._status = JobStatus.PENDING
+        self._stage = Stage.DISABLE_NODE
+        self._entries: dict[Stage, int] = {}
+        self._failure: StageFailure | None = None
+        self._pending: OperatorRequest | None = None
+        self._interrupt: OperatorAction | None = None
+        self._stage_task: asyncio.Task[None] | None = None
+        self._task: NodeTaskRef | None = None
+        self._adopted = False
+        self._skip_uninstall = False
+        self._agent_drained = False
+
+    @property
+    def _stages(self) -> tuple[Stage, ...]:
+        assert self._input is not None
+        return STAGES_BY_MODE[Mode(self._input.mode)]
+
+    # ------------------------------------------------------------------ run
+
+    @workflow.run
+    async def run(self, input: DecommissionInput) -> DecommissionResult:
+        self._input = input
+        self._stage = self._stages[0]
+        await self._set_status(
+            JobStatus.RUNNING,
+            workflow_run_id=workflow.info().run_id,
+            domain_event="node.decommission.started",
+        )
+        start: Stage | None = self._stages[0]
+        while True:
+            outcome = await self._attempt(start)
+            if outcome is not None:
+                await workflow.wait_condition(workflow.all_handlers_finished)
+                return outcome
+            next_start = await self._await_operator()
+            if isinstance(next_start, _Cancel):
+                result = await self._cancel()
+                await workflow.wait_condition(workflow.all_handlers_finished)
+                return result
+            start = next_start
+
+    async def _attempt(self, start: Stage | None) -> DecommissionResult | None:
+        """Run from `start` (None: nothing is left to run); the result when the job closed,
+        None when it failed and waits for an operator."""
+        self._stage_task = asyncio.create_task(self._run_from(start))
+        try:
+            await self._stage_task
+        except StageFailure as failure:
+            await self._fail(failure)
+            return None
+        except asyncio.CancelledError:
+            if self._interrupt is None:  # the workflow itself was cancelled
+                self._interrupt = OperatorAction.CANCEL
+            if self._interrupt == OperatorAction.CANCEL:
+                self._interrupt = None
+                return await self._cancel()
+            self._interrupt = None
+            await self._fail(
+                StageFailure(
+                    self._stage,
+                    self._failure.failure_class if self._failure else "",
+                    "manual_intervention_requested",
+                    "an operator froze automation",
+                ),
+                forced=JobStatus.FAILED_MANUAL_INTERVENTION,
+            )
+            return None
+        finally:
+            self._stage_task = None
+            self._task = None
+        final = JobStatus.RECONCILED if self._adopted else JobStatus.COMPLETED
+        await self._set_status(final, domain_event="node.decommission.completed", clear_error=True)
+        return await self._result()
+
+    async def _run_from(self, start: Stage | None) -> None:
+        stages = self._stages
+        if start is None:
+            return
+        assert self._input is not None
+        if Mode(self._input.mode) == Mode.STORAGE_CLEANUP and self._state.hostname is None:
+            result = await self._call("decommission.load_node", self._stage_input(), QUICK)
+            self._state = result.state
+        for stage in stages[stages.index(start) :]:
+            await self._run_stage(stage)
+
+    async def _run_stage(self, stage: Stage) -> None:
+        assert self._input is not None
+        mode = Mode(self._input.mode)
+        if stage == Stage.DRAIN_NODE:
+            if mode == Mode.SOFT_RESET:
+                await self._cp_stage(stage, activity="decommission.await_quiet_node")
+            else:
+                await self._drain()
+        elif stage == Stage.CLEANUP_STORAGE:
+            await self._cleanup_storage()
+        elif stage == Stage.SCRUB_GPU:
+            await self._scrub_gpu()
+        elif stage == Stage.VALIDATE_CLEAN_NODE:
+            await self._validate_clean()
+        elif stage == Stage.REMOVE_GPUAAS_NODE_RECORD:
+            await self._remove_node_record()
+        else:
+            await self._cp_stage(stage)
+
+    # ------------------------------------------------------------------ control-plane stages
+
+    def _stage_input(self, *, note: str = "") -> StageInput:
+        assert self._input is not None
+        return StageInput(
+            decommission=self._input,
+            state=self._state,
+            site=self._site,
+            attempt=self._entries.get(self._stage, 1),
+            task=self._task,
+            note=note,
+        )
+
+    async def _call(
+        self,
+        activity: str,
+        arg: StageInput,
+        timeout: timedelta,
+        *,
+        attempts: int = DEFAULT_ATTEMPTS,
+        heartbeat: timedelta | None = None,
+    ) -> StageResult:
+        try:
+            result: StageResult = await workflow.execute_activity(
+                activity,
+                arg,
+                result_type=StageResult,
+                start_to_close_timeout=timeout,
+                heartbeat_timeout=heartbeat,
+                retry_policy=RetryPolicy(
+                    initial_interval=timedelta(seconds=1),
+                    maximum_interval=timedelta(seconds=30),
+                    maximum_attempts=attempts,
+                ),
+            )
+        except ActivityError as err:
+            raise _failure_from(self._stage, err) from None
+        return result
+
+    def _enter(self, stage: Stage) -> None:
+        self._stage = stage
+        self._entries[stage] = self._entries.get(stage, 0) + 1
+        self._upsert_search_attributes()
+
+    async def _cp_stage(self, stage: Stage, *, activity: str | None = None) -> StageResult:
+        self._enter(stage)
+        wait = self._wait_seconds(stage)
+        result = await self._call(
+            activity or f"decommission.{stage.value}",
+            self._stage_input(),
+            timedelta(seconds=wait + 120),
+            attempts=STAGE_ATTEMPTS.get(stage, DEFAULT_ATTEMPTS),
+            heartbeat=self._heartbeat_timeout() if wait else None,
+        )
+        self._state = result.state
+        if result.site is not None:
+            self._site = result.site
+            self._upsert_search_attributes()
+        return result
+
+    def _wait_seconds(self, stage: Stage) -> float:
+        assert self._input is not None
+        policy = self._input.policy
+        site = self._site.policy if self._site else None
+        fixed: dict[Stage, float] = {
+            Stage.FORCE_RELEASE_ALLOCATIONS: policy.allocation_release_timeout_seconds,
+            Stage.DRAIN_NODE: policy.drain_wait_seconds,
+            Stage.POWER_OFF_MAAS_NODE: policy.power_off_timeout_seconds,
+        }
+        if stage in fixed:
+            return fixed[stage]
+        if site is None:
+            return 0
+        return {
+            # Release, then (erase failed, fallback allowed) a second release.
+            Stage.RELEASE_MAAS_NODE: 2 * site.deploy_timeout_seconds,
+            Stage.WAIT_FOR_DEPLOYED: site.deploy_timeout_seconds,
+            Stage.ENSURE_HARDWARE_SYNC_CONFIGURED: 2 * site.hw_sync_seed_timeout_seconds,
+            Stage.WAIT_FOR_HARDWARE_SYNC_HEALTHY: site.hw_sync_health_timeout_seconds
+            + 2 * site.hw_sync_seed_timeout_seconds,
+            Stage.WAIT_FOR_AGENT_ENROLLMENT: site.enrollment_timeout_seconds
+            + site.hw_sync_seed_timeout_seconds,
+        }.get(stage, 0)
+
+    def _heartbeat_timeout(self) -> timedelta:
+        assert self._input is not None
+        poll_ms = (
+            self._site.policy.maas_poll_interval_ms
+            if self._site
+            else self._input.policy.poll_interval_ms
+        )
+        return timedelta(seconds=max(60.0, 3 * poll_ms / 1000.0 + 30))
+
+    # ------------------------------------------------------------------ host tasks
+
+    async def _node_task(
+        self, stage: Stage, kind: str, spec: Any, result_type: type[Any], *, reason: str = ""
+    ) -> Any:
+        """One host task on `node-{id}`, mirrored as a node_tasks row. A task the agent does
+        not pick up in time is `agent_unreachable` (manual intervention, §5.8); while MAAS
+        still holds the machine deployed, that is the ambiguous case of seed 003 §5.8."""
+        assert self._input is not None
+        policy = self._input.policy
+        task = NodeTaskRef(task_id=spec.task_id, kind=kind)
+        self._task = task
+        await self._record_task(task, "queued")
+        try:
+            result = await workflow.execute_activity(
+                kind,
+                spec,
+                result_type=result_type,
+                task_queue=node_task_queue(self._input.node_id),
+                schedule_to_start_timeout=timedelta(seconds=policy.node_schedule_to_start_seconds),
+                start_to_close_timeout=timedelta(seconds=policy.node_task_timeout_seconds),
+                heartbeat_timeout=timedelta(seconds=policy.node_heartbeat_timeout_seconds),
+                retry_policy=RetryPolicy(
+                    initial_interval=timedelta(seconds=1),
+                    maximum_interval=timedelta(seconds=30),
+                    maximum_attempts=max(1, policy.node_task_attempts),
+                    non_retryable_error_types=[e.value for e in NON_RETRYABLE_MAINTENANCE_ERRORS],
+                ),
+            )
+        except ActivityError as err:
+            failure = self._host_failure(stage, kind, err)
+            await self._record_task(
+                task, "failed", error_type=failure.error_code, error_message=failure.message
+            )
+            raise failure from None
+        finally:
+            self._task = None
+        phases = [
+            {"phase": p.phase, "status": p.status, "at": p.at, "message": p.message}
+            for p in getattr(result, "phases", [])
+        ]
+        await self._record_task(
+            task,
+            "completed",
+            phases=phases,
+            started_at=getattr(result, "started_at", None),
+            finished_at=getattr(result, "finished_at", None),
+            output=_summary(result),
+        )
+        return result
+
+    def _host_failure(self, stage: Stage, kind: str, err: ActivityError) -> StageFailure:
+        cause = err.cause
+        if isinstance(cause, TimeoutError) and cause.type == TimeoutType.SCHEDULE_TO_START:
+            maas_mutable = self._state.maas_managed and not self._state.released_in_maas
+            if stage == Stage.REMOVE_GPUAAS_NODE_RECORD:
+                code, failure_class = (
+                    "uninstall_agent_unreachable",
+                    FailureClass.POST_DEPLOY_CONNECTIVITY_FAILURE,
+                )
+            elif maas_mutable:
+                code, failure_class = "agent_unreachable_maas_mutable", FailureClass.STATE_AMBIGUITY
+            else:
+                code, failure_class = (
+                    "agent_unreachable",
+                    FailureClass.POST_DEPLOY_CONNECTIVITY_FAILURE,
+                )
+            return StageFailure(
+                stage,
+                failure_class.value,
+                code,
+                f"the node agent did not pick up {kind} in time",
+                {"kind": kind},
+            )
+        if isinstance(cause, ApplicationError) and cause.type == HostErrorType.UNSUPPORTED.value:
+            return StageFailure(
+                stage,
+                FailureClass.INPUT_CONFIG_ERROR.value,
+                "storage_scope_unsupported" if kind == NODE_STORAGE_CLEANUP else "unsupported",
+                cause.message,
+                {"kind": kind},
+            )
+        message = cause.message if isinstance(cause, ApplicationError) else str(cause or err)
+        code = "uninstall_failed" if kind == NODE_UNINSTALL else "host_task_failed"
+        return StageFailure(
+            stage,
+            FailureClass.POST_DEPLOY_CONNECTIVITY_FAILURE.value,
+            code,
+            f"{kind} failed: {message}",
+            {"kind": kind, "host_error": getattr(cause, "type", None)},
+        )
+
+    async def _record_task(self, task: NodeTaskRef, status: str, **values: Any) -> None:
+        assert self._input is not None
+        await workflow.execute_local_activity(
+            "decommission.record_node_task",
+            NodeTaskRecord(
+                decommission_id=self._input.decommission_id,
+                node_id=self._input.node_id,
+                task_id=task.task_id,
+                kind=task.kind,
+                workflow_id=workflow.info().workflow_id,
+                status=status,
+                **values,
+            ),
+            start_to_close_timeout=LOCAL,
+            retry_policy=RetryPolicy(maximum_interval=timedelta(seconds=10)),
+        )
+
+    async def _host_stage(self, stage: Stage, body: Callable[[], Any]) -> None:
+        """A stage whose body is host work: started/succeeded events written by the workflow."""
+        self._enter(stage)
+        await self._event(stage, EventStatus.STARTED)
+        message = await body()
+        await self._event(stage, EventStatus.SUCCEEDED, str(message or ""))
+
+    def _spec(self) -> NodeMaintenanceInput:
+        assert self._input is not None
+        return NodeMaintenanceInput(
+            task_id=str(workflow.uuid4()),
+            node_id=self._input.node_id,
+            reason=f"decommission {self._input.decommission_id} ({self._input.mode})",
+        )
+
+    async def _drain(self) -> None:
+        async def body() -> str:
+            result: DrainResult = await self._node_task(
+                Stage.DRAIN_NODE, NODE_DRAIN, self._spec(), DrainResult
+            )
+            self._agent_drained = True
+            if not any(f.get("kind") == "agent_drained" for f in self._state.followups):
+                self._state.followups.append(
+                    {"kind": "agent_drained", "message": "the agent refuses new tenant work"}
+                )
+            return f"agent draining ({result.running_tasks} task(s) running)"
+
+        await self._host_stage(Stage.DRAIN_NODE, body)
+
+    async def _cleanup_storage(self) -> None:
+        assert self._input is not None
+        scope = StorageScope(self._input.storage_cleanup)
+        if scope == StorageScope.NONE:
+            self._enter(Stage.CLEANUP_STORAGE)
+            await self._event(Stage.CLEANUP_STORAGE, EventStatus.SKIPPED, "storage_cleanup none")
+            return
+        scopes = {
+            StorageScope.LOCAL: [STORAGE_SCOPE_LOCAL_SCRATCH],
+            StorageScope.WEKA: [STORAGE_SCOPE_WEKA],
+            StorageScope.ALL: [STORAGE_SCOPE_LOCAL_SCRATCH, STORAGE_SCOPE_WEKA],
+        }[scope]
+
+        async def body() -> str:
+            assert self._input is not None
+            removed = 0
+            for agent_scope in scopes:
+                result: StorageCleanupResult = await self._node_task(
+                    Stage.CLEANUP_STORAGE,
+                    NODE_STORAGE_CLEANUP,
+                    StorageCleanupInput(
+                        task_id=str(workflow.uuid4()),
+                        node_id=self._input.node_id,
+                        scope=agent_scope,
+                    ),
+                    StorageCleanupResult,
+                )
+                removed += sum(r.entries_removed for r in result.roots)
+            return f"storage {scope.value}: {removed} entries removed"
+
+        await self._host_stage(Stage.CLEANUP_STORAGE, body)
+
+    async def _scrub_gpu(self) -> None:
+        async def body() -> str:
+            result: GpuScrubResult = await self._node_task(
+                Stage.SCRUB_GPU, NODE_GPU_SCRUB, self._spec(), GpuScrubResult
+            )
+            failed = [g.gpu for g in result.gpus if not g.scrubbed]
+            if not result.gpus or failed:
+                raise StageFailure(
+                    Stage.SCRUB_GPU,
+                    FailureClass.POST_DEPLOY_CONNECTIVITY_FAILURE.value,
+                    "host_task_failed",
+                    "GPU scrub incomplete: " + (", ".join(failed) or "no GPUs reported"),
+                    {"gpus": failed},
+                )
+            return f"{len(result.gpus)} GPU(s) scrubbed"
+
+        await self._host_stage(Stage.SCRUB_GPU, body)
+
+    async def _validate_clean(self) -> None:
+        async def body() -> str:
+            result: ValidateCleanResult = await self._node_task(
+                Stage.VALIDATE_CLEAN_NODE, NODE_VALIDATE_CLEAN, self._spec(), ValidateCleanResult
+            )
+            if result.clean:
+                return "no tenant residue"
+            failed = [{"check": c.name, "reason": c.reason} for c in result.checks if not c.passed]
+            self._state.followups.append({"kind": "validation_failed", "checks": failed})
+            quarantined = await self._call(
+                "decommission.quarantine_node", self._stage_input(), QUICK
+            )
+            self._state = quarantined.state
+            raise StageFailure(
+                Stage.VALIDATE_CLEAN_NODE,
+                FailureClass.STATE_AMBIGUITY.value,
+                "validation_residue",
+                f"tenant residue remains ({', '.join(f['check'] for f in failed)}); "
+                "the node is quarantined",
+                {"checks": failed, "node_status": quarantined.message},
+            )
+
+        await self._host_stage(Stage.VALIDATE_CLEAN_NODE, body)
+
+    async def _remove_node_record(self) -> None:
+        """retired → removing → node.uninstall → deleted; on failure back to retired (§5.8).
+        Uninstall is not dispatched when MAAS released the machine in this run (the agent went
+        with its OS) or an operator adopted its absence."""
+        stage = Stage.REMOVE_GPUAAS_NODE_RECORD
+        begun = await self._cp_stage(stage, activity="decommission.begin_remove")
+        if begun.skipped:
+            return
+        uninstall_needed = not (self._state.released_in_maas or self._skip_uninstall)
+        note = "agent removed with its OS by the MAAS release"
+        if self._skip_uninstall:
+            note = "an operator adopted the agent's absence"
+        if uninstall_needed:
+            try:
+                result: UninstallResult = await self._node_task(
+                    stage, NODE_UNINSTALL, self._spec(), UninstallResult
+                )
+                note = f"agent uninstalled ({len(result.removed)} path(s) removed)"
+            except StageFailure as failure:
+                await self._call(
+                    "decommission.finish_remove",
+                    self._stage_input(note="uninstall_failed"),
+                    QUICK,
+                )
+                raise failure from None
+        await self._call("decommission.finish_remove", self._stage_input(), QUICK)
+        await self._event(stage, EventStatus.SUCCEEDED, f"node deleted; {note}")
+
+    # ------------------------------------------------------------------ failure and actions
+
+    async def _fail(self, failure: StageFailure, *, forced: JobStatus | None = None) -> None:
+        self._failure = failure
+        outcome = outcome_for(failure.failure_class, failure.error_code)
+        status = forced or outcome.job_status
+        self._stage = failure.stage
+        await self._set_status(
+            status,
+            failure=failure,
+            recommended_action=outcome.recommended_action.value,
+            details={**failure.details, "hint": outcome.hint},
+            event_status=EventStatus.FAILED,
+            domain_event=(
+                "node.decommission.manual_intervention_required"
+                if status == JobStatus.FAILED_MANUAL_INTERVENTION
+                else "node.decommission.failed"
+            ),
+        )
+
+    async def _await_operator(self) -> Stage | _Cancel | None:
+        """Wait for an accepted action; answer where to start again (None: nothing left, all
+        adopted; _Cancel: cancel)."""
+        while True:
+            await workflow.wait_condition(lambda: self._pending is not None)
+            request, self._pending = self._pending, None
+            assert request is not None
+            action = OperatorAction(request.action)
+            failed_stage = self._failure.stage if self._failure else self._stages[0]
+            if action == OperatorAction.CANCEL:
+                return _Cancel()
+            if action == OperatorAction.MARK_MANUAL_INTERVENTION:
+                await self._set_status(JobStatus.FAILED_MANUAL_INTERVENTION, stage=failed_stage)
+                continue
+            await self._set_status(JobStatus.RUNNING, clear_error=True)
+            if action == OperatorAction.RETRY_STAGE:
+                return failed_stage
+            if action == OperatorAction.RESUME:
+                return checkpoint_for(failed_stage)
+            try:
+                return await self._adopt(failed_stage)
+            except StageFailure as failure:
+                await self._fail(failure)
+            except ActivityError as err:
+                await self._fail(_failure_from(failed_stage, err))
+
+    async def _adopt(self, failed: Stage) -> Stage | None:
+        """Accept the observed state (or the operator's word for host work) for the failed
+        stage and continue after it. MAAS stages are checked against MAAS: a machine that is not
+        where the stage would have left it cannot be adopted."""
+        observation: Observation = await workflow.execute_activity(
+            "decommission.observe",
+            self._stage_input(),
+            result_type=Observation,
+            start_to_close_timeout=QUICK,
+            retry_policy=RetryPolicy(maximum_attempts=3),
+        )
+        self._state = observation.state
+
+        def cannot(why: str) -> StageFailure:
+            return StageFailure(
+                failed,
+                FailureClass.STATE_AMBIGUITY.value,
+                "cannot_adopt",
+                f"nothing to adopt: {why}",
+                {"maas_status": observation.maas_status, "node_status": observation.node_status},
+            )
+
+        if failed == Stage.FORCE_RELEASE_ALLOCATIONS and observation.live_allocations:
+            raise cannot(f"{observation.live_allocations} allocation(s) are still live")
+        if self._state.maas_managed and not observation.machine_present:
+            self._state.machine_absent = True
+        if failed == Stage.RELEASE_MAAS_NODE:
+            if observation.machine_present and observation.maas_status != "Ready":
+                raise cannot(f"the machine is {observation.maas_status}, not Ready")
+            self._state.released_in_maas = True
+        if failed == Stage.POWER_OFF_MAAS_NODE:
+            if observation.machine_present and observation.power_state != "off":
+                raise cannot(f"the machine is powered {observation.power_state}")
+            self._state.powered_off = True
+        if failed in (Stage.DEPLOY_VIA_MAAS, Stage.WAIT_FOR_DEPLOYED):
+            if observation.maas_status != "Deployed":
+                raise cannot(f"the machine is {observation.maas_status}, not Deployed")
+            failed = Stage.WAIT_FOR_DEPLOYED
+        if failed == Stage.REMOVE_GPUAAS_NODE_RECORD:
+            self._skip_uninstall = True  # the operator vouches the agent is gone
+            self._adopted = True
+            return Stage.REMOVE_GPUAAS_NODE_RECORD
+        self._adopted = True
+        await self._event(failed, EventStatus.SKIPPED, "adopted by an operator")
+        assert self._input is not None
+        if (
+            failed == Stage.VALIDATE_CLEAN_NODE
+            and Mode(self._input.mode) == Mode.STORAGE_CLEANUP
+            and self._state.quarantined
+        ):
+            await self._cp_stage(Stage.ENABLE_NODE)
+        stages = self._stages
+        index = stages.index(failed) + 1 if failed in stages else 0
+        return stages[index] if index < len(stages) else None
+
+    async def _cancel(self) -> DecommissionResult:
+        await self._set_status(JobStatus.COMPENSATING)
+        try:
+            await self._call("decommission.compensate", self._stage_input(), QUICK, attempts=3)
+        except ActivityError as err:
+            workflow.logger.warning("decommission compensation failed: %s", err)
+        await self._set_status(JobStatus.CANCELLED, domain_event="node.decommission.cancelled")
+        return await self._result()
+
+    # ------------------------------------------------------------------ operator surface
+
+    @workflow.update(name=OPERATOR_ACTION_UPDATE)
+    async def operator_action(self, request: OperatorRequest) -> ActionResult:
+        action = OperatorAction(request.action)
+        prior_status, prior_stage = self._status, self._stage
+        noop = self._is_noop(action)
+        if noop:
+            message = f"{action.value}: already in effect"
+            if action == OperatorAction.RESUME:
+                message = self._resume_noop_message()
+        elif self._status in (JobStatus.PENDING, JobStatus.RUNNING):
+            self._interrupt = action  # cancel or mark_manual_intervention_required
+            if self._stage_task is not None:
+                self._stage_task.cancel()
+            message = f"{action.value}: stopping {self._stage.value}"
+        else:
+            self._pending = request
+            message = f"{action.value} accepted"
+        return ActionResult(
+            action=action.value,
+            accepted=not noop,
+            prior_status=prior_status.value,
+            prior_stage=prior_stage.value,
+            expected_status=_expected_status(action, self._status).value,
+            message=message,
+        )
+
+    def _resume_noop_message(self) -> str:
+        if self._task is not None:
+            return (
+                f"resume: {self._task.kind} task {self._task.task_id} is live; nothing was requeued"
+            )
+        return f"resume: the decommission is {self._status.value} at {self._stage.value}"
+
+    @operator_action.validator
+    def _validate_action(self, request: OperatorRequest) -> None:
+        try:
+            action = OperatorAction(request.action)
+        except ValueError:
+            raise ApplicationError(
+                f"unknown action {request.action!r}", type="action_not_allowed"
+            ) from None
+        if self._is_noop(action):
+            return
+        if self._pending is not None or self._interrupt is not None:
+            raise ApplicationError(
+                "another operator action is being applied", type="action_not_allowed"
+            )
+        if self._status not in ALLOWED_ACTIONS[action]:
+            raise ApplicationError(
+                f"{action.value} is not allowed while the decommission is {self._status.value}",
+                type="action_not_allowed",
+            )
+
+    def _is_noop(self, action: OperatorAction) -> bool:
+        return (
+            (action == OperatorAction.CANCEL and self._status == JobStatus.CANCELLED)
+            or (
+                action == OperatorAction.MARK_MANUAL_INTERVENTION
+                and self._status == JobStatus.FAILED_MANUAL_INTERVENTION
+            )
+            or (
+                # Seed 004 §8: a live (or freshly queued) task already does what resume asks.
+                action == OperatorAction.RESUME
+                and self._status in (JobStatus.PENDING, JobStatus.RUNNING)
+                and self._interrupt is None
+            )
+        )
+
+    @workflow.query(name=PROGRESS_QUERY)
+    def progress(self) -> Progress:
+        failure = self._failure if self._status in _FAILED else None
+        return Progress(
+            decommission_id=self._input.decommission_id if self._input else "",
+            mode=self._input.mode if self._input else "",
+            status=self._status.value,
+            stage=self._stage.value,
+            attempt=self._entries.get(self._stage, 0),
+            failure_class=failure.failure_class if failure else None,
+            error_code=failure.error_code if failure else None,
+            node_task=self._task,
+        )
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    async def _event(self, stage: Stage, status: EventStatus, message: str = "") -> None:
+        await self._set_status(self._status, stage=stage, event_status=status, message=message)
+
+    async def _set_status(
+        self,
+        status: JobStatus,
+        *,
+        stage: Stage | None = None,
+        failure: StageFailure | None = None,
+        recommended_action: str | None = None,
+        details: dict[str, Any] | None = None,
+        event_status: EventStatus | None = None,
+        message: str = "",
+        domain_event: str | None = None,
+        clear_error: bool = False,
+        workflow_run_id: str | None = None,
+    ) -> None:
+        assert self._input is not None
+        self._status = status
+        if stage is not None:
+            self._stage = stage
+        self._upsert_search_attributes()
+        record = ProgressRecord(
+            decommission_id=self._input.decommission_id,
+            status=status.value,
+            stage=self._stage.value,
+            attempt=self._entries.get(self._stage, 0),
+            event_status=event_status.value if event_status else None,
+            message=failure.message if failure else message,
+            details={
+                **(details or {}),
+                "node_id": self._input.node_id,
+                "mode": self._input.mode,
+            },
+            state=self._state,
+            failure_class=failure.failure_class if failure else None,
+            error_code=failure.error_code if failure else None,
+            recommended_action=recommended_action,
+            clear_error=clear_error,
+            workflow_run_id=workflow_run_id,
+            domain_event=domain_event,
+        )
+        await workflow.execute_local_activity(
+            "decommission.record_progress",
+            record,
+            start_to_close_timeout=LOCAL,
+            retry_policy=RetryPolicy(maximum_interval=timedelta(seconds=10)),
+        )
+
+    def _upsert_search_attributes(self) -> None:
+        assert self._input is not None
+        updates = [
+            sa.LIFECYCLE_STATUS.value_set(self._status.value),
+            sa.CURRENT_STAGE.value_set(self._stage.value),
+            sa.NODE_ID.value_set(self._input.node_id),
+        ]
+        if self._state.site_id:
+            updates.append(sa.SITE_ID.value_set(self._state.site_id))
+        if self._state.hostname:
+            updates.append(sa.HOSTNAME.value_set(self._state.hostname))
+        workflow.upsert_search_attributes(updates)
+
+    async def _result(self) -> DecommissionResult:
+        assert self._input is not None
+        node_status: str | None = await workflow.execute_local_activity(
+            "decommission.node_status",
+            self._input.node_id,
+            result_type=str,
+            start_to_close_timeout=LOCAL,
+            retry_policy=RetryPolicy(maximum_attempts=5),
+        )
+        failure = self._failure if self._status in _FAILED else None
+        return DecommissionResult(
+            decommission_id=self._input.decommission_id,
+            node_id=self._input.node_id,
+            mode=self._input.mode,
+            status=self._status.value,
+            node_status=node_status,
+            failure_class=failure.failure_class if failure else None,
+            error_code=failure.error_code if failure else None,
+        )
+
+
+class _Cancel:
+    """_await_operator's answer for cancel."""
+
+
+def _expected_status(action: OperatorAction, status: JobStatus) -> JobStatus:
+    if action == OperatorAction.CANCEL:
+        return JobStatus.CANCELLED
+    if action == OperatorAction.MARK_MANUAL_INTERVENTION:
+        return JobStatus.FAILED_MANUAL_INTERVENTION
+    if action == OperatorAction.ADOPT:
+        return JobStatus.RECONCILED
+    if action == OperatorAction.RESUME and status in (JobStatus.PENDING, JobStatus.RUNNING):
+        return status
+    return JobStatus.COMPLETED
+
+
+def _summary(result: Any) -> dict[str, Any]:
+    """The sanitised host result, without its phases (those go to node_task_events)."""
+    out: dict[str, Any] = {}
+    for name in ("draining", "running_tasks", "clean", "scope", "removed", "absent"):
+        if hasattr(result, name):
+            out[name] = getattr(result, name)
+    if hasattr(result, "checks"):
+        out["checks"] = [{"name": c.name, "passed": c.passed} for c in result.checks]
+    if hasattr(result, "gpus"):
+        out["gpus"] = [{"gpu": g.gpu, "scrubbed": g.scrubbed} for g in result.gpus]
+    if hasattr(result, "roots"):
+        out["roots"] = [{"root": r.root, "removed": r.entries_removed} for r in result.roots]
+    return out

@@ -1,0 +1,370 @@
+"""The node decommission contract (seed 003 §5, seed 004 §5, §8): workflow name and id, modes,
+the stage catalogue and each mode's stage list, operator actions, and the values that cross the
+workflow / activity / gateway boundaries. Nothing here is secret.
+
+    NodeDecommissionWorkflow   decommission-{decommission_id}
+
+One workflow type runs all four modes (soft_reset, reimage, full_decommission, storage_cleanup):
+they share the job-state model, the failure handling and the operator actions, and differ only
+in their stage lists (`STAGES_BY_MODE`). Job states are onboarding's `JobStatus` (seed 004 §5.1
+says decommission uses the same model). Operator actions are the `operator_action` update, as
+for onboarding: the validator refuses what the job state does not allow (gateway: 409).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from workflows.onboarding_contract import JobStatus as JobStatus  # seed 004 §5.1: same model
+from workflows.onboarding_contract import OnboardState, SiteConfig
+
+WORKFLOW_NAME = "NodeDecommissionWorkflow"
+OPERATOR_ACTION_UPDATE = "operator_action"
+PROGRESS_QUERY = "progress"
+
+
+def decommission_workflow_id(decommission_id: str) -> str:
+    return f"decommission-{decommission_id}"
+
+
+def decommission_id_from_workflow_id(workflow_id: str) -> str:
+    prefix = "decommission-"
+    if not workflow_id.startswith(prefix):
+        raise ValueError(f"not a decommission workflow id: {workflow_id}")
+    return workflow_id[len(prefix) :]
+
+
+class Mode(StrEnum):
+    SOFT_RESET = "soft_reset"
+    REIMAGE = "reimage"
+    FULL_DECOMMISSION = "full_decommission"
+    STORAGE_CLEANUP = "storage_cleanup"
+
+
+class Erase(StrEnum):
+    """MAAS release erase modes (seed 003 §5.1: none | quick | secure; `standard` is MAAS's own
+    erase without quick/secure)."""
+
+    NONE = "none"
+    QUICK = "quick"
+    SECURE = "secure"
+    STANDARD = "standard"
+
+
+class StorageScope(StrEnum):
+    """Seed 003 §5.2 CleanupStorage: local scratch, Weka (shared storage), both, or nothing."""
+
+    NONE = "none"
+    LOCAL = "local"
+    WEKA = "weka"
+    ALL = "all"
+
+
+class Stage(StrEnum):
+    """Seed 004 §5.2's catalogue, plus the reimage stages of seed 003 §5.3 (named as the
+    onboarding stages they re-run) and enable_node (§5.2/§5.3 EnableNode)."""
+
+    DISABLE_NODE = "disable_node"
+    FORCE_RELEASE_ALLOCATIONS = "force_release_allocations"
+    DRAIN_NODE = "drain_node"
+    CLEANUP_STORAGE = "cleanup_storage"
+    SCRUB_GPU = "scrub_gpu"
+    VALIDATE_CLEAN_NODE = "validate_clean_node"
+    LOAD_SITE_CONFIG = "load_site_config"
+    RELEASE_MAAS_NODE = "release_maas_node"
+    POWER_OFF_MAAS_NODE = "power_off_maas_node"
+    RETIRE_GPUAAS_NODE = "retire_gpuaas_node"
+    REMOVE_GPUAAS_NODE_RECORD = "remove_gpuaas_node_record"
+    CLEANUP_SECRETS = "cleanup_secrets"
+    REMOVE_MAAS_RECORD = "remove_maas_record"
+    # reimage (seed 003 §5.3)
+    CONFIGURE_STORAGE = "configure_storage"
+    APPLY_ROCE_PHASE2 = "apply_roce_phase2"
+    ENSURE_PXE_INTERFACE_AUTO = "ensure_pxe_interface_auto"
+    RENDER_CLOUD_INIT = "render_cloud_init"
+    DEPLOY_VIA_MAAS = "deploy_via_maas"
+    WAIT_FOR_DEPLOYED = "wait_for_deployed"
+    ENSURE_HARDWARE_SYNC_CONFIGURED = "ensure_hardware_sync_configured"
+    WAIT_FOR_HARDWARE_SYNC_HEALTHY = "wait_for_hardware_sync_healthy"
+    WAIT_FOR_AGENT_ENROLLMENT = "wait_for_agent_enrollment"
+    ENABLE_NODE = "enable_node"
+
+
+STAGES_BY_MODE: dict[Mode, tuple[Stage, ...]] = {
+    # §5.2. force_release_allocations runs (or is skipped) after disable so that an allocation
+    # placed just before the node became unschedulable is not cleaned out from under a tenant.
+    Mode.SOFT_RESET: (
+        Stage.DISABLE_NODE,
+        Stage.FORCE_RELEASE_ALLOCATIONS,
+        Stage.DRAIN_NODE,
+        Stage.CLEANUP_STORAGE,
+        Stage.SCRUB_GPU,
+        Stage.VALIDATE_CLEAN_NODE,
+        Stage.ENABLE_NODE,
+    ),
+    # §5.3
+    Mode.REIMAGE: (
+        Stage.DISABLE_NODE,
+        Stage.FORCE_RELEASE_ALLOCATIONS,
+        Stage.DRAIN_NODE,
+        Stage.CLEANUP_STORAGE,
+        Stage.LOAD_SITE_CONFIG,
+        Stage.RELEASE_MAAS_NODE,
+        Stage.CONFIGURE_STORAGE,
+        Stage.APPLY_ROCE_PHASE2,
+        Stage.ENSURE_PXE_INTERFACE_AUTO,
+        Stage.RENDER_CLOUD_INIT,
+        Stage.DEPLOY_VIA_MAAS,
+        Stage.WAIT_FOR_DEPLOYED,
+        Stage.ENSURE_HARDWARE_SYNC_CONFIGURED,
+        Stage.WAIT_FOR_HARDWARE_SYNC_HEALTHY,
+        Stage.WAIT_FOR_AGENT_ENROLLMENT,
+        Stage.ENABLE_NODE,
+    ),
+    # §5.4
+    Mode.FULL_DECOMMISSION: (
+        Stage.DISABLE_NODE,
+        Stage.FORCE_RELEASE_ALLOCATIONS,
+        Stage.DRAIN_NODE,
+        Stage.LOAD_SITE_CONFIG,
+        Stage.RELEASE_MAAS_NODE,
+        Stage.POWER_OFF_MAAS_NODE,
+        Stage.RETIRE_GPUAAS_NODE,
+        Stage.REMOVE_GPUAAS_NODE_RECORD,
+        Stage.CLEANUP_SECRETS,
+        Stage.REMOVE_MAAS_RECORD,
+    ),
+    # §5.5
+    Mode.STORAGE_CLEANUP: (Stage.CLEANUP_STORAGE, Stage.VALIDATE_CLEAN_NODE),
+}
+
+# Stages whose body is a host task on the node's queue (node-{id}).
+NODE_TASK_STAGES = frozenset(
+    {
+        Stage.DRAIN_NODE,
+        Stage.CLEANUP_STORAGE,
+        Stage.SCRUB_GPU,
+        Stage.VALIDATE_CLEAN_NODE,
+        Stage.REMOVE_GPUAAS_NODE_RECORD,
+    }
+)
+# Once one of these has run, MAAS holds the machine in a state we changed: cancel no longer
+# returns the node to service (its OS is gone or going).
+MAAS_MUTATING_STAGES = frozenset(
+    {
+        Stage.RELEASE_MAAS_NODE,
+        Stage.POWER_OFF_MAAS_NODE,
+        Stage.CONFIGURE_STORAGE,
+        Stage.APPLY_ROCE_PHASE2,
+        Stage.ENSURE_PXE_INTERFACE_AUTO,
+        Stage.DEPLOY_VIA_MAAS,
+        Stage.WAIT_FOR_DEPLOYED,
+        Stage.REMOVE_MAAS_RECORD,
+    }
+)
+# The reimage stages run by the onboarding stage bodies (activities/decommission/reimage.py).
+REIMAGE_ONBOARDING_STAGES = frozenset(
+    {
+        Stage.CONFIGURE_STORAGE,
+        Stage.APPLY_ROCE_PHASE2,
+        Stage.ENSURE_PXE_INTERFACE_AUTO,
+        Stage.DEPLOY_VIA_MAAS,
+        Stage.WAIT_FOR_DEPLOYED,
+        Stage.ENSURE_HARDWARE_SYNC_CONFIGURED,
+        Stage.WAIT_FOR_HARDWARE_SYNC_HEALTHY,
+        Stage.WAIT_FOR_AGENT_ENROLLMENT,
+    }
+)
+
+
+class OperatorAction(StrEnum):
+    """Seed 004 §8, the ones that make sense for a decommission (there is no rerun from a blank
+    slate: a half-decommissioned node is resumed, retried, adopted or cancelled)."""
+
+    RETRY_STAGE = "retry_stage"
+    RESUME = "resume"
+    CANCEL = "cancel"
+    ADOPT = "adopt_observed_state"
+    MARK_MANUAL_INTERVENTION = "mark_manual_intervention_required"
+
+
+class EventStatus(StrEnum):
+    STARTED = "started"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    COMPENSATED = "compensated"
+    SKIPPED = "skipped"
+
+
+@dataclass
+class DecommissionPolicy:
+    """Timeouts and bounds fixed at start, so the workflow stays deterministic and tests can
+    shorten them. MAAS waits use the site policy (SitePolicyView) once the site is loaded."""
+
+    node_schedule_to_start_seconds: float = 120.0
+    node_task_timeout_seconds: float = 1800.0
+    node_heartbeat_timeout_seconds: float = 60.0
+    node_task_attempts: int = 3
+    allocation_release_timeout_seconds: float = 1800.0
+    poll_interval_ms: int = 5000
+    power_off_timeout_seconds: float = 600.0
+    drain_wait_seconds: float = 600.0  # soft_reset: live host tasks on the node must finish
+
+
+@dataclass
+class DecommissionInput:
+    decommission_id: str
+    node_id: str
+    mode: str  # Mode
+    erase: str = Erase.NONE.value
+    storage_cleanup: str = StorageScope.NONE.value
+    remove_maas_record: bool = False
+    force_release_allocations: bool = False
+    reason: str = ""
+    requested_by: str = ""
+    policy: DecommissionPolicy = field(default_factory=DecommissionPolicy)
+
+
+@dataclass
+class NodeTaskRef:
+    """A node_tasks row this run created for a host task (kind = the agent activity name)."""
+
+    task_id: str
+    kind: str
+
+
+@dataclass
+class DecommissionState:
+    """What the run knows so far; each stage gets it and answers it updated."""
+
+    hostname: str | None = None
+    node_status_at_start: str | None = None
+    site_id: str | None = None
+    profile_id: str | None = None
+    sku_id: str | None = None
+    system_id: str | None = None
+    maas_managed: bool = False
+    maas_status: str | None = None
+    power_state: str | None = None
+    released_in_maas: bool = False  # the OS is gone: node.uninstall is not needed any more
+    erase_used: str | None = None
+    erase_fell_back: bool = False
+    powered_off: bool = False
+    machine_absent: bool = False  # gone from MAAS and adopted: MAAS stages have nothing to do
+    allocations_released: list[str] = field(default_factory=list)
+    quarantined: bool = False
+    followups: list[dict[str, Any]] = field(default_factory=list)
+    # The reimage stages run with onboarding's stage bodies, which carry their own state.
+    onboard: OnboardState = field(default_factory=OnboardState)
+
+
+@dataclass
+class StageInput:
+    decommission: DecommissionInput
+    state: DecommissionState
+    site: SiteConfig | None = None
+    attempt: int = 1
+    task: NodeTaskRef | None = None
+    note: str = ""  # finish_remove: "uninstall_failed" sends the node back to retired
+
+
+@dataclass
+class StageResult:
+    state: DecommissionState
+    message: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+    skipped: bool = False
+    site: SiteConfig | None = None
+
+
+@dataclass
+class NodeTaskRecord:
+    """A host task's bookkeeping: `queued` before dispatch, then completed / failed."""
+
+    decommission_id: str
+    node_id: str
+    task_id: str
+    kind: str
+    workflow_id: str
+    status: str  # queued | completed | failed
+    output: dict[str, Any] = field(default_factory=dict)
+    phases: list[dict[str, str]] = field(default_factory=list)
+    started_at: str | None = None
+    finished_at: str | None = None
+    error_type: str | None = None
+    error_message: str | None = None
+
+
+@dataclass
+class ProgressRecord:
+    """One read-model write: the job row's new values and, optionally, one stage event."""
+
+    decommission_id: str
+    status: str
+    stage: str
+    attempt: int
+    event_status: str | None = None
+    message: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+    state: DecommissionState | None = None
+    failure_class: str | None = None
+    error_code: str | None = None
+    recommended_action: str | None = None
+    clear_error: bool = False
+    workflow_run_id: str | None = None
+    domain_event: str | None = None  # node.decommission.started|completed|failed|...
+
+
+@dataclass
+class Observation:
+    """What adopt_observed_state decides from: MAAS's machine and the node record now."""
+
+    node_status: str | None
+    machine_present: bool
+    maas_status: str | None
+    power_state: str | None
+    live_allocations: int
+    state: DecommissionState
+
+
+@dataclass
+class OperatorRequest:
+    action: str  # OperatorAction value
+    actor: str = ""
+    reason: str = ""
+
+
+@dataclass
+class ActionResult:
+    action: str
+    accepted: bool
+    prior_status: str
+    prior_stage: str
+    expected_status: str
+    message: str = ""
+
+
+@dataclass
+class Progress:
+    decommission_id: str
+    mode: str
+    status: str
+    stage: str
+    attempt: int
+    failure_class: str | None = None
+    error_code: str | None = None
+    recommended_action: str | None = None
+    node_task: NodeTaskRef | None = None
+
+
+@dataclass
+class DecommissionResult:
+    decommission_id: str
+    node_id: str
+    mode: str
+    status: str
+    node_status: str | None = None
+    failure_class: str | None = None
+    error_code: str | None = None

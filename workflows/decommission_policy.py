@@ -1,0 +1,222 @@
+"""Decommission decisions that are data (seed 003 §5.8, seed 004 §7, §8): what a stage failure
+means for the job state, which operator action to recommend, how many automatic attempts each
+stage gets, and which actions each job state accepts. Pure: the workflow and the activities
+both import it.
+
+The §5.8 rule of thumb is encoded by the error codes: where ownership of the node becomes
+ambiguous (the agent is unreachable while MAAS still holds the machine, MAAS release or power-off
+does not converge, the machine changed out of band, allocations stay attached) the job stops in
+failed_manual_intervention; where a safe recovery path exists (uninstall failed but the node is
+retired again, MAAS or Vault briefly unavailable) it stops in failed_retryable and recommends
+resume.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from core.failures import FailureClass
+from workflows.decommission_contract import OperatorAction, Stage
+from workflows.onboarding_contract import JobStatus
+
+
+@dataclass(frozen=True)
+class Outcome:
+    job_status: JobStatus
+    recommended_action: OperatorAction
+    hint: str
+
+
+_MANUAL = JobStatus.FAILED_MANUAL_INTERVENTION
+_RETRYABLE = JobStatus.FAILED_RETRYABLE
+
+# §5.8 "retry strategy", in automatic attempts per stage (the activity's retry policy).
+# Inventory updates: 3; everything else bounded by DEFAULT_ATTEMPTS. Host tasks use the
+# policy's node_task_attempts instead (their failures are retried by the agent activity).
+STAGE_ATTEMPTS: dict[Stage, int] = {
+    Stage.DISABLE_NODE: 3,
+    Stage.RETIRE_GPUAAS_NODE: 3,
+    Stage.ENABLE_NODE: 3,
+    Stage.RELEASE_MAAS_NODE: 2,
+    Stage.DEPLOY_VIA_MAAS: 2,
+    Stage.REMOVE_MAAS_RECORD: 2,
+}
+DEFAULT_ATTEMPTS = 3
+
+_BY_CLASS: dict[FailureClass, Outcome] = {
+    FailureClass.INPUT_CONFIG_ERROR: Outcome(
+        _RETRYABLE,
+        OperatorAction.CANCEL,
+        "the request cannot be carried out on this node as given; cancel and submit another",
+    ),
+    FailureClass.SITE_CAPABILITY_MISSING: Outcome(
+        _RETRYABLE, OperatorAction.RESUME, "fix the site (MAAS token, Vault secrets), then resume"
+    ),
+    FailureClass.UPSTREAM_TRANSIENT: Outcome(
+        _RETRYABLE, OperatorAction.RESUME, "resume once MAAS, Vault and the database answer again"
+    ),
+    FailureClass.BMC_POWER_FAILURE: Outcome(
+        _MANUAL,
+        OperatorAction.RETRY_STAGE,
+        "MAAS could not drive the BMC; fix power control, then retry (full decommission is not "
+        "complete while the machine may be on)",
+    ),
+    FailureClass.HARDWARE_MISMATCH: Outcome(
+        _MANUAL, OperatorAction.RESUME, "fix the hardware (disk, NIC) in the rack, then resume"
+    ),
+    FailureClass.PXE_DISCOVERY_FAILURE: Outcome(
+        _MANUAL, OperatorAction.RESUME, "check PXE wiring, then resume"
+    ),
+    FailureClass.DEPLOY_CLOUD_INIT_FAILURE: Outcome(
+        _RETRYABLE,
+        OperatorAction.RESUME,
+        "the redeploy failed; read the MAAS installation log, then resume (redeploys)",
+    ),
+    FailureClass.POST_DEPLOY_CONNECTIVITY_FAILURE: Outcome(
+        _MANUAL,
+        OperatorAction.RESUME,
+        "the node agent (or SSH to the host) is unreachable; bring it back, then resume",
+    ),
+    FailureClass.HARDWARE_SYNC_FAILURE: Outcome(
+        _MANUAL, OperatorAction.RESUME, "check maas-agent and the hardware-sync timer, then resume"
+    ),
+    FailureClass.AGENT_ENROLLMENT_FAILURE: Outcome(
+        _MANUAL,
+        OperatorAction.ADOPT,
+        "the reimaged node's agent did not enroll; adopt once it does, or resume for a fresh "
+        "deploy wait",
+    ),
+    FailureClass.STATE_AMBIGUITY: Outcome(
+        _MANUAL,
+        OperatorAction.ADOPT,
+        "MAAS or the node changed in a way automation cannot safely adopt; reconcile by hand, "
+        "then adopt the observed state (or resume)",
+    ),
+}
+
+_BY_CODE: dict[str, Outcome] = {
+    # §5.8 DrainNode / cleanup: the agent did not pick the task up.
+    "agent_unreachable": Outcome(
+        _MANUAL,
+        OperatorAction.RESUME,
+        "the node agent did not pick up its task; bring the agent back and resume (a fresh "
+        "task is queued), or cancel",
+    ),
+    "agent_unreachable_maas_mutable": Outcome(
+        _MANUAL,
+        OperatorAction.RESUME,
+        "the node agent is unreachable while MAAS still holds the machine deployed: nothing "
+        "was released; bring the agent back and resume, or cancel",
+    ),
+    "host_task_failed": Outcome(
+        _MANUAL, OperatorAction.RESUME, "the host task kept failing; inspect the node, then resume"
+    ),
+    # §5.2 ValidateCleanNode: tenant residue remains; the node is quarantined.
+    "validation_residue": Outcome(
+        _MANUAL,
+        OperatorAction.RETRY_STAGE,
+        "tenant residue remains on the node (it is quarantined); clean it by hand, then retry "
+        "validation, or cancel and keep it quarantined",
+    ),
+    # §5.8 ForceReleaseAllocations
+    "allocations_release_failed": Outcome(
+        _MANUAL,
+        OperatorAction.RETRY_STAGE,
+        "allocations remain attached (their release failed); fix the node or release them, then "
+        "retry",
+    ),
+    "allocations_attached": Outcome(
+        _MANUAL,
+        OperatorAction.RETRY_STAGE,
+        "live allocations hold the node and the request did not ask to force-release them; "
+        "release them, then retry, or cancel",
+    ),
+    # §5.8 ReleaseMaasNode / PowerOffMaasNode: did not converge.
+    "release_failed": Outcome(
+        _MANUAL, OperatorAction.ADOPT, "MAAS did not release the machine; reconcile, then adopt"
+    ),
+    "release_timeout": Outcome(
+        _MANUAL,
+        OperatorAction.ADOPT,
+        "the machine did not reach Ready; reconcile MAAS, then adopt (or retry)",
+    ),
+    "erase_failed": Outcome(
+        _MANUAL,
+        OperatorAction.RETRY_STAGE,
+        "disk erasing failed and the site does not allow a no-erase fallback; fix the disks "
+        "(or allow the fallback), then retry",
+    ),
+    "power_off_failed": Outcome(
+        _MANUAL,
+        OperatorAction.RETRY_STAGE,
+        "the machine did not power off; full decommission is not complete until it does",
+    ),
+    # §5.8 RemoveGPUaaSNodeRecord: the node is back in retired, identity preserved.
+    "uninstall_failed": Outcome(
+        _RETRYABLE,
+        OperatorAction.RESUME,
+        "node.uninstall failed; the node is retired again. Resume requeues the uninstall",
+    ),
+    "uninstall_agent_unreachable": Outcome(
+        _MANUAL,
+        OperatorAction.RESUME,
+        "the node agent is unreachable after retirement; the node stays retired. Bring the agent "
+        "back and resume",
+    ),
+    "machine_deleted": Outcome(
+        _MANUAL,
+        OperatorAction.ADOPT,
+        "the machine disappeared from MAAS during the decommission; adopt to continue",
+    ),
+    "maas_changed_out_of_band": Outcome(
+        _MANUAL,
+        OperatorAction.ADOPT,
+        "MAAS changed the machine out of band during the decommission; reconcile, then adopt",
+    ),
+    "node_not_decommissionable": Outcome(
+        _MANUAL,
+        OperatorAction.CANCEL,
+        "the node is not in a state this decommission can start from",
+    ),
+    "storage_scope_unsupported": Outcome(
+        _RETRYABLE,
+        OperatorAction.CANCEL,
+        "the node cannot clean this storage scope (no Weka integration yet); cancel and submit "
+        "scope local",
+    ),
+}
+
+
+def outcome_for(failure_class: str | None, error_code: str | None) -> Outcome:
+    if error_code is not None and error_code in _BY_CODE:
+        return _BY_CODE[error_code]
+    try:
+        return _BY_CLASS[FailureClass(failure_class or "")]
+    except (ValueError, KeyError):
+        return Outcome(_MANUAL, OperatorAction.RESUME, "unclassified failure: inspect, then resume")
+
+
+# `resume` re-enters at the first stage of the group whose observed state must be refreshed
+# together; `retry_stage` reruns the failed stage only.
+_CHECKPOINTS: dict[Stage, Stage] = {
+    Stage.WAIT_FOR_DEPLOYED: Stage.DEPLOY_VIA_MAAS,
+    Stage.WAIT_FOR_HARDWARE_SYNC_HEALTHY: Stage.ENSURE_HARDWARE_SYNC_CONFIGURED,
+    Stage.POWER_OFF_MAAS_NODE: Stage.POWER_OFF_MAAS_NODE,
+}
+
+
+def checkpoint_for(stage: Stage) -> Stage:
+    return _CHECKPOINTS.get(stage, stage)
+
+
+_FAILED = {JobStatus.FAILED_RETRYABLE, JobStatus.FAILED_MANUAL_INTERVENTION}
+ALLOWED_ACTIONS: dict[OperatorAction, frozenset[JobStatus]] = {
+    OperatorAction.RETRY_STAGE: frozenset(_FAILED),
+    # resume while pending/running is an idempotent no-op (seed 004 §8: a live task exists).
+    OperatorAction.RESUME: frozenset({JobStatus.PENDING, JobStatus.RUNNING, *_FAILED}),
+    OperatorAction.ADOPT: frozenset(_FAILED),
+    OperatorAction.CANCEL: frozenset({JobStatus.PENDING, JobStatus.RUNNING, *_FAILED}),
+    OperatorAction.MARK_MANUAL_INTERVENTION: frozenset(
+        {JobStatus.PENDING, JobStatus.RUNNING, *_FAILED}
+    ),
+}
