@@ -20,7 +20,6 @@ adopts what is already done.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import uuid
 from dataclasses import dataclass
@@ -31,33 +30,30 @@ import sqlalchemy.exc
 from sqlalchemy import delete, exists, select, tuple_
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.sql.elements import ColumnElement
-from temporalio.client import Client, WorkflowUpdateFailedError
+from temporalio.client import Client
 from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
-from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
-from temporalio.service import RPCError, RPCStatusCode
+from temporalio.exceptions import WorkflowAlreadyStartedError
 
 from core import search_attributes
 from core.config import Settings
 from gateway import audit
 from gateway.auth import Principal
-from gateway.errors import ApiError, Conflict, InvalidRequest, NotFound, Unprocessable
+from gateway.errors import ApiError, Conflict, NotFound, Unprocessable
 from gateway.identity import constraint_name
+from gateway.lifecycle_actions import LifecycleJob, checked_reason, run_operator_action
 from gateway.pagination import decode_cursor, encode_cursor
 from gateway.schemas import Reason, Request
 from gateway.temporal import TemporalOps
 from schema.models import Allocation, Node, NodeDecommission, NodeDecommissionEvent, NodeMaasState
 from schema.states import AllocationStatus, NodeStatus
 from workflows.decommission_contract import (
-    OPERATOR_ACTION_UPDATE,
     STAGES_BY_MODE,
     WORKFLOW_NAME,
-    ActionResult,
     DecommissionInput,
     DecommissionPolicy,
     Erase,
     Mode,
     OperatorAction,
-    OperatorRequest,
     StorageScope,
     decommission_workflow_id,
 )
@@ -65,7 +61,6 @@ from workflows.onboarding_contract import LIVE_JOB_STATUSES, JobStatus
 
 log = logging.getLogger("gateway.decommissions")
 EVENTS_SHOWN = 50
-ACTION_NOT_ALLOWED = "action_not_allowed"
 _LIVE = [s.value for s in LIVE_JOB_STATUSES]
 _LIVE_ALLOCATION = [
     AllocationStatus.REQUESTED.value,
@@ -679,14 +674,6 @@ async def list_rows(
 # --- operator actions --------------------------------------------------------------------------
 
 
-def _update_id(action: OperatorAction, row: NodeDecommission, reason: str) -> str:
-    """The same request against the same job version gets the same id, so Temporal answers a
-    repeat with the first result instead of applying the action twice."""
-    version = row.updated_at.isoformat() if row.updated_at else str(row.current_attempt)
-    digest = hashlib.sha256(reason.encode()).hexdigest()[:16]
-    return f"{action.value}:{version}:{digest}"
-
-
 async def operator_action(
     db: AsyncSession,
     temporal: TemporalOps,
@@ -695,71 +682,22 @@ async def operator_action(
     action: OperatorAction,
     reason: str,
 ) -> ActionAnswer:
-    reason = reason.strip()
-    if not reason:
-        raise InvalidRequest(
-            "reason must not be blank",
-            details={"errors": [{"key": "reason", "source": "body", "message": "blank"}]},
-        )
+    reason = checked_reason(reason)
     row = await load(db, decommission_id)
-    prior_status, prior_stage, workflow_id = row.status, row.current_stage, row.workflow_id
-    node_id = row.node_id
-    request_id = _update_id(action, row, reason)
-    await db.close()  # never hold a database connection across a Temporal call
-
-    async def call(client: Client) -> ActionResult:
-        result: ActionResult = await client.get_workflow_handle(workflow_id).execute_update(
-            OPERATOR_ACTION_UPDATE,
-            OperatorRequest(action=action.value, actor=principal.name, reason=reason),
-            id=request_id,
-            result_type=ActionResult,
-            rpc_timeout=temporal.rpc_timeout,
-        )
-        return result
-
-    state = {"status": prior_status, "stage": prior_stage, "action": action.value}
-    try:
-        result = await temporal.update(call)
-    except WorkflowUpdateFailedError as err:
-        cause = err.cause
-        if isinstance(cause, ApplicationError) and cause.type == ACTION_NOT_ALLOWED:
-            raise Conflict(cause.message, code=ACTION_NOT_ALLOWED, details=state) from None
-        raise ApiError(
-            "the decommission workflow refused the action unexpectedly",
-            code="workflow_error",
-            status_code=502,
-            details=state,
-        ) from None
-    except RPCError as err:
-        if err.status != RPCStatusCode.NOT_FOUND:
-            raise
-        raise Conflict(
-            "this decommission's workflow has ended; it takes no more actions",
-            code="decommission_closed",
-            details=state,
-        ) from None
-    audit.record_by(
-        db,
-        principal,
-        action=f"node.decommission.{action.value}",
-        target_type="node_decommission",
-        target_id=str(decommission_id),
-        reason=reason,
-        prior_state=prior_status,
-        expected_state=result.expected_status,
-        workflow_ids=[workflow_id],
-        details={
-            "node_id": str(node_id),
-            "workflow_id": workflow_id,
-            "actor_role": principal.role,
-            "prior_stage": prior_stage,
-            "requested_action": action.value,
-            "accepted": result.accepted,
-            "message": result.message,
-            "update_id": request_id,
-        },
+    job = LifecycleJob(
+        kind="decommission",
+        job_id=decommission_id,
+        workflow_id=row.workflow_id,
+        status=row.status,
+        stage=row.current_stage,
+        version=row.updated_at.isoformat() if row.updated_at else str(row.current_attempt),
+        audit_action_prefix="node.decommission",
+        audit_target_type="node_decommission",
+        closed_code="decommission_closed",
+        audit_details={"node_id": str(row.node_id)},
     )
-    await db.commit()
+    await db.close()  # never hold a database connection across a Temporal call
+    result = await run_operator_action(db, temporal, principal, job, action.value, reason)
     return ActionAnswer(
         decommission_id=decommission_id,
         action=result.action,

@@ -19,7 +19,6 @@ share one, else `validation_failed`.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import uuid
 from collections.abc import Sequence
@@ -29,18 +28,18 @@ from typing import Any, Generic, TypeVar
 import sqlalchemy.exc
 from sqlalchemy import delete, exists, func, select, tuple_
 from sqlalchemy.ext.asyncio import AsyncSession
-from temporalio.client import Client, WorkflowUpdateFailedError
+from temporalio.client import Client
 from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
-from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
-from temporalio.service import RPCError, RPCStatusCode
+from temporalio.exceptions import WorkflowAlreadyStartedError
 
 from core import search_attributes
 from core.config import Settings
 from gateway import audit
 from gateway.allocations import validate_idempotency_key
 from gateway.auth import Principal
-from gateway.errors import ApiError, Conflict, InvalidRequest, NotFound, Unprocessable
+from gateway.errors import Conflict, NotFound, Unprocessable
 from gateway.identity import constraint_name
+from gateway.lifecycle_actions import LifecycleJob, checked_reason, run_operator_action
 from gateway.onboarding_schemas import (
     HOSTNAME,
     HOSTNAME_RULE,
@@ -72,15 +71,12 @@ from schema.states import NodeStatus
 from workflows.onboarding_contract import (
     BATCH_WORKFLOW_NAME,
     LIVE_JOB_STATUSES,
-    OPERATOR_ACTION_UPDATE,
     WORKFLOW_NAME,
-    ActionResult,
     BatchInput,
     BatchNode,
     JobStatus,
     OnboardInput,
     OperatorAction,
-    OperatorRequest,
     Stage,
     batch_workflow_id,
     onboarding_workflow_id,
@@ -92,7 +88,6 @@ T = TypeVar("T")
 # Fixed forever: ids derived from idempotency keys must not change between releases.
 ONBOARDING_ID_NAMESPACE = uuid.UUID("0b7e6a52-3f1d-4c8e-9e57-6d2a41c0f9b3")
 EVENTS_SHOWN = 50
-ACTION_NOT_ALLOWED = "action_not_allowed"
 _LIVE = [s.value for s in LIVE_JOB_STATUSES]
 _FIRST_STAGE = Stage.LOAD_SITE_CONFIG.value
 
@@ -832,16 +827,6 @@ async def list_rows(
 # --- operator actions --------------------------------------------------------------------------
 
 
-def update_id(action: OperatorAction, key: str | None, row: NodeOnboarding, reason: str) -> str:
-    """The same request gets the same id, so Temporal answers a repeat with the first result:
-    the idempotency key when given, else the job's version (its updated_at) and the reason."""
-    if key is not None:
-        return f"{action.value}:{key}"
-    version = row.updated_at.isoformat() if row.updated_at else str(row.current_attempt)
-    digest = hashlib.sha256(reason.encode()).hexdigest()[:16]
-    return f"{action.value}:{version}:{digest}"
-
-
 async def operator_action(
     db: AsyncSession,
     temporal: TemporalOps,
@@ -852,79 +837,26 @@ async def operator_action(
     idempotency_key: str | None,
 ) -> OperatorActionAnswer:
     key = validate_idempotency_key(idempotency_key)
-    reason = reason.strip()
-    if not reason:
-        raise InvalidRequest(
-            "reason must not be blank",
-            details={"errors": [{"key": "reason", "source": "body", "message": "blank"}]},
-        )
+    reason = checked_reason(reason)
     row = await load(db, onboarding_id)
-    prior_status, prior_stage, workflow_id = row.status, row.current_stage, row.workflow_id
-    in_batch = row.batch_id is not None
-    request_id = update_id(action, key, row, reason)
-    await db.close()  # never hold a database connection across a Temporal call
-
-    async def call(client: Client) -> ActionResult:
-        result: ActionResult = await client.get_workflow_handle(workflow_id).execute_update(
-            OPERATOR_ACTION_UPDATE,
-            OperatorRequest(action=action.value, actor=principal.name, reason=reason),
-            id=request_id,
-            result_type=ActionResult,
-            rpc_timeout=temporal.rpc_timeout,
-        )
-        return result
-
-    state = {"status": prior_status, "stage": prior_stage, "action": action.value}
-    try:
-        result = await temporal.update(call)
-    except WorkflowUpdateFailedError as err:
-        cause = err.cause
-        if isinstance(cause, ApplicationError) and cause.type == ACTION_NOT_ALLOWED:
-            raise Conflict(cause.message, code=ACTION_NOT_ALLOWED, details=state) from None
-        raise ApiError(
-            "the onboarding workflow refused the action unexpectedly",
-            code="workflow_error",
-            status_code=502,
-            details={
-                **state,
-                "type": cause.type if isinstance(cause, ApplicationError) else "unknown",
-            },
-        ) from None
-    except RPCError as err:
-        if err.status != RPCStatusCode.NOT_FOUND:
-            raise
-        if in_batch and prior_status == JobStatus.PENDING.value:
-            raise Conflict(
-                "the batch has not started this node's onboarding yet; act on it once it runs",
-                code="onboarding_not_started",
-                details=state,
-            ) from None
-        raise Conflict(
-            "this onboarding's workflow has ended; it takes no more actions",
-            code="onboarding_closed",
-            details=state,
-        ) from None
-
-    audit.record_by(
-        db,
-        principal,
-        action=f"onboarding.{action.value}",
-        target_type="onboarding",
-        target_id=str(onboarding_id),
-        reason=reason,
-        prior_state=prior_status,
-        expected_state=result.expected_status,
-        workflow_ids=[workflow_id],
-        details={
-            "workflow_id": workflow_id,
-            "actor_role": principal.role,
-            "prior_stage": prior_stage,
-            "requested_action": action.value,
-            "accepted": result.accepted,
-            "update_id": request_id,
-        },
+    # A batch node the batch has not started yet has no workflow to act on.
+    waiting_for_batch = row.batch_id is not None and row.status == JobStatus.PENDING.value
+    job = LifecycleJob(
+        kind="onboarding",
+        job_id=onboarding_id,
+        workflow_id=row.workflow_id,
+        status=row.status,
+        stage=row.current_stage,
+        version=row.updated_at.isoformat() if row.updated_at else str(row.current_attempt),
+        audit_action_prefix="onboarding",
+        audit_target_type="onboarding",
+        closed_code="onboarding_closed",
+        not_started_code="onboarding_not_started" if waiting_for_batch else None,
     )
-    await db.commit()
+    await db.close()  # never hold a database connection across a Temporal call
+    result = await run_operator_action(
+        db, temporal, principal, job, action.value, reason, idempotency_key=key
+    )
     return OperatorActionAnswer(
         onboarding_id=onboarding_id,
         action=result.action,

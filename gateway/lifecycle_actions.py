@@ -1,0 +1,142 @@
+"""Operator actions on node lifecycle jobs (onboarding, decommission): one way to send an action
+to the job's workflow as its `operator_action` update, map the workflow's answer to HTTP, and
+audit it (seed 003 §4.9, §4.12). The job modules describe their job (`LifecycleJob`) and shape
+their own answer; everything between is here.
+
+Idempotency: the update id is derived from the request (the idempotency key when given, else
+the job's version and the reason), so Temporal answers a repeated request with the first
+result instead of applying the action twice."""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncSession
+from temporalio.client import Client, WorkflowUpdateFailedError
+from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError, RPCStatusCode
+
+from gateway import audit
+from gateway.auth import Principal
+from gateway.errors import ApiError, Conflict, InvalidRequest
+from gateway.temporal import TemporalOps
+from workflows.onboarding_contract import OPERATOR_ACTION_UPDATE, ActionResult, OperatorRequest
+
+ACTION_NOT_ALLOWED = "action_not_allowed"
+
+
+@dataclass(frozen=True)
+class LifecycleJob:
+    """What the action path needs to know about one job, read before the Temporal call (no
+    database connection is held across it)."""
+
+    kind: str  # "onboarding" | "decommission": wording in errors
+    job_id: uuid.UUID
+    workflow_id: str
+    status: str
+    stage: str
+    version: str  # changes whenever the job row does (its updated_at)
+    audit_action_prefix: str  # "onboarding" | "node.decommission"
+    audit_target_type: str
+    closed_code: str  # 409 code once the workflow has ended
+    not_started_code: str | None = None  # 409 code when no workflow exists yet (batch pending)
+    audit_details: dict[str, Any] = field(default_factory=dict)
+
+
+def update_id(action: str, key: str | None, version: str, reason: str) -> str:
+    if key is not None:
+        return f"{action}:{key}"
+    digest = hashlib.sha256(reason.encode()).hexdigest()[:16]
+    return f"{action}:{version}:{digest}"
+
+
+def checked_reason(reason: str) -> str:
+    reason = reason.strip()
+    if not reason:
+        raise InvalidRequest(
+            "reason must not be blank",
+            details={"errors": [{"key": "reason", "source": "body", "message": "blank"}]},
+        )
+    return reason
+
+
+async def run_operator_action(
+    db: AsyncSession,
+    temporal: TemporalOps,
+    principal: Principal,
+    job: LifecycleJob,
+    action: str,
+    reason: str,
+    *,
+    idempotency_key: str | None = None,
+) -> ActionResult:
+    """Send the action, audit it (actor, role, reason, prior and expected state, workflow id)
+    and commit the audit row. The caller has already closed its read of the job row."""
+    request_id = update_id(action, idempotency_key, job.version, reason)
+
+    async def call(client: Client) -> ActionResult:
+        result: ActionResult = await client.get_workflow_handle(job.workflow_id).execute_update(
+            OPERATOR_ACTION_UPDATE,
+            OperatorRequest(action=action, actor=principal.name, reason=reason),
+            id=request_id,
+            result_type=ActionResult,
+            rpc_timeout=temporal.rpc_timeout,
+        )
+        return result
+
+    state = {"status": job.status, "stage": job.stage, "action": action}
+    try:
+        result = await temporal.update(call)
+    except WorkflowUpdateFailedError as err:
+        cause = err.cause
+        if isinstance(cause, ApplicationError) and cause.type == ACTION_NOT_ALLOWED:
+            raise Conflict(cause.message, code=ACTION_NOT_ALLOWED, details=state) from None
+        raise ApiError(
+            f"the {job.kind} workflow refused the action unexpectedly",
+            code="workflow_error",
+            status_code=502,
+            details={
+                **state,
+                "type": cause.type if isinstance(cause, ApplicationError) else "unknown",
+            },
+        ) from None
+    except RPCError as err:
+        if err.status != RPCStatusCode.NOT_FOUND:
+            raise
+        if job.not_started_code is not None:
+            raise Conflict(
+                f"this {job.kind} has not started yet; act on it once it runs",
+                code=job.not_started_code,
+                details=state,
+            ) from None
+        raise Conflict(
+            f"this {job.kind}'s workflow has ended; it takes no more actions",
+            code=job.closed_code,
+            details=state,
+        ) from None
+    audit.record_by(
+        db,
+        principal,
+        action=f"{job.audit_action_prefix}.{action}",
+        target_type=job.audit_target_type,
+        target_id=str(job.job_id),
+        reason=reason,
+        prior_state=job.status,
+        expected_state=result.expected_status,
+        workflow_ids=[job.workflow_id],
+        details={
+            **job.audit_details,
+            "workflow_id": job.workflow_id,
+            "actor_role": principal.role,
+            "prior_stage": job.stage,
+            "requested_action": action,
+            "accepted": result.accepted,
+            "message": result.message,
+            "update_id": request_id,
+        },
+    )
+    await db.commit()
+    return result
