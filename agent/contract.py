@@ -18,6 +18,7 @@ NODE_GPU_SCRUB = "node.gpu_scrub"
 NODE_STORAGE_CLEANUP = "node.storage_cleanup"
 NODE_VALIDATE_CLEAN = "node.validate_clean"
 NODE_DRAIN = "node.drain"
+NODE_UNDRAIN = "node.undrain"
 NODE_UNINSTALL = "node.uninstall"
 NODE_HW_SYNC_RESEED = "node.hw_sync_reseed"
 
@@ -31,6 +32,7 @@ TASK_SUMMARIES = {
     NODE_STORAGE_CLEANUP: "Cleaning node storage",
     NODE_VALIDATE_CLEAN: "Checking the node for tenant residue",
     NODE_DRAIN: "Draining the node",
+    NODE_UNDRAIN: "Returning the node to service",
     NODE_UNINSTALL: "Removing the node agent",
     NODE_HW_SYNC_RESEED: "Re-seeding MAAS hardware sync",
 }

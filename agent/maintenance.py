@@ -59,6 +59,7 @@ from agent.contract import (
     NODE_GPU_SCRUB,
     NODE_HW_SYNC_RESEED,
     NODE_STORAGE_CLEANUP,
+    NODE_UNDRAIN,
     NODE_UNINSTALL,
     NODE_VALIDATE_CLEAN,
     NON_RETRYABLE_MAINTENANCE_ERRORS,
@@ -94,6 +95,7 @@ VALIDATE_CLEAN_PHASES = (
     "gpu_memory_checked",
 )
 DRAIN_PHASES = ("drain_marked", "running_tasks_counted")
+UNDRAIN_PHASES = ("drain_unmarked",)
 UNINSTALL_PHASES = ("agent_files_removed",)
 HW_SYNC_RESEED_PHASES = ("credentials_checked", "units_written", "units_restarted")
 
@@ -394,6 +396,8 @@ class MaintenanceBackend(Protocol):
 
     def drain(self, spec: NodeMaintenanceInput, progress: Progress) -> DrainOutcome: ...
 
+    def undrain(self, spec: NodeMaintenanceInput, progress: Progress) -> DrainOutcome: ...
+
     def uninstall(self, spec: NodeMaintenanceInput, progress: Progress) -> UninstallOutcome: ...
 
     def hw_sync_reseed(self, spec: HwSyncReseedInput, progress: Progress) -> HwSyncOutcome: ...
@@ -657,6 +661,24 @@ class FileMaintenanceBackend:
         progress(count_phase, PhaseStatus.SUCCEEDED, f"{running} running")
         return DrainOutcome(draining=True, already_draining=already, running_tasks=running)
 
+    def undrain(self, spec: NodeMaintenanceInput, progress: Progress) -> DrainOutcome:
+        """Undo node.drain once a soft reset has proven the node clean: host activities take
+        tenant work again. Idempotent (no marker: nothing to do)."""
+        (phase,) = UNDRAIN_PHASES
+        progress(phase, PhaseStatus.STARTED)
+        was = self.is_draining()
+        try:
+            if was:
+                self.root.remove_file(self.config.agent_files.drain_marker)
+        except UnsafePath:
+            raise HostError(HostErrorType.UNSAFE_PATH, "the agent state dir is a symlink") from None
+        except OSError as err:
+            raise HostError(
+                HostErrorType.MAINTENANCE_ERROR, f"drain marker not removed: {type(err).__name__}"
+            ) from None
+        progress(phase, PhaseStatus.SUCCEEDED, "" if was else "was not draining")
+        return DrainOutcome(draining=False, already_draining=was, running_tasks=0)
+
     def is_draining(self) -> bool:
         """Whether node.drain has run (the host activities may refuse new work on it)."""
         try:
@@ -846,6 +868,7 @@ class MaintenanceActivities:
             self.storage_cleanup,
             self.validate_clean,
             self.drain,
+            self.undrain,
             self.uninstall,
             self.hw_sync_reseed,
         ]
@@ -903,6 +926,23 @@ class MaintenanceActivities:
                 draining=out.draining,
                 already_draining=out.already_draining,
                 running_tasks=out.running_tasks,
+            )
+        )
+
+    @activity.defn(name=NODE_UNDRAIN)
+    async def undrain(self, spec: NodeMaintenanceInput) -> DrainResult:
+        started = self._start(spec.task_id, spec.node_id)
+        out, phases = await self._run(
+            NODE_UNDRAIN, spec.task_id, spec.node_id, lambda p: self._backend.undrain(spec, p)
+        )
+        return self._clean(
+            DrainResult(
+                spec.task_id,
+                started,
+                utc_now_iso(),
+                phases,
+                draining=out.draining,
+                already_draining=out.already_draining,
             )
         )
 

@@ -143,6 +143,10 @@ class FaultyMaintenance:
         self._enter("drain", progress)
         return self.inner.drain(spec, progress)
 
+    def undrain(self, spec: NodeMaintenanceInput, progress: Progress) -> DrainOutcome:
+        self._enter("undrain", progress)
+        return self.inner.undrain(spec, progress)
+
     def uninstall(self, spec: NodeMaintenanceInput, progress: Progress) -> UninstallOutcome:
         self._enter("uninstall", progress)
         return self.inner.uninstall(spec, progress)

@@ -429,6 +429,20 @@ def test_drain_writes_a_marker_once_and_counts_tasks(tmp_path: Path) -> None:
     assert again.already_draining
 
 
+def test_undrain_removes_the_marker_and_is_idempotent(tmp_path: Path) -> None:
+    root = make_root(tmp_path)
+    b = backend(root)
+    b.drain(spec(), RecordingProgress())
+    assert b.is_draining()
+    out = b.undrain(spec(), RecordingProgress())
+    assert not out.draining
+    assert out.already_draining  # it was draining before
+    assert not (root / "var/lib/gpucloud-agent/draining").exists()
+    assert not b.is_draining()
+    again = b.undrain(spec(), RecordingProgress())
+    assert not again.already_draining
+
+
 def test_uninstall_removes_only_the_agents_own_files(tmp_path: Path) -> None:
     root = make_root(tmp_path)
     state = root / "var/lib/gpucloud-agent"

@@ -87,13 +87,17 @@ async def test_soft_reset_cleans_the_node_and_returns_it_to_service(
         "enable_node",
     ]
     assert not (agent.root / "scratch/tenant-job").exists(), "scratch was cleaned"
-    # The agent's drain marker is not used for a node that returns to service.
+    # The agent refused tenant work while the node was cleaned, and takes it again now.
     assert not agent.maintenance.inner.is_draining()
+    assert agent.maintenance.calls.get("drain") == 1
+    assert agent.maintenance.calls.get("undrain") == 1
     kinds = [(t.kind, t.status) for t in await _tasks(decommission, node_id)]
     assert kinds == [
+        ("node.drain", "completed"),
         ("node.storage_cleanup", "completed"),
         ("node.gpu_scrub", "completed"),
         ("node.validate_clean", "completed"),
+        ("node.undrain", "completed"),
     ]
     assert await _domain_events(decommission, job.decommission_id) == [
         "node.decommission.started",

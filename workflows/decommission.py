@@ -44,6 +44,7 @@ with workflow.unsafe.imports_passed_through():
         NODE_DRAIN,
         NODE_GPU_SCRUB,
         NODE_STORAGE_CLEANUP,
+        NODE_UNDRAIN,
         NODE_UNINSTALL,
         NODE_VALIDATE_CLEAN,
         NON_RETRYABLE_MAINTENANCE_ERRORS,
@@ -233,10 +234,13 @@ class NodeDecommissionWorkflow:
         assert self._input is not None
         mode = Mode(self._input.mode)
         if stage == Stage.DRAIN_NODE:
+            await self._drain()
             if mode == Mode.SOFT_RESET:
+                # The node stays: wait until nothing tenant-facing runs on it any more.
                 await self._cp_stage(stage, activity="decommission.await_quiet_node")
-            else:
-                await self._drain()
+        elif stage == Stage.ENABLE_NODE and self._agent_drained:
+            await self._undrain()
+            await self._cp_stage(stage)
         elif stage == Stage.CLEANUP_STORAGE:
             await self._cleanup_storage()
         elif stage == Stage.SCRUB_GPU:
@@ -478,6 +482,19 @@ class NodeDecommissionWorkflow:
             return f"agent draining ({result.running_tasks} task(s) running)"
 
         await self._host_stage(Stage.DRAIN_NODE, body)
+
+    async def _undrain(self) -> None:
+        """A soft reset returns the node to service: the agent takes tenant work again."""
+
+        async def body() -> str:
+            await self._node_task(Stage.ENABLE_NODE, NODE_UNDRAIN, self._spec(), DrainResult)
+            self._agent_drained = False
+            self._state.followups = [
+                f for f in self._state.followups if f.get("kind") != "agent_drained"
+            ]
+            return "agent takes tenant work again"
+
+        await self._host_stage(Stage.ENABLE_NODE, body)
 
     async def _cleanup_storage(self) -> None:
         assert self._input is not None
