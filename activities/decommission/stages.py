@@ -572,11 +572,10 @@ class DecommissionActivities:
 
     @activity.defn(name="decommission.await_quiet_node")
     async def await_quiet_node(self, input: StageInput) -> StageResult:
-        """Soft reset's DrainNode (§5.2): the allocations' own releases revoked their users
-        (allocation.deprovision_user); this waits until no allocation and no host task is live
-        on the node any more. The agent's node.drain is not used here: its marker makes the
-        agent refuse tenant work until the OS is reinstalled, which is right before a reimage
-        or a removal but wrong for a node that returns to service."""
+        """Soft reset's DrainNode (§5.2), after the agent's node.drain: the allocations' own
+        releases revoked their users (allocation.deprovision_user); this waits until no
+        allocation and no host task is live on the node any more. The node returns to service
+        at enable_node, which runs node.undrain first."""
         async with self.stage(input, Stage.DRAIN_NODE) as run:
             pending: list[str] = []
 
