@@ -361,3 +361,21 @@ async def test_allocation_whose_release_fails_stays_attached_for_an_operator(
     )
     assert allocation_id in row.error_details["allocations"]
     assert await _node_status(decommission, node_id) == "draining"
+
+
+@pytest.mark.maas_scenario(MACHINES)
+async def test_maas_record_delete_that_fails_completes_with_a_follow_up(
+    decommission: DecommissionRig,
+) -> None:
+    """§5.8 RemoveMaasRecord: best effort; the record stays and a follow-up is recorded."""
+    node_id = await decommission.maas_node("fail-b", "10.176.18.11")
+    await decommission.agent(node_id)
+    system_id = await _system_id(decommission, node_id)
+    await decommission.onboarding.maas_sim.add_request_fault(
+        "http_error", op=["machine.delete"], machine=system_id, status=503
+    )
+    job = await decommission.start(node_id, "full_decommission", remove_maas_record=True)
+    row = await decommission.wait_status(job, "completed", timeout=90)
+    assert "maas_record_retained" in [f["kind"] for f in row.followups]
+    assert (await decommission.onboarding.maas_sim.machine(system_id))["system_id"] == system_id
+    assert await _node_status(decommission, node_id) == "deleted"
