@@ -379,3 +379,30 @@ async def test_maas_record_delete_that_fails_completes_with_a_follow_up(
     assert "maas_record_retained" in [f["kind"] for f in row.followups]
     assert (await decommission.onboarding.maas_sim.machine(system_id))["system_id"] == system_id
     assert await _node_status(decommission, node_id) == "deleted"
+
+
+@pytest.mark.maas_scenario(MACHINES)
+async def test_release_that_does_not_converge_stops_for_an_operator(
+    decommission: DecommissionRig,
+) -> None:
+    """§5.8 ReleaseMaasNode / "MAAS release/power-off does not converge": the BMC never powers
+    the machine off, MAAS ends in Releasing failed; automation stops (never retired or deleted)
+    until an operator fixes the BMC and resumes."""
+    node_id = await decommission.maas_node("fail-a", "10.176.18.10")
+    await decommission.agent(node_id)
+    system_id = await _system_id(decommission, node_id)
+    await decommission.onboarding.maas_sim.set_fault(system_id, "power_stuck_on")
+    job = await decommission.start(node_id, "full_decommission")
+    row = await decommission.wait_status(
+        job, "failed_manual_intervention", "failed_retryable", timeout=60
+    )
+    assert row.status == "failed_manual_intervention", (row.error_code, row.error_message)
+    assert row.current_stage == "release_maas_node"
+    assert row.last_maas_status == "Releasing failed"
+    assert await _node_status(decommission, node_id) == "draining"
+    await decommission.onboarding.maas_sim.clear_faults(system_id)
+    assert (await decommission.action(job, "resume")).accepted
+    await decommission.wait_status(job, "completed", timeout=60)
+    assert await _node_status(decommission, node_id) == "deleted"
+    machine = await decommission.onboarding.maas_sim.machine(system_id)
+    assert machine["power_state"] == "off"

@@ -139,6 +139,23 @@ async def test_erase_fails(maas_sim: MaasSim) -> None:
     await maas_sim.wait_for_status(system_id, "Ready")
 
 
+@pytest.mark.maas_scenario(_one([{"kind": "power_stuck_on", "times": 1}], status="Deployed"))
+async def test_power_stuck_on_fails_the_release_once(maas_sim: MaasSim) -> None:
+    system_id = await _system_id(maas_sim)
+    async with maas_sim.client() as maas:
+        await maas.post(f"machines/{system_id}/?op=power_on")
+        await maas.post(f"machines/{system_id}/?op=release")
+        failed = await maas_sim.wait_for_status(system_id, "Releasing failed", "Ready")
+        assert failed["status_name"] == "Releasing failed"
+        assert failed["error_description"] == "Failed to power off node."
+        assert failed["power_state"] == "error"
+        # The BMC behaves again (times=1): a second release converges.
+        again = await maas.post(f"machines/{system_id}/?op=release")
+        assert again.status_code == 200, again.text
+    ready = await maas_sim.wait_for_status(system_id, "Ready")
+    assert ready["power_state"] == "off"
+
+
 @pytest.mark.maas_scenario(_one([{"kind": "vanishes", "when": "Deploying", "after": 50}]))
 async def test_machine_vanishes_mid_deployment(maas_sim: MaasSim) -> None:
     system_id = await _system_id(maas_sim)

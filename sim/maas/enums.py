@@ -139,6 +139,7 @@ class Ev:
     POWERED_ON = _t("Node powered on", logging.DEBUG)
     POWERED_OFF = _t("Node powered off", logging.DEBUG)
     POWER_ON_FAILED = _t("Failed to power on node", logging.ERROR)
+    POWER_OFF_FAILED = _t("Failed to power off node", logging.ERROR)
     POWER_QUERY_FAILED = _t("Failed to query node's BMC", logging.WARNING)
     CHANGED_STATUS = _t("Node changed status", logging.DEBUG)
     INSTALLATION_FINISHED = _t("Installation complete", logging.DEBUG)

@@ -18,6 +18,9 @@ MAAS reports about it:
     token_delayed           op=get_token answers null for `after` seconds after MAAS creates the
                             node key
     pxe_unlinked            after commissioning the PXE interface has no subnet link (link_up)
+    power_stuck_on          the BMC accepts power-off but the machine stays on: a release ends
+                            in "Releasing failed", power_off leaves it on (`times`: how many
+                            power-offs fail; default every one)
 
 Request faults shape HTTP answers. In a machine's list they apply to requests about that machine
 (its URL carries the system_id); in the scenario's top-level `[[faults]]` list, to any request
@@ -48,6 +51,7 @@ VANISHES = "vanishes"
 HW_SYNC_NEVER_HEALTHY = "hw_sync_never_healthy"
 TOKEN_DELAYED = "token_delayed"  # noqa: S105 - a fault kind, not a secret
 PXE_UNLINKED = "pxe_unlinked"
+POWER_STUCK_ON = "power_stuck_on"
 HTTP_ERROR = "http_error"
 SLOW = "slow"
 
@@ -62,6 +66,7 @@ MACHINE_KINDS = frozenset(
         HW_SYNC_NEVER_HEALTHY,
         TOKEN_DELAYED,
         PXE_UNLINKED,
+        POWER_STUCK_ON,
     }
 )
 REQUEST_KINDS = frozenset({HTTP_ERROR, SLOW})
@@ -78,6 +83,7 @@ _FIELDS_BY_KIND: dict[str, frozenset[str]] = {
     HW_SYNC_NEVER_HEALTHY: frozenset(),
     TOKEN_DELAYED: frozenset({"after"}),
     PXE_UNLINKED: frozenset(),
+    POWER_STUCK_ON: frozenset(),
     HTTP_ERROR: frozenset({"op", "rate", "status", "applied", "machine", "message"}),
     SLOW: frozenset({"op", "rate", "delay", "machine"}),
 }

@@ -92,6 +92,11 @@ def set_power(region: Region, machine: Machine, on: bool) -> None:
     if hardware is None:
         return
     machine.power_error = False
+    stuck = not on and hardware.power == PowerState.ON
+    if stuck and machine_faults(machine).take(F.POWER_STUCK_ON) is not None:
+        machine.power_error = True
+        region.log(machine, Ev.POWER_OFF_FAILED, "the BMC did not power the machine off")
+        return
     if (hardware.power == PowerState.ON) != on:
         set_hardware_power(region, hardware, on)
 
@@ -356,12 +361,18 @@ def _finish_erasing(region: Region, machine: Machine) -> None:
 def _begin_releasing(region: Region, machine: Machine) -> None:
     set_status(region, machine, S.RELEASING)
     region.log(machine, Ev.RELEASING)
-    if machine.power_state != PowerState.ON:
+    # The machine's real power, not MAAS's last view of it (which may be "error").
+    if machine.hardware is None or machine.hardware.power != PowerState.ON:
         _finish_release(region, machine)  # already off: Ready at once
         return
 
     def power_off_then_ready() -> None:
         set_power(region, machine, False)
+        if machine.hardware is not None and machine.hardware.power == PowerState.ON:
+            # The BMC did not comply: MAAS gives up on the release.
+            machine.error_description = "Failed to power off node."
+            set_status(region, machine, S.FAILED_RELEASING)
+            return
         _finish_release(region, machine)
 
     region.schedule(machine, timings(region, machine).releasing, power_off_then_ready)
