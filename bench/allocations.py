@@ -26,6 +26,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import httpx
 from sqlalchemy import text
@@ -107,9 +108,29 @@ async def seed_bench_fleets(database_url: str, latency_nodes: int) -> list[str]:
     return [str(node.id) for node in latency.nodes]
 
 
-async def throughput(gateway: str, token: str, requests: int, clients: int) -> dict[str, float]:
+async def fund_tenant(gateway: str, tenant: str, admin: str) -> None:
+    """A thousand running allocations drain the demo balance within a minute of metering, and a
+    depleted account is refused (402 balance_depleted): credit enough that billing never gets
+    in the way of what is measured."""
+    async with httpx.AsyncClient(base_url=gateway, timeout=30) as api:
+        balance = await api.get(
+            "/api/v1/billing/balance", headers={"Authorization": f"Bearer {tenant}"}
+        )
+        balance.raise_for_status()
+        project = balance.json()["project_id"]
+        credit = await api.post(
+            f"/api/v1/admin/billing/accounts/{project}/credits",
+            headers={"Authorization": f"Bearer {admin}"},
+            json={"amount_minor": 10**11, "idempotency_key": f"bench-{uuid.uuid4()}",
+                  "reason": "benchmark"},
+        )  # fmt: skip
+        credit.raise_for_status()
+
+
+async def throughput(gateway: str, token: str, requests: int, clients: int) -> dict[str, Any]:
     latencies: list[float] = []
     statuses: dict[int, int] = {}
+    errors: dict[str, int] = {}
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(requests):
         queue.put_nowait(i)
@@ -130,6 +151,9 @@ async def throughput(gateway: str, token: str, requests: int, clients: int) -> d
                 )
                 latencies.append(time.perf_counter() - t0)
                 statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+                if response.status_code != 201:
+                    code = response.json().get("error", {}).get("code", "?")
+                    errors[code] = errors.get(code, 0) + 1
 
     started = time.perf_counter()
     await asyncio.gather(*(client_loop() for _ in range(clients)))
@@ -139,6 +163,8 @@ async def throughput(gateway: str, token: str, requests: int, clients: int) -> d
         "requests": requests,
         "created": created,
         "other_statuses": sum(v for k, v in statuses.items() if k != 201),
+        "statuses": dict(sorted(statuses.items())),
+        "errors": errors,
         "wall_s": wall,
         "throughput_per_s": created / wall,
         "p50_ms": percentile(latencies, 50) * 1000,
@@ -236,6 +262,7 @@ async def main(args: argparse.Namespace) -> None:
 
         gateway = options.gateway_probe_url
         tenant = tokens["tenant_token"]
+        await fund_tenant(gateway, tenant, tokens["admin_token"])
         b = await post_to_active(gateway, tenant, database_url, args.latency_samples)
         pids = {c.name: c.pid for c in stack.children if c.pid is not None}
         before = cpu_seconds(pids)
@@ -250,7 +277,7 @@ async def main(args: argparse.Namespace) -> None:
     print(f"date: {time.strftime('%Y-%m-%d %H:%M %Z')}")
     print(
         f"(a) POST /allocations, {args.clients} clients, {a['requests']} requests: "
-        f"{a['created']} created, {a['other_statuses']} other; "
+        f"{a['created']} created, {a['other_statuses']} other {a['errors'] or ''}; "
         f"p50 {a['p50_ms']:.0f} ms, p99 {a['p99_ms']:.0f} ms, max {a['max_ms']:.0f} ms; "
         f"throughput {a['throughput_per_s']:.1f} allocations/s over {a['wall_s']:.1f} s "
         f"(target p99 <= 500 ms, >= 50/s)"
