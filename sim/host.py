@@ -318,9 +318,7 @@ class SimulatedHost:
         run.phase("gpu_memory_scrubbed", scrub_gpus)
         return ReleaseOutcome(released=True, hard_stopped=False, wiped=True, leases_released=True)
 
-    def revoke_baremetal_user(
-        self, spec: HostReleaseInput, progress: Progress
-    ) -> RevokeOutcome:
+    def revoke_baremetal_user(self, spec: HostReleaseInput, progress: Progress) -> RevokeOutcome:
         run = _Task(self, BAREMETAL_REVOKE_USER, spec.allocation_id, progress)
         existed = self.user(spec.allocation_id) is not None
         sessions = 0
