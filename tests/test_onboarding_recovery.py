@@ -183,3 +183,35 @@ async def test_mark_manual_and_adopt_refusals(onboarding: OnboardingRig) -> None
         count = await session.scalar(select(func.count()).select_from(Node))
     assert count == 0
     assert uuid.UUID(job.node_id)
+
+
+ADOPT = sim_scenario(
+    sim_machine("r-fixed", "10.176.18.20", faults=[{"kind": "hw_sync_never_healthy"}]),
+)
+
+
+@pytest.mark.maas_scenario(ADOPT)
+async def test_adopt_after_an_out_of_band_fix_verifies_hardware_sync(
+    onboarding: OnboardingRig,
+) -> None:
+    job = await onboarding.start("r-fixed", "10.176.18.20")
+    row = await onboarding.wait_status(job, "failed_manual_intervention")
+    assert row.error_code == "failed_hw_sync_health"
+    seeds_before = len(onboarding.seeder.seeds)
+    # Out of band: an operator repairs maas-agent on the node and power-cycles it at the BMC.
+    await onboarding.maas_sim.clear_faults("r-fixed")
+    await onboarding.maas_sim.set_power("r-fixed", "off")
+    await onboarding.maas_sim.set_power("r-fixed", "on")
+    marker = len(await onboarding.events(job))
+    result = await onboarding.action(job, "adopt_observed_state")
+    assert result.expected_status == "reconciled"
+    row = await onboarding.wait_status(job, "reconciled")
+    stages = await _stages_after(onboarding, job, marker)
+    # Verified, not re-seeded: the operator's fix is what made sync healthy.
+    assert ("wait_for_hardware_sync_healthy", "succeeded") in stages
+    assert ("ensure_hardware_sync_configured", "started") not in stages
+    assert len(onboarding.seeder.seeds) == seeds_before
+    node = (await _nodes_named(onboarding, "r-fixed"))[0]
+    assert node.status == "active"
+    counters = await onboarding.maas_sim.counters()
+    assert counters["machines"][row.maas_system_id]["machine.deploy"] == 1

@@ -426,8 +426,14 @@ class MaasNodeOnboardWorkflow:
         self._adopted = True
         status = observation.maas_status
         if observation.machine_present and status == "Deployed":
-            if observation.enrolled_since_deploy or observation.node_status == "active":
-                return Stage.WAIT_FOR_AGENT_ENROLLMENT  # returns at once: enrolled
+            # Hardware sync is an invariant (§9.1): adoption skips it only when this run has
+            # already seen it healthy (it failed later, at enrollment). An operator who fixed
+            # the node's sync by hand gets it verified, not re-seeded.
+            failed_stage = self._failure.stage if self._failure else None
+            if failed_stage == Stage.WAIT_FOR_AGENT_ENROLLMENT:
+                return Stage.WAIT_FOR_AGENT_ENROLLMENT  # at once if the agent has enrolled
+            if failed_stage == Stage.WAIT_FOR_HARDWARE_SYNC_HEALTHY:
+                return Stage.WAIT_FOR_HARDWARE_SYNC_HEALTHY
             return Stage.ENSURE_HARDWARE_SYNC_CONFIGURED
         starts = {
             "Deploying": Stage.WAIT_FOR_DEPLOYED,
