@@ -23,7 +23,7 @@ from gateway import audit
 from gateway.auth import Principal
 from gateway.errors import ApiError, Conflict, InvalidRequest
 from gateway.temporal import TemporalOps
-from workflows.onboarding_contract import OPERATOR_ACTION_UPDATE, ActionResult, OperatorRequest
+from workflows.lifecycle_contract import OPERATOR_ACTION_UPDATE, ActionResult, OperatorRequest
 
 ACTION_NOT_ALLOWED = "action_not_allowed"
 

@@ -17,12 +17,16 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from workflows.onboarding_contract import JobStatus as JobStatus  # seed 004 §5.1: same model
+# Seed 004 §5.1: decommission uses the same job-state model and operator-action update.
+from workflows.lifecycle_contract import OPERATOR_ACTION_UPDATE as OPERATOR_ACTION_UPDATE
+from workflows.lifecycle_contract import PROGRESS_QUERY as PROGRESS_QUERY
+from workflows.lifecycle_contract import ActionResult as ActionResult
+from workflows.lifecycle_contract import EventStatus as EventStatus
+from workflows.lifecycle_contract import JobStatus as JobStatus
+from workflows.lifecycle_contract import OperatorRequest as OperatorRequest
 from workflows.onboarding_contract import OnboardState, SiteConfig
 
 WORKFLOW_NAME = "NodeDecommissionWorkflow"
-OPERATOR_ACTION_UPDATE = "operator_action"
-PROGRESS_QUERY = "progress"
 
 
 def decommission_workflow_id(decommission_id: str) -> str:
@@ -190,14 +194,6 @@ class OperatorAction(StrEnum):
     MARK_MANUAL_INTERVENTION = "mark_manual_intervention_required"
 
 
-class EventStatus(StrEnum):
-    STARTED = "started"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    COMPENSATED = "compensated"
-    SKIPPED = "skipped"
-
-
 @dataclass
 class DecommissionPolicy:
     """Timeouts and bounds fixed at start, so the workflow stays deterministic and tests can
@@ -327,23 +323,6 @@ class Observation:
     power_state: str | None
     live_allocations: int
     state: DecommissionState
-
-
-@dataclass
-class OperatorRequest:
-    action: str  # OperatorAction value
-    actor: str = ""
-    reason: str = ""
-
-
-@dataclass
-class ActionResult:
-    action: str
-    accepted: bool
-    prior_status: str
-    prior_stage: str
-    expected_status: str
-    message: str = ""
 
 
 @dataclass

@@ -17,10 +17,28 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from workflows.lifecycle_contract import (
+    FAILED_JOB_STATUSES as FAILED_JOB_STATUSES,
+)
+from workflows.lifecycle_contract import (
+    LIVE_JOB_STATUSES as LIVE_JOB_STATUSES,
+)
+from workflows.lifecycle_contract import (
+    OPERATOR_ACTION_UPDATE as OPERATOR_ACTION_UPDATE,
+)
+from workflows.lifecycle_contract import (
+    PROGRESS_QUERY as PROGRESS_QUERY,
+)
+from workflows.lifecycle_contract import (
+    TERMINAL_JOB_STATUSES as TERMINAL_JOB_STATUSES,
+)
+from workflows.lifecycle_contract import ActionResult as ActionResult
+from workflows.lifecycle_contract import EventStatus as EventStatus
+from workflows.lifecycle_contract import JobStatus as JobStatus
+from workflows.lifecycle_contract import OperatorRequest as OperatorRequest
+
 WORKFLOW_NAME = "MaasNodeOnboardWorkflow"
 BATCH_WORKFLOW_NAME = "MaasNodeBatchOnboardWorkflow"
-OPERATOR_ACTION_UPDATE = "operator_action"
-PROGRESS_QUERY = "progress"
 CHILD_SETTLED_SIGNAL = "child_settled"
 
 
@@ -88,33 +106,6 @@ DEPLOY_STAGES = frozenset(
 )
 
 
-class JobStatus(StrEnum):
-    """Seed 004 §4.1 / §5.1: the workflow's job state (not the coarse node state)."""
-
-    PENDING = "pending"
-    RUNNING = "running"
-    COMPLETED = "completed"
-    FAILED_RETRYABLE = "failed_retryable"
-    FAILED_MANUAL_INTERVENTION = "failed_manual_intervention"
-    CANCELLED = "cancelled"
-    COMPENSATING = "compensating"
-    RECONCILED = "reconciled"
-
-
-TERMINAL_JOB_STATUSES = frozenset({JobStatus.COMPLETED, JobStatus.CANCELLED, JobStatus.RECONCILED})
-FAILED_JOB_STATUSES = frozenset({JobStatus.FAILED_RETRYABLE, JobStatus.FAILED_MANUAL_INTERVENTION})
-# A hostname has at most one onboarding in these states per site (a partial unique index).
-LIVE_JOB_STATUSES = frozenset(
-    {
-        JobStatus.PENDING,
-        JobStatus.RUNNING,
-        JobStatus.COMPENSATING,
-        JobStatus.FAILED_RETRYABLE,
-        JobStatus.FAILED_MANUAL_INTERVENTION,
-    }
-)
-
-
 class OperatorAction(StrEnum):
     """Seed 003 §4.9: distinct operations, not synonyms."""
 
@@ -125,14 +116,6 @@ class OperatorAction(StrEnum):
     CANCEL = "cancel"  # stop and compensate where possible
     ADOPT = "adopt_observed_state"  # accept externally advanced MAAS/node state
     MARK_MANUAL_INTERVENTION = "mark_manual_intervention_required"  # freeze automation
-
-
-class EventStatus(StrEnum):
-    STARTED = "started"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    COMPENSATED = "compensated"
-    SKIPPED = "skipped"
 
 
 @dataclass
@@ -269,23 +252,6 @@ class ProgressRecord:
     clear_error: bool = False
     workflow_run_id: str | None = None
     domain_event: str | None = None  # node.onboarding.started|completed|failed|...
-
-
-@dataclass
-class OperatorRequest:
-    action: str  # OperatorAction value
-    actor: str = ""
-    reason: str = ""
-
-
-@dataclass
-class ActionResult:
-    action: str
-    accepted: bool
-    prior_status: str
-    prior_stage: str
-    expected_status: str
-    message: str = ""
 
 
 @dataclass
