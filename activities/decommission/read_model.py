@@ -12,12 +12,12 @@ import datetime as dt
 import uuid
 from typing import Any
 
-from sqlalchemy import func, insert, select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from activities.lifecycle_read_model import JobTables, bounded
 from schema.models import (
-    DomainEvent,
     NodeDecommission,
     NodeDecommissionEvent,
     NodeTask,
@@ -25,16 +25,16 @@ from schema.models import (
 )
 from schema.states import NodeTaskStatus
 from workflows.decommission_contract import DecommissionState, NodeTaskRecord, ProgressRecord
-from workflows.onboarding_contract import JobStatus
 
-MAX_SNIPPET = 500
-SUBJECT_TYPE = "node_decommission"
-
-
-def bounded(text: str | None) -> str | None:
-    if text is None:
-        return None
-    return text if len(text) <= MAX_SNIPPET else text[: MAX_SNIPPET - 1] + "…"
+DECOMMISSION = JobTables(
+    job=NodeDecommission,
+    job_id=NodeDecommission.decommission_id,
+    event=NodeDecommissionEvent,
+    event_job_column="decommission_id",
+    subject_type="node_decommission",
+)
+add_event = DECOMMISSION.add_event
+stage_started = DECOMMISSION.stage_started
 
 
 def state_columns(state: DecommissionState) -> dict[str, Any]:
@@ -50,40 +50,6 @@ def state_columns(state: DecommissionState) -> dict[str, Any]:
     if state.hostname is not None:
         values["hostname"] = state.hostname
     return values
-
-
-async def add_event(
-    session: AsyncSession,
-    decommission_id: uuid.UUID,
-    *,
-    stage: str,
-    attempt: int,
-    status: str,
-    message: str = "",
-    details: dict[str, Any] | None = None,
-) -> None:
-    await session.execute(
-        insert(NodeDecommissionEvent).values(
-            id=uuid.uuid4(),
-            decommission_id=decommission_id,
-            stage=stage,
-            attempt=attempt,
-            status=status,
-            message=bounded(message) or None,
-            details=details or {},
-        )
-    )
-
-
-async def stage_started(
-    session: AsyncSession, decommission_id: uuid.UUID, stage: str, attempt: int
-) -> None:
-    await session.execute(
-        update(NodeDecommission)
-        .where(NodeDecommission.decommission_id == decommission_id)
-        .values(current_stage=stage, current_attempt=attempt, updated_at=func.clock_timestamp())
-    )
-    await add_event(session, decommission_id, stage=stage, attempt=attempt, status="started")
 
 
 async def stage_finished(
@@ -103,11 +69,7 @@ async def stage_finished(
         values.update(state_columns(state))
     if maas is not None:
         values.update(last_maas_status=maas[0], last_maas_power_state=maas[1])
-    await session.execute(
-        update(NodeDecommission)
-        .where(NodeDecommission.decommission_id == decommission_id)
-        .values(values)
-    )
+    await DECOMMISSION.update_job(session, decommission_id, values)
     await add_event(
         session,
         decommission_id,
@@ -123,12 +85,18 @@ async def record_progress(session: AsyncSession, record: ProgressRecord) -> None
     """The workflow's own write: job status and classification, plus an optional stage event
     and domain event, in one transaction."""
     decommission_id = uuid.UUID(record.decommission_id)
-    values: dict[str, Any] = {
-        "status": record.status,
-        "current_stage": record.stage,
-        "current_attempt": record.attempt,
-        "updated_at": func.clock_timestamp(),
-    }
+    values = DECOMMISSION.status_values(
+        status=record.status,
+        stage=record.stage,
+        attempt=record.attempt,
+        workflow_run_id=record.workflow_run_id,
+        clear_error=record.clear_error,
+        failure_class=record.failure_class,
+        error_code=record.error_code,
+        message=record.message,
+        details=record.details,
+        recommended_action=record.recommended_action,
+    )
     if record.state is not None:
         columns = state_columns(record.state)
         if record.failure_class is not None or record.error_code is not None:
@@ -137,32 +105,7 @@ async def record_progress(session: AsyncSession, record: ProgressRecord) -> None
             columns.pop("last_maas_status", None)
             columns.pop("last_maas_power_state", None)
         values.update(columns)
-    if record.workflow_run_id is not None:
-        values["workflow_run_id"] = record.workflow_run_id
-        values["started_at"] = func.coalesce(NodeDecommission.started_at, func.clock_timestamp())
-    if record.clear_error:
-        values.update(
-            failure_class=None,
-            error_code=None,
-            error_message=None,
-            error_details={},
-            recommended_action=None,
-        )
-    if record.failure_class is not None or record.error_code is not None:
-        values.update(
-            failure_class=record.failure_class,
-            error_code=record.error_code,
-            error_message=bounded(record.message),
-            error_details=record.details,
-            recommended_action=record.recommended_action,
-        )
-    if record.status in (JobStatus.COMPLETED, JobStatus.RECONCILED, JobStatus.CANCELLED):
-        values["completed_at"] = func.clock_timestamp()
-    await session.execute(
-        update(NodeDecommission)
-        .where(NodeDecommission.decommission_id == decommission_id)
-        .values(values)
-    )
+    await DECOMMISSION.update_job(session, decommission_id, values)
     if record.event_status is not None:
         await add_event(
             session,
@@ -174,20 +117,18 @@ async def record_progress(session: AsyncSession, record: ProgressRecord) -> None
             details=record.details,
         )
     if record.domain_event is not None:
-        await session.execute(
-            insert(DomainEvent).values(
-                type=record.domain_event,
-                subject_type=SUBJECT_TYPE,
-                subject_id=record.decommission_id,
-                payload={
-                    "status": record.status,
-                    "stage": record.stage,
-                    "failure_class": record.failure_class,
-                    "error_code": record.error_code,
-                    "node_id": record.details.get("node_id"),
-                    "mode": record.details.get("mode"),
-                },
-            )
+        await DECOMMISSION.domain_event(
+            session,
+            record.domain_event,
+            record.decommission_id,
+            {
+                "status": record.status,
+                "stage": record.stage,
+                "failure_class": record.failure_class,
+                "error_code": record.error_code,
+                "node_id": record.details.get("node_id"),
+                "mode": record.details.get("mode"),
+            },
         )
 
 

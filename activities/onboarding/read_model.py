@@ -10,19 +10,22 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from sqlalchemy import func, insert, update
+from sqlalchemy import func
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from schema.models import DomainEvent, NodeOnboarding, NodeOnboardingEvent
-from workflows.onboarding_contract import JobStatus, OnboardState, ProgressRecord
+from activities.lifecycle_read_model import JobTables
+from schema.models import NodeOnboarding, NodeOnboardingEvent
+from workflows.onboarding_contract import OnboardState, ProgressRecord
 
-MAX_SNIPPET = 500  # a diagnostic snippet is bounded (§4.12)
-
-
-def bounded(text: str | None) -> str | None:
-    if text is None:
-        return None
-    return text if len(text) <= MAX_SNIPPET else text[: MAX_SNIPPET - 1] + "…"
+ONBOARDING = JobTables(
+    job=NodeOnboarding,
+    job_id=NodeOnboarding.onboarding_id,
+    event=NodeOnboardingEvent,
+    event_job_column="onboarding_id",
+    subject_type="node_onboarding",
+)
+add_event = ONBOARDING.add_event
+stage_started = ONBOARDING.stage_started
 
 
 def state_columns(state: OnboardState) -> dict[str, Any]:
@@ -40,40 +43,6 @@ def state_columns(state: OnboardState) -> dict[str, Any]:
     return values
 
 
-async def add_event(
-    session: AsyncSession,
-    onboarding_id: uuid.UUID,
-    *,
-    stage: str,
-    attempt: int,
-    status: str,
-    message: str = "",
-    details: dict[str, Any] | None = None,
-) -> None:
-    await session.execute(
-        insert(NodeOnboardingEvent).values(
-            id=uuid.uuid4(),
-            onboarding_id=onboarding_id,
-            stage=stage,
-            attempt=attempt,
-            status=status,
-            message=bounded(message) or None,
-            details=details or {},
-        )
-    )
-
-
-async def stage_started(
-    session: AsyncSession, onboarding_id: uuid.UUID, stage: str, attempt: int
-) -> None:
-    await session.execute(
-        update(NodeOnboarding)
-        .where(NodeOnboarding.onboarding_id == onboarding_id)
-        .values(current_stage=stage, current_attempt=attempt, updated_at=func.clock_timestamp())
-    )
-    await add_event(session, onboarding_id, stage=stage, attempt=attempt, status="started")
-
-
 async def stage_finished(
     session: AsyncSession,
     onboarding_id: uuid.UUID,
@@ -88,9 +57,7 @@ async def stage_finished(
     values: dict[str, Any] = {"updated_at": func.clock_timestamp()}
     if state is not None:
         values.update(state_columns(state))
-    await session.execute(
-        update(NodeOnboarding).where(NodeOnboarding.onboarding_id == onboarding_id).values(values)
-    )
+    await ONBOARDING.update_job(session, onboarding_id, values)
     await add_event(
         session,
         onboarding_id,
@@ -106,38 +73,21 @@ async def record_progress(session: AsyncSession, record: ProgressRecord) -> None
     """The workflow's own write: job status and classification, plus an optional event and
     domain event, in one transaction."""
     onboarding_id = uuid.UUID(record.onboarding_id)
-    values: dict[str, Any] = {
-        "status": record.status,
-        "current_stage": record.stage,
-        "current_attempt": record.attempt,
-        "updated_at": func.clock_timestamp(),
-    }
+    values = ONBOARDING.status_values(
+        status=record.status,
+        stage=record.stage,
+        attempt=record.attempt,
+        workflow_run_id=record.workflow_run_id,
+        clear_error=record.clear_error,
+        failure_class=record.failure_class,
+        error_code=record.error_code,
+        message=record.message,
+        details=record.details,
+        recommended_action=record.recommended_action,
+    )
     if record.state is not None:
         values.update(state_columns(record.state))
-    if record.workflow_run_id is not None:
-        values["workflow_run_id"] = record.workflow_run_id
-        values["started_at"] = func.coalesce(NodeOnboarding.started_at, func.clock_timestamp())
-    if record.clear_error:
-        values.update(
-            failure_class=None,
-            error_code=None,
-            error_message=None,
-            error_details={},
-            recommended_action=None,
-        )
-    if record.failure_class is not None or record.error_code is not None:
-        values.update(
-            failure_class=record.failure_class,
-            error_code=record.error_code,
-            error_message=bounded(record.message),
-            error_details=record.details,
-            recommended_action=record.recommended_action,
-        )
-    if record.status in (JobStatus.COMPLETED, JobStatus.RECONCILED, JobStatus.CANCELLED):
-        values["completed_at"] = func.clock_timestamp()
-    await session.execute(
-        update(NodeOnboarding).where(NodeOnboarding.onboarding_id == onboarding_id).values(values)
-    )
+    await ONBOARDING.update_job(session, onboarding_id, values)
     if record.event_status is not None:
         await add_event(
             session,
@@ -149,17 +99,15 @@ async def record_progress(session: AsyncSession, record: ProgressRecord) -> None
             details=record.details,
         )
     if record.domain_event is not None:
-        await session.execute(
-            insert(DomainEvent).values(
-                type=record.domain_event,
-                subject_type="node_onboarding",
-                subject_id=record.onboarding_id,
-                payload={
-                    "status": record.status,
-                    "stage": record.stage,
-                    "failure_class": record.failure_class,
-                    "error_code": record.error_code,
-                    "node_id": record.details.get("node_id"),
-                },
-            )
+        await ONBOARDING.domain_event(
+            session,
+            record.domain_event,
+            record.onboarding_id,
+            {
+                "status": record.status,
+                "stage": record.stage,
+                "failure_class": record.failure_class,
+                "error_code": record.error_code,
+                "node_id": record.details.get("node_id"),
+            },
         )

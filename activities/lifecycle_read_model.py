@@ -1,0 +1,132 @@
+"""The read-model writes every node lifecycle job shares (onboarding, decommission): a job row
+with its current stage, status and failure classification, an append-only stage-event table, and
+domain events (seed 003 §4.2.1, §4.12, §5.7). Each job kind describes its tables once
+(`JobTables`) and adds only what is its own (its state columns)."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import func, insert, update
+from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import InstrumentedAttribute
+
+from schema.models import DomainEvent
+from workflows.lifecycle_contract import JobStatus
+
+MAX_SNIPPET = 500  # a diagnostic snippet is bounded (§4.12)
+CLOSED = (JobStatus.COMPLETED, JobStatus.RECONCILED, JobStatus.CANCELLED)
+
+
+def bounded(text: str | None) -> str | None:
+    if text is None:
+        return None
+    return text if len(text) <= MAX_SNIPPET else text[: MAX_SNIPPET - 1] + "…"
+
+
+@dataclass(frozen=True)
+class JobTables:
+    job: Any  # the job model (NodeOnboarding, NodeDecommission)
+    job_id: InstrumentedAttribute[uuid.UUID]
+    event: Any  # its event model
+    event_job_column: str  # the event table's column naming the job
+    subject_type: str  # domain_events.subject_type
+
+    async def update_job(
+        self, session: AsyncSession, job_id: uuid.UUID, values: dict[str, Any]
+    ) -> None:
+        await session.execute(update(self.job).where(self.job_id == job_id).values(values))
+
+    async def add_event(
+        self,
+        session: AsyncSession,
+        job_id: uuid.UUID,
+        *,
+        stage: str,
+        attempt: int,
+        status: str,
+        message: str = "",
+        details: dict[str, Any] | None = None,
+    ) -> None:
+        await session.execute(
+            insert(self.event).values(
+                {
+                    "id": uuid.uuid4(),
+                    self.event_job_column: job_id,
+                    "stage": stage,
+                    "attempt": attempt,
+                    "status": status,
+                    "message": bounded(message) or None,
+                    "details": details or {},
+                }
+            )
+        )
+
+    async def stage_started(
+        self, session: AsyncSession, job_id: uuid.UUID, stage: str, attempt: int
+    ) -> None:
+        await self.update_job(
+            session,
+            job_id,
+            {
+                "current_stage": stage,
+                "current_attempt": attempt,
+                "updated_at": func.clock_timestamp(),
+            },
+        )
+        await self.add_event(session, job_id, stage=stage, attempt=attempt, status="started")
+
+    def status_values(
+        self,
+        *,
+        status: str,
+        stage: str,
+        attempt: int,
+        workflow_run_id: str | None,
+        clear_error: bool,
+        failure_class: str | None,
+        error_code: str | None,
+        message: str,
+        details: dict[str, Any],
+        recommended_action: str | None,
+    ) -> dict[str, Any]:
+        """The job row's new values for one of the workflow's own status writes."""
+        values: dict[str, Any] = {
+            "status": status,
+            "current_stage": stage,
+            "current_attempt": attempt,
+            "updated_at": func.clock_timestamp(),
+        }
+        if workflow_run_id is not None:
+            values["workflow_run_id"] = workflow_run_id
+            values["started_at"] = func.coalesce(self.job.started_at, func.clock_timestamp())
+        if clear_error:
+            values.update(
+                failure_class=None,
+                error_code=None,
+                error_message=None,
+                error_details={},
+                recommended_action=None,
+            )
+        if failure_class is not None or error_code is not None:
+            values.update(
+                failure_class=failure_class,
+                error_code=error_code,
+                error_message=bounded(message),
+                error_details=details,
+                recommended_action=recommended_action,
+            )
+        if status in CLOSED:
+            values["completed_at"] = func.clock_timestamp()
+        return values
+
+    async def domain_event(
+        self, session: AsyncSession, kind: str, job_id: str, payload: dict[str, Any]
+    ) -> None:
+        await session.execute(
+            insert(DomainEvent).values(
+                type=kind, subject_type=self.subject_type, subject_id=job_id, payload=payload
+            )
+        )
