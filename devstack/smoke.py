@@ -74,6 +74,52 @@ def _poll_status(
         time.sleep(0.5)
 
 
+DEMO_SITE = "demo-maas"
+# The demo MAAS scenario's Ready machine (sim/maas/scenarios/demo.toml) and a bare-metal SKU.
+DEMO_ONBOARD = {"hostname": "c07u43", "ipmi_ip": "10.176.16.128", "sku_id": "h100.8x.baremetal"}
+ONBOARD_SETTLED_OK = ("completed", "reconciled")
+ONBOARD_FAILED = ("failed_retryable", "failed_manual_intervention", "cancelled")
+
+
+def _onboard_demo_node(
+    http: httpx.Client,
+    admin: dict[str, str],
+    site: dict[str, Any],
+    step: Callable[[str], None],
+    timeout: float,
+) -> None:
+    """Onboard the demo site's Ready machine through every stage (the simulated first boot
+    enrolls its agent). Idempotent across runs: the same key answers the same onboarding, and
+    a node already onboarded by an earlier run is reported, not onboarded twice."""
+    body = {"site_id": site["id"], "profile_id": site["default_profile_id"], **DEMO_ONBOARD}
+    step(f"POST /api/v1/admin/onboardings ({DEMO_ONBOARD['hostname']} on {site['name']})")
+    headers = {**admin, "X-Idempotency-Key": f"smoke-onboard-{DEMO_ONBOARD['hostname']}"}
+    response = http.post("/api/v1/admin/onboardings", json=body, headers=headers)
+    if response.status_code == 409 and response.json()["error"]["code"] == "node_exists":
+        step("    already onboarded by an earlier run")
+        return
+    onboarding = _expect(response, 200, 201)
+    path = f"/api/v1/admin/onboardings/{onboarding['onboarding_id']}"
+    step(f"GET {path} until completed")
+    deadline = time.monotonic() + timeout
+    last = None
+    while True:
+        job: dict[str, Any] = _expect(http.get(path, headers=admin), 200)
+        where = f"{job['status']} at {job['current_stage']}"
+        if where != last:
+            step(f"    {where}")
+            last = where
+        if job["status"] in ONBOARD_SETTLED_OK:
+            return
+        if job["status"] in ONBOARD_FAILED:
+            raise SmokeFailed(
+                f"onboarding ended {job['status']}: {job['error_code']} {job['error_message']}"
+            )
+        if time.monotonic() > deadline:
+            raise SmokeFailed(f"onboarding still {where} after {timeout:.0f}s")
+        time.sleep(1.0)
+
+
 def run_smoke(
     gateway: str,
     tenant_token: str,
@@ -188,6 +234,8 @@ def run_smoke(
                     )
                     racks = ", ".join(r["hostname"] for r in probe["rack_controllers"])
                     step(f"    MAAS {probe['maas_version']}, rack controllers: {racks}")
+                    if site["name"] == DEMO_SITE:
+                        _onboard_demo_node(http, admin, site, step, timeout)
     except (SmokeFailed, httpx.HTTPError, KeyError, ValueError) as err:
         step(f"SMOKE CHECK FAILED: {type(err).__name__}: {err}")
         if allocation_id and not released:  # give the capacity back

@@ -66,6 +66,8 @@ DEMO_PROJECT = "demo"
 STACK_ACTOR = "gpucloud-stack"
 READY_TIMEOUT_S = 90.0
 DEMO_SITE = "demo-maas"
+DEMO_POLL_MS = 1000
+DEMO_STARTING_CREDIT_MINOR = 10_000_000  # $100,000 of demo money
 
 
 class StackError(RuntimeError):
@@ -225,6 +227,7 @@ def _load_json(path: Path) -> dict[str, Any]:
 async def seed(database_url: str, tokens_file: Path) -> dict[str, str]:
     """Idempotent: demo catalog and fleet, project `demo`, and an admin and a tenant token that
     are reused across restarts while they are still valid in the database."""
+    from activities.billing.ledger import EntryKind, post_entry
     from gateway import identity, tokens
     from schema.db import create_engine, session_factory
     from schema.models import ApiToken, Project
@@ -267,6 +270,16 @@ async def seed(database_url: str, tokens_file: Path) -> dict[str, str]:
                 result[key] = token
             result["project_id"] = str(project.id)
             result["project_name"] = DEMO_PROJECT
+            # A starting balance (once per project: the key makes it idempotent), so running
+            # the demo flow again does not meet a depleted account and billing's force-release.
+            await post_entry(
+                session,
+                project_id=project.id,
+                amount_minor=DEMO_STARTING_CREDIT_MINOR,
+                kind=EntryKind.ADMIN_CREDIT,
+                idempotency_key=f"embedded-default-starting-credit-{project.id}",
+                description="embedded default: demo starting balance",
+            )
             await session.commit()
     finally:
         await engine.dispose()
@@ -337,6 +350,14 @@ async def seed_demo_site(o: StackOptions, admin_token: str, maas_key: str) -> st
                 raise StackError(
                     f"the demo MAAS site's credentials were refused: {credentials.text[:300]}"
                 )
+        # The simulated site moves fast: poll MAAS every second rather than every ten.
+        if site["policy"]["maas_poll_interval_ms"] != DEMO_POLL_MS:
+            polled = await api.patch(
+                f"/api/v1/admin/maas-sites/{site['id']}",
+                json={"policy": {"maas_poll_interval_ms": DEMO_POLL_MS},
+                      "reason": "embedded default: demo site polls MAAS every second"},
+            )  # fmt: skip
+            polled.raise_for_status()
     return str(site["id"])
 
 
