@@ -167,8 +167,7 @@ def run_smoke(
             created = _expect(http.post("/api/v1/allocations", json=body, headers=idem), 201)
             allocation_id = created["allocation_id"]
             step(
-                f"    allocation {allocation_id} on node {created['node_id']}: "
-                f"{created['status']}"
+                f"    allocation {allocation_id} on node {created['node_id']}: {created['status']}"
             )
 
             step("POST /api/v1/allocations again with the same X-Idempotency-Key")

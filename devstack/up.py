@@ -737,41 +737,96 @@ def parse_args(argv: list[str] | None = None) -> StackOptions:
         description="Run the whole embedded stack in the foreground (Ctrl-C stops it).",
     )
     add = parser.add_argument
-    add("--check", action="store_true",
-        help="bring the stack up, run the scripted tenant flow over HTTP, stop; exit 0 or 1")
-    add("--no-agents", dest="agents", action="store_false",
-        help="do not start the simulated fleet (host work then times out: a dead-node demo)")
-    add("--phase-delay", type=float, metavar="S",
+    add(
+        "--check",
+        action="store_true",
+        help="bring the stack up, run the scripted tenant flow over HTTP, stop; exit 0 or 1",
+    )
+    add(
+        "--no-agents",
+        dest="agents",
+        action="store_false",
+        help="do not start the simulated fleet (host work then times out: a dead-node demo)",
+    )
+    add(
+        "--phase-delay",
+        type=float,
+        metavar="S",
         default=float(env.get("GPUCLOUD_SIM_PHASE_DELAY_S", "1") or 1),
-        help="seconds each simulated host phase takes (default: %(default)s)")
-    add("--jitter", type=float, metavar="F",
+        help="seconds each simulated host phase takes (default: %(default)s)",
+    )
+    add(
+        "--jitter",
+        type=float,
+        metavar="F",
         default=float(env.get("GPUCLOUD_SIM_PHASE_JITTER", "0.2") or 0.2),
-        help="random +-fraction applied to each phase delay (default: %(default)s)")
-    add("--gateway-host", default=env.get("GPUCLOUD_GATEWAY_HOST", "127.0.0.1"),
-        help="gateway bind address (default: %(default)s)")
-    add("--gateway-port", type=int, default=int(env.get("GPUCLOUD_GATEWAY_PORT", "8000")),
-        help="gateway port (default: %(default)s)")
-    add("--pg-port", type=int, default=int(env.get("GPUCLOUD_PG_PORT", "55432")),
-        help="PostgreSQL port (default: %(default)s)")
-    add("--temporal-port", type=int, default=int(env.get("GPUCLOUD_TEMPORAL_PORT", "7233")),
-        help="Temporal gRPC port (default: %(default)s)")
-    add("--ui-port", type=int, default=int(env.get("GPUCLOUD_TEMPORAL_UI_PORT", "8233")),
-        help="Temporal Web port (default: %(default)s)")
-    add("--vault-port", type=int, default=int(env.get("GPUCLOUD_VAULT_PORT", "8200")),
-        help="Vault simulator port (default: %(default)s)")
-    add("--maas-port", type=int, default=int(env.get("GPUCLOUD_MAAS_SIM_PORT", "5240")),
-        help="MAAS simulator port (default: %(default)s)")
-    add("--stripe-port", type=int, default=int(env.get("GPUCLOUD_STRIPE_MOCK_PORT", "12111")),
-        help="stripe-mock HTTP port; HTTPS takes the next (default: %(default)s)")
-    add("--state-dir", type=Path,
+        help="random +-fraction applied to each phase delay (default: %(default)s)",
+    )
+    add(
+        "--gateway-host",
+        default=env.get("GPUCLOUD_GATEWAY_HOST", "127.0.0.1"),
+        help="gateway bind address (default: %(default)s)",
+    )
+    add(
+        "--gateway-port",
+        type=int,
+        default=int(env.get("GPUCLOUD_GATEWAY_PORT", "8000")),
+        help="gateway port (default: %(default)s)",
+    )
+    add(
+        "--pg-port",
+        type=int,
+        default=int(env.get("GPUCLOUD_PG_PORT", "55432")),
+        help="PostgreSQL port (default: %(default)s)",
+    )
+    add(
+        "--temporal-port",
+        type=int,
+        default=int(env.get("GPUCLOUD_TEMPORAL_PORT", "7233")),
+        help="Temporal gRPC port (default: %(default)s)",
+    )
+    add(
+        "--ui-port",
+        type=int,
+        default=int(env.get("GPUCLOUD_TEMPORAL_UI_PORT", "8233")),
+        help="Temporal Web port (default: %(default)s)",
+    )
+    add(
+        "--vault-port",
+        type=int,
+        default=int(env.get("GPUCLOUD_VAULT_PORT", "8200")),
+        help="Vault simulator port (default: %(default)s)",
+    )
+    add(
+        "--maas-port",
+        type=int,
+        default=int(env.get("GPUCLOUD_MAAS_SIM_PORT", "5240")),
+        help="MAAS simulator port (default: %(default)s)",
+    )
+    add(
+        "--stripe-port",
+        type=int,
+        default=int(env.get("GPUCLOUD_STRIPE_MOCK_PORT", "12111")),
+        help="stripe-mock HTTP port; HTTPS takes the next (default: %(default)s)",
+    )
+    add(
+        "--state-dir",
+        type=Path,
         default=Path(env.get("GPUCLOUD_STATE_DIR", REPO_ROOT / ".state")),
-        help="PostgreSQL data, Temporal history, tokens and logs (default: %(default)s)")
-    add("--reset", action="store_true",
-        help="delete the state directory first: all data, history and tokens")
-    add("--hosts", choices=("simulated", "libvirt-test"),
+        help="PostgreSQL data, Temporal history, tokens and logs (default: %(default)s)",
+    )
+    add(
+        "--reset",
+        action="store_true",
+        help="delete the state directory first: all data, history and tokens",
+    )
+    add(
+        "--hosts",
+        choices=("simulated", "libvirt-test"),
         default=env.get("GPUCLOUD_STACK_HOSTS") or "simulated",
         help="the fleet's hosts: simulated, or real backends on libvirt's test driver "
-             "(default: %(default)s)")
+        "(default: %(default)s)",
+    )
     args = parser.parse_args(argv)  # fmt: skip
     return StackOptions(
         state_dir=args.state_dir.resolve(),

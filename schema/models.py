@@ -698,9 +698,7 @@ class NodeOnboarding(Base):
     failure_class: Mapped[str | None] = mapped_column(Text)
     error_code: Mapped[str | None] = mapped_column(Text)
     error_message: Mapped[str | None] = mapped_column(Text)
-    error_details: Mapped[dict[str, Any]] = mapped_column(
-        JSONB, server_default=text("'{}'::jsonb")
-    )
+    error_details: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
     recommended_action: Mapped[str | None] = mapped_column(Text)
     last_maas_status: Mapped[str | None] = mapped_column(Text)
     last_maas_power_state: Mapped[str | None] = mapped_column(Text)
@@ -748,9 +746,7 @@ class NodeOnboardingEvent(Base):
 
     __tablename__ = "node_onboarding_events"
     id: Mapped[uuid.UUID] = mapped_column(UUID, primary_key=True)
-    onboarding_id: Mapped[uuid.UUID] = mapped_column(
-        ForeignKey("node_onboardings.onboarding_id")
-    )
+    onboarding_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("node_onboardings.onboarding_id"))
     stage: Mapped[str] = mapped_column(Text)
     attempt: Mapped[int] = mapped_column(Integer)
     status: Mapped[str] = mapped_column(String(16))

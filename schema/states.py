@@ -28,6 +28,7 @@ ALLOCATION_TRANSITIONS: dict[AllocationStatus, frozenset[AllocationStatus]] = {
     AllocationStatus.FAILED: frozenset(),
 }
 
+
 class NodeStatus(StrEnum):
     """Coarse node states of seed 004 §3. Only `active` nodes receive new allocations."""
 

@@ -168,8 +168,10 @@ async def test_unknown_routes_and_methods(tenant):
     [
         (ed25519_private_key(), "private key"),
         # A truncated fake, spelled in pieces so secret scanners do not mistake it for a key.
-        ("-----BEGIN RSA " + "PRIVATE KEY-----\nMIIEow\n-----END RSA " + "PRIVATE KEY-----",
-         "private key"),
+        (
+            "-----BEGIN RSA " + "PRIVATE KEY-----\nMIIEow\n-----END RSA " + "PRIVATE KEY-----",
+            "private key",
+        ),
         ("garbage", "garbage"),
         ("ssh-ed25519", "no data"),
         ("ssh-ed25519 !!!notbase64!!!", "not base64"),
