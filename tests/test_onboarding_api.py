@@ -18,11 +18,8 @@ from typing import Any
 
 import pytest
 from sqlalchemy import select, update
-from temporalio import workflow
 from temporalio.client import WorkflowExecutionStatus
-from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
-from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
 from core import search_attributes
 from schema.models import AuditEntry, Node, NodeOnboarding, NodeOnboardingEvent
@@ -32,13 +29,10 @@ from tests.maas_fixtures import sim_machine, sim_scenario
 from tests.onboarding_fixtures import ONBOARD_SKU, Job
 from tests.test_gateway_auth import assert_error
 from workflows.onboarding_contract import (
-    OPERATOR_ACTION_UPDATE,
     WORKFLOW_NAME,
-    ActionResult,
     BatchInput,
     OnboardInput,
     OperatorAction,
-    OperatorRequest,
     batch_workflow_id,
     onboarding_workflow_id,
 )
@@ -768,135 +762,6 @@ async def test_policy_onboarding_knobs(admin: Any, db_sessions: Any) -> None:
         assert_error(await admin.patch(path, json={"policy": bad}), 400, "invalid_request")
 
 
-# --- operator actions against a stand-in workflow ------------------------------------------------
-
-
-@workflow.defn(name=WORKFLOW_NAME, sandboxed=False)
-class StandInOnboarding:
-    """The contract's surface only: a running job that refuses retry_stage (it has no failed
-    stage), applies anything else once per update id, and ends on cancel."""
-
-    def __init__(self) -> None:
-        self.status = "running"
-        self.stage = "commission_node"
-        self.applied: list[str] = []
-
-    @workflow.run
-    async def run(self, job: OnboardInput) -> str:
-        await workflow.wait_condition(
-            lambda: self.status == "cancelled" and workflow.all_handlers_finished()
-        )
-        return self.status
-
-    @workflow.update(name=OPERATOR_ACTION_UPDATE)
-    async def operator_action(self, request: OperatorRequest) -> ActionResult:
-        prior = (self.status, self.stage)
-        self.applied.append(f"{request.action}|{request.actor}|{request.reason}")
-        expected = "running"
-        if request.action == OperatorAction.CANCEL:
-            expected = self.status = "cancelled"
-        return ActionResult(
-            action=request.action,
-            accepted=True,
-            prior_status=prior[0],
-            prior_stage=prior[1],
-            expected_status=expected,
-            message=f"{request.action} accepted",
-        )
-
-    @operator_action.validator
-    def check(self, request: OperatorRequest) -> None:
-        if request.action == OperatorAction.RETRY_STAGE:
-            raise ApplicationError(
-                "retry_stage needs a failed stage; this job is running",
-                type="action_not_allowed",
-            )
-
-    @workflow.query(name="applied")
-    def applied_actions(self) -> list[str]:
-        return self.applied
-
-
-async def test_operator_actions_map_the_workflow_answers(
-    admin: Any, sku: str, db_sessions: Any, temporal_client: Any, settings: Any
-) -> None:
-    site = await make_site(admin)
-    async with Worker(
-        temporal_client,
-        task_queue=settings.control_plane_task_queue,
-        workflows=[StandInOnboarding],
-        workflow_runner=UnsandboxedWorkflowRunner(),
-    ):
-        created = (await admin.post(ONBOARDINGS, json=single(site))).json()
-        onboarding_id = created["onboarding_id"]
-        workflow_id = onboarding_workflow_id(onboarding_id)
-        handle = temporal_client.get_workflow_handle(workflow_id)
-        path = f"{ONBOARDINGS}/{onboarding_id}"
-        await set_status(db_sessions, onboarding_id, "running")
-
-        refused = await admin.post(f"{path}/retry", json={"reason": "try again"})
-        body = assert_error(refused, 409, "action_not_allowed")
-        assert body["error"]["message"] == "retry_stage needs a failed stage; this job is running"
-        assert body["error"]["details"]["status"] == "running"
-
-        resumed = await admin.post(f"{path}/resume", json={"reason": "BMC fixed"})
-        assert resumed.status_code == 200, resumed.text
-        assert resumed.json() == {
-            "onboarding_id": onboarding_id,
-            "action": "resume",
-            "accepted": True,
-            "prior_status": "running",
-            "prior_stage": "commission_node",
-            "expected_status": "running",
-            "message": "resume accepted",
-        }
-        # The same request again (the job row has not changed): the first answer, applied once.
-        again = await admin.post(f"{path}/resume", json={"reason": "BMC fixed"})
-        assert again.json() == resumed.json()
-        key = {"X-Idempotency-Key": f"act-{uuid.uuid4().hex}"}
-        for _ in range(2):
-            adopted = await admin.post(
-                f"{path}/adopt", json={"reason": "deployed by hand"}, headers=key
-            )
-            assert adopted.status_code == 200, adopted.text
-            assert adopted.json()["action"] == "adopt_observed_state"
-        applied = await handle.query("applied", result_type=list[str])
-        actor = applied[0].split("|")[1]
-        assert applied == [
-            f"resume|{actor}|BMC fixed",
-            f"adopt_observed_state|{actor}|deployed by hand",
-        ]
-        assert actor.startswith("admin-")
-
-        assert_error(await admin.post(f"{path}/rerun", json={}), 400, "invalid_request")
-        assert_error(
-            await admin.post(f"{path}/rerun", json={"reason": "  "}), 400, "invalid_request"
-        )
-        assert_error(
-            await admin.post(f"{ONBOARDINGS}/{NIL}/rerun", json={"reason": "x"}), 404, "not_found"
-        )
-
-        cancelled = await admin.post(f"{path}/cancel", json={"reason": "wrong rack"})
-        assert cancelled.status_code == 200, cancelled.text
-        assert cancelled.json()["expected_status"] == "cancelled"
-        assert await handle.result() == "cancelled"
-        closed = await admin.post(f"{path}/mark-manual-intervention", json={"reason": "late"})
-        assert_error(closed, 409, "onboarding_closed")
-
-    entries = await audits(db_sessions, "onboarding.cancel")
-    (cancel,) = entries
-    assert cancel.target_type == "onboarding"
-    assert cancel.target_id == onboarding_id
-    assert cancel.reason == "wrong rack"
-    assert (cancel.prior_state, cancel.expected_state) == ("running", "cancelled")
-    assert cancel.workflow_ids == [workflow_id]
-    assert cancel.details["workflow_id"] == workflow_id
-    assert cancel.details["actor_role"] == "admin"
-    assert cancel.details["prior_stage"] == "load_site_config"
-    assert len(await audits(db_sessions, "onboarding.resume")) == 2
-    assert await audits(db_sessions, "onboarding.retry_stage") == []
-
-
 async def test_action_on_a_batch_node_not_started_yet(
     admin: Any, sku: str, db_sessions: Any
 ) -> None:
@@ -932,6 +797,7 @@ E2E = sim_scenario(
     sim_machine("api-ready", "10.176.16.60"),
     # Deploys, then hardware sync never turns healthy: the job waits there, running.
     sim_machine("api-stuck", "10.176.16.61", faults=[{"kind": "hw_sync_never_healthy"}]),
+    sim_machine("api-noboss", "10.176.16.62", boss=False),
 )
 
 
@@ -1018,3 +884,81 @@ async def test_e2e_retry_refused_while_running_and_cancel_accepted(
     assert (entry.prior_state, entry.expected_state) == ("running", "cancelled")
     assert entry.reason == "wrong rack"
     assert await audits(db_sessions, "onboarding.retry_stage") == []
+
+
+async def _storage_attempts(db_sessions: Any, job: Job) -> int:
+    async with db_sessions() as session:
+        events = await session.scalars(
+            select(NodeOnboardingEvent).where(
+                NodeOnboardingEvent.onboarding_id == uuid.UUID(job.onboarding_id),
+                NodeOnboardingEvent.stage == "configure_storage",
+                NodeOnboardingEvent.status == "started",
+            )
+        )
+        return len(list(events))
+
+
+@pytest.mark.maas_scenario(E2E)
+async def test_e2e_operator_actions_map_the_workflow_answers(
+    onboarding: Any, api: Any, make_token: Any, db_sessions: Any
+) -> None:
+    """The action routes against the real workflow: a repeated request with the same key is
+    applied once and answered the same, bad input never reaches Temporal, every request is
+    audited with the fields of seed 003 §4.12, and a closed job takes no more actions."""
+    admin = await api(token=await make_token("admin"), settings=onboarding.settings)
+    job = await submit_through_api(onboarding, admin, "api-noboss", "10.176.16.62")
+    path = f"{ONBOARDINGS}/{job.onboarding_id}"
+    await wait_shown(admin, job, "failed_manual_intervention")
+    before = await _storage_attempts(db_sessions, job)
+
+    key = {"X-Idempotency-Key": f"act-{uuid.uuid4().hex}"}
+    first = await admin.post(f"{path}/retry", json={"reason": "reseated the BOSS"}, headers=key)
+    assert first.status_code == 200, first.text
+    assert first.json() == {
+        "onboarding_id": job.onboarding_id,
+        "action": "retry_stage",
+        "accepted": True,
+        "prior_status": "failed_manual_intervention",
+        "prior_stage": "configure_storage",
+        "expected_status": "completed",
+        "message": "retry_stage accepted",
+    }
+    again = await admin.post(f"{path}/retry", json={"reason": "reseated the BOSS"}, headers=key)
+    assert again.json() == first.json()
+    # Applied once: the stage ran once more (and failed again: the disk is still missing).
+    deadline = asyncio.get_running_loop().time() + 30
+    while await _storage_attempts(db_sessions, job) < before + 1:
+        assert asyncio.get_running_loop().time() < deadline, "the retry never ran"
+        await asyncio.sleep(0.1)
+    await wait_shown(admin, job, "failed_manual_intervention")
+    await asyncio.sleep(0.5)
+    assert await _storage_attempts(db_sessions, job) == before + 1
+
+    assert_error(await admin.post(f"{path}/rerun", json={}), 400, "invalid_request")
+    assert_error(await admin.post(f"{path}/rerun", json={"reason": "  "}), 400, "invalid_request")
+    assert_error(
+        await admin.post(f"{ONBOARDINGS}/{NIL}/rerun", json={"reason": "x"}), 404, "not_found"
+    )
+
+    cancelled = await admin.post(f"{path}/cancel", json={"reason": "wrong rack"})
+    assert cancelled.status_code == 200, cancelled.text
+    assert cancelled.json()["expected_status"] == "cancelled"
+    await wait_shown(admin, job, "cancelled")
+    closed = await admin.post(f"{path}/mark-manual-intervention", json={"reason": "late"})
+    assert_error(closed, 409, "onboarding_closed")
+
+    (cancel,) = await audits(db_sessions, "onboarding.cancel")
+    assert cancel.target_type == "onboarding"
+    assert cancel.target_id == job.onboarding_id
+    assert cancel.reason == "wrong rack"
+    assert (cancel.prior_state, cancel.expected_state) == (
+        "failed_manual_intervention",
+        "cancelled",
+    )
+    assert cancel.workflow_ids == [job.workflow_id]
+    assert cancel.details["workflow_id"] == job.workflow_id
+    assert cancel.details["actor_role"] == "admin"
+    assert cancel.details["prior_stage"] == "configure_storage"
+    retries = await audits(db_sessions, "onboarding.retry_stage")
+    assert len(retries) == 2  # every request is audited; the workflow applied it once
+    assert {r.details["update_id"] for r in retries} == {f"retry_stage:{key['X-Idempotency-Key']}"}
