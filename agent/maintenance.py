@@ -913,10 +913,21 @@ class MaintenanceActivities:
 
     @activity.defn(name=NODE_DRAIN)
     async def drain(self, spec: NodeMaintenanceInput) -> DrainResult:
+        return await self._drain_marker(NODE_DRAIN, spec, self._backend.drain)
+
+    @activity.defn(name=NODE_UNDRAIN)
+    async def undrain(self, spec: NodeMaintenanceInput) -> DrainResult:
+        return await self._drain_marker(NODE_UNDRAIN, spec, self._backend.undrain)
+
+    async def _drain_marker(
+        self,
+        kind: str,
+        spec: NodeMaintenanceInput,
+        step: Callable[[NodeMaintenanceInput, Progress], DrainOutcome],
+    ) -> DrainResult:
+        """node.drain and node.undrain: set or clear the marker, report what it was."""
         started = self._start(spec.task_id, spec.node_id)
-        out, phases = await self._run(
-            NODE_DRAIN, spec.task_id, spec.node_id, lambda p: self._backend.drain(spec, p)
-        )
+        out, phases = await self._run(kind, spec.task_id, spec.node_id, lambda p: step(spec, p))
         return self._clean(
             DrainResult(
                 spec.task_id,
@@ -926,23 +937,6 @@ class MaintenanceActivities:
                 draining=out.draining,
                 already_draining=out.already_draining,
                 running_tasks=out.running_tasks,
-            )
-        )
-
-    @activity.defn(name=NODE_UNDRAIN)
-    async def undrain(self, spec: NodeMaintenanceInput) -> DrainResult:
-        started = self._start(spec.task_id, spec.node_id)
-        out, phases = await self._run(
-            NODE_UNDRAIN, spec.task_id, spec.node_id, lambda p: self._backend.undrain(spec, p)
-        )
-        return self._clean(
-            DrainResult(
-                spec.task_id,
-                started,
-                utc_now_iso(),
-                phases,
-                draining=out.draining,
-                already_draining=out.already_draining,
             )
         )
 

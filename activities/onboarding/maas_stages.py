@@ -159,10 +159,9 @@ class MaasStageActivities(StageActivitiesBase):
 
     async def _discover(self, run: StageRun, maas: MaasClient, record: Machine | None) -> Machine:
         site, ob = run.site, run.input.onboarding
-        before = {m.system_id for m in await maas.list_machines()}
-        preexisting_new = [
-            m for m in await maas.list_machines() if m.status == S.NEW and _usable(m)
-        ]
+        known = await maas.list_machines()
+        before = {m.system_id for m in known}
+        preexisting_new = [m for m in known if m.status == S.NEW and _usable(m)]
         login, _ = await self._bmc_login(run)
         if record is None:
             record = await maas.create_machine(
