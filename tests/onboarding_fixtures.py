@@ -199,10 +199,13 @@ class OnboardingRig:
                 )
             )
 
-    async def wait_status(self, job: Job, *statuses: str, timeout: float = 60.0) -> NodeOnboarding:
+    async def wait_status(
+        self, job: Job, *statuses: str, stage: str | None = None, timeout: float = 60.0
+    ) -> NodeOnboarding:
+        """The job's row once its status is one of `statuses` (and, if given, at `stage`)."""
         deadline = time.monotonic() + timeout
         row = await self.row(job)
-        while row.status not in statuses:
+        while row.status not in statuses or stage not in (None, row.current_stage):
             if time.monotonic() > deadline:
                 raise AssertionError(
                     f"{job.hostname}: still {row.status} at {row.current_stage} "

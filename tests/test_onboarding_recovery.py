@@ -4,11 +4,10 @@ node table and the stage events."""
 
 from __future__ import annotations
 
-import uuid
-
 import pytest
 from sqlalchemy import func, select
 from temporalio.client import WorkflowUpdateFailedError
+from temporalio.service import RPCError, RPCStatusCode
 
 from schema.models import Node
 from tests.histories import record_history
@@ -62,8 +61,9 @@ async def test_rerun_after_deploy_failure_converges_without_duplicates(
     assert [str(n.id) for n in nodes] == [job.node_id]
     assert nodes[0].status == "active"
     # Closed: further actions are refused by Temporal (the gateway answers 409).
-    with pytest.raises(Exception):  # noqa: B017, PT011 - RPC "workflow execution already completed"
+    with pytest.raises(RPCError) as closed:  # the gateway answers this with 409
         await onboarding.action(job, "retry_stage")
+    assert closed.value.status == RPCStatusCode.NOT_FOUND
     await record_history(
         onboarding.client.get_workflow_handle(job.workflow_id), "onboarding", "rerun_after_failure"
     )
@@ -134,9 +134,7 @@ async def test_late_enrollment_is_adopted(onboarding: OnboardingRig) -> None:
 @pytest.mark.maas_scenario(SCENARIO)
 async def test_cancel_while_deploying_compensates(onboarding: OnboardingRig) -> None:
     job = await onboarding.start("r-slow", "10.176.18.14")
-    deadline_row = await onboarding.wait_status(job, "running")
-    while deadline_row.current_stage != "wait_for_deployed":
-        deadline_row = await onboarding.wait_status(job, "running")
+    await onboarding.wait_status(job, "running", stage="wait_for_deployed")
     result = await onboarding.action(job, "cancel")
     assert result.accepted
     assert result.prior_status == "running"
@@ -182,7 +180,7 @@ async def test_mark_manual_and_adopt_refusals(onboarding: OnboardingRig) -> None
     async with onboarding.sessions() as session:
         count = await session.scalar(select(func.count()).select_from(Node))
     assert count == 0
-    assert uuid.UUID(job.node_id)
+    assert str(row.node_id) == job.node_id  # reserved at submission, never created
 
 
 ADOPT = sim_scenario(

@@ -395,21 +395,21 @@ class MaasNodeOnboardWorkflow:
                 self._state = OnboardState()
                 self._adopted = False
                 return Stage.LOAD_SITE_CONFIG
-            start = checkpoint_for(failed_stage) if action == OperatorAction.RESUME else None
-            if action == OperatorAction.RETRY_STAGE:
+            if action in (OperatorAction.RETRY_STAGE, OperatorAction.RESUME):
                 start = failed_stage
-            if start is not None:
+                if action == OperatorAction.RESUME:
+                    start = checkpoint_for(failed_stage)
                 if start == Stage.WAIT_FOR_AGENT_ENROLLMENT:
                     self._state.enrollment_attempts = 0  # a fresh token before failing again
                 return start
             # adopt_observed_state
             try:
-                start = await self._adopt()
+                adopted_start = await self._adopt()
             except StageFailure as failure:
                 await self._fail(failure)
                 continue
-            if start is not None:
-                return start
+            if adopted_start is not None:
+                return adopted_start
 
     async def _adopt(self) -> Stage | None:
         assert self._input is not None
