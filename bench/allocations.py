@@ -15,74 +15,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import platform
-import pwd
 import shutil
-import socket
 import statistics
-import tempfile
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 import httpx
 from sqlalchemy import text
 
+from bench.stack import bench_stack_options, cpu_seconds, private_state_dir
 from devstack.processes import Child, python_entry
-from devstack.up import REPO_ROOT, Stack, StackOptions
+from devstack.up import REPO_ROOT, Stack
 from schema.db import create_engine, session_factory
 from sim.demo_fleet import build_fleet, seed_fleet
 
 THROUGHPUT_REGION = "bench-a"
 LATENCY_REGION = "bench-b"
 SKU = "h100.slice"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
-    """CPU time (user + system) used so far by each named process, and by all of PostgreSQL."""
-    tick = os.sysconf("SC_CLK_TCK")
-
-    def of(pid: int) -> float:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            return 0.0
-        return (int(fields[11]) + int(fields[12])) / tick
-
-    used = {name: of(pid) for name, pid in pids.items()}
-    used["bench-client"] = of(os.getpid())
-    postgres_uid = None
-    with contextlib.suppress(KeyError):
-        postgres_uid = pwd.getpwnam("postgres").pw_uid
-    used["postgres"] = sum(
-        of(int(p.name))
-        for p in Path("/proc").iterdir()
-        if p.name.isdigit() and postgres_uid is not None and _owner(p) == postgres_uid
-    )
-    return used
-
-
-def _owner(path: Path) -> int | None:
-    try:
-        return path.stat().st_uid
-    except OSError:
-        return None
-
-
-def private_state_dir() -> Path:
-    # World-traversable: the bench's PostgreSQL runs as the `postgres` user.
-    state = Path(tempfile.mkdtemp(prefix="gpucloud-bench-"))
-    state.chmod(0o755)
-    return state
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -227,22 +179,7 @@ async def main(args: argparse.Namespace) -> None:
     # The bench never waits on a dead node: its throughput fleet has no agents on purpose.
     os.environ["GPUCLOUD_NODE_SCHEDULE_TO_START_S"] = "900"
     state = private_state_dir()
-    options = StackOptions(
-        state_dir=state,
-        pg_port=free_port(),
-        temporal_port=free_port(),
-        ui_port=free_port(),
-        gateway_host="127.0.0.1",
-        gateway_port=free_port(),
-        vault_port=free_port(),
-        maas_port=free_port(),
-        stripe_port=free_port(),
-        phase_delay=0.0,
-        jitter=0.0,
-        agents=False,
-        check=False,
-        reset=False,
-    )
+    options = bench_stack_options(state)
     stack = Stack(options)
     try:
         tokens = await stack.start()

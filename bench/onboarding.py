@@ -27,10 +27,10 @@ from typing import Any
 import httpx
 from sqlalchemy import text
 
-from bench.allocations import cpu_seconds, free_port, private_state_dir
+from bench.stack import bench_stack_options, cpu_seconds, private_state_dir
 from core.config import Settings
 from core.temporal import connect
-from devstack.up import Stack, StackOptions
+from devstack.up import Stack
 from schema.db import create_engine
 from sim.demo_fleet import BAREMETAL_SKU
 from workflows.onboarding_contract import BatchSummary, batch_workflow_id
@@ -88,22 +88,7 @@ def scenario(n: int) -> dict[str, Any]:
 
 async def main(args: argparse.Namespace) -> None:
     state = private_state_dir()
-    options = StackOptions(
-        state_dir=state,
-        pg_port=free_port(),
-        temporal_port=free_port(),
-        ui_port=free_port(),
-        gateway_host="127.0.0.1",
-        gateway_port=free_port(),
-        vault_port=free_port(),
-        maas_port=free_port(),
-        stripe_port=free_port(),
-        phase_delay=0.0,
-        jitter=0.0,
-        agents=False,
-        check=False,
-        reset=False,
-    )
+    options = bench_stack_options(state)
     stack = Stack(options)
     samples: list[int] = []
     stage_times: list[tuple[str, float]] = []

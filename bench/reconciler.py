@@ -33,6 +33,7 @@ from sqlalchemy import event, insert
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from activities.maas_reconcile import MaasReconcileActivities
+from bench.stack import free_port
 from devstack.postgres import PostgresCluster
 from schema.db import create_engine, session_factory
 from schema.migrate import upgrade
@@ -95,14 +96,6 @@ def scenario(n: int) -> dict[str, Any]:
         "machines": machines,
         "faults": [],
     }
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager
