@@ -34,13 +34,20 @@ from temporalio.client import Client
 from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
 from temporalio.exceptions import WorkflowAlreadyStartedError
 
+from activities.decommission.read_model import DECOMMISSION
 from core import search_attributes
 from core.config import Settings
 from gateway import audit
 from gateway.auth import Principal
 from gateway.errors import ApiError, Conflict, NotFound, Unprocessable
 from gateway.identity import constraint_name
-from gateway.lifecycle_actions import LifecycleJob, checked_reason, run_operator_action
+from gateway.lifecycle_jobs import (
+    JobEventView,
+    LifecycleJob,
+    checked_reason,
+    recent_events,
+    run_operator_action,
+)
 from gateway.pagination import decode_cursor, encode_cursor
 from gateway.schemas import Reason, Request
 from gateway.temporal import TemporalOps
@@ -60,7 +67,6 @@ from workflows.decommission_contract import (
 from workflows.onboarding_contract import LIVE_JOB_STATUSES, JobStatus
 
 log = logging.getLogger("gateway.decommissions")
-EVENTS_SHOWN = 50
 _LIVE = [s.value for s in LIVE_JOB_STATUSES]
 _LIVE_ALLOCATION = [
     AllocationStatus.REQUESTED.value,
@@ -110,16 +116,6 @@ class DecommissionCreated(msgspec.Struct, kw_only=True):
     replayed: bool = False
 
 
-class DecommissionEventView(msgspec.Struct, kw_only=True):
-    id: uuid.UUID
-    stage: str
-    attempt: int
-    status: str
-    message: str | None
-    details: dict[str, Any]
-    occurred_at: Any
-
-
 class DecommissionView(msgspec.Struct, kw_only=True):
     """One row of node_decommissions (seed 003 §5.7; seed 004 §9.2: workflow state, stage,
     attempt, failure class, last MAAS state, recommended next action)."""
@@ -156,7 +152,7 @@ class DecommissionView(msgspec.Struct, kw_only=True):
 
 
 class DecommissionDetail(DecommissionView, kw_only=True):
-    events: list[DecommissionEventView]
+    events: list[JobEventView]
 
 
 class DecommissionList(msgspec.Struct, kw_only=True):
@@ -581,26 +577,8 @@ async def load(db: AsyncSession, decommission_id: uuid.UUID) -> NodeDecommission
 
 async def detail(db: AsyncSession, decommission_id: uuid.UUID) -> DecommissionDetail:
     row = await load(db, decommission_id)
-    events = await db.scalars(
-        select(NodeDecommissionEvent)
-        .where(NodeDecommissionEvent.decommission_id == decommission_id)
-        .order_by(NodeDecommissionEvent.occurred_at.desc(), NodeDecommissionEvent.id.desc())
-        .limit(EVENTS_SHOWN)
-    )
     return DecommissionDetail(
-        **_fields(row),
-        events=[
-            DecommissionEventView(
-                id=e.id,
-                stage=e.stage,
-                attempt=e.attempt,
-                status=e.status,
-                message=e.message,
-                details=dict(e.details or {}),
-                occurred_at=e.occurred_at,
-            )
-            for e in events
-        ],
+        **_fields(row), events=await recent_events(db, DECOMMISSION, decommission_id)
     )
 
 

@@ -15,6 +15,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from gateway.lifecycle_jobs import JobEventView
 from gateway.schemas import Reason, Request
 
 MAX_BATCH_NODES = 500
@@ -83,16 +84,6 @@ class BatchCreated(msgspec.Struct, kw_only=True):
     onboardings: list[BatchOnboarding]
 
 
-class OnboardingEventView(msgspec.Struct, kw_only=True):
-    id: uuid.UUID
-    stage: str
-    attempt: int
-    status: str
-    message: str | None
-    details: dict[str, Any]
-    occurred_at: dt.datetime
-
-
 class OnboardingView(msgspec.Struct, kw_only=True):
     """One row of the node_onboardings read model (seed 003 §4.2.1, §4.12)."""
 
@@ -132,7 +123,7 @@ class OnboardingView(msgspec.Struct, kw_only=True):
 
 class OnboardingDetail(OnboardingView, kw_only=True):
     # The most recent stage events, newest first.
-    events: list[OnboardingEventView]
+    events: list[JobEventView]
 
 
 class OnboardingList(msgspec.Struct, kw_only=True):

@@ -32,6 +32,7 @@ from temporalio.client import Client
 from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
 from temporalio.exceptions import WorkflowAlreadyStartedError
 
+from activities.onboarding.read_model import ONBOARDING
 from core import search_attributes
 from core.config import Settings
 from gateway import audit
@@ -39,7 +40,12 @@ from gateway.allocations import validate_idempotency_key
 from gateway.auth import Principal
 from gateway.errors import Conflict, NotFound, Unprocessable
 from gateway.identity import constraint_name
-from gateway.lifecycle_actions import LifecycleJob, checked_reason, run_operator_action
+from gateway.lifecycle_jobs import (
+    LifecycleJob,
+    checked_reason,
+    recent_events,
+    run_operator_action,
+)
 from gateway.onboarding_schemas import (
     HOSTNAME,
     HOSTNAME_RULE,
@@ -50,7 +56,6 @@ from gateway.onboarding_schemas import (
     OnboardingCreate,
     OnboardingCreated,
     OnboardingDetail,
-    OnboardingEventView,
     OnboardingList,
     OnboardingView,
     OperatorActionAnswer,
@@ -87,7 +92,6 @@ T = TypeVar("T")
 
 # Fixed forever: ids derived from idempotency keys must not change between releases.
 ONBOARDING_ID_NAMESPACE = uuid.UUID("0b7e6a52-3f1d-4c8e-9e57-6d2a41c0f9b3")
-EVENTS_SHOWN = 50
 _LIVE = [s.value for s in LIVE_JOB_STATUSES]
 _FIRST_STAGE = Stage.LOAD_SITE_CONFIG.value
 
@@ -731,26 +735,8 @@ async def load(db: AsyncSession, onboarding_id: uuid.UUID) -> NodeOnboarding:
 
 async def detail(db: AsyncSession, onboarding_id: uuid.UUID) -> OnboardingDetail:
     row = await load(db, onboarding_id)
-    events = await db.scalars(
-        select(NodeOnboardingEvent)
-        .where(NodeOnboardingEvent.onboarding_id == onboarding_id)
-        .order_by(NodeOnboardingEvent.occurred_at.desc(), NodeOnboardingEvent.id.desc())
-        .limit(EVENTS_SHOWN)
-    )
     return OnboardingDetail(
-        **_fields(row),
-        events=[
-            OnboardingEventView(
-                id=e.id,
-                stage=e.stage,
-                attempt=e.attempt,
-                status=e.status,
-                message=e.message,
-                details=dict(e.details or {}),
-                occurred_at=e.occurred_at,
-            )
-            for e in events
-        ],
+        **_fields(row), events=await recent_events(db, ONBOARDING, onboarding_id)
     )
 
 

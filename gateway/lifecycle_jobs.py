@@ -1,7 +1,7 @@
-"""Operator actions on node lifecycle jobs (onboarding, decommission): one way to send an action
-to the job's workflow as its `operator_action` update, map the workflow's answer to HTTP, and
-audit it (seed 003 §4.9, §4.12). The job modules describe their job (`LifecycleJob`) and shape
-their own answer; everything between is here.
+"""What the gateway does alike for every node lifecycle job (onboarding, decommission): show its
+recent stage events, and send an operator action to the job's workflow as its `operator_action`
+update, map the workflow's answer to HTTP and audit it (seed 003 §4.9, §4.12). The job modules
+describe their job (`LifecycleJob`, `JobTables`) and shape their own answers.
 
 Idempotency: the update id is derived from the request (the idempotency key when given, else
 the job's version and the reason), so Temporal answers a repeated request with the first
@@ -9,16 +9,20 @@ result instead of applying the action twice."""
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 from temporalio.client import Client, WorkflowUpdateFailedError
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
+from activities.lifecycle_read_model import JobTables
 from gateway import audit
 from gateway.auth import Principal
 from gateway.errors import ApiError, Conflict, InvalidRequest
@@ -26,6 +30,42 @@ from gateway.temporal import TemporalOps
 from workflows.lifecycle_contract import OPERATOR_ACTION_UPDATE, ActionResult, OperatorRequest
 
 ACTION_NOT_ALLOWED = "action_not_allowed"
+EVENTS_SHOWN = 50  # a job's detail shows its newest stage events
+
+
+class JobEventView(msgspec.Struct, kw_only=True):
+    id: uuid.UUID
+    stage: str
+    attempt: int
+    status: str
+    message: str | None
+    details: dict[str, Any]
+    occurred_at: dt.datetime
+
+
+async def recent_events(
+    db: AsyncSession, tables: JobTables, job_id: uuid.UUID
+) -> list[JobEventView]:
+    """The job's newest stage events, newest first."""
+    event = tables.event
+    rows = await db.scalars(
+        select(event)
+        .where(getattr(event, tables.event_job_column) == job_id)
+        .order_by(event.occurred_at.desc(), event.id.desc())
+        .limit(EVENTS_SHOWN)
+    )
+    return [
+        JobEventView(
+            id=e.id,
+            stage=e.stage,
+            attempt=e.attempt,
+            status=e.status,
+            message=e.message,
+            details=dict(e.details or {}),
+            occurred_at=e.occurred_at,
+        )
+        for e in rows
+    ]
 
 
 @dataclass(frozen=True)
