@@ -211,26 +211,18 @@ class MaasNodeOnboardWorkflow:
 
     async def _run_from(self, start: Stage) -> None:
         order = list(STAGE_ORDER)
-        if start in DEPLOY_STAGES and start != Stage.DEPLOY_VIA_MAAS:
-            index = order.index(Stage.WAIT_FOR_DEPLOYED)
-        else:
-            index = order.index(start)
-        first = start
-        while index < len(order):
-            stage = order[index]
+        # The deploy stages run as one group (deploy, wait, and the recovery loop between),
+        # at wait_for_deployed's place, entered where `start` says.
+        in_group = start in DEPLOY_STAGES
+        for stage in order[order.index(Stage.WAIT_FOR_DEPLOYED if in_group else start) :]:
             if stage == Stage.DEPLOY_VIA_MAAS:
-                await self._deploy_group(Stage.DEPLOY_VIA_MAAS)
-                index += 2  # deploy + wait_for_deployed
                 continue
             if stage == Stage.WAIT_FOR_DEPLOYED:
-                await self._deploy_group(first if first in DEPLOY_STAGES else stage)
-                index += 1
-                continue
-            if stage == Stage.WAIT_FOR_AGENT_ENROLLMENT:
+                await self._deploy_group(start if in_group else Stage.DEPLOY_VIA_MAAS)
+            elif stage == Stage.WAIT_FOR_AGENT_ENROLLMENT:
                 await self._enrollment()
             else:
                 await self._run_stage(stage)
-            index += 1
 
     async def _deploy_group(self, entry: Stage) -> None:
         """deploy → wait; on failure classify → bounded datasource redeploy, else release to

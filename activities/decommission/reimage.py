@@ -102,7 +102,7 @@ class ReimageActivities(MaasStageActivities, NodeStageActivities):
         message: str,
         error: ClassifiedError | None,
     ) -> None:
-        details: dict[str, Any] = dict(run.result.details if run.result else run.details)
+        details: dict[str, Any] = dict(run.result.details) if run.result else {}
         if error is not None:
             details.update(failure_class=error.failure_class.value, error_code=error_code_of(error))
         observed = run.input.state.observed

@@ -18,7 +18,7 @@ import datetime as dt
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -59,7 +59,6 @@ class StageRun:
     input: StageInput
     stage: Stage
     result: StageResult | None = None
-    details: dict[str, Any] = field(default_factory=dict)
 
     @property
     def onboarding_id(self) -> uuid.UUID:
@@ -150,7 +149,7 @@ class StageActivitiesBase:
         message: str,
         error: ClassifiedError | None,
     ) -> None:
-        details = dict(run.result.details if run.result else run.details)
+        details = dict(run.result.details) if run.result else {}
         if error is not None:
             details.update(failure_class=error.failure_class.value, error_code=error_code_of(error))
         with contextlib.suppress(Exception):  # bookkeeping must never mask the stage's outcome
