@@ -936,6 +936,7 @@ async def test_e2e_operator_actions_map_the_workflow_answers(
 
     assert_error(await admin.post(f"{path}/rerun", json={}), 400, "invalid_request")
     assert_error(await admin.post(f"{path}/rerun", json={"reason": "  "}), 400, "invalid_request")
+    assert_error(await admin.post(f"{path}/reboot", json={"reason": "x"}), 404, "not_found")
     assert_error(
         await admin.post(f"{ONBOARDINGS}/{NIL}/rerun", json={"reason": "x"}), 404, "not_found"
     )

@@ -23,6 +23,7 @@ from gateway.decommissions import (
     DecommissionList,
     StorageCleanupCreate,
 )
+from gateway.errors import NotFound
 from gateway.runtime import Runtime
 from gateway.temporal import TemporalOps
 from workflows.decommission_contract import OperatorAction
@@ -39,6 +40,23 @@ _ACTION_NOTES = (
     " Answers the workflow's decision: 409 action_not_allowed when the job's state does not "
     "allow it, 409 decommission_closed once the workflow has ended. A repeated identical "
     "request gets the first answer. Audited as node.decommission.<action>."
+)
+
+
+# How each action is spelled in the URL, and what it does.
+ACTION_PATHS: dict[str, OperatorAction] = {
+    "retry": OperatorAction.RETRY_STAGE,
+    "resume": OperatorAction.RESUME,
+    "adopt": OperatorAction.ADOPT,
+    "mark-manual-intervention": OperatorAction.MARK_MANUAL_INTERVENTION,
+    "cancel": OperatorAction.CANCEL,
+}
+_ACTION_MEANINGS = (
+    "retry: rerun the failed stage, then go on. resume: continue from the failed stage's "
+    "checkpoint (a fresh host task); a no-op while the job runs. adopt: accept what MAAS and "
+    "the node show now (or vouch for host work) and go on; ends reconciled. "
+    "mark-manual-intervention: freeze automation until a human resolves it. cancel: stop (best "
+    "effort) and compensate where possible; MAAS is not rolled back. Unknown action: 404."
 )
 
 
@@ -155,115 +173,25 @@ class AdminDecommissionsController(Controller):
 
     # --- operator actions: one route each, the same shape ---
 
-    async def _act(
+    @post(
+        "/decommissions/{decommission_id:uuid}/{action:str}",
+        status_code=200,
+        summary="Operator action: retry | resume | adopt | mark-manual-intervention | cancel",
+        description=_ACTION_MEANINGS + _ACTION_NOTES,
+        responses=errors(400, 403, 404, 409, 413),
+    )
+    async def act(
         self,
-        action: OperatorAction,
-        data: ActionRequest,
-        db: AsyncSession,
-        temporal: TemporalOps,
-        principal: Principal,
-        decommission_id: uuid.UUID,
+        data: JSONBody[ActionRequest],
+        db: NamedDependency[AsyncSession],
+        temporal: NamedDependency[TemporalOps],
+        principal: NamedDependency[Principal],
+        decommission_id: FromPath[uuid.UUID],
+        action: FromPath[str],
     ) -> ActionAnswer:
+        chosen = ACTION_PATHS.get(action)
+        if chosen is None:
+            raise NotFound(f"no action {action!r}; one of: {', '.join(ACTION_PATHS)}")
         return await decommissions.operator_action(
-            db, temporal, principal, decommission_id, action, data.reason
-        )
-
-    @post(
-        "/decommissions/{decommission_id:uuid}/retry",
-        status_code=200,
-        summary="retry_stage: rerun the failed stage, then go on",
-        description=_ACTION_NOTES,
-        responses=errors(400, 403, 404, 409, 413),
-    )
-    async def retry(
-        self,
-        data: JSONBody[ActionRequest],
-        db: NamedDependency[AsyncSession],
-        temporal: NamedDependency[TemporalOps],
-        principal: NamedDependency[Principal],
-        decommission_id: FromPath[uuid.UUID],
-    ) -> ActionAnswer:
-        return await self._act(
-            OperatorAction.RETRY_STAGE, data, db, temporal, principal, decommission_id
-        )
-
-    @post(
-        "/decommissions/{decommission_id:uuid}/resume",
-        status_code=200,
-        summary="resume: continue from the failed stage's checkpoint (a fresh host task); "
-        "a no-op while the job runs",
-        description=_ACTION_NOTES,
-        responses=errors(400, 403, 404, 409, 413),
-    )
-    async def resume(
-        self,
-        data: JSONBody[ActionRequest],
-        db: NamedDependency[AsyncSession],
-        temporal: NamedDependency[TemporalOps],
-        principal: NamedDependency[Principal],
-        decommission_id: FromPath[uuid.UUID],
-    ) -> ActionAnswer:
-        return await self._act(
-            OperatorAction.RESUME, data, db, temporal, principal, decommission_id
-        )
-
-    @post(
-        "/decommissions/{decommission_id:uuid}/adopt",
-        status_code=200,
-        summary="adopt_observed_state: accept what MAAS and the node show now (or vouch for "
-        "host work) and go on; ends reconciled",
-        description=_ACTION_NOTES,
-        responses=errors(400, 403, 404, 409, 413),
-    )
-    async def adopt(
-        self,
-        data: JSONBody[ActionRequest],
-        db: NamedDependency[AsyncSession],
-        temporal: NamedDependency[TemporalOps],
-        principal: NamedDependency[Principal],
-        decommission_id: FromPath[uuid.UUID],
-    ) -> ActionAnswer:
-        return await self._act(OperatorAction.ADOPT, data, db, temporal, principal, decommission_id)
-
-    @post(
-        "/decommissions/{decommission_id:uuid}/mark-manual-intervention",
-        status_code=200,
-        summary="mark_manual_intervention_required: freeze automation until a human resolves",
-        description=_ACTION_NOTES,
-        responses=errors(400, 403, 404, 409, 413),
-    )
-    async def mark_manual_intervention(
-        self,
-        data: JSONBody[ActionRequest],
-        db: NamedDependency[AsyncSession],
-        temporal: NamedDependency[TemporalOps],
-        principal: NamedDependency[Principal],
-        decommission_id: FromPath[uuid.UUID],
-    ) -> ActionAnswer:
-        return await self._act(
-            OperatorAction.MARK_MANUAL_INTERVENTION,
-            data,
-            db,
-            temporal,
-            principal,
-            decommission_id,
-        )
-
-    @post(
-        "/decommissions/{decommission_id:uuid}/cancel",
-        status_code=200,
-        summary="cancel: stop (best effort) and compensate where possible; MAAS is not rolled back",
-        description=_ACTION_NOTES,
-        responses=errors(400, 403, 404, 409, 413),
-    )
-    async def cancel(
-        self,
-        data: JSONBody[ActionRequest],
-        db: NamedDependency[AsyncSession],
-        temporal: NamedDependency[TemporalOps],
-        principal: NamedDependency[Principal],
-        decommission_id: FromPath[uuid.UUID],
-    ) -> ActionAnswer:
-        return await self._act(
-            OperatorAction.CANCEL, data, db, temporal, principal, decommission_id
+            db, temporal, principal, decommission_id, chosen, data.reason
         )

@@ -15,6 +15,7 @@ from gateway import onboardings
 from gateway.allocations import IDEMPOTENCY_HEADER
 from gateway.auth import Principal, admin_guard
 from gateway.controllers.common import errors
+from gateway.errors import NotFound
 from gateway.onboarding_schemas import (
     BatchCreated,
     OnboardingBatchCreate,
@@ -44,6 +45,26 @@ _ACTION_NOTES = (
     "onboarding_not_started for a batch node the batch has not started yet. A repeated request "
     "(same X-Idempotency-Key, or without one the same reason while the job has not changed) "
     "gets the first answer. Audited as onboarding.<action>."
+)
+
+
+# How each action is spelled in the URL (seed 003 §4.15), and what it does.
+ACTION_PATHS: dict[str, OperatorAction] = {
+    "retry": OperatorAction.RETRY_STAGE,
+    "resume": OperatorAction.RESUME,
+    "rerun": OperatorAction.RERUN,
+    "restart-clean": OperatorAction.RESTART_CLEAN,
+    "cancel": OperatorAction.CANCEL,
+    "adopt": OperatorAction.ADOPT,
+    "mark-manual-intervention": OperatorAction.MARK_MANUAL_INTERVENTION,
+}
+_ACTION_MEANINGS = (
+    "retry: rerun only the failed stage, then go on. resume: continue from the failed stage's "
+    "last safe checkpoint, state refreshed. rerun: from the top, every stage adopting what is "
+    "already done. restart-clean: compensate known progress, then start again from the top. "
+    "cancel: stop the workflow and compensate where possible. adopt: accept externally "
+    "advanced MAAS/node state and go on. mark-manual-intervention: freeze automation until a "
+    "human resolves it. Unknown action: 404."
 )
 
 
@@ -143,174 +164,27 @@ class AdminOnboardingsController(Controller):
 
     # --- operator actions (seed 003 §4.9): one route each, the same shape ---
 
-    async def _act(
+    @post(
+        "/{onboarding_id:uuid}/{action:str}",
+        status_code=200,
+        summary="Operator action (seed 003 §4.9): retry | resume | rerun | restart-clean | "
+        "cancel | adopt | mark-manual-intervention",
+        description=_ACTION_MEANINGS + _ACTION_NOTES,
+        responses=errors(400, 403, 404, 409, 413),
+    )
+    async def act(
         self,
-        action: OperatorAction,
-        data: OperatorActionRequest,
-        db: AsyncSession,
-        temporal: TemporalOps,
-        principal: Principal,
-        onboarding_id: uuid.UUID,
-        idempotency_key: str | None,
+        data: JSONBody[OperatorActionRequest],
+        db: NamedDependency[AsyncSession],
+        temporal: NamedDependency[TemporalOps],
+        principal: NamedDependency[Principal],
+        onboarding_id: FromPath[uuid.UUID],
+        action: FromPath[str],
+        idempotency_key: IdempotencyKey = None,
     ) -> OperatorActionAnswer:
+        chosen = ACTION_PATHS.get(action)
+        if chosen is None:
+            raise NotFound(f"no action {action!r}; one of: {', '.join(ACTION_PATHS)}")
         return await onboardings.operator_action(
-            db, temporal, principal, onboarding_id, action, data.reason, idempotency_key
-        )
-
-    @post(
-        "/{onboarding_id:uuid}/retry",
-        status_code=200,
-        summary="retry_stage: rerun only the failed stage, then go on",
-        description=_ACTION_NOTES,
-        responses=errors(400, 403, 404, 409, 413),
-    )
-    async def retry(
-        self,
-        data: JSONBody[OperatorActionRequest],
-        db: NamedDependency[AsyncSession],
-        temporal: NamedDependency[TemporalOps],
-        principal: NamedDependency[Principal],
-        onboarding_id: FromPath[uuid.UUID],
-        idempotency_key: IdempotencyKey = None,
-    ) -> OperatorActionAnswer:
-        return await self._act(
-            OperatorAction.RETRY_STAGE,
-            data,
-            db,
-            temporal,
-            principal,
-            onboarding_id,
-            idempotency_key,
-        )
-
-    @post(
-        "/{onboarding_id:uuid}/resume",
-        status_code=200,
-        summary="resume: continue from the failed stage's last safe checkpoint, state refreshed",
-        description=_ACTION_NOTES,
-        responses=errors(400, 403, 404, 409, 413),
-    )
-    async def resume(
-        self,
-        data: JSONBody[OperatorActionRequest],
-        db: NamedDependency[AsyncSession],
-        temporal: NamedDependency[TemporalOps],
-        principal: NamedDependency[Principal],
-        onboarding_id: FromPath[uuid.UUID],
-        idempotency_key: IdempotencyKey = None,
-    ) -> OperatorActionAnswer:
-        return await self._act(
-            OperatorAction.RESUME, data, db, temporal, principal, onboarding_id, idempotency_key
-        )
-
-    @post(
-        "/{onboarding_id:uuid}/rerun",
-        status_code=200,
-        summary="rerun: from the top, every stage adopting what is already done",
-        description=_ACTION_NOTES,
-        responses=errors(400, 403, 404, 409, 413),
-    )
-    async def rerun(
-        self,
-        data: JSONBody[OperatorActionRequest],
-        db: NamedDependency[AsyncSession],
-        temporal: NamedDependency[TemporalOps],
-        principal: NamedDependency[Principal],
-        onboarding_id: FromPath[uuid.UUID],
-        idempotency_key: IdempotencyKey = None,
-    ) -> OperatorActionAnswer:
-        return await self._act(
-            OperatorAction.RERUN, data, db, temporal, principal, onboarding_id, idempotency_key
-        )
-
-    @post(
-        "/{onboarding_id:uuid}/restart-clean",
-        status_code=200,
-        summary="restart_clean: compensate known progress, then start again from the top",
-        description=_ACTION_NOTES,
-        responses=errors(400, 403, 404, 409, 413),
-    )
-    async def restart_clean(
-        self,
-        data: JSONBody[OperatorActionRequest],
-        db: NamedDependency[AsyncSession],
-        temporal: NamedDependency[TemporalOps],
-        principal: NamedDependency[Principal],
-        onboarding_id: FromPath[uuid.UUID],
-        idempotency_key: IdempotencyKey = None,
-    ) -> OperatorActionAnswer:
-        return await self._act(
-            OperatorAction.RESTART_CLEAN,
-            data,
-            db,
-            temporal,
-            principal,
-            onboarding_id,
-            idempotency_key,
-        )
-
-    @post(
-        "/{onboarding_id:uuid}/cancel",
-        status_code=200,
-        summary="cancel: stop the workflow and compensate where possible",
-        description=_ACTION_NOTES,
-        responses=errors(400, 403, 404, 409, 413),
-    )
-    async def cancel(
-        self,
-        data: JSONBody[OperatorActionRequest],
-        db: NamedDependency[AsyncSession],
-        temporal: NamedDependency[TemporalOps],
-        principal: NamedDependency[Principal],
-        onboarding_id: FromPath[uuid.UUID],
-        idempotency_key: IdempotencyKey = None,
-    ) -> OperatorActionAnswer:
-        return await self._act(
-            OperatorAction.CANCEL, data, db, temporal, principal, onboarding_id, idempotency_key
-        )
-
-    @post(
-        "/{onboarding_id:uuid}/adopt",
-        status_code=200,
-        summary="adopt_observed_state: accept externally advanced MAAS/node state and go on",
-        description=_ACTION_NOTES,
-        responses=errors(400, 403, 404, 409, 413),
-    )
-    async def adopt(
-        self,
-        data: JSONBody[OperatorActionRequest],
-        db: NamedDependency[AsyncSession],
-        temporal: NamedDependency[TemporalOps],
-        principal: NamedDependency[Principal],
-        onboarding_id: FromPath[uuid.UUID],
-        idempotency_key: IdempotencyKey = None,
-    ) -> OperatorActionAnswer:
-        return await self._act(
-            OperatorAction.ADOPT, data, db, temporal, principal, onboarding_id, idempotency_key
-        )
-
-    @post(
-        "/{onboarding_id:uuid}/mark-manual-intervention",
-        status_code=200,
-        summary="mark_manual_intervention_required: freeze automation until a human resolves it",
-        description=_ACTION_NOTES,
-        responses=errors(400, 403, 404, 409, 413),
-    )
-    async def mark_manual_intervention(
-        self,
-        data: JSONBody[OperatorActionRequest],
-        db: NamedDependency[AsyncSession],
-        temporal: NamedDependency[TemporalOps],
-        principal: NamedDependency[Principal],
-        onboarding_id: FromPath[uuid.UUID],
-        idempotency_key: IdempotencyKey = None,
-    ) -> OperatorActionAnswer:
-        return await self._act(
-            OperatorAction.MARK_MANUAL_INTERVENTION,
-            data,
-            db,
-            temporal,
-            principal,
-            onboarding_id,
-            idempotency_key,
+            db, temporal, principal, onboarding_id, chosen, data.reason, idempotency_key
         )
