@@ -45,8 +45,9 @@ class ProvisionPlan:
 
 @dataclass
 class Placement:
-    """What the first activity did: reserved (the allocation was `requested`), then moved the
-    allocation to `provisioning` and queued the host task described by `plan`."""
+    """What the first activity did, in one transaction: reserved capacity (`reservation`, what
+    the POST answers with: `requested`), moved the allocation on to `provisioning` and queued
+    the host task described by `plan`."""
 
     reservation: Reservation
     plan: ProvisionPlan

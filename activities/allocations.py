@@ -14,10 +14,11 @@ import random
 import time
 import uuid
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import func, insert, select, update
-from sqlalchemy.dialects.postgresql import Range
+from sqlalchemy import and_, func, insert, literal, select, update
+from sqlalchemy.dialects.postgresql import Range, aggregate_order_by
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -107,39 +108,39 @@ class AllocationActivities:
 
     @activity.defn(name="allocation.place")
     async def place(self, input: PlaceInput) -> Placement:
-        """Reserve (one transaction: the allocation is `requested`), then begin provisioning
-        (a second one: `provisioning`, host task queued). Two transactions, one activity: the
-        workflow answers the reservation and dispatches host work in a single workflow task."""
-        reservation = await self._place_and_reserve(input)
-        plan = await self._begin_provisioning(
-            uuid.UUID(input.allocation_id), input.workflow_id, input.provision_task_id
-        )
-        return Placement(reservation=reservation, plan=plan)
-
-    async def _place_and_reserve(self, input: PlaceInput) -> Reservation:
-        allocation_id = uuid.UUID(input.allocation_id)
+        """Reserve capacity, move the allocation to `provisioning` and queue its host task, in one
+        transaction: the allocation row is created in `provisioning` with both transitions in its
+        event log (requested, then provisioning_started), so the reservation the POST answers
+        with and the host work it dispatches can never disagree. This is the POST path's hot
+        spot: it reads what it needs once (one query for the offer, one for the candidates, one
+        to lock) and writes each table once."""
         deadline = time.monotonic() + self._placement_deadline
         attempt = 0
         while True:
             attempt += 1
             try:
                 async with self._sessions() as session, session.begin():
-                    sku = await self._offered_sku(session, input)
-                    if sku.shape == SkuShape.BAREMETAL:
-                        return await self._reserve_node(session, input)
-                    return await self._reserve_slots(session, input)
+                    offer = await self._offer(session, input)
+                    chosen: list[FreeSlot] = []
+                    if offer.sku.shape == SkuShape.BAREMETAL:
+                        node_id = await self._lock_free_node(session, input)
+                    else:
+                        node_id, chosen = await self._lock_free_slots(session, input)
+                    return await self._reserve_and_begin_provisioning(
+                        session, input, offer, node_id, chosen
+                    )
             except PlacementContention:
                 pass
             except IntegrityError:
                 # Lost a race on the exclusion constraint, or this allocation was already
-                # inserted by an earlier run of this activity (a crash before the workflow saw it).
-                existing = await self._existing_reservation(allocation_id)
+                # placed by an earlier run of this activity (a crash before the workflow saw it).
+                existing = await self._existing_placement(input)
                 if existing is not None:
                     return existing
             except ApplicationError as rejected:
                 if rejected.type == SKU_UNAVAILABLE:
                     # An earlier run may have taken the last capacity for this very allocation.
-                    existing = await self._existing_reservation(allocation_id)
+                    existing = await self._existing_placement(input)
                     if existing is not None:
                         return existing
                 raise
@@ -149,16 +150,29 @@ class AllocationActivities:
                 )
             await asyncio.sleep(min(0.005 * attempt, 0.05) * random.uniform(0.5, 1.5))
 
-    async def _offered_sku(self, session: AsyncSession, input: PlaceInput) -> Sku:
-        state = await session.scalar(
-            select(BillingAccount.state).where(
-                BillingAccount.project_id == uuid.UUID(input.project_id)
-            )
+    async def _offer(self, session: AsyncSession, input: PlaceInput) -> _Offer:
+        """The SKU as offered in the region, the project's billing state and the requested SSH
+        keys (this project's only, oldest first), in one query; rejections are non-retryable."""
+        project_id = uuid.UUID(input.project_id)
+        wanted = sorted({uuid.UUID(k) for k in input.ssh_key_ids})
+        public_keys_oldest_first = (
+            select(func.array_agg(aggregate_order_by(SshKey.public_key, SshKey.created_at)))
+            .where(SshKey.id.in_(wanted), SshKey.project_id == project_id)
+            .scalar_subquery()
         )
-        if state == "depleted":
+        one = select(literal(1).label("one")).subquery()
+        row = (
+            await session.execute(
+                select(Sku, BillingAccount.state, public_keys_oldest_first)
+                .select_from(one)
+                .outerjoin(Sku, and_(Sku.name == input.sku, Sku.region == input.region))
+                .outerjoin(BillingAccount, BillingAccount.project_id == project_id)
+            )
+        ).one()
+        sku: Sku | None = row[0]
+        if row[1] == "depleted":
             # It would be force-released at the next metering run: refuse it up front.
             raise _reject(BALANCE_DEPLETED, "the project's balance is depleted")
-        sku = await session.get(Sku, (input.sku, input.region))
         if sku is None or not sku.active:
             raise _reject(SKU_UNAVAILABLE, f"SKU {input.sku!r} is not offered in {input.region!r}")
         if input.gpus not in sku.allowed_gpu_counts:
@@ -167,49 +181,14 @@ class AllocationActivities:
                 SKU_UNAVAILABLE,
                 f"SKU {input.sku!r} is offered with {allowed} GPUs, not {input.gpus}",
             )
-        if input.ssh_key_ids:
-            wanted = {uuid.UUID(k) for k in input.ssh_key_ids}
-            found = set(
-                (
-                    await session.scalars(
-                        select(SshKey.id).where(
-                            SshKey.id.in_(wanted), SshKey.project_id == uuid.UUID(input.project_id)
-                        )
-                    )
-                ).all()
+        public_keys: list[str] = list(row[2] or [])
+        if len(public_keys) != len(wanted):
+            raise _reject(
+                "ssh_key_not_found", "one or more ssh_key_ids do not exist in this project"
             )
-            if found != wanted:
-                raise _reject(
-                    "ssh_key_not_found", "one or more ssh_key_ids do not exist in this project"
-                )
-        return sku
+        return _Offer(sku=sku, ssh_public_keys=public_keys)
 
-    async def _existing_reservation(self, allocation_id: uuid.UUID) -> Reservation | None:
-        async with self._sessions() as session:
-            allocation = await session.get(Allocation, allocation_id)
-            if allocation is None:
-                return None
-            slots = (
-                await session.execute(
-                    select(GpuSlot.pci_address, GpuSlot.numa_node, GpuSlot.gpu_index)
-                    .join(AllocationResourceClaim, AllocationResourceClaim.slot_id == GpuSlot.id)
-                    .where(AllocationResourceClaim.allocation_id == allocation_id)
-                    .order_by(GpuSlot.gpu_index)
-                )
-            ).all()
-            return Reservation(
-                allocation_id=str(allocation.id),
-                status=AllocationStatus.REQUESTED,
-                node_id=str(allocation.node_id),
-                shape=allocation.shape,
-                sku=allocation.sku,
-                region=allocation.region,
-                gpu_count=allocation.gpu_count,
-                gpus=[GpuAssignment(*row) for row in slots],
-                created_at=allocation.created_at.isoformat(),
-            )
-
-    async def _reserve_node(self, session: AsyncSession, input: PlaceInput) -> Reservation:
+    async def _lock_free_node(self, session: AsyncSession, input: PlaceInput) -> uuid.UUID:
         free_node = (
             select(Node.id)
             .where(
@@ -233,22 +212,11 @@ class AllocationActivities:
             if await session.scalar(select(func.count()).select_from(free_node.subquery())):
                 raise PlacementContention()
             raise _reject(SKU_UNAVAILABLE, f"no {input.sku} node is free in {input.region}")
-        created_at = await self._insert_allocation(
-            session, input, SkuShape.BAREMETAL, node_id, {"claim": "node"}
-        )
-        await session.execute(
-            insert(AllocationResourceClaim).values(
-                id=uuid.uuid4(),
-                allocation_id=uuid.UUID(input.allocation_id),
-                node_id=node_id,
-                kind=ClaimKind.NODE_EXCLUSIVE,
-                footprint=WHOLE_NODE,
-                status=ClaimStatus.HELD,
-            )
-        )
-        return _reservation(input, node_id, created_at, SkuShape.BAREMETAL, [])
+        return node_id
 
-    async def _reserve_slots(self, session: AsyncSession, input: PlaceInput) -> Reservation:
+    async def _lock_free_slots(
+        self, session: AsyncSession, input: PlaceInput
+    ) -> tuple[uuid.UUID, list[FreeSlot]]:
         # Ranking happens in SQL (seed 000): nodes where one NUMA node fits the request first,
         # then best-fit (fewest free GPUs that still fit), so big requests keep finding room.
         free = (
@@ -291,50 +259,27 @@ class AllocationActivities:
                 )
             ).all()
             chosen = choose_slots([FreeSlot(*row) for row in locked], input.gpus)
-            if chosen is None:
-                continue
-            allocation_id = uuid.UUID(input.allocation_id)
-            created_at = await self._insert_allocation(
-                session,
-                input,
-                SkuShape.GPU_SLICE,
-                node_id,
-                {"claim": "gpu_slots", "numa_nodes": sorted({s.numa_node for s in chosen})},
-            )
-            await session.execute(
-                update(GpuSlot)
-                .where(GpuSlot.id.in_([s.slot_id for s in chosen]))
-                .values(status=SlotStatus.RESERVED, allocation_id=allocation_id, updated_at=CLOCK)
-            )
-            await session.execute(
-                insert(AllocationResourceClaim),
-                [
-                    {
-                        "id": uuid.uuid4(),
-                        "allocation_id": allocation_id,
-                        "node_id": node_id,
-                        "slot_id": s.slot_id,
-                        "kind": ClaimKind.GPU_SLOT,
-                        "footprint": Range(s.gpu_index, s.gpu_index + 1),
-                        "status": ClaimStatus.HELD,
-                    }
-                    for s in chosen
-                ],
-            )
-            gpus = [GpuAssignment(s.pci_address, s.numa_node, s.gpu_index) for s in chosen]
-            return _reservation(input, node_id, created_at, SkuShape.GPU_SLICE, gpus)
+            if chosen is not None:
+                return node_id, chosen
         raise PlacementContention()
 
-    async def _insert_allocation(
+    async def _reserve_and_begin_provisioning(
         self,
         session: AsyncSession,
         input: PlaceInput,
-        shape: SkuShape,
+        offer: _Offer,
         node_id: uuid.UUID,
-        placement: dict[str, Any],
-    ) -> dt.datetime:
-        """The allocation row (requested) and its first two events, in two statements."""
+        chosen: list[FreeSlot],
+    ) -> Placement:
+        """Write the placement: the allocation row (already `provisioning`) and its three events,
+        the claims (and the slots they reserve) and the queued host task."""
         allocation_id = uuid.UUID(input.allocation_id)
+        is_slice = offer.sku.shape == SkuShape.GPU_SLICE
+        placement: dict[str, Any] = (
+            {"claim": "gpu_slots", "numa_nodes": sorted({s.numa_node for s in chosen})}
+            if is_slice
+            else {"claim": "node"}
+        )
         created_at: dt.datetime | None = await session.scalar(
             insert(Allocation)
             .values(
@@ -343,94 +288,148 @@ class AllocationActivities:
                 idempotency_key=input.idempotency_key,
                 sku=input.sku,
                 region=input.region,
-                shape=shape,
+                shape=offer.sku.shape,
                 gpu_count=input.gpus,
                 node_id=node_id,
                 ssh_key_ids=[uuid.UUID(k) for k in input.ssh_key_ids],
-                status=AllocationStatus.REQUESTED,
+                status=AllocationStatus.PROVISIONING,
                 workflow_id=input.workflow_id,
+                provisioning_started_at=CLOCK,
             )
             .returning(Allocation.created_at)
         )
         assert created_at is not None
         await session.execute(
-            insert(AllocationEvent),
-            [
-                {
-                    "allocation_id": allocation_id,
-                    "event": "requested",
-                    "to_status": AllocationStatus.REQUESTED,
-                    "details": {},
-                },
-                {
-                    "allocation_id": allocation_id,
-                    "event": "placement_reserved",
-                    "details": placement,
-                },
-            ],
-        )
-        return created_at
-
-    # ------------------------------------------------------------------ provisioning
-
-    async def _begin_provisioning(
-        self, allocation_id: uuid.UUID, workflow_id: str, task_id: str
-    ) -> ProvisionPlan:
-        async with self._sessions() as session, session.begin():
-            allocation = await _transition(
-                session,
-                allocation_id,
-                AllocationStatus.PROVISIONING,
-                event="provisioning_started",
-                values={"provisioning_started_at": CLOCK},
+            insert(AllocationEvent).values(
+                [
+                    {
+                        "allocation_id": allocation_id,
+                        "event": "requested",
+                        "from_status": None,
+                        "to_status": AllocationStatus.REQUESTED,
+                        "details": {},
+                    },
+                    {
+                        "allocation_id": allocation_id,
+                        "event": "placement_reserved",
+                        "from_status": None,
+                        "to_status": None,
+                        "details": placement,
+                    },
+                    {
+                        "allocation_id": allocation_id,
+                        "event": "provisioning_started",
+                        "from_status": AllocationStatus.REQUESTED,
+                        "to_status": AllocationStatus.PROVISIONING,
+                        "details": {},
+                    },
+                ]
             )
+        )
+        claim = {
+            "allocation_id": allocation_id,
+            "node_id": node_id,
+            "status": ClaimStatus.HELD,
+        }
+        if is_slice:
+            await session.execute(
+                update(GpuSlot)
+                .where(GpuSlot.id.in_([s.slot_id for s in chosen]))
+                .values(status=SlotStatus.RESERVED, allocation_id=allocation_id, updated_at=CLOCK)
+            )
+            claims = [
+                claim
+                | {
+                    "id": uuid.uuid4(),
+                    "slot_id": s.slot_id,
+                    "kind": ClaimKind.GPU_SLOT,
+                    "footprint": Range(s.gpu_index, s.gpu_index + 1),
+                }
+                for s in chosen
+            ]
+        else:
+            claims = [
+                claim
+                | {
+                    "id": uuid.uuid4(),
+                    "slot_id": None,
+                    "kind": ClaimKind.NODE_EXCLUSIVE,
+                    "footprint": WHOLE_NODE,
+                }
+            ]
+        await session.execute(insert(AllocationResourceClaim).values(claims))
+        kind = SLICE_VM_PROVISION if is_slice else BAREMETAL_PROVISION_USER
+        await _queue_task(
+            session, input.provision_task_id, allocation_id, node_id, kind, input.workflow_id
+        )
+        gpus = [GpuAssignment(s.pci_address, s.numa_node, s.gpu_index) for s in chosen]
+        reservation = _reservation(input, node_id, created_at, offer.sku.shape, gpus)
+        plan = _provision_plan(
+            input.provision_task_id, kind, reservation, offer.sku, offer.ssh_public_keys
+        )
+        return Placement(reservation=reservation, plan=plan)
+
+    async def _existing_placement(self, input: PlaceInput) -> Placement | None:
+        """What an earlier run of this activity placed, or None. An allocation an older build
+        left `requested` (it used to reserve and begin provisioning in two transactions) is
+        moved on to `provisioning` here."""
+        allocation_id = uuid.UUID(input.allocation_id)
+        async with self._sessions() as session, session.begin():
+            allocation = await session.get(Allocation, allocation_id)
+            if allocation is None:
+                return None
             kind = (
                 SLICE_VM_PROVISION
                 if allocation.shape == SkuShape.GPU_SLICE
                 else BAREMETAL_PROVISION_USER
             )
-            await _queue_task(session, task_id, allocation, kind, workflow_id)
-            sku = (
-                await session.execute(
-                    select(
-                        Sku.vcpus_per_gpu, Sku.memory_mb_per_gpu, Sku.image, Sku.image_sha256
-                    ).where(Sku.name == allocation.sku, Sku.region == allocation.region)
+            if allocation.status == AllocationStatus.REQUESTED:
+                allocation = await _transition(
+                    session,
+                    allocation_id,
+                    AllocationStatus.PROVISIONING,
+                    event="provisioning_started",
+                    values={"provisioning_started_at": CLOCK},
                 )
-            ).first()
+                await _queue_task(
+                    session,
+                    input.provision_task_id,
+                    allocation_id,
+                    allocation.node_id,
+                    kind,
+                    input.workflow_id,
+                )
+            sku = await session.get(Sku, (allocation.sku, allocation.region))
             slots = (
                 await session.execute(
                     select(GpuSlot.pci_address, GpuSlot.numa_node, GpuSlot.gpu_index)
-                    .where(GpuSlot.allocation_id == allocation_id)
+                    .join(AllocationResourceClaim, AllocationResourceClaim.slot_id == GpuSlot.id)
+                    .where(AllocationResourceClaim.allocation_id == allocation_id)
                     .order_by(GpuSlot.gpu_index)
                 )
             ).all()
             keys = (
-                (
-                    await session.scalars(
-                        select(SshKey.public_key)
-                        .where(SshKey.id.in_(allocation.ssh_key_ids))
-                        .order_by(SshKey.created_at)
-                    )
-                ).all()
-                if allocation.ssh_key_ids
-                else []
-            )
+                await session.scalars(
+                    select(SshKey.public_key)
+                    .where(SshKey.id.in_(allocation.ssh_key_ids))
+                    .order_by(SshKey.created_at)
+                )
+            ).all()
         assert sku is not None
-        is_slice = allocation.shape == SkuShape.GPU_SLICE
-        spec = HostProvisionInput(
-            task_id=task_id,
-            allocation_id=str(allocation_id),
+        assert allocation.node_id is not None
+        reservation = Reservation(
+            allocation_id=str(allocation.id),
+            status=AllocationStatus.REQUESTED,
             node_id=str(allocation.node_id),
             shape=allocation.shape,
-            username=username_for(str(allocation_id)),
-            ssh_public_keys=list(keys),
-            gpus=[GpuAssignment(*slot) for slot in slots],
-            vcpus=sku.vcpus_per_gpu * allocation.gpu_count if is_slice else 0,
-            memory_mb=sku.memory_mb_per_gpu * allocation.gpu_count if is_slice else 0,
-            image=sku.image if is_slice else "",
-            image_sha256=sku.image_sha256 if is_slice else "",
+            sku=allocation.sku,
+            region=allocation.region,
+            gpu_count=allocation.gpu_count,
+            gpus=[GpuAssignment(*row) for row in slots],
+            created_at=allocation.created_at.isoformat(),
         )
-        return ProvisionPlan(task_id=task_id, task_kind=kind, spec=spec)
+        plan = _provision_plan(input.provision_task_id, kind, reservation, sku, list(keys))
+        return Placement(reservation=reservation, plan=plan)
 
     @activity.defn(name="allocation.activate")
     async def activate(self, input: ActivateInput) -> None:
@@ -511,7 +510,9 @@ class AllocationActivities:
                 if allocation.shape == SkuShape.GPU_SLICE
                 else BAREMETAL_DEPROVISION_USER
             )
-            await _queue_task(session, input.task_id, allocation, kind, input.workflow_id)
+            await _queue_task(
+                session, input.task_id, allocation.id, allocation.node_id, kind, input.workflow_id
+            )
         return ReleasePlan(
             task_id=input.task_id, task_kind=kind, username=username_for(input.allocation_id)
         )
@@ -575,6 +576,32 @@ class AllocationActivities:
 
 
 # ---------------------------------------------------------------------- shared steps
+
+
+@dataclass(frozen=True)
+class _Offer:
+    sku: Sku
+    ssh_public_keys: list[str]
+
+
+def _provision_plan(
+    task_id: str, kind: str, reservation: Reservation, sku: Sku, ssh_public_keys: list[str]
+) -> ProvisionPlan:
+    is_slice = reservation.shape == SkuShape.GPU_SLICE
+    spec = HostProvisionInput(
+        task_id=task_id,
+        allocation_id=reservation.allocation_id,
+        node_id=reservation.node_id,
+        shape=reservation.shape,
+        username=username_for(reservation.allocation_id),
+        ssh_public_keys=ssh_public_keys,
+        gpus=list(reservation.gpus),
+        vcpus=sku.vcpus_per_gpu * reservation.gpu_count if is_slice else 0,
+        memory_mb=sku.memory_mb_per_gpu * reservation.gpu_count if is_slice else 0,
+        image=sku.image if is_slice else "",
+        image_sha256=sku.image_sha256 if is_slice else "",
+    )
+    return ProvisionPlan(task_id=task_id, task_kind=kind, spec=spec)
 
 
 def _reservation(
@@ -714,14 +741,19 @@ async def _free_claims(session: AsyncSession, allocation_id: uuid.UUID) -> None:
 
 
 async def _queue_task(
-    session: AsyncSession, task_id: str, allocation: Allocation, kind: str, workflow_id: str
+    session: AsyncSession,
+    task_id: str,
+    allocation_id: uuid.UUID,
+    node_id: uuid.UUID | None,
+    kind: str,
+    workflow_id: str,
 ) -> None:
     await session.execute(
         pg_insert(NodeTask)
         .values(
             id=uuid.UUID(task_id),
-            node_id=allocation.node_id,
-            allocation_id=allocation.id,
+            node_id=node_id,
+            allocation_id=allocation_id,
             kind=kind,
             status=NodeTaskStatus.QUEUED,
             workflow_id=workflow_id,

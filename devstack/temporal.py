@@ -28,7 +28,9 @@ def dev_server_extra_args(*, codec_endpoint: str | None = None) -> list[str]:
         "--dynamic-config-value",
         "frontend.enableUpdateWorkflowExecution=true",
         "--dynamic-config-value",
-        "system.forceSearchAttributesCacheRefreshOnRead=true",
+        "matching.numTaskqueueReadPartitions=1",
+        "--dynamic-config-value",
+        "matching.numTaskqueueWritePartitions=1",
         "--log-level",
         "error",
     ]
