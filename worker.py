@@ -214,7 +214,6 @@ async def run(settings: Settings) -> None:
         connect_timeout_seconds=settings.database_connect_timeout_seconds,
         pool_size=20,
         max_overflow=30,
-        pre_ping=False,
     )
     worker = build_worker(client, settings, engine)
     await ensure_schedules(client, settings)

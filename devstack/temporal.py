@@ -33,6 +33,10 @@ def dev_server_extra_args(*, codec_endpoint: str | None = None) -> list[str]:
         "matching.numTaskqueueWritePartitions=1",
         "--log-level",
         "error",
+        "--sqlite-pragma",
+        "journal_mode=wal",
+        "--sqlite-pragma",
+        "synchronous=normal",
     ]
     if codec_endpoint:
         args += ["--ui-codec-endpoint", codec_endpoint]

@@ -3,12 +3,24 @@ into a prompt 503 at the gateway and a prompt activity retry in the worker, neve
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
+from sqlalchemy import event
+from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
     AsyncSession,
     async_sessionmaker,
     create_async_engine,
 )
+
+# A pooled connection that sat unused this long is checked before use (it may have died with a
+# database restart). One in steady use is not: with asyncpg a check is three round trips (BEGIN,
+# a no-op, ROLLBACK), which SQLAlchemy's pool_pre_ping would pay on every checkout, several
+# times per API request.
+IDLE_BEFORE_PING_SECONDS = 5.0
+_CHECKED_IN_AT = "gpucloud_checked_in_at"
 
 
 def create_engine(
@@ -17,20 +29,36 @@ def create_engine(
     connect_timeout_seconds: float = 3.0,
     pool_size: int = 10,
     max_overflow: int = 20,
-    pre_ping: bool = True,
 ) -> AsyncEngine:
-    """`pre_ping` checks each pooled connection before use (with asyncpg that is three round
-    trips: BEGIN, a no-op, ROLLBACK), so a request after a database restart does not fail on a
-    dead connection. Callers that retry anyway (the worker's activities) turn it off: a dead
-    connection then fails one attempt, SQLAlchemy drops the pool, and the retry reconnects."""
-    return create_async_engine(
+    engine = create_async_engine(
         database_url,
         pool_size=pool_size,
         max_overflow=max_overflow,
         pool_timeout=connect_timeout_seconds + 2,
-        pool_pre_ping=pre_ping,
         connect_args={"timeout": connect_timeout_seconds, "command_timeout": 30},
     )
+    _ping_connections_that_sat_idle(engine, IDLE_BEFORE_PING_SECONDS)
+    return engine
+
+
+def _ping_connections_that_sat_idle(engine: AsyncEngine, idle_seconds: float) -> None:
+    """Raising DisconnectionError from a checkout listener makes the pool drop that connection
+    and check out (or open) another, so a request never meets a connection that died while
+    idle."""
+
+    @event.listens_for(engine.sync_engine, "checkin")
+    def _remember_checkin(dbapi_connection: Any, record: Any) -> None:
+        record.info[_CHECKED_IN_AT] = time.monotonic()
+
+    @event.listens_for(engine.sync_engine, "checkout")
+    def _ping_if_idle(dbapi_connection: Any, record: Any, proxy: Any) -> None:
+        checked_in_at = record.info.get(_CHECKED_IN_AT)
+        if checked_in_at is None or time.monotonic() - checked_in_at < idle_seconds:
+            return
+        try:
+            dbapi_connection.ping()
+        except Exception as dead:
+            raise DisconnectionError("pooled connection died while idle") from dead
 
 
 def session_factory(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:

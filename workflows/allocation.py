@@ -64,7 +64,12 @@ _LOCAL = timedelta(seconds=30)
 _DB_RETRY = RetryPolicy(initial_interval=timedelta(milliseconds=200), maximum_attempts=20)
 
 
-@workflow.defn(name=WORKFLOW_NAME)
+# Not sandboxed: every allocation's first workflow task is on the POST path, and the sandbox
+# costs about a tenth of the worker's CPU there (the SDK re-enters it through `exec` for every
+# payload it encodes). What the sandbox would catch (wall-clock time, randomness, I/O in workflow
+# code) this module does not do: it calls only `workflow.*` and pure contract types, and its
+# recorded histories are replayed in CI. The other workflows, off the hot path, stay sandboxed.
+@workflow.defn(name=WORKFLOW_NAME, sandboxed=False)
 class AllocationWorkflow:
     @workflow.init
     def __init__(self, input: AllocationInput) -> None:

@@ -1,0 +1,69 @@
+"""The connection pool outlives dead connections: one that died while idle in the pool (a
+database restart, an idle timeout somewhere on the path) is checked before use and replaced,
+so the caller never sees it; one in steady use is not checked at all."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.dialects.postgresql.asyncpg import AsyncAdapt_asyncpg_connection
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from schema import db
+
+
+@pytest.fixture
+def pings(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts liveness checks of pooled connections (they bypass the cursor events)."""
+    calls: list[int] = []
+    real_ping = AsyncAdapt_asyncpg_connection.ping
+
+    def counting_ping(self: AsyncAdapt_asyncpg_connection) -> None:
+        calls.append(1)
+        real_ping(self)  # type: ignore[no-untyped-call]
+
+    monkeypatch.setattr(AsyncAdapt_asyncpg_connection, "ping", counting_ping)
+    return calls
+
+
+async def _backend_pid(engine: AsyncEngine) -> int:
+    async with engine.connect() as connection:
+        pid = (await connection.execute(text("select pg_backend_pid()"))).scalar_one()
+    return int(pid)
+
+
+async def _terminate(db_engine: AsyncEngine, pid: int) -> None:
+    async with db_engine.connect() as connection:
+        await connection.execute(text("select pg_terminate_backend(:pid)"), {"pid": pid})
+    await asyncio.sleep(0.1)
+
+
+async def test_connection_that_died_while_idle_is_replaced(
+    database_url: str, db_engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch, pings: list[int]
+) -> None:
+    monkeypatch.setattr(db, "IDLE_BEFORE_PING_SECONDS", 0.3)
+    engine = db.create_engine(database_url, pool_size=1, max_overflow=0)
+    try:
+        first = await _backend_pid(engine)
+        await _terminate(db_engine, first)
+        await asyncio.sleep(0.4)
+        second = await _backend_pid(engine)  # would raise if the dead connection were handed out
+        assert second != first
+        assert len(pings) == 1
+    finally:
+        await engine.dispose()
+
+
+async def test_connection_in_steady_use_is_not_pinged(
+    database_url: str, monkeypatch: pytest.MonkeyPatch, pings: list[int]
+) -> None:
+    monkeypatch.setattr(db, "IDLE_BEFORE_PING_SECONDS", 60)
+    engine = db.create_engine(database_url, pool_size=1, max_overflow=0)
+    try:
+        pids = {await _backend_pid(engine) for _ in range(5)}
+        assert len(pids) == 1
+        assert pings == []
+    finally:
+        await engine.dispose()
