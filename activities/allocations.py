@@ -17,14 +17,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import and_, func, insert, literal, select, update
-from sqlalchemy.dialects.postgresql import Range, aggregate_order_by
+import asyncpg
+from sqlalchemy import func, insert, select, update
+from sqlalchemy.dialects.postgresql import Range
 from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities import placement_sql
 from activities.allocation_types import (
     ActivateInput,
     BeginReleaseInput,
@@ -38,6 +39,7 @@ from activities.allocation_types import (
 )
 from activities.billing.usage import close_usage, open_usage
 from activities.placement import FreeSlot, choose_slots
+from activities.placement_sql import driver_transaction
 from agent.contract import (
     BAREMETAL_DEPROVISION_USER,
     BAREMETAL_PROVISION_USER,
@@ -53,9 +55,7 @@ from schema.models import (
     Allocation,
     AllocationEvent,
     AllocationResourceClaim,
-    BillingAccount,
     GpuSlot,
-    Node,
     NodeTask,
     NodeTaskEvent,
     Sku,
@@ -64,9 +64,7 @@ from schema.models import (
 from schema.states import (
     ALLOCATION_TRANSITIONS,
     AllocationStatus,
-    ClaimKind,
     ClaimStatus,
-    NodeStatus,
     NodeTaskStatus,
     SkuShape,
     SlotStatus,
@@ -111,27 +109,17 @@ class AllocationActivities:
         """Reserve capacity, move the allocation to `provisioning` and queue its host task, in one
         transaction: the allocation row is created in `provisioning` with both transitions in its
         event log (requested, then provisioning_started), so the reservation the POST answers
-        with and the host work it dispatches can never disagree. This is the POST path's hot
-        spot: it reads what it needs once (one query for the offer, one for the candidates, one
-        to lock) and writes each table once."""
+        with and the host work it dispatches can never disagree. Its SQL is in placement_sql."""
         deadline = time.monotonic() + self._placement_deadline
         attempt = 0
         while True:
             attempt += 1
             try:
-                async with self._sessions() as session, session.begin():
-                    offer = await self._offer(session, input)
-                    chosen: list[FreeSlot] = []
-                    if offer.sku.shape == SkuShape.BAREMETAL:
-                        node_id = await self._lock_free_node(session, input)
-                    else:
-                        node_id, chosen = await self._lock_free_slots(session, input)
-                    return await self._reserve_and_begin_provisioning(
-                        session, input, offer, node_id, chosen
-                    )
+                async with driver_transaction(self._sessions) as pg:
+                    return await self._place_once(pg, input)
             except PlacementContention:
                 pass
-            except IntegrityError:
+            except asyncpg.IntegrityConstraintViolationError:
                 # Lost a race on the exclusion constraint, or this allocation was already
                 # placed by an earlier run of this activity (a crash before the workflow saw it).
                 existing = await self._existing_placement(input)
@@ -150,224 +138,75 @@ class AllocationActivities:
                 )
             await asyncio.sleep(min(0.005 * attempt, 0.05) * random.uniform(0.5, 1.5))
 
-    async def _offer(self, session: AsyncSession, input: PlaceInput) -> _Offer:
-        """The SKU as offered in the region, the project's billing state and the requested SSH
-        keys (this project's only, oldest first), in one query; rejections are non-retryable."""
+    async def _place_once(self, pg: asyncpg.Connection, input: PlaceInput) -> Placement:
         project_id = uuid.UUID(input.project_id)
-        wanted = sorted({uuid.UUID(k) for k in input.ssh_key_ids})
-        public_keys_oldest_first = (
-            select(func.array_agg(aggregate_order_by(SshKey.public_key, SshKey.created_at)))
-            .where(SshKey.id.in_(wanted), SshKey.project_id == project_id)
-            .scalar_subquery()
+        ssh_key_ids = [uuid.UUID(k) for k in input.ssh_key_ids]
+        offer = await placement_sql.load_offer(
+            pg, sku=input.sku, region=input.region, project_id=project_id, ssh_key_ids=ssh_key_ids
         )
-        one = select(literal(1).label("one")).subquery()
-        row = (
-            await session.execute(
-                select(Sku, BillingAccount.state, public_keys_oldest_first)
-                .select_from(one)
-                .outerjoin(Sku, and_(Sku.name == input.sku, Sku.region == input.region))
-                .outerjoin(BillingAccount, BillingAccount.project_id == project_id)
+        _check_offer(offer, input, requested_keys=len(set(ssh_key_ids)))
+        assert offer.shape is not None
+        chosen: list[FreeSlot] = []
+        if offer.shape == SkuShape.BAREMETAL:
+            node_id, others_hold_free_nodes = await placement_sql.lock_free_node(
+                pg, region=input.region, sku=input.sku, gpus=input.gpus
             )
-        ).one()
-        sku: Sku | None = row[0]
-        if row[1] == "depleted":
-            # It would be force-released at the next metering run: refuse it up front.
-            raise _reject(BALANCE_DEPLETED, "the project's balance is depleted")
-        if sku is None or not sku.active:
-            raise _reject(SKU_UNAVAILABLE, f"SKU {input.sku!r} is not offered in {input.region!r}")
-        if input.gpus not in sku.allowed_gpu_counts:
-            allowed = ", ".join(str(c) for c in sorted(sku.allowed_gpu_counts))
-            raise _reject(
-                SKU_UNAVAILABLE,
-                f"SKU {input.sku!r} is offered with {allowed} GPUs, not {input.gpus}",
-            )
-        public_keys: list[str] = list(row[2] or [])
-        if len(public_keys) != len(wanted):
-            raise _reject(
-                "ssh_key_not_found", "one or more ssh_key_ids do not exist in this project"
-            )
-        return _Offer(sku=sku, ssh_public_keys=public_keys)
+            if node_id is None:
+                if others_hold_free_nodes:
+                    raise PlacementContention()
+                raise _reject(SKU_UNAVAILABLE, f"no {input.sku} node is free in {input.region}")
+            placement: dict[str, Any] = {"claim": "node"}
+            kind = BAREMETAL_PROVISION_USER
+        else:
+            node_id, chosen = await self._lock_slice_slots(pg, input)
+            placement = {"claim": "gpu_slots", "numa_nodes": sorted({s.numa_node for s in chosen})}
+            kind = SLICE_VM_PROVISION
+        created_at = await placement_sql.write_placement(
+            pg,
+            allocation_id=uuid.UUID(input.allocation_id),
+            project_id=project_id,
+            idempotency_key=input.idempotency_key,
+            sku=input.sku,
+            region=input.region,
+            shape=offer.shape,
+            gpu_count=input.gpus,
+            node_id=node_id,
+            ssh_key_ids=ssh_key_ids,
+            workflow_id=input.workflow_id,
+            placement=placement,
+            slots=chosen,
+            task_id=uuid.UUID(input.provision_task_id),
+            task_kind=kind,
+        )
+        gpus = [GpuAssignment(s.pci_address, s.numa_node, s.gpu_index) for s in chosen]
+        reservation = _reservation(input, node_id, created_at, offer.shape, gpus)
+        plan = _provision_plan(
+            input.provision_task_id,
+            kind,
+            reservation,
+            SkuSizing(
+                offer.vcpus_per_gpu, offer.memory_mb_per_gpu, offer.image, offer.image_sha256
+            ),
+            offer.ssh_public_keys,
+        )
+        return Placement(reservation=reservation, plan=plan)
 
-    async def _lock_free_node(self, session: AsyncSession, input: PlaceInput) -> uuid.UUID:
-        free_node = (
-            select(Node.id)
-            .where(
-                Node.region == input.region,
-                Node.sku == input.sku,
-                Node.status == NodeStatus.ACTIVE,
-                Node.gpu_count == input.gpus,
-                ~select(AllocationResourceClaim.id)
-                .where(
-                    AllocationResourceClaim.node_id == Node.id,
-                    AllocationResourceClaim.status == ClaimStatus.HELD,
-                )
-                .exists(),
-            )
-            .order_by(Node.hostname)
-        )
-        node_id = await session.scalar(
-            free_node.limit(1).with_for_update(of=Node, skip_locked=True)
-        )
-        if node_id is None:
-            if await session.scalar(select(func.count()).select_from(free_node.subquery())):
-                raise PlacementContention()
-            raise _reject(SKU_UNAVAILABLE, f"no {input.sku} node is free in {input.region}")
-        return node_id
-
-    async def _lock_free_slots(
-        self, session: AsyncSession, input: PlaceInput
+    async def _lock_slice_slots(
+        self, pg: asyncpg.Connection, input: PlaceInput
     ) -> tuple[uuid.UUID, list[FreeSlot]]:
-        # Ranking happens in SQL (seed 000): nodes where one NUMA node fits the request first,
-        # then best-fit (fewest free GPUs that still fit), so big requests keep finding room.
-        free = (
-            select(GpuSlot.node_id, GpuSlot.numa_node, func.count().label("free"))
-            .join(Node, Node.id == GpuSlot.node_id)
-            .where(
-                Node.region == input.region,
-                Node.sku == input.sku,
-                Node.status == NodeStatus.ACTIVE,
-                GpuSlot.status == SlotStatus.FREE,
-            )
-            .group_by(GpuSlot.node_id, GpuSlot.numa_node)
-            .cte("free")
+        ranked = await placement_sql.ranked_slice_nodes(
+            pg, region=input.region, sku=input.sku, gpus=input.gpus, limit=CANDIDATES_PER_ATTEMPT
         )
-        ranked = (
-            await session.scalars(
-                select(free.c.node_id)
-                .group_by(free.c.node_id)
-                .having(func.sum(free.c.free) >= input.gpus)
-                .order_by(
-                    (func.max(free.c.free) >= input.gpus).desc(),
-                    func.sum(free.c.free),
-                    free.c.node_id,
-                )
-                .limit(CANDIDATES_PER_ATTEMPT)
-            )
-        ).all()
         if not ranked:
             raise _reject(
                 SKU_UNAVAILABLE,
                 f"no {input.sku} node in {input.region} has {input.gpus} free GPUs",
             )
         for node_id in ranked:
-            locked = (
-                await session.execute(
-                    select(GpuSlot.id, GpuSlot.gpu_index, GpuSlot.numa_node, GpuSlot.pci_address)
-                    .where(GpuSlot.node_id == node_id, GpuSlot.status == SlotStatus.FREE)
-                    .order_by(GpuSlot.gpu_index)
-                    .with_for_update(skip_locked=True)
-                )
-            ).all()
-            chosen = choose_slots([FreeSlot(*row) for row in locked], input.gpus)
+            chosen = choose_slots(await placement_sql.lock_free_slots(pg, node_id), input.gpus)
             if chosen is not None:
                 return node_id, chosen
         raise PlacementContention()
-
-    async def _reserve_and_begin_provisioning(
-        self,
-        session: AsyncSession,
-        input: PlaceInput,
-        offer: _Offer,
-        node_id: uuid.UUID,
-        chosen: list[FreeSlot],
-    ) -> Placement:
-        """Write the placement: the allocation row (already `provisioning`) and its three events,
-        the claims (and the slots they reserve) and the queued host task."""
-        allocation_id = uuid.UUID(input.allocation_id)
-        is_slice = offer.sku.shape == SkuShape.GPU_SLICE
-        placement: dict[str, Any] = (
-            {"claim": "gpu_slots", "numa_nodes": sorted({s.numa_node for s in chosen})}
-            if is_slice
-            else {"claim": "node"}
-        )
-        created_at: dt.datetime | None = await session.scalar(
-            insert(Allocation)
-            .values(
-                id=allocation_id,
-                project_id=uuid.UUID(input.project_id),
-                idempotency_key=input.idempotency_key,
-                sku=input.sku,
-                region=input.region,
-                shape=offer.sku.shape,
-                gpu_count=input.gpus,
-                node_id=node_id,
-                ssh_key_ids=[uuid.UUID(k) for k in input.ssh_key_ids],
-                status=AllocationStatus.PROVISIONING,
-                workflow_id=input.workflow_id,
-                provisioning_started_at=CLOCK,
-            )
-            .returning(Allocation.created_at)
-        )
-        assert created_at is not None
-        await session.execute(
-            insert(AllocationEvent).values(
-                [
-                    {
-                        "allocation_id": allocation_id,
-                        "event": "requested",
-                        "from_status": None,
-                        "to_status": AllocationStatus.REQUESTED,
-                        "details": {},
-                    },
-                    {
-                        "allocation_id": allocation_id,
-                        "event": "placement_reserved",
-                        "from_status": None,
-                        "to_status": None,
-                        "details": placement,
-                    },
-                    {
-                        "allocation_id": allocation_id,
-                        "event": "provisioning_started",
-                        "from_status": AllocationStatus.REQUESTED,
-                        "to_status": AllocationStatus.PROVISIONING,
-                        "details": {},
-                    },
-                ]
-            )
-        )
-        claim = {
-            "allocation_id": allocation_id,
-            "node_id": node_id,
-            "status": ClaimStatus.HELD,
-        }
-        if is_slice:
-            await session.execute(
-                update(GpuSlot)
-                .where(GpuSlot.id.in_([s.slot_id for s in chosen]))
-                .values(status=SlotStatus.RESERVED, allocation_id=allocation_id, updated_at=CLOCK)
-            )
-            claims = [
-                claim
-                | {
-                    "id": uuid.uuid4(),
-                    "slot_id": s.slot_id,
-                    "kind": ClaimKind.GPU_SLOT,
-                    "footprint": Range(s.gpu_index, s.gpu_index + 1),
-                }
-                for s in chosen
-            ]
-        else:
-            claims = [
-                claim
-                | {
-                    "id": uuid.uuid4(),
-                    "slot_id": None,
-                    "kind": ClaimKind.NODE_EXCLUSIVE,
-                    "footprint": WHOLE_NODE,
-                }
-            ]
-        await session.execute(insert(AllocationResourceClaim).values(claims))
-        kind = SLICE_VM_PROVISION if is_slice else BAREMETAL_PROVISION_USER
-        await _queue_task(
-            session, input.provision_task_id, allocation_id, node_id, kind, input.workflow_id
-        )
-        gpus = [GpuAssignment(s.pci_address, s.numa_node, s.gpu_index) for s in chosen]
-        reservation = _reservation(input, node_id, created_at, offer.sku.shape, gpus)
-        plan = _provision_plan(
-            input.provision_task_id, kind, reservation, offer.sku, offer.ssh_public_keys
-        )
-        return Placement(reservation=reservation, plan=plan)
 
     async def _existing_placement(self, input: PlaceInput) -> Placement | None:
         """What an earlier run of this activity placed, or None. An allocation an older build
@@ -428,7 +267,8 @@ class AllocationActivities:
             gpus=[GpuAssignment(*row) for row in slots],
             created_at=allocation.created_at.isoformat(),
         )
-        plan = _provision_plan(input.provision_task_id, kind, reservation, sku, list(keys))
+        sizing = SkuSizing(sku.vcpus_per_gpu, sku.memory_mb_per_gpu, sku.image, sku.image_sha256)
+        plan = _provision_plan(input.provision_task_id, kind, reservation, sizing, list(keys))
         return Placement(reservation=reservation, plan=plan)
 
     @activity.defn(name="allocation.activate")
@@ -579,13 +419,37 @@ class AllocationActivities:
 
 
 @dataclass(frozen=True)
-class _Offer:
-    sku: Sku
-    ssh_public_keys: list[str]
+class SkuSizing:
+    """What one GPU of a slice brings along (bare metal gets the whole node)."""
+
+    vcpus_per_gpu: int
+    memory_mb_per_gpu: int
+    image: str
+    image_sha256: str
+
+
+def _check_offer(offer: placement_sql.Offer, input: PlaceInput, *, requested_keys: int) -> None:
+    """Rejections are non-retryable: the POST answers them as they are."""
+    if offer.billing_state == "depleted":
+        # It would be force-released at the next metering run: refuse it up front.
+        raise _reject(BALANCE_DEPLETED, "the project's balance is depleted")
+    if offer.shape is None or not offer.active:
+        raise _reject(SKU_UNAVAILABLE, f"SKU {input.sku!r} is not offered in {input.region!r}")
+    if input.gpus not in offer.allowed_gpu_counts:
+        allowed = ", ".join(str(c) for c in sorted(offer.allowed_gpu_counts))
+        raise _reject(
+            SKU_UNAVAILABLE, f"SKU {input.sku!r} is offered with {allowed} GPUs, not {input.gpus}"
+        )
+    if len(offer.ssh_public_keys) != requested_keys:
+        raise _reject("ssh_key_not_found", "one or more ssh_key_ids do not exist in this project")
 
 
 def _provision_plan(
-    task_id: str, kind: str, reservation: Reservation, sku: Sku, ssh_public_keys: list[str]
+    task_id: str,
+    kind: str,
+    reservation: Reservation,
+    sku: SkuSizing,
+    ssh_public_keys: list[str],
 ) -> ProvisionPlan:
     is_slice = reservation.shape == SkuShape.GPU_SLICE
     spec = HostProvisionInput(
