@@ -1,6 +1,6 @@
 """Inputs and results of the allocation activities (control-plane side, PostgreSQL)."""
 
-from __future__ import annotations
+# Annotations here are evaluated on purpose: see workflows/allocation_contract.py.
 
 from dataclasses import dataclass, field
 

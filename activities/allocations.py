@@ -74,9 +74,10 @@ from workflows.allocation_contract import BALANCE_DEPLETED, SKU_UNAVAILABLE
 CLOCK = func.clock_timestamp()
 WHOLE_NODE = Range(0, 2**31 - 1)  # a whole-node claim overlaps every GPU index on the node
 MAX_MESSAGE = 500
-# Ranked slice candidates locked per attempt: enough to step past neighbours' locks, few enough
-# to keep the transaction short. Contention beyond that retries with a fresh ranking.
-CANDIDATES_PER_ATTEMPT = 8
+# Ranked slice nodes a placement may lock, the first one free of others' locks: more than the
+# placements that run at once (the worker runs up to 100 local activities), so a placement only
+# retries when the ranking changed under it. Contention beyond that retries with a fresh ranking.
+SLICE_CANDIDATES = 128
 
 
 class PlacementContention(Exception):
@@ -194,19 +195,21 @@ class AllocationActivities:
     async def _lock_slice_slots(
         self, pg: asyncpg.Connection, input: PlaceInput
     ) -> tuple[uuid.UUID, list[FreeSlot]]:
-        ranked = await placement_sql.ranked_slice_nodes(
-            pg, region=input.region, sku=input.sku, gpus=input.gpus, limit=CANDIDATES_PER_ATTEMPT
+        node_id, any_room = await placement_sql.lock_best_slice_node(
+            pg, region=input.region, sku=input.sku, gpus=input.gpus, candidates=SLICE_CANDIDATES
         )
-        if not ranked:
+        if node_id is None:
+            if any_room:
+                raise PlacementContention()
             raise _reject(
                 SKU_UNAVAILABLE,
                 f"no {input.sku} node in {input.region} has {input.gpus} free GPUs",
             )
-        for node_id in ranked:
-            chosen = choose_slots(await placement_sql.lock_free_slots(pg, node_id), input.gpus)
-            if chosen is not None:
-                return node_id, chosen
-        raise PlacementContention()
+        chosen = choose_slots(await placement_sql.lock_free_slots(pg, node_id), input.gpus)
+        if chosen is None:
+            # Its free slots changed between ranking and locking: rank again.
+            raise PlacementContention()
+        return node_id, chosen
 
     async def _existing_placement(self, input: PlaceInput) -> Placement | None:
         """What an earlier run of this activity placed, or None. An allocation an older build

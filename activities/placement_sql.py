@@ -135,13 +135,29 @@ WITH free AS (
   WHERE n.region = $1 AND n.sku = $2 AND n.status = '{NodeStatus.ACTIVE}'
     AND g.status = '{SlotStatus.FREE}'
   GROUP BY g.node_id, g.numa_node
+), ranked AS (
+  SELECT node_id,
+         row_number() OVER (ORDER BY max(free) >= $3 DESC, sum(free), node_id) AS position
+  FROM free
+  GROUP BY node_id
+  HAVING sum(free) >= $3
+  ORDER BY position
+  LIMIT $4
 )
-SELECT node_id FROM free
-GROUP BY node_id
-HAVING sum(free) >= $3
-ORDER BY max(free) >= $3 DESC, sum(free), node_id
-LIMIT $4
 """
+# Of the best `$4`, the first node no concurrent placement holds is locked in the same statement:
+# concurrent placements spread over the ranking instead of queueing on its head, and none has to
+# retry while fewer than `$4` run at once.
+_LOCK_BEST_SLICE_NODE = (
+    _RANKED_SLICE_NODES
+    + """
+SELECT n.id FROM nodes n JOIN ranked ON ranked.node_id = n.id
+ORDER BY ranked.position
+LIMIT 1
+FOR UPDATE OF n SKIP LOCKED
+"""
+)
+_COUNT_RANKED_SLICE_NODES = _RANKED_SLICE_NODES + "SELECT count(*) FROM ranked"
 
 _LOCK_FREE_SLOTS = f"""
 SELECT id, gpu_index, numa_node, pci_address FROM gpu_slots
@@ -151,13 +167,21 @@ FOR UPDATE SKIP LOCKED
 """
 
 
-async def ranked_slice_nodes(
-    pg: asyncpg.Connection, *, region: str, sku: str, gpus: int, limit: int
-) -> list[uuid.UUID]:
-    return [row[0] for row in await pg.fetch(_RANKED_SLICE_NODES, region, sku, gpus, limit)]
+async def lock_best_slice_node(
+    pg: asyncpg.Connection, *, region: str, sku: str, gpus: int, candidates: int
+) -> tuple[uuid.UUID | None, bool]:
+    """(the locked node, or None; whether any node has room, held by others or not)."""
+    node_id: uuid.UUID | None = await pg.fetchval(
+        _LOCK_BEST_SLICE_NODE, region, sku, gpus, candidates
+    )
+    if node_id is not None:
+        return node_id, True
+    ranked = await pg.fetchval(_COUNT_RANKED_SLICE_NODES, region, sku, gpus, candidates)
+    return None, bool(ranked)
 
 
 async def lock_free_slots(pg: asyncpg.Connection, node_id: uuid.UUID) -> list[FreeSlot]:
+    """The free slots of a node (a release in flight may still hold some)."""
     return [FreeSlot(*row) for row in await pg.fetch(_LOCK_FREE_SLOTS, node_id)]
 
 

@@ -2,7 +2,7 @@
 the `node_tasks.kind` shown on the timeline), typed inputs and results, progress phases, and the
 error types a host reports. Workflows import this module; agents implement it."""
 
-from __future__ import annotations
+# Annotations here are evaluated on purpose: see workflows/allocation_contract.py.
 
 from dataclasses import dataclass, field
 from enum import StrEnum

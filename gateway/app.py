@@ -55,12 +55,13 @@ from gateway.runtime import (
     STATE_KEY,
     Runtime,
     provide_db,
+    provide_read_db,
     provide_runtime,
     provide_secrets,
     provide_temporal,
 )
 from gateway.temporal import TemporalOps
-from schema.db import create_engine, session_factory
+from schema.db import create_engine, read_session_factory, session_factory
 
 log = logging.getLogger("gateway")
 
@@ -125,6 +126,7 @@ def create_app(
             config=gateway_config,
             engine=engine,
             sessions=session_factory(engine),
+            read_sessions=read_session_factory(engine),
             temporal=TemporalOps(client, settings),
             secrets=secret_store or VaultSecretStore.from_settings(settings),
         )
@@ -158,6 +160,7 @@ def create_app(
         ],
         dependencies={
             "db": Provide(provide_db),
+            "read_db": Provide(provide_read_db),
             "runtime": Provide(provide_runtime),
             "temporal": Provide(provide_temporal),
             "principal": Provide(provide_principal),

@@ -62,7 +62,7 @@ def _bearer(connection: Connection) -> str:
 
 
 async def _load(connection: Connection, **where: Any) -> Principal:
-    sessions = get_runtime(connection.app.state).sessions
+    sessions = get_runtime(connection.app.state).read_sessions
     async with sessions() as session:
         row = await session.scalar(select(ApiToken).filter_by(**where))
     if row is None or row.revoked_at is not None:

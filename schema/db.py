@@ -63,3 +63,12 @@ def _ping_connections_that_sat_idle(engine: AsyncEngine, idle_seconds: float) ->
 
 def session_factory(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
     return async_sessionmaker(engine, expire_on_commit=False)
+
+
+def read_session_factory(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
+    """Sessions for lookups that need no transaction (one statement, or several that need not
+    see one snapshot) and never write: in autocommit, a lookup costs its query alone rather
+    than BEGIN, the query and ROLLBACK. Same pool; the isolation level is reset at checkin."""
+    return async_sessionmaker(
+        engine.execution_options(isolation_level="AUTOCOMMIT"), expire_on_commit=False
+    )

@@ -46,7 +46,7 @@ class AllocationsController(Controller):
     async def create_allocation(
         self,
         data: JSONBody[AllocationCreate],
-        db: NamedDependency[AsyncSession],
+        read_db: NamedDependency[AsyncSession],
         temporal: NamedDependency[TemporalOps],
         runtime: NamedDependency[Runtime],
         principal: NamedDependency[Principal],
@@ -56,7 +56,7 @@ class AllocationsController(Controller):
     ) -> Response[AllocationCreated]:
         settings: Settings = runtime.settings
         outcome = await allocations.create(
-            db,
+            read_db,
             temporal,
             settings,
             project_id=principal.project,
