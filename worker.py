@@ -212,8 +212,10 @@ async def run(settings: Settings) -> None:
     engine = create_engine(
         settings.database_url,
         connect_timeout_seconds=settings.database_connect_timeout_seconds,
-        pool_size=20,
-        max_overflow=30,
+        # Sized for the local activities that run at once (placement, transitions): connections
+        # beyond pool_size are closed when returned, so steady use above it reconnects each time.
+        pool_size=30,
+        max_overflow=20,
     )
     worker = build_worker(client, settings, engine)
     await ensure_schedules(client, settings)

@@ -79,7 +79,12 @@ async def fund_tenant(gateway: str, tenant: str, admin: str) -> None:
         credit.raise_for_status()
 
 
-async def throughput(gateway: str, token: str, requests: int, clients: int) -> dict[str, Any]:
+async def throughput(
+    gateway: str, token: str, requests: int, clients: int, warmup: int, pids: dict[str, int]
+) -> dict[str, Any]:
+    """`warmup` requests go first, from the same clients, and are counted in nothing (figures,
+    CPU): they open the pools' connections, prepare statements and create the node task queues,
+    once per process, which is start-up cost rather than the steady rate (a) is about."""
     latencies: list[float] = []
     statuses: dict[int, int] = {}
     errors: dict[str, int] = {}
@@ -87,29 +92,53 @@ async def throughput(gateway: str, token: str, requests: int, clients: int) -> d
     for i in range(requests):
         queue.put_nowait(i)
     body = {"sku": SKU, "gpus": 1, "region": THROUGHPUT_REGION, "ssh_key_ids": []}
+    warmup_queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(warmup):
+        warmup_queue.put_nowait(i)
+    warmed = asyncio.Barrier(clients + 1)
 
-    async def client_loop() -> None:
-        async with httpx.AsyncClient(
+    async def client_loop(client: httpx.AsyncClient) -> None:
+        while True:
+            try:
+                i = warmup_queue.get_nowait()
+            except asyncio.QueueEmpty:
+                break
+            await client.post(
+                "/api/v1/allocations", json=body, headers={"X-Idempotency-Key": f"warmup-{i}"}
+            )
+        await warmed.wait()
+        while True:
+            try:
+                i = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            t0 = time.perf_counter()
+            response = await client.post(
+                "/api/v1/allocations", json=body, headers={"X-Idempotency-Key": f"a-{i}"}
+            )
+            latencies.append(time.perf_counter() - t0)
+            statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+            if response.status_code != 201:
+                code = response.json().get("error", {}).get("code", "?")
+                errors[code] = errors.get(code, 0) + 1
+
+    api = [
+        httpx.AsyncClient(
             base_url=gateway, headers={"Authorization": f"Bearer {token}"}, timeout=30
-        ) as client:
-            while True:
-                try:
-                    i = queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    return
-                t0 = time.perf_counter()
-                response = await client.post(
-                    "/api/v1/allocations", json=body, headers={"X-Idempotency-Key": f"a-{i}"}
-                )
-                latencies.append(time.perf_counter() - t0)
-                statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
-                if response.status_code != 201:
-                    code = response.json().get("error", {}).get("code", "?")
-                    errors[code] = errors.get(code, 0) + 1
-
-    started = time.perf_counter()
-    await asyncio.gather(*(client_loop() for _ in range(clients)))
-    wall = time.perf_counter() - started
+        )
+        for _ in range(clients)
+    ]
+    try:
+        loops = [asyncio.create_task(client_loop(client)) for client in api]
+        await warmed.wait()
+        cpu_before = cpu_seconds(pids)
+        started = time.perf_counter()
+        await asyncio.gather(*loops)
+        wall = time.perf_counter() - started
+        cpu_after = cpu_seconds(pids)
+    finally:
+        for client in api:
+            await client.aclose()
     created = statuses.get(201, 0)
     return {
         "requests": requests,
@@ -117,6 +146,7 @@ async def throughput(gateway: str, token: str, requests: int, clients: int) -> d
         "other_statuses": sum(v for k, v in statuses.items() if k != 201),
         "statuses": dict(sorted(statuses.items())),
         "errors": errors,
+        "cpu": {name: cpu_after[name] - cpu_before.get(name, 0.0) for name in cpu_after},
         "wall_s": wall,
         "throughput_per_s": created / wall,
         "p50_ms": percentile(latencies, 50) * 1000,
@@ -202,10 +232,8 @@ async def main(args: argparse.Namespace) -> None:
         await fund_tenant(gateway, tenant, tokens["admin_token"])
         b = await post_to_active(gateway, tenant, database_url, args.latency_samples)
         pids = {c.name: c.pid for c in stack.children if c.pid is not None}
-        before = cpu_seconds(pids)
-        a = await throughput(gateway, tenant, args.requests, args.clients)
-        after = cpu_seconds(pids)
-        cpu = {name: after[name] - before.get(name, 0.0) for name in after}
+        a = await throughput(gateway, tenant, args.requests, args.clients, args.warmup, pids)
+        cpu = a["cpu"]
     finally:
         await stack.shutdown()
         shutil.rmtree(state, ignore_errors=True)
@@ -213,7 +241,8 @@ async def main(args: argparse.Namespace) -> None:
     print(f"machine: {platform.node()} {os.cpu_count()} cores, {platform.platform()}")
     print(f"date: {time.strftime('%Y-%m-%d %H:%M %Z')}")
     print(
-        f"(a) POST /allocations, {args.clients} clients, {a['requests']} requests: "
+        f"(a) POST /allocations, {args.clients} clients, {a['requests']} requests "
+        f"(after {args.warmup} warm-up): "
         f"{a['created']} created, {a['other_statuses']} other {a['errors'] or ''}; "
         f"p50 {a['p50_ms']:.0f} ms, p99 {a['p99_ms']:.0f} ms, max {a['max_ms']:.0f} ms; "
         f"throughput {a['throughput_per_s']:.1f} allocations/s over {a['wall_s']:.1f} s "
@@ -234,6 +263,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--clients", type=int, default=20)
+    parser.add_argument(
+        "--warmup", type=int, default=40, help="uncounted requests before (a) is measured"
+    )
     parser.add_argument("--latency-samples", type=int, default=60)
     parser.add_argument("--latency-nodes", type=int, default=4)
     asyncio.run(main(parser.parse_args()))

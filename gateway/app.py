@@ -111,6 +111,10 @@ def create_app(
         engine = create_engine(
             settings.database_url,
             connect_timeout_seconds=settings.database_connect_timeout_seconds,
+            # Requests in flight at once each hold a connection for a moment; beyond pool_size
+            # a returned connection is closed, so a steady load above it reconnects every time.
+            pool_size=20,
+            max_overflow=10,
         )
         client = temporal_client
         if client is None:
