@@ -8,6 +8,7 @@ import signal
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
+import uvloop
 from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio.client import Client
 from temporalio.worker import Worker
@@ -29,6 +30,7 @@ from activities.payments.config import PaymentSettings
 from activities.payments.schedule import ensure_stripe_reconciliation_schedule
 from activities.payments.stripe_api import StripeApi
 from core.config import Settings
+from core.gc_tuning import tune_for_service
 from core.schedules import ensure_schedule, periodic_schedule
 from core.secrets import SecretStore, VaultSecretStore
 from core.temporal import connect
@@ -238,7 +240,8 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     # The stripe library logs request and error details (an error body may quote the API key).
     logging.getLogger("stripe").setLevel(logging.WARNING)
-    asyncio.run(run(Settings.from_env()))
+    tune_for_service()
+    uvloop.run(run(Settings.from_env()))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import logging
 import uvicorn
 
 from core.config import Settings
+from core.gc_tuning import tune_for_service
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 
@@ -17,6 +18,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     config = GatewayConfig.from_env()
     app = create_app(Settings.from_env(), config=config)
+    tune_for_service()
     uvicorn.run(
         app,
         host=config.host,
@@ -25,6 +27,8 @@ def main() -> None:
         server_header=False,
         proxy_headers=False,
         timeout_graceful_shutdown=10,
+        loop="uvloop",
+        http="httptools",
         log_config=None,  # keep the logging configured above
     )
 
