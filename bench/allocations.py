@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 from sqlalchemy import text
 
-from bench.stack import bench_stack_options, cpu_seconds, private_state_dir
+from bench.stack import bench_stack_options, cpu_seconds, machine_speed_seconds, private_state_dir
 from devstack.processes import Child, python_entry
 from devstack.up import REPO_ROOT, Stack
 from schema.db import create_engine, session_factory
@@ -208,6 +208,7 @@ async def _one_to_active(
 async def main(args: argparse.Namespace) -> None:
     # The bench never waits on a dead node: its throughput fleet has no agents on purpose.
     os.environ["GPUCLOUD_NODE_SCHEDULE_TO_START_S"] = "900"
+    speed_before = machine_speed_seconds()  # measured with nothing else running
     state = private_state_dir()
     options = bench_stack_options(state)
     stack = Stack(options)
@@ -237,9 +238,14 @@ async def main(args: argparse.Namespace) -> None:
     finally:
         await stack.shutdown()
         shutil.rmtree(state, ignore_errors=True)
+    speed_after = machine_speed_seconds()
 
     print(f"machine: {platform.node()} {os.cpu_count()} cores, {platform.platform()}")
     print(f"date: {time.strftime('%Y-%m-%d %H:%M %Z')}")
+    print(
+        f"machine speed: a 10M-iteration Python loop took {speed_before:.2f} s before the "
+        f"stack started and {speed_after:.2f} s after it stopped (lower is faster)"
+    )
     print(
         f"(a) POST /allocations, {args.clients} clients, {a['requests']} requests "
         f"(after {args.warmup} warm-up): "

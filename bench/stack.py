@@ -1,5 +1,6 @@
 """What every benchmark that runs the embedded stack needs: a private state folder, free
-ports, the stack's options with no simulated delays, and per-process CPU accounting."""
+ports, the stack's options with no simulated delays, per-process CPU accounting and a gauge of
+the machine's speed."""
 
 from __future__ import annotations
 
@@ -8,9 +9,21 @@ import os
 import pwd
 import socket
 import tempfile
+import time
 from pathlib import Path
 
 from devstack.up import StackOptions
+
+
+def machine_speed_seconds() -> float:
+    """Seconds a fixed pure-Python loop takes here and now. The CI machine kind is a shared VM
+    whose speed drifts by half within minutes; printed beside the figures, it tells a slow
+    phase of the machine from a slower control plane."""
+    started = time.perf_counter()
+    total = 0
+    for i in range(10_000_000):
+        total += i
+    return time.perf_counter() - started
 
 
 def free_port() -> int:
