@@ -1,0 +1,282 @@
+"""The placement activity against real PostgreSQL, called directly: what one POST writes, in one
+transaction (activities/placement_sql.py), what a rerun answers, and what it refuses."""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from typing import Any
+
+import pytest
+from sqlalchemy import func, select, update
+from sqlalchemy.dialects.postgresql import Range
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from temporalio.exceptions import ApplicationError
+
+from activities.allocation_types import PlaceInput
+from activities.allocations import AllocationActivities
+from agent.contract import BAREMETAL_PROVISION_USER, SLICE_VM_PROVISION
+from schema.models import (
+    Allocation,
+    AllocationEvent,
+    AllocationResourceClaim,
+    BillingAccount,
+    GpuSlot,
+    NodeTask,
+    Sku,
+    SshKey,
+)
+from schema.states import AllocationStatus, ClaimKind, SlotStatus
+from tests.factories import BAREMETAL_SKU, REGION, SLICE_SKU, create_project
+from tests.lifecycle_support import create_fleet
+
+Sessions = async_sessionmaker[AsyncSession]
+
+
+async def _add_key(sessions: Sessions, project_id: uuid.UUID, name: str, age_s: int) -> str:
+    key_id = uuid.uuid4()
+    async with sessions() as session, session.begin():
+        session.add(
+            SshKey(
+                id=key_id,
+                project_id=project_id,
+                name=name,
+                key_type="ssh-ed25519",
+                public_key=f"ssh-ed25519 AAAA{name} {name}@example",
+                fingerprint=f"SHA256:{name}",
+                created_at=dt.datetime.now(dt.UTC) - dt.timedelta(seconds=age_s),
+            )
+        )
+    return str(key_id)
+
+
+def _input(
+    project_id: uuid.UUID, *, sku: str = SLICE_SKU, gpus: int = 2, keys: Any = ()
+) -> PlaceInput:
+    allocation_id = str(uuid.uuid4())
+    return PlaceInput(
+        allocation_id=allocation_id,
+        project_id=str(project_id),
+        sku=sku,
+        gpus=gpus,
+        region=REGION,
+        ssh_key_ids=list(keys),
+        idempotency_key=None,
+        workflow_id=f"allocation-{allocation_id}",
+        provision_task_id=str(uuid.uuid4()),
+    )
+
+
+async def _rows(sessions: Sessions, allocation_id: str) -> dict[str, Any]:
+    aid = uuid.UUID(allocation_id)
+    async with sessions() as session:
+        allocation = await session.get(Allocation, aid)
+        events = (
+            await session.execute(
+                select(
+                    AllocationEvent.event, AllocationEvent.from_status, AllocationEvent.to_status
+                )
+                .where(AllocationEvent.allocation_id == aid)
+                .order_by(AllocationEvent.id)
+            )
+        ).all()
+        claims = (
+            await session.execute(
+                select(AllocationResourceClaim.kind, AllocationResourceClaim.footprint)
+                .where(AllocationResourceClaim.allocation_id == aid)
+                .order_by(AllocationResourceClaim.footprint)
+            )
+        ).all()
+        slots = (
+            await session.scalars(select(GpuSlot.gpu_index).where(GpuSlot.allocation_id == aid))
+        ).all()
+        tasks = (
+            await session.execute(
+                select(NodeTask.id, NodeTask.kind).where(NodeTask.allocation_id == aid)
+            )
+        ).all()
+    return {
+        "allocation": allocation,
+        "events": events,
+        "claims": claims,
+        "slots": slots,
+        "tasks": tasks,
+    }
+
+
+async def test_a_slice_placement_is_written_whole_in_one_transaction(db_sessions: Sessions) -> None:
+    await create_fleet(db_sessions, slice_nodes=2)
+    project = await create_project(db_sessions)
+    newer = await _add_key(db_sessions, project, "newer", age_s=10)
+    older = await _add_key(db_sessions, project, "older", age_s=100)
+    request = _input(project, gpus=2, keys=[newer, older])
+
+    placement = await AllocationActivities(db_sessions).place(request)
+
+    reservation, plan = placement.reservation, placement.plan
+    assert reservation.status == AllocationStatus.REQUESTED  # what the POST answers with
+    assert [g.numa_node for g in reservation.gpus] == [0, 0]  # one NUMA node fits two GPUs
+    assert plan.task_id == request.provision_task_id
+    assert plan.task_kind == SLICE_VM_PROVISION
+    assert plan.spec.ssh_public_keys == [
+        "ssh-ed25519 AAAAolder older@example",
+        "ssh-ed25519 AAAAnewer newer@example",
+    ]
+    assert plan.spec.gpus == reservation.gpus
+    assert (plan.spec.vcpus, plan.spec.memory_mb) == (16, 2 * 65536)
+
+    rows = await _rows(db_sessions, request.allocation_id)
+    allocation = rows["allocation"]
+    assert allocation.status == AllocationStatus.PROVISIONING
+    assert allocation.provisioning_started_at is not None
+    assert str(allocation.node_id) == reservation.node_id
+    assert sorted(str(k) for k in allocation.ssh_key_ids) == sorted([newer, older])
+    assert rows["events"] == [
+        ("requested", None, "requested"),
+        ("placement_reserved", None, None),
+        ("provisioning_started", "requested", "provisioning"),
+    ]
+    indexes = sorted(g.gpu_index for g in reservation.gpus)
+    assert sorted(rows["slots"]) == indexes
+    assert [(kind, (r.lower, r.upper)) for kind, r in rows["claims"]] == [
+        (ClaimKind.GPU_SLOT, (i, i + 1)) for i in indexes
+    ]
+    assert [(str(t), kind) for t, kind in rows["tasks"]] == [(plan.task_id, SLICE_VM_PROVISION)]
+
+
+async def test_a_baremetal_placement_claims_the_whole_node(db_sessions: Sessions) -> None:
+    nodes = await create_fleet(db_sessions, slice_nodes=0, baremetal_nodes=1)
+    project = await create_project(db_sessions)
+    request = _input(project, sku=BAREMETAL_SKU, gpus=8)
+
+    placement = await AllocationActivities(db_sessions).place(request)
+
+    assert placement.reservation.node_id == str(nodes[0].id)
+    assert placement.reservation.gpus == []
+    assert placement.plan.task_kind == BAREMETAL_PROVISION_USER
+    rows = await _rows(db_sessions, request.allocation_id)
+    assert [(kind, r.lower, r.upper) for kind, r in rows["claims"]] == [
+        (ClaimKind.NODE_EXCLUSIVE, 0, 2**31 - 1)
+    ]
+    assert rows["slots"] == []
+    # The only node is taken: the next bare-metal request is refused, not queued.
+    with pytest.raises(ApplicationError) as refused:
+        await AllocationActivities(db_sessions).place(_input(project, sku=BAREMETAL_SKU, gpus=8))
+    assert refused.value.type == "sku_unavailable"
+
+
+async def test_a_rerun_answers_the_same_placement_and_writes_nothing_more(
+    db_sessions: Sessions,
+) -> None:
+    await create_fleet(db_sessions, slice_nodes=1)
+    project = await create_project(db_sessions)
+    key = await _add_key(db_sessions, project, "only", age_s=1)
+    request = _input(project, gpus=4, keys=[key])
+    activities = AllocationActivities(db_sessions)
+
+    first = await activities.place(request)
+    before = await _rows(db_sessions, request.allocation_id)
+    # A crash after the commit but before the workflow recorded the result runs it again.
+    second = await activities.place(request)
+
+    assert second.reservation == first.reservation
+    assert second.plan == first.plan
+    after = await _rows(db_sessions, request.allocation_id)
+    for table in ("events", "claims", "slots", "tasks"):
+        assert after[table] == before[table], table
+
+
+async def test_an_allocation_an_older_build_left_requested_moves_on_to_provisioning(
+    db_sessions: Sessions,
+) -> None:
+    """Older builds reserved in one transaction and began provisioning in a second: a crash in
+    between left the allocation `requested`, holding its slot, with no host task. The rerun
+    completes it rather than placing it again."""
+    nodes = await create_fleet(db_sessions, slice_nodes=1)
+    project = await create_project(db_sessions)
+    request = _input(project, gpus=1)
+    aid = uuid.UUID(request.allocation_id)
+    async with db_sessions() as session, session.begin():
+        slot = await session.scalar(
+            select(GpuSlot).where(GpuSlot.node_id == nodes[0].id, GpuSlot.gpu_index == 5)
+        )
+        assert slot is not None
+        session.add(
+            Allocation(
+                id=aid,
+                project_id=project,
+                sku=SLICE_SKU,
+                region=REGION,
+                shape="gpu_slice",
+                gpu_count=1,
+                node_id=nodes[0].id,
+                status=AllocationStatus.REQUESTED,
+                workflow_id=request.workflow_id,
+            )
+        )
+        await session.flush()
+        session.add_all(
+            [
+                AllocationEvent(allocation_id=aid, event="requested", to_status="requested"),
+                AllocationEvent(allocation_id=aid, event="placement_reserved"),
+                AllocationResourceClaim(
+                    id=uuid.uuid4(),
+                    allocation_id=aid,
+                    node_id=nodes[0].id,
+                    slot_id=slot.id,
+                    kind=ClaimKind.GPU_SLOT,
+                    footprint=Range(5, 6),
+                    status="held",
+                ),
+            ]
+        )
+        slot.status, slot.allocation_id = SlotStatus.RESERVED, aid
+
+    rerun = await AllocationActivities(db_sessions).place(request)
+
+    assert [g.gpu_index for g in rerun.reservation.gpus] == [5]  # the slot it held, no other
+    assert rerun.plan.task_id == request.provision_task_id
+    rows = await _rows(db_sessions, request.allocation_id)
+    assert rows["allocation"].status == AllocationStatus.PROVISIONING
+    assert [e[0] for e in rows["events"]] == [
+        "requested",
+        "placement_reserved",
+        "provisioning_started",
+    ]
+    assert rows["slots"] == [5]
+    assert [str(t) for t, _ in rows["tasks"]] == [request.provision_task_id]
+
+
+@pytest.mark.parametrize(
+    ("world", "code"),
+    [
+        ("key_of_another_project", "ssh_key_not_found"),
+        ("sku_withdrawn", "sku_unavailable"),
+        ("balance_depleted", "balance_depleted"),
+    ],
+)
+async def test_refusals_write_nothing(db_sessions: Sessions, world: str, code: str) -> None:
+    await create_fleet(db_sessions, slice_nodes=1)
+    project = await create_project(db_sessions)
+    keys: list[str] = []
+    async with db_sessions() as session, session.begin():
+        if world == "key_of_another_project":
+            keys = [await _add_key(db_sessions, await create_project(db_sessions), "theirs", 1)]
+        elif world == "sku_withdrawn":
+            await session.execute(update(Sku).where(Sku.name == SLICE_SKU).values(active=False))
+        else:
+            session.add(BillingAccount(project_id=project, state="depleted"))
+    request = _input(project, gpus=1, keys=keys)
+
+    with pytest.raises(ApplicationError) as refused:
+        await AllocationActivities(db_sessions).place(request)
+
+    assert refused.value.type == code
+    assert refused.value.non_retryable
+    async with db_sessions() as session:
+        assert await session.scalar(select(func.count()).select_from(Allocation)) == 0
+        assert await session.scalar(select(func.count()).select_from(NodeTask)) == 0
+        reserved = await session.scalar(
+            select(func.count()).select_from(GpuSlot).where(GpuSlot.status != SlotStatus.FREE)
+        )
+        assert reserved == 0
