@@ -406,3 +406,47 @@ async def test_release_that_does_not_converge_stops_for_an_operator(
     assert await _node_status(decommission, node_id) == "deleted"
     machine = await decommission.onboarding.maas_sim.machine(system_id)
     assert machine["power_state"] == "off"
+
+
+async def test_cancelled_soft_reset_undrains_the_agent_and_hands_the_node_back(
+    decommission: DecommissionRig,
+) -> None:
+    """Seed 004 §8, cancel: a soft reset keeps its node, so compensation undoes the agent's
+    drain; the node goes offline (the liveness loop's to return), not quarantined."""
+    node_id = await decommission.plain_node()
+    agent = await decommission.agent(node_id)
+    gate = threading.Event()
+    agent.maintenance.hang["storage_cleanup"] = gate
+    job = await decommission.start(node_id, "soft_reset", storage_cleanup="local")
+    await decommission.wait_stage(job, "cleanup_storage")
+    assert agent.maintenance.inner.is_draining()
+
+    assert (await decommission.action(job, "cancel", reason="wrong node")).accepted
+    gate.set()  # the interrupted host task may finish; its result is no longer wanted
+    await decommission.wait_status(job, "cancelled")
+    await record_history(decommission.handle(job), "decommission", "soft_reset_cancelled")
+
+    assert not agent.maintenance.inner.is_draining(), "the agent takes tenant work again"
+    assert agent.maintenance.calls.get("undrain") == 1
+    assert await _node_status(decommission, node_id) == "offline"
+    undrains = await _tasks(decommission, node_id, "node.undrain")
+    assert [t.status for t in undrains] == ["completed"]
+
+
+async def test_cancelled_soft_reset_with_an_unreachable_agent_quarantines_the_node(
+    decommission: DecommissionRig,
+) -> None:
+    node_id = await decommission.plain_node()
+    agent = await decommission.agent(node_id)
+    gate = threading.Event()
+    agent.maintenance.hang["storage_cleanup"] = gate
+    job = await decommission.start(node_id, "soft_reset", storage_cleanup="local")
+    await decommission.wait_stage(job, "cleanup_storage")
+    await agent.stop()  # the agent is gone with its drain marker in place
+
+    assert (await decommission.action(job, "cancel", reason="wrong node")).accepted
+    gate.set()
+    await decommission.wait_status(job, "cancelled", timeout=60)
+
+    assert agent.maintenance.inner.is_draining()
+    assert await _node_status(decommission, node_id) == "quarantined"

@@ -96,6 +96,10 @@ with workflow.unsafe.imports_passed_through():
 
 QUICK = timedelta(minutes=2)
 LOCAL = timedelta(seconds=30)
+# Workflows that ran before these changes replay without them: a cancelled soft reset undrains
+# the agent; an operator's interrupt wins over the failure its cancelled host task reports.
+UNDRAIN_ON_CANCEL_PATCH = "undrain-agent-when-soft-reset-is-cancelled"
+INTERRUPT_WINS_PATCH = "operator-interrupt-wins-over-stage-failure"
 _FAILED = frozenset({JobStatus.FAILED_RETRYABLE, JobStatus.FAILED_MANUAL_INTERVENTION})
 
 
@@ -193,31 +197,39 @@ class NodeDecommissionWorkflow:
         try:
             await self._stage_task
         except StageFailure as failure:
-            await self._fail(failure)
-            return None
+            if self._interrupt is None or not workflow.patched(INTERRUPT_WINS_PATCH):
+                await self._fail(failure)
+                return None
+            # The stage failed because it was stopped (its host task was cancelled, which
+            # reaches the workflow as that task's failure): the operator's action decides.
+            return await self._interrupted()
         except asyncio.CancelledError:
             if self._interrupt is None:  # the workflow itself was cancelled
                 self._interrupt = OperatorAction.CANCEL
-            if self._interrupt == OperatorAction.CANCEL:
-                self._interrupt = None
-                return await self._cancel()
-            self._interrupt = None
-            await self._fail(
-                StageFailure(
-                    self._stage,
-                    self._failure.failure_class if self._failure else "",
-                    "manual_intervention_requested",
-                    "an operator froze automation",
-                ),
-                forced=JobStatus.FAILED_MANUAL_INTERVENTION,
-            )
-            return None
+            return await self._interrupted()
         finally:
             self._stage_task = None
             self._task = None
         final = JobStatus.RECONCILED if self._adopted else JobStatus.COMPLETED
         await self._set_status(final, domain_event="node.decommission.completed", clear_error=True)
         return await self._result()
+
+    async def _interrupted(self) -> DecommissionResult | None:
+        """An operator's cancel or freeze stopped the running stage."""
+        if self._interrupt == OperatorAction.CANCEL:
+            self._interrupt = None
+            return await self._cancel()
+        self._interrupt = None
+        await self._fail(
+            StageFailure(
+                self._stage,
+                self._failure.failure_class if self._failure else "",
+                "manual_intervention_requested",
+                "an operator froze automation",
+            ),
+            forced=JobStatus.FAILED_MANUAL_INTERVENTION,
+        )
+        return None
 
     async def _run_from(self, start: Stage | None) -> None:
         stages = self._stages
@@ -701,12 +713,34 @@ class NodeDecommissionWorkflow:
 
     async def _cancel(self) -> DecommissionResult:
         await self._set_status(JobStatus.COMPENSATING)
+        assert self._input is not None
+        if (
+            self._agent_drained
+            and Mode(self._input.mode) == Mode.SOFT_RESET
+            and workflow.patched(UNDRAIN_ON_CANCEL_PATCH)
+        ):
+            await self._undrain_for_cancel()
         try:
             await self._call("decommission.compensate", self._stage_input(), QUICK, attempts=3)
         except ActivityError as err:
             workflow.logger.warning("decommission compensation failed: %s", err)
         await self._set_status(JobStatus.CANCELLED, domain_event="node.decommission.cancelled")
         return await self._result()
+
+    async def _undrain_for_cancel(self) -> None:
+        """A cancelled soft reset keeps its node: the agent takes tenant work again, so the
+        compensation can hand the node (offline) to the liveness loop rather than quarantine it
+        for an operator. An agent that cannot be reached stays drained, and the node is
+        quarantined as before."""
+        try:
+            await self._node_task(Stage.ENABLE_NODE, NODE_UNDRAIN, self._spec(), DrainResult)
+        except (ActivityError, StageFailure) as err:
+            workflow.logger.warning("undrain on cancel failed; the node stays quarantined: %s", err)
+            return
+        self._agent_drained = False
+        self._state.followups = [
+            f for f in self._state.followups if f.get("kind") != "agent_drained"
+        ]
 
     # ------------------------------------------------------------------ operator surface
 
