@@ -408,18 +408,26 @@ async def test_release_that_does_not_converge_stops_for_an_operator(
     assert machine["power_state"] == "off"
 
 
+async def _soft_reset_held_at_storage_cleanup(
+    rig: DecommissionRig,
+) -> tuple[str, Any, threading.Event, Any]:
+    """A soft reset whose agent drained and now hangs in storage cleanup until `gate` is set."""
+    node_id = await rig.plain_node()
+    agent = await rig.agent(node_id)
+    gate = threading.Event()
+    agent.maintenance.hang["storage_cleanup"] = gate
+    job = await rig.start(node_id, "soft_reset", storage_cleanup="local")
+    await rig.wait_stage(job, "cleanup_storage")
+    assert agent.maintenance.inner.is_draining()
+    return node_id, agent, gate, job
+
+
 async def test_cancelled_soft_reset_undrains_the_agent_and_hands_the_node_back(
     decommission: DecommissionRig,
 ) -> None:
     """Seed 004 §8, cancel: a soft reset keeps its node, so compensation undoes the agent's
     drain; the node goes offline (the liveness loop's to return), not quarantined."""
-    node_id = await decommission.plain_node()
-    agent = await decommission.agent(node_id)
-    gate = threading.Event()
-    agent.maintenance.hang["storage_cleanup"] = gate
-    job = await decommission.start(node_id, "soft_reset", storage_cleanup="local")
-    await decommission.wait_stage(job, "cleanup_storage")
-    assert agent.maintenance.inner.is_draining()
+    node_id, agent, gate, job = await _soft_reset_held_at_storage_cleanup(decommission)
 
     assert (await decommission.action(job, "cancel", reason="wrong node")).accepted
     gate.set()  # the interrupted host task may finish; its result is no longer wanted
@@ -436,12 +444,7 @@ async def test_cancelled_soft_reset_undrains_the_agent_and_hands_the_node_back(
 async def test_cancelled_soft_reset_with_an_unreachable_agent_quarantines_the_node(
     decommission: DecommissionRig,
 ) -> None:
-    node_id = await decommission.plain_node()
-    agent = await decommission.agent(node_id)
-    gate = threading.Event()
-    agent.maintenance.hang["storage_cleanup"] = gate
-    job = await decommission.start(node_id, "soft_reset", storage_cleanup="local")
-    await decommission.wait_stage(job, "cleanup_storage")
+    node_id, agent, gate, job = await _soft_reset_held_at_storage_cleanup(decommission)
     await agent.stop()  # the agent is gone with its drain marker in place
 
     assert (await decommission.action(job, "cancel", reason="wrong node")).accepted
