@@ -85,40 +85,35 @@ async def throughput(
 ) -> dict[str, Any]:
     """`warmup` requests go first, from the same clients, and are counted in nothing (figures,
     CPU): they open the pools' connections, prepare statements and create the node task queues,
-    once per process, which is start-up cost rather than the steady rate (a) is about."""
+    once per process, which is start-up cost rather than the steady rate (a) is about. The
+    clients run straight on into the measured requests, so these start staggered as in steady
+    state, not as one synchronised burst of twenty."""
     latencies: list[float] = []
     statuses: dict[int, int] = {}
     errors: dict[str, int] = {}
-    queue: asyncio.Queue[int] = asyncio.Queue()
-    for i in range(requests):
-        queue.put_nowait(i)
-    body = {"sku": SKU, "gpus": 1, "region": THROUGHPUT_REGION, "ssh_key_ids": []}
-    warmup_queue: asyncio.Queue[int] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[str, bool]] = asyncio.Queue()
     for i in range(warmup):
-        warmup_queue.put_nowait(i)
-    warmed = asyncio.Barrier(clients + 1)
+        queue.put_nowait((f"warmup-{i}", False))
+    for i in range(requests):
+        queue.put_nowait((f"a-{i}", True))
+    body = {"sku": SKU, "gpus": 1, "region": THROUGHPUT_REGION, "ssh_key_ids": []}
+    window: dict[str, Any] = {}  # when the first measured request went out, and the CPU then
 
     async def client_loop(client: aiohttp.ClientSession) -> None:
         while True:
             try:
-                i = warmup_queue.get_nowait()
-            except asyncio.QueueEmpty:
-                break
-            async with client.post(
-                "/api/v1/allocations", json=body, headers={"X-Idempotency-Key": f"warmup-{i}"}
-            ) as response:
-                await response.read()
-        await warmed.wait()
-        while True:
-            try:
-                i = queue.get_nowait()
+                key, measured = queue.get_nowait()
             except asyncio.QueueEmpty:
                 return
+            if measured and not window:
+                window.update(started=time.perf_counter(), cpu=cpu_seconds(pids))
             t0 = time.perf_counter()
             async with client.post(
-                "/api/v1/allocations", json=body, headers={"X-Idempotency-Key": f"a-{i}"}
+                "/api/v1/allocations", json=body, headers={"X-Idempotency-Key": key}
             ) as response:
                 answer = await response.json()
+            if not measured:
+                continue
             latencies.append(time.perf_counter() - t0)
             statuses[response.status] = statuses.get(response.status, 0) + 1
             if response.status != 201:
@@ -137,16 +132,13 @@ async def throughput(
         for _ in range(clients)
     ]
     try:
-        loops = [asyncio.create_task(client_loop(client)) for client in api]
-        await warmed.wait()
-        cpu_before = cpu_seconds(pids)
-        started = time.perf_counter()
-        await asyncio.gather(*loops)
-        wall = time.perf_counter() - started
+        await asyncio.gather(*(client_loop(client) for client in api))
+        wall = time.perf_counter() - window["started"]
         cpu_after = cpu_seconds(pids)
     finally:
         for client in api:
             await client.close()
+    cpu_before: dict[str, float] = window["cpu"]
     created = statuses.get(201, 0)
     return {
         "requests": requests,
