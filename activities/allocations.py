@@ -19,7 +19,6 @@ from typing import Any
 
 import asyncpg
 from sqlalchemy import func, insert, select, update
-from sqlalchemy.dialects.postgresql import Range
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from temporalio import activity
@@ -72,7 +71,6 @@ from schema.states import (
 from workflows.allocation_contract import BALANCE_DEPLETED, SKU_UNAVAILABLE
 
 CLOCK = func.clock_timestamp()
-WHOLE_NODE = Range(0, 2**31 - 1)  # a whole-node claim overlaps every GPU index on the node
 MAX_MESSAGE = 500
 # Ranked slice nodes a placement may lock, the first one free of others' locks: more than the
 # placements that run at once (the worker runs up to 100 local activities), so a placement only
