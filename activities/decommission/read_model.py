@@ -17,6 +17,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from activities.lifecycle_read_model import JobTables, bounded
+from core.timestamps import parse_iso
 from schema.models import (
     NodeDecommission,
     NodeDecommissionEvent,
@@ -135,16 +136,6 @@ async def record_progress(session: AsyncSession, record: ProgressRecord) -> None
 # --------------------------------------------------------------------------- node tasks
 
 
-def _parse_iso(value: str | None) -> dt.datetime | None:
-    if not value:
-        return None
-    try:
-        parsed = dt.datetime.fromisoformat(value)
-    except ValueError:
-        return None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)
-
-
 async def supersede_stale_tasks(
     session: AsyncSession, node_id: uuid.UUID, kind: str, keep: uuid.UUID
 ) -> int:
@@ -189,8 +180,8 @@ async def record_node_task(session: AsyncSession, record: NodeTaskRecord) -> Non
             .on_conflict_do_nothing(index_elements=[NodeTask.id])
         )
         return
-    started = _parse_iso(record.started_at)
-    finished = _parse_iso(record.finished_at)
+    started = parse_iso(record.started_at)
+    finished = parse_iso(record.finished_at)
     await session.execute(
         update(NodeTask)
         .where(NodeTask.id == task_id)
@@ -211,7 +202,7 @@ async def record_node_task(session: AsyncSession, record: NodeTaskRecord) -> Non
             "phase": str(p.get("phase", ""))[:64],
             "status": str(p.get("status", ""))[:16],
             "message": bounded(str(p.get("message", ""))),
-            "occurred_at": _parse_iso(p.get("at")) or dt.datetime.now(dt.UTC),
+            "occurred_at": parse_iso(p.get("at")) or dt.datetime.now(dt.UTC),
         }
         for p in record.phases
     ]
