@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from sqlalchemy import func, insert, update
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -24,6 +24,23 @@ def bounded(text: str | None) -> str | None:
     if text is None:
         return None
     return text if len(text) <= MAX_SNIPPET else text[: MAX_SNIPPET - 1] + "…"
+
+
+class ProgressFields(Protocol):
+    """What every job kind's ProgressRecord carries besides its own id and state."""
+
+    status: str
+    stage: str
+    attempt: int
+    event_status: str | None
+    message: str
+    details: dict[str, Any]
+    failure_class: str | None
+    error_code: str | None
+    recommended_action: str | None
+    clear_error: bool
+    workflow_run_id: str | None
+    domain_event: str | None
 
 
 @dataclass(frozen=True)
@@ -130,3 +147,75 @@ class JobTables:
                 type=kind, subject_type=self.subject_type, subject_id=job_id, payload=payload
             )
         )
+
+    async def stage_finished(
+        self,
+        session: AsyncSession,
+        job_id: uuid.UUID,
+        stage: str,
+        attempt: int,
+        *,
+        status: str,
+        columns: dict[str, Any],
+        message: str = "",
+        details: dict[str, Any] | None = None,
+    ) -> None:
+        """A stage activity's own outcome: the job row's state columns and the stage event."""
+        await self.update_job(session, job_id, {"updated_at": func.clock_timestamp(), **columns})
+        await self.add_event(
+            session,
+            job_id,
+            stage=stage,
+            attempt=attempt,
+            status=status,
+            message=message,
+            details=details,
+        )
+
+    async def record_progress(
+        self,
+        session: AsyncSession,
+        job_id: uuid.UUID,
+        record: ProgressFields,
+        *,
+        columns: dict[str, Any],
+        domain_payload: dict[str, Any],
+    ) -> None:
+        """The workflow's own write: job status and classification (plus the job kind's state
+        `columns`), an optional stage event and an optional domain event, in one transaction."""
+        values = self.status_values(
+            status=record.status,
+            stage=record.stage,
+            attempt=record.attempt,
+            workflow_run_id=record.workflow_run_id,
+            clear_error=record.clear_error,
+            failure_class=record.failure_class,
+            error_code=record.error_code,
+            message=record.message,
+            details=record.details,
+            recommended_action=record.recommended_action,
+        )
+        await self.update_job(session, job_id, values | columns)
+        if record.event_status is not None:
+            await self.add_event(
+                session,
+                job_id,
+                stage=record.stage,
+                attempt=record.attempt,
+                status=record.event_status,
+                message=record.message,
+                details=record.details,
+            )
+        if record.domain_event is not None:
+            await self.domain_event(
+                session,
+                record.domain_event,
+                str(job_id),
+                {
+                    "status": record.status,
+                    "stage": record.stage,
+                    "failure_class": record.failure_class,
+                    "error_code": record.error_code,
+                    **domain_payload,
+                },
+            )

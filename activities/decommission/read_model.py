@@ -65,72 +65,38 @@ async def stage_finished(
     details: dict[str, Any] | None = None,
     maas: tuple[str | None, str | None] | None = None,
 ) -> None:
-    values: dict[str, Any] = {"updated_at": func.clock_timestamp()}
-    if state is not None:
-        values.update(state_columns(state))
+    columns = state_columns(state) if state is not None else {}
     if maas is not None:
-        values.update(last_maas_status=maas[0], last_maas_power_state=maas[1])
-    await DECOMMISSION.update_job(session, decommission_id, values)
-    await add_event(
+        columns.update(last_maas_status=maas[0], last_maas_power_state=maas[1])
+    await DECOMMISSION.stage_finished(
         session,
         decommission_id,
-        stage=stage,
-        attempt=attempt,
+        stage,
+        attempt,
         status=status,
+        columns=columns,
         message=message,
         details=details,
     )
 
 
 async def record_progress(session: AsyncSession, record: ProgressRecord) -> None:
-    """The workflow's own write: job status and classification, plus an optional stage event
-    and domain event, in one transaction."""
-    decommission_id = uuid.UUID(record.decommission_id)
-    values = DECOMMISSION.status_values(
-        status=record.status,
-        stage=record.stage,
-        attempt=record.attempt,
-        workflow_run_id=record.workflow_run_id,
-        clear_error=record.clear_error,
-        failure_class=record.failure_class,
-        error_code=record.error_code,
-        message=record.message,
-        details=record.details,
-        recommended_action=record.recommended_action,
+    columns = state_columns(record.state) if record.state is not None else {}
+    if record.failure_class is not None or record.error_code is not None:
+        # The failing stage recorded what it last saw in MAAS; the workflow's copy of the
+        # state predates the stage and would overwrite it with stale values.
+        columns.pop("last_maas_status", None)
+        columns.pop("last_maas_power_state", None)
+    await DECOMMISSION.record_progress(
+        session,
+        uuid.UUID(record.decommission_id),
+        record,
+        columns=columns,
+        domain_payload={
+            "node_id": record.details.get("node_id"),
+            "mode": record.details.get("mode"),
+        },
     )
-    if record.state is not None:
-        columns = state_columns(record.state)
-        if record.failure_class is not None or record.error_code is not None:
-            # The failing stage recorded what it last saw in MAAS; the workflow's copy of the
-            # state predates the stage and would overwrite it with stale values.
-            columns.pop("last_maas_status", None)
-            columns.pop("last_maas_power_state", None)
-        values.update(columns)
-    await DECOMMISSION.update_job(session, decommission_id, values)
-    if record.event_status is not None:
-        await add_event(
-            session,
-            decommission_id,
-            stage=record.stage,
-            attempt=record.attempt,
-            status=record.event_status,
-            message=record.message,
-            details=record.details,
-        )
-    if record.domain_event is not None:
-        await DECOMMISSION.domain_event(
-            session,
-            record.domain_event,
-            record.decommission_id,
-            {
-                "status": record.status,
-                "stage": record.stage,
-                "failure_class": record.failure_class,
-                "error_code": record.error_code,
-                "node_id": record.details.get("node_id"),
-                "mode": record.details.get("mode"),
-            },
-        )
 
 
 # --------------------------------------------------------------------------- node tasks

@@ -10,7 +10,6 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from sqlalchemy import func
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from activities.lifecycle_read_model import JobTables
@@ -54,60 +53,23 @@ async def stage_finished(
     message: str = "",
     details: dict[str, Any] | None = None,
 ) -> None:
-    values: dict[str, Any] = {"updated_at": func.clock_timestamp()}
-    if state is not None:
-        values.update(state_columns(state))
-    await ONBOARDING.update_job(session, onboarding_id, values)
-    await add_event(
+    await ONBOARDING.stage_finished(
         session,
         onboarding_id,
-        stage=stage,
-        attempt=attempt,
+        stage,
+        attempt,
         status=status,
+        columns=state_columns(state) if state is not None else {},
         message=message,
         details=details,
     )
 
 
 async def record_progress(session: AsyncSession, record: ProgressRecord) -> None:
-    """The workflow's own write: job status and classification, plus an optional event and
-    domain event, in one transaction."""
-    onboarding_id = uuid.UUID(record.onboarding_id)
-    values = ONBOARDING.status_values(
-        status=record.status,
-        stage=record.stage,
-        attempt=record.attempt,
-        workflow_run_id=record.workflow_run_id,
-        clear_error=record.clear_error,
-        failure_class=record.failure_class,
-        error_code=record.error_code,
-        message=record.message,
-        details=record.details,
-        recommended_action=record.recommended_action,
+    await ONBOARDING.record_progress(
+        session,
+        uuid.UUID(record.onboarding_id),
+        record,
+        columns=state_columns(record.state) if record.state is not None else {},
+        domain_payload={"node_id": record.details.get("node_id")},
     )
-    if record.state is not None:
-        values.update(state_columns(record.state))
-    await ONBOARDING.update_job(session, onboarding_id, values)
-    if record.event_status is not None:
-        await add_event(
-            session,
-            onboarding_id,
-            stage=record.stage,
-            attempt=record.attempt,
-            status=record.event_status,
-            message=record.message,
-            details=record.details,
-        )
-    if record.domain_event is not None:
-        await ONBOARDING.domain_event(
-            session,
-            record.domain_event,
-            record.onboarding_id,
-            {
-                "status": record.status,
-                "stage": record.stage,
-                "failure_class": record.failure_class,
-                "error_code": record.error_code,
-                "node_id": record.details.get("node_id"),
-            },
-        )
