@@ -13,7 +13,7 @@ import datetime as dt
 import random
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +37,7 @@ from activities.allocation_types import (
     Reservation,
 )
 from activities.billing.usage import close_usage, open_usage
+from activities.node_task_log import record_task_outcome
 from activities.placement import FreeSlot, choose_slots
 from activities.placement_sql import driver_transaction
 from agent.contract import (
@@ -45,18 +46,15 @@ from agent.contract import (
     SLICE_VM_PROVISION,
     SLICE_VM_RELEASE,
     GpuAssignment,
-    HostPhase,
     HostProvisionInput,
     UnhealthyGpu,
 )
-from core.timestamps import parse_iso
 from schema.models import (
     Allocation,
     AllocationEvent,
     AllocationResourceClaim,
     GpuSlot,
     NodeTask,
-    NodeTaskEvent,
     Sku,
     SshKey,
 )
@@ -276,9 +274,9 @@ class AllocationActivities:
     async def activate(self, input: ActivateInput) -> None:
         result = input.result
         async with self._sessions() as session, session.begin():
-            await _finish_task(
+            await record_task_outcome(
                 session,
-                input.task_id,
+                uuid.UUID(input.task_id),
                 NodeTaskStatus.COMPLETED,
                 started_at=result.started_at,
                 finished_at=result.finished_at,
@@ -301,9 +299,9 @@ class AllocationActivities:
     async def fail_provisioning(self, input: FailProvisioningInput) -> None:
         allocation_id = uuid.UUID(input.allocation_id)
         async with self._sessions() as session, session.begin():
-            await _finish_task(
+            await record_task_outcome(
                 session,
-                input.task_id,
+                uuid.UUID(input.task_id),
                 NodeTaskStatus.FAILED,
                 error_type=input.reason,
                 error_message=input.message,
@@ -364,9 +362,9 @@ class AllocationActivities:
         result = input.result
         succeeded = input.error_type is None and result is not None
         async with self._sessions() as session, session.begin():
-            await _finish_task(
+            await record_task_outcome(
                 session,
-                input.task_id,
+                uuid.UUID(input.task_id),
                 NodeTaskStatus.COMPLETED if succeeded else NodeTaskStatus.FAILED,
                 started_at=result.started_at if result else None,
                 finished_at=result.finished_at if result else None,
@@ -625,54 +623,3 @@ async def _queue_task(
         )
         .on_conflict_do_nothing(index_elements=[NodeTask.id])
     )
-
-
-async def _finish_task(
-    session: AsyncSession,
-    task_id: str,
-    status: NodeTaskStatus,
-    *,
-    started_at: str | None = None,
-    finished_at: str | None = None,
-    phases: Iterable[HostPhase] = (),
-    output: dict[str, Any] | None = None,
-    error_type: str | None = None,
-    error_message: str | None = None,
-) -> None:
-    task_uuid = uuid.UUID(task_id)
-    dispatched = parse_iso(started_at)
-    completed = parse_iso(finished_at)
-    await session.execute(
-        update(NodeTask)
-        .where(NodeTask.id == task_uuid)
-        .values(
-            status=status,
-            dispatched_at=func.coalesce(NodeTask.dispatched_at, dispatched),
-            completed_at=completed if completed is not None else CLOCK,
-            output=output or {},
-            error_type=error_type,
-            error_message=_truncate(error_message),
-        )
-    )
-    rows = [
-        {
-            "node_task_id": task_uuid,
-            "allocation_id": None,
-            "phase": p.phase[:64],
-            "status": p.status[:16],
-            "message": _truncate(p.message),
-            "occurred_at": parse_iso(p.at) or dt.datetime.now(dt.UTC),
-        }
-        for p in phases
-    ]
-    if rows:
-        allocation_id = await session.scalar(
-            select(NodeTask.allocation_id).where(NodeTask.id == task_uuid)
-        )
-        for row in rows:
-            row["allocation_id"] = allocation_id
-        await session.execute(
-            pg_insert(NodeTaskEvent)
-            .values(rows)
-            .on_conflict_do_nothing(constraint="node_task_events_once")
-        )

@@ -133,14 +133,17 @@ async def test_baremetal_allocation_claims_whole_node(
     await tenant.client.post(f"/api/v1/allocations/{allocation_id}/release")
     await wait_status(tenant.client, allocation_id, "released")
     async with db_sessions() as session:
-        kinds = (
-            await session.scalars(
-                select(NodeTask.kind)
+        tasks = (
+            await session.execute(
+                select(NodeTask.kind, NodeTask.attempts)
                 .where(NodeTask.allocation_id == uuid.UUID(allocation_id))
                 .order_by(NodeTask.created_at)
             )
         ).all()
+    kinds = [kind for kind, _ in tasks]
     assert kinds == [BAREMETAL_PROVISION_USER, BAREMETAL_DEPROVISION_USER]
+    # Each ended once, and the timeline's task items say so.
+    assert [attempts for _, attempts in tasks] == [1, 1]
     await record_history(
         temporal_client.get_workflow_handle(allocation_workflow_id(allocation_id)),
         "allocation",

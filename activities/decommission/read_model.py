@@ -8,7 +8,6 @@ failure classification, operator actions, host-task stage events, completion) th
 
 from __future__ import annotations
 
-import datetime as dt
 import uuid
 from typing import Any
 
@@ -16,13 +15,13 @@ from sqlalchemy import func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from activities.lifecycle_read_model import JobTables, bounded
-from core.timestamps import parse_iso
+from activities.lifecycle_read_model import JobTables
+from activities.node_task_log import record_task_outcome
+from agent.contract import HostPhase
 from schema.models import (
     NodeDecommission,
     NodeDecommissionEvent,
     NodeTask,
-    NodeTaskEvent,
 )
 from schema.states import NodeTaskStatus
 from workflows.decommission_contract import DecommissionState, NodeTaskRecord, ProgressRecord
@@ -146,38 +145,25 @@ async def record_node_task(session: AsyncSession, record: NodeTaskRecord) -> Non
             .on_conflict_do_nothing(index_elements=[NodeTask.id])
         )
         return
-    started = parse_iso(record.started_at)
-    finished = parse_iso(record.finished_at)
-    await session.execute(
-        update(NodeTask)
-        .where(NodeTask.id == task_id)
-        .values(
-            status=record.status,
-            attempts=NodeTask.attempts + 1,
-            dispatched_at=func.coalesce(NodeTask.dispatched_at, started),
-            completed_at=finished if finished is not None else func.clock_timestamp(),
-            output=record.output,
-            error_type=record.error_type,
-            error_message=bounded(record.error_message),
-        )
+    await record_task_outcome(
+        session,
+        task_id,
+        record.status,
+        started_at=record.started_at,
+        finished_at=record.finished_at,
+        phases=[
+            HostPhase(
+                phase=str(p.get("phase", "")),
+                status=str(p.get("status", "")),
+                at=str(p.get("at", "")),
+                message=str(p.get("message", "")),
+            )
+            for p in record.phases
+        ],
+        output=record.output,
+        error_type=record.error_type,
+        error_message=record.error_message,
     )
-    rows = [
-        {
-            "node_task_id": task_id,
-            "allocation_id": None,
-            "phase": str(p.get("phase", ""))[:64],
-            "status": str(p.get("status", ""))[:16],
-            "message": bounded(str(p.get("message", ""))),
-            "occurred_at": parse_iso(p.get("at")) or dt.datetime.now(dt.UTC),
-        }
-        for p in record.phases
-    ]
-    if rows:
-        await session.execute(
-            pg_insert(NodeTaskEvent)
-            .values(rows)
-            .on_conflict_do_nothing(constraint="node_task_events_once")
-        )
 
 
 async def live_task(session: AsyncSession, node_id: uuid.UUID, kind: str) -> NodeTask | None:
