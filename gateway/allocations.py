@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import select, tuple_
+from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 from temporalio.client import (
     Client,
@@ -44,7 +44,7 @@ from gateway.errors import (
     TemporalUnavailable,
     Unprocessable,
 )
-from gateway.pagination import decode_cursor, encode_cursor
+from gateway.pagination import newest_first_page
 from gateway.schemas import (
     AllocationCreate,
     AllocationCreated,
@@ -275,15 +275,9 @@ async def list_rows(
         query = query.where(Allocation.project_id == project_id)
     if status is not None:
         query = query.where(Allocation.status == parse_status(status))
-    if cursor:
-        created_at, row_id = decode_cursor(cursor)
-        query = query.where(tuple_(Allocation.created_at, Allocation.id) < (created_at, row_id))
-    query = query.order_by(Allocation.created_at.desc(), Allocation.id.desc()).limit(limit + 1)
-    rows = list((await db.scalars(query)).all())
-    next_cursor = None
-    if len(rows) > limit:
-        rows = rows[:limit]
-        next_cursor = encode_cursor(rows[-1].created_at, rows[-1].id)
+    rows, next_cursor = await newest_first_page(
+        db, query, created=Allocation.created_at, row_id=Allocation.id, limit=limit, cursor=cursor
+    )
     return AllocationList(items=[summary(r) for r in rows], next_cursor=next_cursor)
 
 

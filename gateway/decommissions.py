@@ -27,7 +27,7 @@ from typing import Any
 
 import msgspec
 import sqlalchemy.exc
-from sqlalchemy import delete, exists, select, tuple_
+from sqlalchemy import delete, exists, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.sql.elements import ColumnElement
 from temporalio.client import Client
@@ -48,7 +48,7 @@ from gateway.lifecycle_jobs import (
     recent_events,
     run_operator_action,
 )
-from gateway.pagination import decode_cursor, encode_cursor
+from gateway.pagination import newest_first_page
 from gateway.schemas import Reason, Request
 from gateway.temporal import TemporalOps
 from schema.models import Allocation, Node, NodeDecommission, NodeDecommissionEvent, NodeMaasState
@@ -629,21 +629,14 @@ async def list_rows(
         filters.append(NodeDecommission.mode == mode)
     if node_id is not None:
         filters.append(NodeDecommission.node_id == node_id)
-    query = select(NodeDecommission).where(*filters)
-    if cursor:
-        requested_at, row_id = decode_cursor(cursor)
-        query = query.where(
-            tuple_(NodeDecommission.requested_at, NodeDecommission.decommission_id)
-            < (requested_at, row_id)
-        )
-    query = query.order_by(
-        NodeDecommission.requested_at.desc(), NodeDecommission.decommission_id.desc()
-    ).limit(limit + 1)
-    rows = list((await db.scalars(query)).all())
-    next_cursor = None
-    if len(rows) > limit:
-        rows = rows[:limit]
-        next_cursor = encode_cursor(rows[-1].requested_at, rows[-1].decommission_id)
+    rows, next_cursor = await newest_first_page(
+        db,
+        select(NodeDecommission).where(*filters),
+        created=NodeDecommission.requested_at,
+        row_id=NodeDecommission.decommission_id,
+        limit=limit,
+        cursor=cursor,
+    )
     return DecommissionList(
         items=[DecommissionView(**_fields(r)) for r in rows], next_cursor=next_cursor
     )

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import sqlalchemy.exc
-from sqlalchemy import delete, exists, func, select, tuple_
+from sqlalchemy import delete, exists, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from temporalio.client import Client
 from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
@@ -61,7 +61,7 @@ from gateway.onboarding_schemas import (
     OperatorActionAnswer,
     canonical_ip,
 )
-from gateway.pagination import decode_cursor, encode_cursor
+from gateway.pagination import newest_first_page
 from gateway.temporal import TemporalOps
 from schema.models import (
     MaasSite,
@@ -780,21 +780,14 @@ async def list_rows(
         filters.append(NodeOnboarding.site_id == site_id)
     if hostname is not None:
         filters.append(NodeOnboarding.hostname == hostname.strip().lower())
-    query = select(NodeOnboarding).where(*filters)
-    if cursor:
-        requested_at, row_id = decode_cursor(cursor)
-        query = query.where(
-            tuple_(NodeOnboarding.requested_at, NodeOnboarding.onboarding_id)
-            < (requested_at, row_id)
-        )
-    query = query.order_by(
-        NodeOnboarding.requested_at.desc(), NodeOnboarding.onboarding_id.desc()
-    ).limit(limit + 1)
-    rows = list((await db.scalars(query)).all())
-    next_cursor = None
-    if len(rows) > limit:
-        rows = rows[:limit]
-        next_cursor = encode_cursor(rows[-1].requested_at, rows[-1].onboarding_id)
+    rows, next_cursor = await newest_first_page(
+        db,
+        select(NodeOnboarding).where(*filters),
+        created=NodeOnboarding.requested_at,
+        row_id=NodeOnboarding.onboarding_id,
+        limit=limit,
+        cursor=cursor,
+    )
     answer = OnboardingList(items=[view(r) for r in rows], next_cursor=next_cursor)
     if batch_id is not None:
         counts: dict[str, int] = dict.fromkeys((s.value for s in JobStatus), 0)
