@@ -14,7 +14,6 @@ import random
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
@@ -39,7 +38,7 @@ from activities.allocation_types import (
 from activities.billing.usage import close_usage, open_usage
 from activities.node_task_log import record_task_outcome
 from activities.placement import FreeSlot, choose_slots
-from activities.placement_sql import driver_transaction
+from activities.placement_sql import SkuSizing
 from agent.contract import (
     BAREMETAL_DEPROVISION_USER,
     BAREMETAL_PROVISION_USER,
@@ -49,6 +48,7 @@ from agent.contract import (
     HostProvisionInput,
     UnhealthyGpu,
 )
+from schema.db import driver_transaction
 from schema.models import (
     Allocation,
     AllocationEvent,
@@ -181,9 +181,7 @@ class AllocationActivities:
             input.provision_task_id,
             kind,
             reservation,
-            SkuSizing(
-                offer.vcpus_per_gpu, offer.memory_mb_per_gpu, offer.image, offer.image_sha256
-            ),
+            offer.sizing,
             offer.ssh_public_keys,
         )
         return Placement(reservation=reservation, plan=plan)
@@ -415,16 +413,6 @@ class AllocationActivities:
 
 
 # ---------------------------------------------------------------------- shared steps
-
-
-@dataclass(frozen=True)
-class SkuSizing:
-    """What one GPU of a slice brings along (bare metal gets the whole node)."""
-
-    vcpus_per_gpu: int
-    memory_mb_per_gpu: int
-    image: str
-    image_sha256: str
 
 
 def _check_offer(offer: placement_sql.Offer, input: PlaceInput, *, requested_keys: int) -> None:

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from activities.placement import FreeSlot
 from schema.states import (
@@ -34,24 +32,14 @@ from schema.states import (
 WHOLE_NODE_FOOTPRINT = (0, 2**31 - 1)
 
 
-@asynccontextmanager
-async def driver_transaction(
-    sessions: async_sessionmaker[AsyncSession],
-) -> AsyncIterator[asyncpg.Connection]:
-    """A pooled connection's asyncpg connection inside its own transaction. SQLAlchemy only lends
-    the connection: it has begun nothing on it, so returning it to the pool does nothing more."""
-    async with sessions() as session:
-        connection = await session.connection()
-        lent = await connection.get_raw_connection()
-        pg: asyncpg.Connection = lent.driver_connection
-        try:
-            async with pg.transaction():
-                yield pg
-        except BaseException:
-            if pg.is_closed():
-                # A connection that died mid-transaction must not go back to the pool.
-                await connection.invalidate()
-            raise
+@dataclass(frozen=True)
+class SkuSizing:
+    """What one GPU of a slice brings along (bare metal gets the whole node)."""
+
+    vcpus_per_gpu: int
+    memory_mb_per_gpu: int
+    image: str
+    image_sha256: str
 
 
 @dataclass(frozen=True)
@@ -61,10 +49,7 @@ class Offer:
     shape: str | None  # None: not offered there
     active: bool
     allowed_gpu_counts: list[int]
-    vcpus_per_gpu: int
-    memory_mb_per_gpu: int
-    image: str
-    image_sha256: str
+    sizing: SkuSizing
     billing_state: str | None
     ssh_public_keys: list[str]  # the requested keys found in the project, oldest first
 
@@ -94,10 +79,7 @@ async def load_offer(
         shape=row[0],
         active=bool(row[1]),
         allowed_gpu_counts=list(row[2] or []),
-        vcpus_per_gpu=row[3] or 0,
-        memory_mb_per_gpu=row[4] or 0,
-        image=row[5] or "",
-        image_sha256=row[6] or "",
+        sizing=SkuSizing(row[3] or 0, row[4] or 0, row[5] or "", row[6] or ""),
         billing_state=row[7],
         ssh_public_keys=list(row[8] or []),
     )

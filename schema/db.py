@@ -4,8 +4,11 @@ into a prompt 503 at the gateway and a prompt activity retry in the worker, neve
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
+import asyncpg
 from sqlalchemy import event
 from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.ext.asyncio import (
@@ -72,3 +75,24 @@ def read_session_factory(engine: AsyncEngine) -> async_sessionmaker[AsyncSession
     return async_sessionmaker(
         engine.execution_options(isolation_level="AUTOCOMMIT"), expire_on_commit=False
     )
+
+
+@asynccontextmanager
+async def driver_transaction(
+    sessions: async_sessionmaker[AsyncSession],
+) -> AsyncIterator[asyncpg.Connection]:
+    """A pooled connection's asyncpg connection inside its own transaction, for hot paths written
+    in plain SQL (activities/placement_sql.py). SQLAlchemy only lends the connection: it has
+    begun nothing on it, so returning it to the pool does nothing more."""
+    async with sessions() as session:
+        connection = await session.connection()
+        lent = await connection.get_raw_connection()
+        pg: asyncpg.Connection = lent.driver_connection
+        try:
+            async with pg.transaction():
+                yield pg
+        except BaseException:
+            if pg.is_closed():
+                # A connection that died mid-transaction must not go back to the pool.
+                await connection.invalidate()
+            raise
