@@ -39,7 +39,14 @@ from core import search_attributes
 from core.config import Settings
 from gateway import audit
 from gateway.auth import Principal
-from gateway.errors import ApiError, Conflict, NotFound, Unprocessable
+from gateway.errors import (
+    ApiError,
+    Conflict,
+    FieldError,
+    NotFound,
+    unknown_query_value,
+    unprocessable,
+)
 from gateway.identity import constraint_name
 from gateway.lifecycle_jobs import (
     JobEventView,
@@ -177,39 +184,28 @@ class ActionAnswer(msgspec.Struct, kw_only=True):
 # --- field errors ------------------------------------------------------------------------------
 
 
-def _field(key: str, code: str, message: str, source: str = "body") -> dict[str, str]:
-    return {"key": key, "source": source, "code": code, "message": message}
-
-
-def _unprocessable(errors: list[dict[str, str]]) -> Unprocessable:
-    codes = {e["code"] for e in errors}
-    code = next(iter(codes)) if len(codes) == 1 else "validation_failed"
-    message = errors[0]["message"] if len(errors) == 1 else f"{len(errors)} fields are invalid"
-    return Unprocessable(message, code=code, details={"errors": errors})
-
-
-def _erase(value: bool | str, errors: list[dict[str, str]]) -> Erase:
+def _erase(value: bool | str, errors: list[FieldError]) -> Erase:
     if isinstance(value, bool):
         return Erase.STANDARD if value else Erase.NONE
     try:
         return Erase(value)
     except ValueError:
         errors.append(
-            _field(
+            FieldError(
                 "erase", "invalid_erase", "erase must be none, quick, secure, standard or a bool"
             )
         )
         return Erase.NONE
 
 
-def _scope(value: bool | str, key: str, errors: list[dict[str, str]]) -> StorageScope:
+def _scope(value: bool | str, key: str, errors: list[FieldError]) -> StorageScope:
     if isinstance(value, bool):
         return StorageScope.LOCAL if value else StorageScope.NONE
     try:
         return StorageScope(value)
     except ValueError:
         errors.append(
-            _field(key, "invalid_storage_scope", f"{key} must be none, local, weka or all")
+            FieldError(key, "invalid_storage_scope", f"{key} must be none, local, weka or all")
         )
         return StorageScope.NONE
 
@@ -226,17 +222,19 @@ class Plan:
 
 def plan_from(body: DecommissionCreate) -> Plan:
     """The request's combination, or 422 with a field error for each invalid part."""
-    errors: list[dict[str, str]] = []
+    errors: list[FieldError] = []
     try:
         mode = Mode(body.mode)
     except ValueError:
         mode = Mode.SOFT_RESET
         errors.append(
-            _field("mode", "invalid_mode", "mode must be soft_reset, reimage or full_decommission")
+            FieldError(
+                "mode", "invalid_mode", "mode must be soft_reset, reimage or full_decommission"
+            )
         )
     if mode == Mode.STORAGE_CLEANUP:
         errors.append(
-            _field(
+            FieldError(
                 "mode",
                 "invalid_mode",
                 "storage-only cleanup has its own route: POST /nodes/{id}/storage-cleanup",
@@ -246,7 +244,7 @@ def plan_from(body: DecommissionCreate) -> Plan:
     scope = _scope(body.storage_cleanup, "storage_cleanup", errors)
     if mode == Mode.SOFT_RESET and erase != Erase.NONE:
         errors.append(
-            _field(
+            FieldError(
                 "erase",
                 "erase_not_allowed",
                 "soft_reset keeps the OS and MAAS state: erase applies to reimage and "
@@ -255,7 +253,7 @@ def plan_from(body: DecommissionCreate) -> Plan:
         )
     if mode == Mode.FULL_DECOMMISSION and scope != StorageScope.NONE:
         errors.append(
-            _field(
+            FieldError(
                 "storage_cleanup",
                 "storage_cleanup_not_allowed",
                 "full_decommission releases (and erases) the machine: storage_cleanup applies "
@@ -264,7 +262,7 @@ def plan_from(body: DecommissionCreate) -> Plan:
         )
     if mode != Mode.FULL_DECOMMISSION and body.remove_maas_record:
         errors.append(
-            _field(
+            FieldError(
                 "remove_maas_record",
                 "remove_maas_record_not_allowed",
                 "only full_decommission may remove the MAAS record",
@@ -272,9 +270,9 @@ def plan_from(body: DecommissionCreate) -> Plan:
         )
     reason = body.reason.strip()
     if not reason:
-        errors.append(_field("reason", "blank_reason", "reason must not be blank"))
+        errors.append(FieldError("reason", "blank_reason", "reason must not be blank"))
     if errors:
-        raise _unprocessable(errors)
+        raise unprocessable(errors)
     return Plan(
         mode,
         erase,
@@ -286,15 +284,17 @@ def plan_from(body: DecommissionCreate) -> Plan:
 
 
 def storage_plan(body: StorageCleanupCreate) -> Plan:
-    errors: list[dict[str, str]] = []
+    errors: list[FieldError] = []
     scope = _scope(body.scope, "scope", errors)
     if not errors and scope == StorageScope.NONE:
-        errors.append(_field("scope", "invalid_storage_scope", "scope must be local, weka or all"))
+        errors.append(
+            FieldError("scope", "invalid_storage_scope", "scope must be local, weka or all")
+        )
     reason = body.reason.strip()
     if not reason:
-        errors.append(_field("reason", "blank_reason", "reason must not be blank"))
+        errors.append(FieldError("reason", "blank_reason", "reason must not be blank"))
     if errors:
-        raise _unprocessable(errors)
+        raise unprocessable(errors)
     return Plan(
         Mode.STORAGE_CLEANUP,
         Erase.NONE,
@@ -582,24 +582,6 @@ async def detail(db: AsyncSession, decommission_id: uuid.UUID) -> DecommissionDe
     )
 
 
-def _query_error(key: str, allowed: list[str]) -> Unprocessable:
-    return Unprocessable(
-        f"unknown {key}",
-        code=f"unknown_{key}",
-        details={
-            "errors": [
-                _field(
-                    key,
-                    f"unknown_{key}",
-                    f"{key} must be one of: " + ", ".join(allowed),
-                    source="query",
-                )
-            ],
-            "allowed": allowed,
-        },
-    )
-
-
 async def list_rows(
     db: AsyncSession,
     *,
@@ -622,10 +604,10 @@ async def list_rows(
         elif status in statuses:
             filters.append(NodeDecommission.status == status)
         else:
-            raise _query_error("status", [*statuses, "failed"])
+            raise unknown_query_value("status", [*statuses, "failed"])
     if mode is not None:
         if mode not in modes:
-            raise _query_error("mode", modes)
+            raise unknown_query_value("mode", modes)
         filters.append(NodeDecommission.mode == mode)
     if node_id is not None:
         filters.append(NodeDecommission.node_id == node_id)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import traceback
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
@@ -94,6 +95,44 @@ class Conflict(ApiError):
 
 class Unprocessable(ApiError):
     status_code = 422
+
+
+@dataclass(frozen=True)
+class FieldError:
+    """One invalid field of a request (`source`: body or query), as a 422 lists it."""
+
+    key: str
+    code: str
+    message: str
+    source: str = "body"
+
+    def as_dict(self) -> dict[str, str]:
+        return {"key": self.key, "source": self.source, "code": self.code, "message": self.message}
+
+
+def unprocessable(errors: Sequence[FieldError], **extra: Any) -> Unprocessable:
+    """422 with every field error; its code is theirs when they agree, else validation_failed."""
+    codes = {e.code for e in errors}
+    code = next(iter(codes)) if len(codes) == 1 else "validation_failed"
+    message = errors[0].message if len(errors) == 1 else f"{len(errors)} fields are invalid"
+    return Unprocessable(
+        message, code=code, details={"errors": [e.as_dict() for e in errors], **extra}
+    )
+
+
+def unknown_query_value(key: str, allowed: Sequence[str]) -> Unprocessable:
+    """422 `unknown_{key}` for a query filter outside its values, listing them."""
+    return unprocessable(
+        [
+            FieldError(
+                key,
+                f"unknown_{key}",
+                f"{key} must be one of: " + ", ".join(allowed),
+                source="query",
+            )
+        ],
+        allowed=list(allowed),
+    )
 
 
 class ServiceUnavailable(ApiError):

@@ -38,7 +38,14 @@ from core.config import Settings
 from gateway import audit
 from gateway.allocations import validate_idempotency_key
 from gateway.auth import Principal
-from gateway.errors import Conflict, NotFound, Unprocessable
+from gateway.errors import (
+    Conflict,
+    FieldError,
+    NotFound,
+    Unprocessable,
+    unknown_query_value,
+    unprocessable,
+)
 from gateway.identity import constraint_name
 from gateway.lifecycle_jobs import (
     LifecycleJob,
@@ -96,24 +103,6 @@ _LIVE = [s.value for s in LIVE_JOB_STATUSES]
 _FIRST_STAGE = Stage.LOAD_SITE_CONFIG.value
 
 # --- field errors ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class FieldError:
-    key: str
-    code: str
-    message: str
-    source: str = "body"
-
-    def as_dict(self) -> dict[str, str]:
-        return {"key": self.key, "source": self.source, "code": self.code, "message": self.message}
-
-
-def unprocessable(errors: Sequence[FieldError]) -> Unprocessable:
-    codes = {e.code for e in errors}
-    code = next(iter(codes)) if len(codes) == 1 else "validation_failed"
-    message = errors[0].message if len(errors) == 1 else f"{len(errors)} fields are invalid"
-    return Unprocessable(message, code=code, details={"errors": [e.as_dict() for e in errors]})
 
 
 def check_hostname(value: str, key: str, errors: list[FieldError]) -> str:
@@ -741,23 +730,10 @@ async def detail(db: AsyncSession, onboarding_id: uuid.UUID) -> OnboardingDetail
 
 
 def parse_status(status: str | None) -> str | None:
-    if status is None or status in {s.value for s in JobStatus}:
+    allowed = [s.value for s in JobStatus]
+    if status is None or status in allowed:
         return status
-    raise Unprocessable(
-        "unknown onboarding status",
-        code="unknown_status",
-        details={
-            "errors": [
-                FieldError(
-                    "status",
-                    "unknown_status",
-                    "status must be one of: " + ", ".join(s.value for s in JobStatus),
-                    source="query",
-                ).as_dict()
-            ],
-            "allowed": [s.value for s in JobStatus],
-        },
-    )
+    raise unknown_query_value("status", allowed)
 
 
 async def list_rows(
