@@ -37,8 +37,7 @@ from activities.allocation_types import (
 )
 from activities.billing.usage import close_usage, open_usage
 from activities.node_task_log import record_task_outcome
-from activities.placement import FreeSlot, choose_slots
-from activities.placement_sql import SkuSizing
+from activities.placement_sql import PlacementRequest, SkuSizing
 from agent.contract import (
     BAREMETAL_DEPROVISION_USER,
     BAREMETAL_PROVISION_USER,
@@ -48,7 +47,7 @@ from agent.contract import (
     HostProvisionInput,
     UnhealthyGpu,
 )
-from schema.db import driver_transaction
+from schema.db import driver_connection
 from schema.models import (
     Allocation,
     AllocationEvent,
@@ -112,7 +111,7 @@ class AllocationActivities:
         while True:
             attempt += 1
             try:
-                async with driver_transaction(self._sessions) as pg:
+                async with driver_connection(self._sessions) as pg:
                     return await self._place_once(pg, input)
             except PlacementContention:
                 pass
@@ -143,67 +142,47 @@ class AllocationActivities:
         )
         _check_offer(offer, input, requested_keys=len(set(ssh_key_ids)))
         assert offer.shape is not None
-        chosen: list[FreeSlot] = []
-        if offer.shape == SkuShape.BAREMETAL:
-            node_id, others_hold_free_nodes = await placement_sql.lock_free_node(
-                pg, region=input.region, sku=input.sku, gpus=input.gpus
-            )
-            if node_id is None:
-                if others_hold_free_nodes:
-                    raise PlacementContention()
-                raise _reject(SKU_UNAVAILABLE, f"no {input.sku} node is free in {input.region}")
-            placement: dict[str, Any] = {"claim": "node"}
-            kind = BAREMETAL_PROVISION_USER
-        else:
-            node_id, chosen = await self._lock_slice_slots(pg, input)
-            placement = {"claim": "gpu_slots", "numa_nodes": sorted({s.numa_node for s in chosen})}
-            kind = SLICE_VM_PROVISION
-        created_at = await placement_sql.write_placement(
-            pg,
+        baremetal = offer.shape == SkuShape.BAREMETAL
+        request = PlacementRequest(
             allocation_id=uuid.UUID(input.allocation_id),
             project_id=project_id,
             idempotency_key=input.idempotency_key,
             sku=input.sku,
             region=input.region,
             shape=offer.shape,
-            gpu_count=input.gpus,
-            node_id=node_id,
+            gpus=input.gpus,
             ssh_key_ids=ssh_key_ids,
             workflow_id=input.workflow_id,
-            placement=placement,
-            slots=chosen,
             task_id=uuid.UUID(input.provision_task_id),
-            task_kind=kind,
+            task_kind=BAREMETAL_PROVISION_USER if baremetal else SLICE_VM_PROVISION,
         )
-        gpus = [GpuAssignment(s.pci_address, s.numa_node, s.gpu_index) for s in chosen]
-        reservation = _reservation(input, node_id, created_at, offer.shape, gpus)
+        if baremetal:
+            placed = await placement_sql.place_baremetal(pg, request)
+        else:
+            placed = await placement_sql.place_slice(pg, request, candidates=SLICE_CANDIDATES)
+        if not placed.written:
+            # A node locked whose free slots changed between ranking and locking, or every node
+            # with room held by concurrent placements: rank again. Otherwise there is no room.
+            if placed.node_id is not None or placed.room_elsewhere:
+                raise PlacementContention()
+            if baremetal:
+                raise _reject(SKU_UNAVAILABLE, f"no {input.sku} node is free in {input.region}")
+            raise _reject(
+                SKU_UNAVAILABLE,
+                f"no {input.sku} node in {input.region} has {input.gpus} free GPUs",
+            )
+        assert placed.node_id is not None
+        assert placed.created_at is not None
+        gpus = [GpuAssignment(s.pci_address, s.numa_node, s.gpu_index) for s in placed.slots]
+        reservation = _reservation(input, placed.node_id, placed.created_at, offer.shape, gpus)
         plan = _provision_plan(
             input.provision_task_id,
-            kind,
+            request.task_kind,
             reservation,
             offer.sizing,
             offer.ssh_public_keys,
         )
         return Placement(reservation=reservation, plan=plan)
-
-    async def _lock_slice_slots(
-        self, pg: asyncpg.Connection, input: PlaceInput
-    ) -> tuple[uuid.UUID, list[FreeSlot]]:
-        node_id, any_room = await placement_sql.lock_best_slice_node(
-            pg, region=input.region, sku=input.sku, gpus=input.gpus, candidates=SLICE_CANDIDATES
-        )
-        if node_id is None:
-            if any_room:
-                raise PlacementContention()
-            raise _reject(
-                SKU_UNAVAILABLE,
-                f"no {input.sku} node in {input.region} has {input.gpus} free GPUs",
-            )
-        chosen = choose_slots(await placement_sql.lock_free_slots(pg, node_id), input.gpus)
-        if chosen is None:
-            # Its free slots changed between ranking and locking: rank again.
-            raise PlacementContention()
-        return node_id, chosen
 
     async def _existing_placement(self, input: PlaceInput) -> Placement | None:
         """What an earlier run of this activity placed, or None. An allocation an older build

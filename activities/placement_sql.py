@@ -1,24 +1,27 @@
-"""The SQL of placement, the hot spot of every POST /allocations: what is offered, which nodes
-rank first, locking their free slots, and writing the whole reservation.
+"""The SQL of placement, the hot spot of every POST /allocations: what is offered, then one
+statement that ranks the nodes, locks the best one nobody else holds and its slots, picks the
+slots (seed 000: NUMA-fit, then best-fit) and writes the whole reservation.
 
 Written against the asyncpg connection directly, in plain SQL, because this path runs once per
 POST and SQLAlchemy's statement building, compilation and ORM bookkeeping cost more CPU than the
 queries themselves; asyncpg also keeps each statement prepared per connection. Everything else
 in the control plane uses SQLAlchemy. The tables are those of schema/models.py. Only the state
 names of schema/states.py are interpolated into these strings; every value is a `$n` parameter.
+
+Each placement is two round trips, both outside any explicit transaction: the offer (a read), and
+one statement that locks and writes. A single statement is atomic on its own, its locks last
+exactly as long as it runs, and a placement no longer pays BEGIN and COMMIT round trips.
 """
 
 from __future__ import annotations
 
-import json
+import datetime as dt
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
 import asyncpg
 
-from activities.placement import FreeSlot
 from schema.states import (
     AllocationStatus,
     ClaimKind,
@@ -85,32 +88,77 @@ async def load_offer(
     )
 
 
+# --- the reservation, written by the same statement that locked what it reserves ---
+#
+# Every statement below takes the same leading parameters:
+#   $1 region, $2 sku, $3 gpus, $4 allocation id, $5 project id, $6 idempotency key, $7 shape,
+#   $8 ssh key ids, $9 workflow id, $10 host task id, $11 host task kind
+# and expects a CTE `placed(node_id)` holding the node to place on (no row: write nothing) and
+# `details`, the placement's event details. It writes the allocation (created already
+# `provisioning`, `provisioning_started_at` equal to `created_at`, both transitions in its event
+# log) and its queued host task; the claims and slots are the shape's own. Foreign keys to the
+# new allocation are checked at the end of the statement, and the claims' exclusion constraint
+# stays the last word on double booking.
+_WRITE_ALLOCATION = f"""
+allocation AS (
+  INSERT INTO allocations (id, project_id, idempotency_key, sku, region, shape, gpu_count, node_id,
+                           ssh_key_ids, status, workflow_id, created_at, provisioning_started_at)
+  SELECT $4::uuid, $5::uuid, $6::text, $2::text, $1::text, $7::text, $3::int, placed.node_id,
+         $8::uuid[], '{AllocationStatus.PROVISIONING}', $9::text, stamp.at, stamp.at
+  FROM placed, (SELECT clock_timestamp() AS at) AS stamp
+  RETURNING id, node_id, created_at
+), events AS (
+  INSERT INTO allocation_events (allocation_id, event, from_status, to_status, details)
+  SELECT allocation.id, e.event, e.from_status, e.to_status, e.details
+  FROM allocation, (VALUES
+      (1, 'requested', NULL, '{AllocationStatus.REQUESTED}', '{{}}'::jsonb),
+      (2, 'placement_reserved', NULL, NULL, (SELECT details FROM details)),
+      (3, 'provisioning_started', '{AllocationStatus.REQUESTED}',
+          '{AllocationStatus.PROVISIONING}', '{{}}'::jsonb)
+  ) AS e(position, event, from_status, to_status, details)
+  ORDER BY e.position
+), task AS (
+  INSERT INTO node_tasks (id, node_id, allocation_id, kind, status, workflow_id)
+  SELECT $10::uuid, allocation.node_id, allocation.id, $11::text, '{NodeTaskStatus.QUEUED}',
+         $9::text
+  FROM allocation
+  ON CONFLICT (id) DO NOTHING
+)"""
+
 # Bare metal: the first active node of the SKU (by hostname) with no held claim, skipping nodes
-# a concurrent placement has locked.
-_FREE_NODE = f"""
+# a concurrent placement has locked; its claim covers every GPU index on the node.
+_FREE_NODES = f"""
 SELECT n.id FROM nodes n
 WHERE n.region = $1 AND n.sku = $2 AND n.status = '{NodeStatus.ACTIVE}' AND n.gpu_count = $3
   AND NOT EXISTS (SELECT 1 FROM allocation_resource_claims c
                   WHERE c.node_id = n.id AND c.status = '{ClaimStatus.HELD}')
 ORDER BY n.hostname
 """
-_LOCK_FREE_NODE = _FREE_NODE + " LIMIT 1 FOR UPDATE OF n SKIP LOCKED"
-_COUNT_FREE_NODES = f"SELECT count(*) FROM ({_FREE_NODE}) AS free"
+_PLACE_BAREMETAL = f"""
+WITH node AS ({_FREE_NODES} LIMIT 1 FOR UPDATE OF n SKIP LOCKED
+), placed AS (
+  SELECT id AS node_id FROM node
+), details AS (
+  SELECT '{{"claim": "node"}}'::jsonb AS details
+), {_WRITE_ALLOCATION}, claims AS (
+  INSERT INTO allocation_resource_claims (id, allocation_id, node_id, slot_id, kind, footprint,
+                                          status)
+  SELECT gen_random_uuid(), allocation.id, allocation.node_id, NULL, '{ClaimKind.NODE_EXCLUSIVE}',
+         int4range({WHOLE_NODE_FOOTPRINT[0]}, {WHOLE_NODE_FOOTPRINT[1]}), '{ClaimStatus.HELD}'
+  FROM allocation
+)
+SELECT (SELECT id FROM node), (SELECT created_at FROM allocation),
+       CASE WHEN (SELECT id FROM node) IS NULL THEN EXISTS ({_FREE_NODES}) ELSE true END
+"""
 
-
-async def lock_free_node(
-    pg: asyncpg.Connection, *, region: str, sku: str, gpus: int
-) -> tuple[uuid.UUID | None, bool]:
-    """(the locked node, or None; whether free nodes exist that others hold locked)."""
-    node_id: uuid.UUID | None = await pg.fetchval(_LOCK_FREE_NODE, region, sku, gpus)
-    if node_id is not None:
-        return node_id, False
-    return None, bool(await pg.fetchval(_COUNT_FREE_NODES, region, sku, gpus))
-
-
-# Slices (seed 000): nodes where one NUMA node fits the request rank first, then best-fit
-# (fewest free GPUs that still fit), so big requests keep finding room.
-_RANKED_SLICE_NODES = f"""
+# Slices: nodes where one NUMA node fits the request rank first, then best-fit (fewest free GPUs
+# that still fit), so big requests keep finding room. Of the best `$12`, the first node no
+# concurrent placement holds is locked: concurrent placements spread over the ranking instead of
+# queueing on its head, and none has to retry while fewer than `$12` run at once. On that node
+# the slots come from one NUMA node when one fits (the one with the fewest free slots that fits,
+# best-fit again), else from the NUMA nodes with the most free slots first. If fewer slots than
+# asked could be locked (a release in flight holds some), nothing is written and it ranks again.
+_PLACE_SLICE = f"""
 WITH free AS (
   SELECT g.node_id, g.numa_node, count(*) AS free
   FROM gpu_slots g JOIN nodes n ON n.id = g.node_id
@@ -124,134 +172,124 @@ WITH free AS (
   GROUP BY node_id
   HAVING sum(free) >= $3
   ORDER BY position
-  LIMIT $4
-)
-"""
-# Of the best `$4`, the first node no concurrent placement holds is locked in the same statement:
-# concurrent placements spread over the ranking instead of queueing on its head, and none has to
-# retry while fewer than `$4` run at once.
-_LOCK_BEST_SLICE_NODE = (
-    _RANKED_SLICE_NODES
-    + """
-SELECT n.id FROM nodes n JOIN ranked ON ranked.node_id = n.id
-ORDER BY ranked.position
-LIMIT 1
-FOR UPDATE OF n SKIP LOCKED
-"""
-)
-_COUNT_RANKED_SLICE_NODES = _RANKED_SLICE_NODES + "SELECT count(*) FROM ranked"
-
-_LOCK_FREE_SLOTS = f"""
-SELECT id, gpu_index, numa_node, pci_address FROM gpu_slots
-WHERE node_id = $1 AND status = '{SlotStatus.FREE}'
-ORDER BY gpu_index
-FOR UPDATE SKIP LOCKED
-"""
-
-
-async def lock_best_slice_node(
-    pg: asyncpg.Connection, *, region: str, sku: str, gpus: int, candidates: int
-) -> tuple[uuid.UUID | None, bool]:
-    """(the locked node, or None; whether any node has room, held by others or not)."""
-    node_id: uuid.UUID | None = await pg.fetchval(
-        _LOCK_BEST_SLICE_NODE, region, sku, gpus, candidates
-    )
-    if node_id is not None:
-        return node_id, True
-    ranked = await pg.fetchval(_COUNT_RANKED_SLICE_NODES, region, sku, gpus, candidates)
-    return None, bool(ranked)
-
-
-async def lock_free_slots(pg: asyncpg.Connection, node_id: uuid.UUID) -> list[FreeSlot]:
-    """The free slots of a node (a release in flight may still hold some)."""
-    return [FreeSlot(*row) for row in await pg.fetch(_LOCK_FREE_SLOTS, node_id)]
-
-
-# The whole reservation in one statement: the allocation (created already `provisioning`, both
-# transitions in its event log), the slots it reserves, its claims and its queued host task.
-# Foreign keys to the new allocation are checked at the end of the statement.
-_WRITE_PLACEMENT = f"""
-WITH allocation AS (
-  INSERT INTO allocations (id, project_id, idempotency_key, sku, region, shape, gpu_count, node_id,
-                           ssh_key_ids, status, workflow_id, provisioning_started_at)
-  VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9::uuid[], '{AllocationStatus.PROVISIONING}', $10,
-          clock_timestamp())
-  RETURNING id, created_at
-), events AS (
-  INSERT INTO allocation_events (allocation_id, event, from_status, to_status, details)
-  SELECT allocation.id, e.event, e.from_status, e.to_status, e.details
-  FROM allocation, (VALUES
-      (1, 'requested', NULL, '{AllocationStatus.REQUESTED}', '{{}}'::jsonb),
-      (2, 'placement_reserved', NULL, NULL, $11::jsonb),
-      (3, 'provisioning_started', '{AllocationStatus.REQUESTED}',
-          '{AllocationStatus.PROVISIONING}', '{{}}'::jsonb)
-  ) AS e(position, event, from_status, to_status, details)
-  ORDER BY e.position
+  LIMIT $12
+), node AS (
+  SELECT n.id FROM nodes n JOIN ranked ON ranked.node_id = n.id
+  ORDER BY ranked.position
+  LIMIT 1
+  FOR UPDATE OF n SKIP LOCKED
 ), slots AS (
-  UPDATE gpu_slots SET status = '{SlotStatus.RESERVED}', allocation_id = $1,
-                       updated_at = clock_timestamp()
-  WHERE id = ANY($12::uuid[])
+  SELECT g.id, g.gpu_index, g.numa_node, g.pci_address FROM gpu_slots g
+  WHERE g.node_id = (SELECT id FROM node) AND g.status = '{SlotStatus.FREE}'
+  FOR UPDATE SKIP LOCKED
+), numa AS (
+  SELECT numa_node, count(*) AS numa_free FROM slots GROUP BY numa_node
+), ordered AS (
+  SELECT s.id, s.gpu_index, s.numa_node, s.pci_address,
+         row_number() OVER (ORDER BY numa.numa_free >= $3 DESC,
+                                     CASE WHEN numa.numa_free >= $3 THEN numa.numa_free
+                                          ELSE -numa.numa_free END,
+                                     s.numa_node, s.gpu_index) AS pick
+  FROM slots s JOIN numa USING (numa_node)
+), chosen AS (
+  SELECT * FROM ordered WHERE pick <= $3
+), placed AS (
+  SELECT id AS node_id FROM node WHERE (SELECT count(*) FROM chosen) = $3
+), details AS (
+  SELECT jsonb_build_object(
+           'claim', 'gpu_slots',
+           'numa_nodes', (SELECT jsonb_agg(DISTINCT numa_node ORDER BY numa_node) FROM chosen)
+         ) AS details
+), {_WRITE_ALLOCATION}, reserved AS (
+  UPDATE gpu_slots g SET status = '{SlotStatus.RESERVED}', allocation_id = allocation.id,
+                         updated_at = clock_timestamp()
+  FROM allocation
+  WHERE g.id IN (SELECT id FROM chosen)
 ), claims AS (
   INSERT INTO allocation_resource_claims (id, allocation_id, node_id, slot_id, kind, footprint,
                                           status)
-  SELECT gen_random_uuid(), $1, $8, c.slot_id, $13, int4range(c.lower, c.upper),
-         '{ClaimStatus.HELD}'
-  FROM unnest($14::uuid[], $15::int[], $16::int[]) AS c(slot_id, lower, upper)
-), task AS (
-  INSERT INTO node_tasks (id, node_id, allocation_id, kind, status, workflow_id)
-  VALUES ($17, $8, $1, $18, '{NodeTaskStatus.QUEUED}', $10)
-  ON CONFLICT (id) DO NOTHING
+  SELECT gen_random_uuid(), allocation.id, allocation.node_id, c.id, '{ClaimKind.GPU_SLOT}',
+         int4range(c.gpu_index, c.gpu_index + 1), '{ClaimStatus.HELD}'
+  FROM allocation, chosen c
 )
-SELECT created_at FROM allocation
+SELECT (SELECT id FROM node), (SELECT created_at FROM allocation),
+       EXISTS (SELECT 1 FROM ranked),
+       ARRAY(SELECT id FROM chosen ORDER BY pick),
+       ARRAY(SELECT gpu_index FROM chosen ORDER BY pick),
+       ARRAY(SELECT numa_node FROM chosen ORDER BY pick),
+       ARRAY(SELECT pci_address FROM chosen ORDER BY pick)
 """
 
 
-async def write_placement(
-    pg: asyncpg.Connection,
-    *,
-    allocation_id: uuid.UUID,
-    project_id: uuid.UUID,
-    idempotency_key: str | None,
-    sku: str,
-    region: str,
-    shape: str,
-    gpu_count: int,
-    node_id: uuid.UUID,
-    ssh_key_ids: Sequence[uuid.UUID],
-    workflow_id: str,
-    placement: dict[str, Any],
-    slots: Sequence[FreeSlot],
-    task_id: uuid.UUID,
-    task_kind: str,
-) -> Any:
-    """Returns the allocation's created_at. A lost race (the exclusion constraint on claims) or
-    an allocation placed before raises asyncpg.IntegrityConstraintViolationError."""
-    if slots:
-        kind = ClaimKind.GPU_SLOT
-        claim_slots: list[uuid.UUID | None] = [s.slot_id for s in slots]
-        lower = [s.gpu_index for s in slots]
-        upper = [s.gpu_index + 1 for s in slots]
-    else:
-        kind = ClaimKind.NODE_EXCLUSIVE
-        claim_slots, lower, upper = [None], [WHOLE_NODE_FOOTPRINT[0]], [WHOLE_NODE_FOOTPRINT[1]]
-    return await pg.fetchval(
-        _WRITE_PLACEMENT,
-        allocation_id,
-        project_id,
-        idempotency_key,
-        sku,
-        region,
-        shape,
-        gpu_count,
-        node_id,
-        list(ssh_key_ids),
-        workflow_id,
-        json.dumps(placement),
-        [s.slot_id for s in slots],
-        kind,
-        claim_slots,
-        lower,
-        upper,
-        task_id,
-        task_kind,
-    )
+@dataclass(frozen=True)
+class ReservedSlot:
+    slot_id: uuid.UUID
+    gpu_index: int
+    numa_node: int
+    pci_address: str
+
+
+@dataclass(frozen=True)
+class Placed:
+    """What one placement statement did: `created_at` is set when it wrote the reservation;
+    otherwise `node_id` says whether it locked a node (whose slots then changed under it) and
+    `room_elsewhere` whether nodes with room exist that concurrent placements hold."""
+
+    node_id: uuid.UUID | None
+    created_at: dt.datetime | None
+    room_elsewhere: bool
+    slots: list[ReservedSlot] = field(default_factory=list)
+
+    @property
+    def written(self) -> bool:
+        return self.created_at is not None
+
+
+@dataclass(frozen=True)
+class PlacementRequest:
+    allocation_id: uuid.UUID
+    project_id: uuid.UUID
+    idempotency_key: str | None
+    sku: str
+    region: str
+    shape: str
+    gpus: int
+    ssh_key_ids: Sequence[uuid.UUID]
+    workflow_id: str
+    task_id: uuid.UUID
+    task_kind: str
+
+    def parameters(self) -> tuple[object, ...]:
+        """The leading parameters every placement statement takes, in order."""
+        return (
+            self.region,
+            self.sku,
+            self.gpus,
+            self.allocation_id,
+            self.project_id,
+            self.idempotency_key,
+            self.shape,
+            list(self.ssh_key_ids),
+            self.workflow_id,
+            self.task_id,
+            self.task_kind,
+        )
+
+
+async def place_baremetal(pg: asyncpg.Connection, request: PlacementRequest) -> Placed:
+    """Lock a free node and claim it whole, in one statement. A rerun of a placement already
+    written, or a lost race, raises asyncpg.IntegrityConstraintViolationError."""
+    row = await pg.fetchrow(_PLACE_BAREMETAL, *request.parameters())
+    assert row is not None
+    return Placed(node_id=row[0], created_at=row[1], room_elsewhere=bool(row[2]))
+
+
+async def place_slice(
+    pg: asyncpg.Connection, request: PlacementRequest, *, candidates: int
+) -> Placed:
+    """Rank, lock the best free node and its slots, pick the slots and reserve them, in one
+    statement. Raises like place_baremetal."""
+    row = await pg.fetchrow(_PLACE_SLICE, *request.parameters(), candidates)
+    assert row is not None
+    slots = [ReservedSlot(*fields) for fields in zip(row[3], row[4], row[5], row[6], strict=True)]
+    return Placed(node_id=row[0], created_at=row[1], room_elsewhere=bool(row[2]), slots=slots)

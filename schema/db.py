@@ -78,21 +78,21 @@ def read_session_factory(engine: AsyncEngine) -> async_sessionmaker[AsyncSession
 
 
 @asynccontextmanager
-async def driver_transaction(
+async def driver_connection(
     sessions: async_sessionmaker[AsyncSession],
 ) -> AsyncIterator[asyncpg.Connection]:
-    """A pooled connection's asyncpg connection inside its own transaction, for hot paths written
-    in plain SQL (activities/placement_sql.py). SQLAlchemy only lends the connection: it has
-    begun nothing on it, so returning it to the pool does nothing more."""
+    """A pooled connection's asyncpg connection, for hot paths written in plain SQL
+    (activities/placement_sql.py), whose statements each commit on their own. SQLAlchemy only
+    lends the connection: it has begun nothing on it, so returning it to the pool does nothing
+    more."""
     async with sessions() as session:
         connection = await session.connection()
         lent = await connection.get_raw_connection()
         pg: asyncpg.Connection = lent.driver_connection
         try:
-            async with pg.transaction():
-                yield pg
+            yield pg
         except BaseException:
             if pg.is_closed():
-                # A connection that died mid-transaction must not go back to the pool.
+                # A connection that died mid-statement must not go back to the pool.
                 await connection.invalidate()
             raise

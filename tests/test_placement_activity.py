@@ -144,6 +144,49 @@ async def test_a_slice_placement_is_written_whole_in_one_transaction(db_sessions
     assert [(str(t), kind) for t, kind in rows["tasks"]] == [(plan.task_id, SLICE_VM_PROVISION)]
 
 
+@pytest.mark.parametrize(
+    ("busy", "gpus", "expected"),
+    [
+        # NUMA 0 has 2 free (2, 3), NUMA 1 has 4 (4-7): the fullest NUMA node that fits wins.
+        ([0, 1], 2, [2, 3]),
+        ([0, 1], 4, [4, 5, 6, 7]),
+        # A tie goes to the lower NUMA node.
+        ([0, 4], 2, [1, 2]),
+        # NUMA 0 has 2 free (2, 3), NUMA 1 has 3 (5-7): none fits 4, so the request is spread,
+        # the NUMA node with the most free slots first.
+        ([0, 1, 4], 4, [5, 6, 7, 2]),
+    ],
+)
+async def test_slots_come_from_the_best_fitting_numa_node_else_spread_from_the_freest(
+    db_sessions: Sessions, busy: list[int], gpus: int, expected: list[int]
+) -> None:
+    [node] = await create_fleet(db_sessions, slice_nodes=1)  # GPUs 0-3 on NUMA 0, 4-7 on NUMA 1
+    async with db_sessions() as session, session.begin():
+        await session.execute(
+            update(GpuSlot)
+            .where(GpuSlot.node_id == node.id, GpuSlot.gpu_index.in_(busy))
+            .values(status=SlotStatus.DISABLED)
+        )
+    project = await create_project(db_sessions)
+    request = _input(project, gpus=gpus)
+
+    placement = await AllocationActivities(db_sessions).place(request)
+
+    assert [g.gpu_index for g in placement.reservation.gpus] == expected
+    assert sorted((await _rows(db_sessions, request.allocation_id))["slots"]) == sorted(expected)
+    async with db_sessions() as session:
+        details = await session.scalar(
+            select(AllocationEvent.details).where(
+                AllocationEvent.allocation_id == uuid.UUID(request.allocation_id),
+                AllocationEvent.event == "placement_reserved",
+            )
+        )
+    assert details == {
+        "claim": "gpu_slots",
+        "numa_nodes": sorted({0 if i < 4 else 1 for i in expected}),
+    }
+
+
 async def test_a_baremetal_placement_claims_the_whole_node(db_sessions: Sessions) -> None:
     nodes = await create_fleet(db_sessions, slice_nodes=0, baremetal_nodes=1)
     project = await create_project(db_sessions)
