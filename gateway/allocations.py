@@ -60,10 +60,12 @@ from workflows.allocation_contract import (
     BALANCE_DEPLETED,
     IDEMPOTENCY_KEY_REUSED,
     NOT_RELEASABLE,
+    REJECTED,
     RELEASE_UPDATE,
     RESERVE_UPDATE,
     SKU_UNAVAILABLE,
     SSH_KEY_NOT_FOUND,
+    STATUS_AT_START,
     WORKFLOW_NAME,
     AllocationInput,
     AllocationPolicy,
@@ -355,10 +357,11 @@ async def create(
         id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
         task_queue=settings.control_plane_task_queue,
         result_type=AllocationResult,
-        # Known before placement, so set at start: the workflow then upserts only what changes.
+        # Known before placement, so set at start: the workflow then upserts only what changes
+        # (nothing before the POST is answered; see AllocationWorkflow._set_status).
         search_attributes=TypedSearchAttributes(
             [
-                SearchAttributePair(search_attributes.ALLOCATION_STATUS, "requested"),
+                SearchAttributePair(search_attributes.ALLOCATION_STATUS, STATUS_AT_START),
                 SearchAttributePair(search_attributes.PROJECT_ID, str(project_id)),
                 SearchAttributePair(search_attributes.SKU, body.sku),
             ]
@@ -425,7 +428,7 @@ async def _answer_closed(
     workflow_id = allocation_workflow_id(str(allocation_id))
 
     outcome = await temporal.read(lambda client: _result(client, workflow_id, temporal))
-    if outcome.status == "rejected":
+    if outcome.status == REJECTED:
         raise rejection(outcome.reason)
     raise ApiError(
         "the allocation for this idempotency key has ended",

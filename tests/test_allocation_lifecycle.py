@@ -18,7 +18,10 @@ from agent.contract import (
     SLICE_VM_RELEASE,
     HostErrorType,
 )
+from core import search_attributes as sa
+from gateway.allocations import allocation_id_for
 from schema.models import Allocation, AuditEntry, NodeTask
+from tests.factories import SLICE_SKU
 from tests.gateway_fixtures import ed25519_public_key
 from tests.histories import record_history
 from tests.lifecycle_support import (
@@ -114,6 +117,59 @@ async def test_slice_allocation_full_lifecycle(
     history = (await handle.fetch_history()).to_json()
     assert tenant.ssh_public_key.split()[1] not in history, "SSH key in plaintext history"
     await record_history(handle, "allocation", "slice_happy_path")
+
+
+async def test_search_attributes_follow_the_allocation_without_an_upsert_on_the_post_path(
+    tenant: Tenant, db_sessions: Any, start_node_agent: Any, temporal_client: Any
+) -> None:
+    (node,) = await create_fleet(db_sessions, slice_nodes=1)
+    created = await allocate(tenant, slice_request(2, tenant.ssh_key_id))  # no agent yet
+    handle = temporal_client.get_workflow_handle(allocation_workflow_id(created["allocation_id"]))
+
+    async def attributes() -> dict[str, Any]:
+        described = (await handle.describe()).typed_search_attributes
+        return {
+            key.name: described.get(key)
+            for key in (sa.ALLOCATION_STATUS, sa.NODE_ID, sa.PROJECT_ID, sa.SKU)
+        }
+
+    assert await attributes() == {
+        "AllocationStatus": "provisioning",
+        "NodeId": None,  # comes with the next status: the POST's workflow task upserts nothing
+        "ProjectId": str(tenant.project_id),
+        "Sku": SLICE_SKU,
+    }
+    history = await handle.fetch_history()
+    assert not [
+        e
+        for e in history.events
+        if e.HasField("upsert_workflow_search_attributes_event_attributes")
+    ]
+
+    await start_node_agent(node.id)
+    await wait_status(tenant.client, created["allocation_id"], "active")
+    assert await attributes() == {
+        "AllocationStatus": "active",
+        "NodeId": str(node.id),
+        "ProjectId": str(tenant.project_id),
+        "Sku": SLICE_SKU,
+    }
+    refused = await tenant.client.post(
+        "/api/v1/allocations",
+        json=slice_request(8, tenant.ssh_key_id),  # 6 of the node's 8 GPUs are free
+        headers={"X-Idempotency-Key": "too-big"},
+    )
+    assert refused.status_code == 409, refused.text
+    rejected = temporal_client.get_workflow_handle(
+        allocation_workflow_id(str(allocation_id_for(tenant.project_id, "too-big")))
+    )
+    await rejected.result()
+    described = (await rejected.describe()).typed_search_attributes
+    assert described.get(sa.ALLOCATION_STATUS) == "rejected"
+
+    await tenant.client.post(f"/api/v1/allocations/{created['allocation_id']}/release")
+    await wait_status(tenant.client, created["allocation_id"], "released")
+    assert (await attributes())["AllocationStatus"] == "released"
 
 
 async def test_baremetal_allocation_claims_whole_node(

@@ -48,9 +48,11 @@ with workflow.unsafe.imports_passed_through():
         NODE_UNREACHABLE,
         NOT_RELEASABLE,
         PROVISIONING_ERROR,
+        REJECTED,
         REJECTION_TYPES,
         RELEASE_UPDATE,
         RESERVE_UPDATE,
+        STATUS_AT_START,
         STATUS_QUERY,
         WORKFLOW_NAME,
         AllocationInput,
@@ -144,7 +146,8 @@ class AllocationWorkflow:
         placement = await self._place(input)
         if placement is None:
             assert self._rejection is not None
-            return AllocationResult(input.allocation_id, "rejected", self._rejection.type)
+            self._mark_rejected()
+            return AllocationResult(input.allocation_id, REJECTED, self._rejection.type)
         reservation = self._reservation = placement.reservation
         self._set_status(AllocationStatus.REQUESTED)
 
@@ -356,14 +359,31 @@ class AllocationWorkflow:
             retry_policy=_DB_RETRY,
         )
 
+    # Search attributes mirror the allocation in Temporal Web. A workflow is started with the
+    # status placement will give it (STATUS_AT_START), so nothing is upserted while the POST
+    # waits: an upsert is a second visibility write per allocation, on the POST path. NodeId is
+    # therefore upserted with the next status (active, failed, releasing); until then the node
+    # is the task queue (`node-{id}`) of the pending host activity, and the read model has it.
+    # Workflows an older gateway started as `requested` upsert `provisioning` with NodeId as
+    # they always did: the rules below compare with the attributes in the workflow's own
+    # history, so replay of those histories issues the same commands.
     def _set_status(self, status: AllocationStatus) -> None:
         self._status = status
         if status == AllocationStatus.REQUESTED:
-            return  # the gateway set status, project and SKU when it started the workflow
+            return  # placement answered; the row is already `provisioning`, which comes next
+        current = workflow.info().typed_search_attributes
+        if current.get(sa.ALLOCATION_STATUS) == status.value:
+            return
         updates = [sa.ALLOCATION_STATUS.value_set(status.value)]
-        if status == AllocationStatus.PROVISIONING and self._reservation is not None:
+        if self._reservation is not None and current.get(sa.NODE_ID) is None:
             updates.append(sa.NODE_ID.value_set(self._reservation.node_id))
         workflow.upsert_search_attributes(updates)
+
+    def _mark_rejected(self) -> None:
+        """A refused placement created nothing; its workflow must not read `provisioning`."""
+        current = workflow.info().typed_search_attributes
+        if current.get(sa.ALLOCATION_STATUS) == STATUS_AT_START:
+            workflow.upsert_search_attributes([sa.ALLOCATION_STATUS.value_set(REJECTED)])
 
 
 def _describe_error(error: BaseException) -> tuple[str, str]:

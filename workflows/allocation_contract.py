@@ -92,6 +92,14 @@ class AllocationView:
     release_pending: bool
 
 
+# The outcome of a workflow whose placement was refused (no allocation row exists): its result's
+# status, and its AllocationStatus search attribute.
+REJECTED = "rejected"
+# The AllocationStatus the gateway starts the workflow with: placement creates the allocation
+# already `provisioning`, so the first workflow task (on every POST's path) upserts nothing.
+STATUS_AT_START = "provisioning"
+
+
 @dataclass
 class AllocationResult:
     allocation_id: str
