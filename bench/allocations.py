@@ -56,6 +56,11 @@ async def seed_bench_fleets(database_url: str, latency_nodes: int) -> list[str]:
                 latency_nodes, 8, region=LATENCY_REGION, hostname_prefix="bench-b"
             )
             await seed_fleet(session, latency)
+        # A running system's tables have planner statistics (autovacuum analyzes them); freshly
+        # seeded ones do not, and placement's ranking then sorts where it would hash.
+        async with engine.connect() as connection:
+            await connection.execute(text("ANALYZE nodes, gpu_slots, allocation_resource_claims"))
+            await connection.commit()
     finally:
         await engine.dispose()
     return [str(node.id) for node in latency.nodes]
