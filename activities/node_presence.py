@@ -1,5 +1,8 @@
 """Recording an agent's heartbeat: liveness (clock_timestamp(), the control plane's clock, not
-the agent's) and the reported GPU inventory compared with the node's GPU slots."""
+the agent's) and the reported GPU inventory compared with the node's GPU slots. A node that went
+offline because its agent fell silent is active again with its agent's first heartbeat: the
+liveness sweep (every 30 s) would bring it back too, but until then it took no work, and a
+restarted stack answered `sku_unavailable` for up to half a minute."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from temporalio import activity
 
 from schema.models import GpuSlot, Node
+from schema.states import NodeStatus
 from workflows.node_presence_contract import RecordHeartbeatInput
 
 
@@ -41,7 +45,14 @@ class NodePresenceActivities:
                 mismatched = sorted(slots.symmetric_difference(reported))
                 values["gpu_inventory"] = [dataclasses.asdict(g) for g in beat.gpus]
                 values["inventory_matches"] = not mismatched
+            prior = await session.scalar(
+                select(Node.status).where(Node.id == node_id).with_for_update()
+            )
+            if prior == NodeStatus.OFFLINE:
+                values.update(status=NodeStatus.ACTIVE, updated_at=func.clock_timestamp())
             await session.execute(update(Node).where(Node.id == node_id).values(**values))
+        if prior == NodeStatus.OFFLINE:
+            activity.logger.info("node %s is back: its agent heartbeats again", node_id)
         if mismatched:
             activity.logger.warning(
                 "node %s reports GPUs that do not match its slots: %s", node_id, mismatched

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from sqlalchemy import select
+from sqlalchemy import func, select
 from temporalio.api.enums.v1 import TaskQueueType
 from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
@@ -376,6 +376,26 @@ async def _has_pollers(client: Client, namespace: str, queue: str, kind: int) ->
     return len(response.pollers) > 0
 
 
+async def _nodes_offline(database_url: str, node_ids: list[uuid.UUID]) -> int:
+    """How many of these nodes are offline (a restarted stack's nodes went offline while it was
+    down, and are active again once their agents' first heartbeats are recorded)."""
+    from schema.db import create_engine
+    from schema.models import Node
+    from schema.states import NodeStatus
+
+    engine = create_engine(database_url, pool_size=1, max_overflow=0)
+    try:
+        async with engine.connect() as connection:
+            offline = await connection.scalar(
+                select(func.count())
+                .select_from(Node)
+                .where(Node.id.in_(node_ids), Node.status == NodeStatus.OFFLINE)
+            )
+    finally:
+        await engine.dispose()
+    return int(offline or 0)
+
+
 async def _http_ok(url: str) -> bool:
     try:
         async with httpx.AsyncClient(timeout=2.0) as http:
@@ -604,15 +624,16 @@ class Stack:
 
         from sim.demo_fleet import demo_fleet
 
-        probe_node = demo_fleet().nodes[-1].id
+        demo_nodes = [node.id for node in demo_fleet().nodes]
 
         async def fleet_ready() -> bool:
-            return await _has_pollers(
+            polling = await _has_pollers(
                 client,
                 o.namespace,
-                node_task_queue(probe_node),
+                node_task_queue(demo_nodes[-1]),
                 TaskQueueType.TASK_QUEUE_TYPE_ACTIVITY,
             )
+            return polling and await _nodes_offline(database_url, demo_nodes) == 0
 
         async def gateway_ready() -> bool:
             return await _http_ok(f"{o.gateway_probe_url}/healthz")

@@ -1,5 +1,6 @@
 """Heartbeats as the liveness signal: a silent agent's node goes offline (and gets no new
-allocations); heartbeats bring it back; a node that never heartbeated is left alone."""
+allocations); its next heartbeat brings it back (and the sweep would too); a node that never
+heartbeated is left alone."""
 
 from __future__ import annotations
 
@@ -68,8 +69,25 @@ async def test_silent_node_goes_offline_and_comes_back(
     )
 
     async def back() -> bool:
-        result = await sweep(temporal_client, settings)
-        return str(silent.id) in result.came_back
+        return await status_of(db_sessions, silent.id) == "active"
 
-    await eventually(back)
-    assert await status_of(db_sessions, silent.id) == "active"
+    await eventually(back)  # the heartbeat itself, no sweep in between
+    third = await tenant.post("/api/v1/allocations", json=slice_request(8))
+    assert third.json()["node_id"] == str(silent.id)
+
+
+async def test_the_sweep_brings_back_an_offline_node_whose_agent_is_heard_from(
+    db_sessions: Any, temporal_client: Any, settings: Any
+) -> None:
+    """The sweep's own way back, for a node whose contact was recorded without flipping it
+    (a heartbeat recorded by an older worker)."""
+    (node,) = await create_fleet(db_sessions, slice_nodes=1)
+    async with db_sessions() as session, session.begin():
+        await session.execute(
+            update(Node)
+            .where(Node.id == node.id)
+            .values(status="offline", last_agent_contact_at=dt.datetime.now(dt.UTC))
+        )
+    result = await sweep(temporal_client, settings)
+    assert result.came_back == [str(node.id)]
+    assert await status_of(db_sessions, node.id) == "active"
