@@ -161,10 +161,8 @@ class AllocationActivities:
         else:
             placed = await placement_sql.place_slice(pg, request, candidates=SLICE_CANDIDATES)
         if not placed.written:
-            # A node locked whose free slots changed between ranking and locking, or every node
-            # with room held by concurrent placements: rank again. Otherwise there is no room.
-            if placed.node_id is not None or placed.room_elsewhere:
-                raise PlacementContention()
+            if placed.any_room:
+                raise PlacementContention()  # rank again
             if baremetal:
                 raise _reject(SKU_UNAVAILABLE, f"no {input.sku} node is free in {input.region}")
             raise _reject(

@@ -231,13 +231,14 @@ class ReservedSlot:
 
 @dataclass(frozen=True)
 class Placed:
-    """What one placement statement did: `created_at` is set when it wrote the reservation;
-    otherwise `node_id` says whether it locked a node (whose slots then changed under it) and
-    `room_elsewhere` whether nodes with room exist that concurrent placements hold."""
+    """What one placement statement did: `created_at` is set when it wrote the reservation.
+    `any_room`: some node had room for the request when it ran, so writing nothing means
+    contention (concurrent placements held those nodes, or the one it locked had slots held by
+    a release in flight), not a lack of capacity."""
 
     node_id: uuid.UUID | None
     created_at: dt.datetime | None
-    room_elsewhere: bool
+    any_room: bool
     slots: list[ReservedSlot] = field(default_factory=list)
 
     @property
@@ -281,7 +282,7 @@ async def place_baremetal(pg: asyncpg.Connection, request: PlacementRequest) -> 
     written, or a lost race, raises asyncpg.IntegrityConstraintViolationError."""
     row = await pg.fetchrow(_PLACE_BAREMETAL, *request.parameters())
     assert row is not None
-    return Placed(node_id=row[0], created_at=row[1], room_elsewhere=bool(row[2]))
+    return Placed(node_id=row[0], created_at=row[1], any_room=bool(row[2]))
 
 
 async def place_slice(
@@ -292,4 +293,4 @@ async def place_slice(
     row = await pg.fetchrow(_PLACE_SLICE, *request.parameters(), candidates)
     assert row is not None
     slots = [ReservedSlot(*fields) for fields in zip(row[3], row[4], row[5], row[6], strict=True)]
-    return Placed(node_id=row[0], created_at=row[1], room_elsewhere=bool(row[2]), slots=slots)
+    return Placed(node_id=row[0], created_at=row[1], any_room=bool(row[2]), slots=slots)

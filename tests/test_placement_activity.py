@@ -3,6 +3,7 @@ transaction (activities/placement_sql.py), what a rerun answers, and what it ref
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import uuid
 from typing import Any
@@ -22,6 +23,7 @@ from schema.models import (
     AllocationResourceClaim,
     BillingAccount,
     GpuSlot,
+    Node,
     NodeTask,
     Sku,
     SshKey,
@@ -104,7 +106,7 @@ async def _rows(sessions: Sessions, allocation_id: str) -> dict[str, Any]:
     }
 
 
-async def test_a_slice_placement_is_written_whole_in_one_transaction(db_sessions: Sessions) -> None:
+async def test_a_slice_placement_is_written_whole_in_one_statement(db_sessions: Sessions) -> None:
     await create_fleet(db_sessions, slice_nodes=2)
     project = await create_project(db_sessions)
     newer = await _add_key(db_sessions, project, "newer", age_s=10)
@@ -142,6 +144,37 @@ async def test_a_slice_placement_is_written_whole_in_one_transaction(db_sessions
         (ClaimKind.GPU_SLOT, (i, i + 1)) for i in indexes
     ]
     assert [(str(t), kind) for t, kind in rows["tasks"]] == [(plan.task_id, SLICE_VM_PROVISION)]
+
+
+@pytest.mark.parametrize("sku", [SLICE_SKU, BAREMETAL_SKU])
+async def test_capacity_another_transaction_holds_is_waited_for_not_refused(
+    db_sessions: Sessions, sku: str
+) -> None:
+    """A node or slot that a concurrent placement or release holds locked is contention, not a
+    lack of capacity: placement ranks again until it is let go, and never answers
+    sku_unavailable for it."""
+    slice_nodes, baremetal_nodes = (1, 0) if sku == SLICE_SKU else (0, 1)
+    [node] = await create_fleet(
+        db_sessions, slice_nodes=slice_nodes, baremetal_nodes=baremetal_nodes
+    )
+    project = await create_project(db_sessions)
+    request = _input(project, sku=sku, gpus=8)
+
+    async with db_sessions() as holder, holder.begin():
+        if sku == SLICE_SKU:  # one of the eight slots: the node can lock only seven
+            held = select(GpuSlot).where(GpuSlot.node_id == node.id, GpuSlot.gpu_index == 0)
+        else:  # the node itself
+            held = select(Node).where(Node.id == node.id)
+        await holder.execute(held.with_for_update())
+        placing = asyncio.create_task(AllocationActivities(db_sessions).place(request))
+        await asyncio.sleep(0.5)
+        assert not placing.done()  # neither refused nor placed while it is held
+
+    placement = await asyncio.wait_for(placing, timeout=10)
+    assert placement.reservation.node_id == str(node.id)
+    assert len((await _rows(db_sessions, request.allocation_id))["claims"]) == (
+        8 if sku == SLICE_SKU else 1
+    )
 
 
 @pytest.mark.parametrize(
