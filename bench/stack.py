@@ -82,6 +82,7 @@ def bench_stack_options(state: Path) -> StackOptions:
         vault_port=free_port(),
         maas_port=free_port(),
         stripe_port=free_port(),
+        worker_metrics_port=free_port(),
         phase_delay=0.0,
         jitter=0.0,
         agents=False,

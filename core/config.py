@@ -45,6 +45,9 @@ class Settings:
     node_offline_after_seconds: float = 300.0
     # What a node's agent calls to enroll; written into the cloud-init of every MAAS deploy.
     public_api_url: str = "http://127.0.0.1:8000"
+    # host:port where this process serves its Temporal SDK metrics for Prometheus
+    # (`/metrics`); unset, none are served. bin/stack sets it for the worker.
+    metrics_address: str | None = None
 
     @property
     def codec_key(self) -> bytes:
@@ -80,4 +83,5 @@ class Settings:
             vault_timeout_seconds=float(e.get("GPUCLOUD_VAULT_TIMEOUT_S", "5")),
             node_offline_after_seconds=float(e.get("GPUCLOUD_NODE_OFFLINE_AFTER_S", "300")),
             public_api_url=e.get("GPUCLOUD_PUBLIC_API_URL", "http://127.0.0.1:8000"),
+            metrics_address=e.get("GPUCLOUD_METRICS_ADDRESS") or None,
         )

@@ -96,6 +96,11 @@ class StackOptions:
     maas_port: int = 5240
     stripe_port: int = 12111  # stripe-mock's HTTP port; its HTTPS listener takes the next one
     hosts: str = "simulated"  # sim.fleet --hosts: "simulated" | "libvirt-test"
+    worker_metrics_port: int = 9464  # the worker's Temporal SDK metrics, for Prometheus
+
+    @property
+    def worker_metrics_address(self) -> str:
+        return f"127.0.0.1:{self.worker_metrics_port}"
 
     @property
     def logs_dir(self) -> Path:
@@ -448,6 +453,7 @@ class Stack:
 
     def _child_env(self, database_url: str) -> dict[str, str]:
         env = dict(os.environ)
+        env.pop("GPUCLOUD_METRICS_ADDRESS", None)  # the worker's alone: one process per port
         env.update(
             {
                 "PYTHONUNBUFFERED": "1",
@@ -476,6 +482,7 @@ class Stack:
                 ("Vault", self.o.vault_port),
                 ("MAAS simulator", self.o.maas_port),
                 ("stripe-mock", self.o.stripe_port),
+                ("worker metrics", self.o.worker_metrics_port),
             )
             if port_in_use("127.0.0.1", port)
         ]
@@ -600,6 +607,7 @@ class Stack:
             "GPUCLOUD_SIM_MAAS_CONTROL_TOKEN": maas_control_token,
             # Deployed nodes' agents enroll here (written into their cloud-init).
             "GPUCLOUD_PUBLIC_API_URL": o.gateway_probe_url,
+            "GPUCLOUD_METRICS_ADDRESS": o.worker_metrics_address,
         }
         worker = Child("worker", python_entry("worker"), o.logs_dir / "worker.log", worker_env,
                        REPO_ROOT)  # fmt: skip
@@ -722,6 +730,7 @@ def print_summary(o: StackOptions, tokens: dict[str, str], stack: Stack) -> None
  Temporal gRPC      {o.temporal_address}  (namespace {o.namespace})
  Gateway            {api}
  OpenAPI docs       {api}/schema/swagger
+ Worker metrics     http://{o.worker_metrics_address}/metrics  (Temporal SDK, Prometheus)
  PostgreSQL         {pg_url}
  Vault (simulator)  {o.vault_addr}  (root token in {_shown(o.vault_token_file)})
  Stripe (mock)      {o.stripe_api_base}  (stripe-mock; API key and webhook secret in Vault)
@@ -831,6 +840,12 @@ def parse_args(argv: list[str] | None = None) -> StackOptions:
         help="stripe-mock HTTP port; HTTPS takes the next (default: %(default)s)",
     )
     add(
+        "--worker-metrics-port",
+        type=int,
+        default=int(env.get("GPUCLOUD_WORKER_METRICS_PORT", "9464")),
+        help="where the worker serves its Temporal SDK metrics (default: %(default)s)",
+    )
+    add(
         "--state-dir",
         type=Path,
         default=Path(env.get("GPUCLOUD_STATE_DIR", REPO_ROOT / ".state")),
@@ -865,6 +880,7 @@ def parse_args(argv: list[str] | None = None) -> StackOptions:
         maas_port=args.maas_port,
         stripe_port=args.stripe_port,
         hosts=args.hosts,
+        worker_metrics_port=args.worker_metrics_port,
     )
 
 
