@@ -271,10 +271,13 @@ async def list_rows(
     status: str | None,
     limit: int,
     cursor: str | None,
+    node_id: uuid.UUID | None = None,
 ) -> AllocationList:
     query = select(Allocation)
     if project_id is not None:
         query = query.where(Allocation.project_id == project_id)
+    if node_id is not None:
+        query = query.where(Allocation.node_id == node_id)
     if status is not None:
         query = query.where(Allocation.status == parse_status(status))
     rows, next_cursor = await newest_first_page(

@@ -241,6 +241,7 @@ class Allocation(Base):
         CheckConstraint(_check_in("shape", SkuShape), name="allocations_shape"),
         UniqueConstraint("project_id", "idempotency_key", name="allocations_idempotency"),
         Index("allocations_project_created", "project_id", "created_at", "id"),
+        Index("allocations_node_created", "node_id", "created_at", "id"),
         Index("allocations_status", "status"),
     )
 

@@ -88,6 +88,16 @@ async def test_admin_list_spans_projects_and_filters(world):
     assert [i["allocation_id"] for i in theirs.json()["items"]] == [str(world["other"].id)]
     failed = await admin.get("/api/v1/admin/allocations", params={"status": "failed"})
     assert [i["allocation_id"] for i in failed.json()["items"]] == [str(world["rows"][3].id)]
+    on_node = world["rows"][4]  # each allocation of the fixture has a node of its own
+    there = await admin.get("/api/v1/admin/allocations", params={"node_id": str(on_node.node_id)})
+    assert [(i["allocation_id"], i["node_id"]) for i in there.json()["items"]] == [
+        (str(on_node.id), str(on_node.node_id))
+    ]
+    active_there = await admin.get(
+        "/api/v1/admin/allocations",
+        params={"node_id": str(on_node.node_id), "status": "active"},
+    )
+    assert active_there.json()["items"] == []
     page = (await admin.get("/api/v1/admin/allocations", params={"limit": 4})).json()
     assert len(page["items"]) == 4
     rest = await admin.get(

@@ -266,11 +266,19 @@ class AdminAllocationsController(Controller):
         db: NamedDependency[AsyncSession],
         status: FromQuery[str | None] = None,
         project_id: FromQuery[uuid.UUID | None] = None,
+        node_id: FromQuery[uuid.UUID | None] = None,
         limit: Annotated[int, QueryParameter(ge=1, le=200)] = 50,
         cursor: FromQuery[str | None] = None,
     ) -> AllocationList:
+        """`node_id` answers what runs (or ran) on a node, e.g. with `status=provisioning` while
+        Temporal Web does not show the node yet."""
         return await allocations.list_rows(
-            db, project_id=project_id, status=status, limit=limit, cursor=cursor
+            db,
+            project_id=project_id,
+            node_id=node_id,
+            status=status,
+            limit=limit,
+            cursor=cursor,
         )
 
     @get(
