@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime as dt
 import os
 import platform
 import shutil
@@ -26,12 +27,14 @@ from typing import Any
 import aiohttp
 import httpx
 from sqlalchemy import text
+from temporalio.client import Client
 
 from bench.stack import bench_stack_options, cpu_seconds, machine_speed_seconds, private_state_dir
 from devstack.processes import Child, python_entry
 from devstack.up import REPO_ROOT, Stack
 from schema.db import create_engine, session_factory
 from sim.demo_fleet import build_fleet, seed_fleet
+from workflows.allocation_contract import allocation_workflow_id
 
 THROUGHPUT_REGION = "bench-a"
 LATENCY_REGION = "bench-b"
@@ -94,6 +97,7 @@ async def throughput(
     clients run straight on into the measured requests, so these start staggered as in steady
     state, not as one synchronised burst of twenty."""
     latencies: list[float] = []
+    sent: list[tuple[float, float, str]] = []  # wall-clock send and answer, allocation id
     statuses: dict[int, int] = {}
     errors: dict[str, int] = {}
     queue: asyncio.Queue[tuple[str, bool]] = asyncio.Queue()
@@ -112,7 +116,7 @@ async def throughput(
                 return
             if measured and not window:
                 window.update(started=time.perf_counter(), cpu=cpu_seconds(pids))
-            t0 = time.perf_counter()
+            t0, wall0 = time.perf_counter(), time.time()
             async with client.post(
                 "/api/v1/allocations", json=body, headers={"X-Idempotency-Key": key}
             ) as response:
@@ -120,6 +124,8 @@ async def throughput(
             if not measured:
                 continue
             latencies.append(time.perf_counter() - t0)
+            if response.status == 201:
+                sent.append((wall0, time.time(), answer["allocation_id"]))
             statuses[response.status] = statuses.get(response.status, 0) + 1
             if response.status != 201:
                 code = answer.get("error", {}).get("code", "?")
@@ -157,7 +163,52 @@ async def throughput(
         "p50_ms": percentile(latencies, 50) * 1000,
         "p99_ms": percentile(latencies, 99) * 1000,
         "max_ms": max(latencies) * 1000,
+        "sent": sent,
     }
+
+
+STAGES = (
+    "client sends -> workflow started",
+    "started -> first workflow task started",
+    "first workflow task started -> completed",
+    "task completed -> client has the answer",
+)
+
+
+async def stage_breakdown(
+    temporal_address: str, sent: list[tuple[float, float, str]], every: int = 5
+) -> list[tuple[str, list[float]]]:
+    """Where a POST's time goes: every `every`-th request's send and answer times against its
+    workflow's history (event times are the server's; same machine, same clock). Mean ms per
+    stage for the fastest half, p50-p90 and the slowest 5 % of the sampled requests."""
+    client = await Client.connect(temporal_address)
+    rows: list[tuple[float, ...]] = []
+    for wall0, wall1, allocation_id in sent[::every]:
+        history = await client.get_workflow_handle(
+            allocation_workflow_id(allocation_id)
+        ).fetch_history()
+        started = history.events[0].event_time.ToDatetime(dt.UTC).timestamp()
+        task = [
+            e.event_time.ToDatetime(dt.UTC).timestamp()
+            for e in history.events
+            if e.HasField("workflow_task_started_event_attributes")
+            or e.HasField("workflow_task_completed_event_attributes")
+        ][:2]
+        rows.append(
+            (wall1 - wall0, started - wall0, task[0] - started, task[1] - task[0], wall1 - task[1])
+        )
+    rows.sort()
+    n = len(rows)
+    groups = [
+        ("fastest half", rows[: n // 2]),
+        ("p50-p90", rows[n // 2 : int(n * 0.9)]),
+        ("slowest 5 %", rows[int(n * 0.95) :]),
+    ]
+    return [
+        (label, [1000 * statistics.fmean(r[i] for r in group) for i in range(5)])
+        for label, group in groups
+        if group
+    ]
 
 
 async def post_to_active(
@@ -240,6 +291,7 @@ async def main(args: argparse.Namespace) -> None:
         pids = {c.name: c.pid for c in stack.children if c.pid is not None}
         a = await throughput(gateway, tenant, args.requests, args.clients, args.warmup, pids)
         cpu = a["cpu"]
+        breakdown = await stage_breakdown(options.temporal_address, a["sent"]) if args.trace else []
     finally:
         await stack.shutdown()
         shutil.rmtree(state, ignore_errors=True)
@@ -264,6 +316,11 @@ async def main(args: argparse.Namespace) -> None:
         f"p50 {b['p50_ms']:.0f} ms, p99 {b['p99_ms']:.0f} ms, max {b['max_ms']:.0f} ms "
         f"(target p50 <= 300 ms)"
     )
+    for label, means in breakdown:
+        print(
+            f"(a) {label}: total {means[0]:.0f} ms = "
+            + " + ".join(f"{stage} {ms:.0f}" for stage, ms in zip(STAGES, means[1:], strict=True))
+        )
     print(
         "CPU seconds during (a): "
         + ", ".join(f"{name} {used:.1f}" for name, used in sorted(cpu.items(), key=lambda x: -x[1]))
@@ -279,4 +336,9 @@ if __name__ == "__main__":
     )
     parser.add_argument("--latency-samples", type=int, default=60)
     parser.add_argument("--latency-nodes", type=int, default=4)
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="also print where (a)'s POSTs spend their time, stage by stage (from histories)",
+    )
     asyncio.run(main(parser.parse_args()))
