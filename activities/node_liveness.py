@@ -1,13 +1,16 @@
 """Agent heartbeats are the primary liveness signal (seed 003 §6.3): an active node whose agent
 has been silent longer than the threshold goes offline (placement only uses active nodes), and
-comes back when heartbeats resume. Nodes that never heartbeated are left alone."""
+comes back when heartbeats resume: at once, when its heartbeat is recorded (node_presence), and
+here for any offline node whose agent was heard from since. Nodes that never heartbeated are left
+alone."""
 
 from __future__ import annotations
 
 import datetime as dt
+import uuid
 from dataclasses import dataclass, field
 
-from sqlalchemy import func, update
+from sqlalchemy import ColumnElement, func, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from temporalio import activity
 
@@ -24,6 +27,19 @@ class LivenessInput:
 class LivenessResult:
     went_offline: list[str] = field(default_factory=list)
     came_back: list[str] = field(default_factory=list)
+
+
+async def bring_back_online(
+    session: AsyncSession, heard_from: ColumnElement[bool]
+) -> list[uuid.UUID]:
+    """Offline nodes matching `heard_from` are active again (compare-and-set); their ids."""
+    back = await session.scalars(
+        update(Node)
+        .where(Node.status == NodeStatus.OFFLINE, heard_from)
+        .values(status=NodeStatus.ACTIVE, updated_at=func.clock_timestamp())
+        .returning(Node.id)
+    )
+    return list(back.all())
 
 
 class NodeLivenessActivities:
@@ -47,17 +63,7 @@ class NodeLivenessActivities:
                     .returning(Node.id)
                 )
             ).all()
-            back = (
-                await session.scalars(
-                    update(Node)
-                    .where(
-                        Node.status == NodeStatus.OFFLINE,
-                        Node.last_agent_contact_at >= cutoff,
-                    )
-                    .values(status=NodeStatus.ACTIVE, updated_at=func.clock_timestamp())
-                    .returning(Node.id)
-                )
-            ).all()
+            back = await bring_back_online(session, Node.last_agent_contact_at >= cutoff)
         if offline or back:
             activity.logger.info("nodes offline: %s; back: %s", list(offline), list(back))
         return LivenessResult([str(n) for n in offline], [str(n) for n in back])

@@ -1,8 +1,9 @@
 """Recording an agent's heartbeat: liveness (clock_timestamp(), the control plane's clock, not
 the agent's) and the reported GPU inventory compared with the node's GPU slots. A node that went
-offline because its agent fell silent is active again with its agent's first heartbeat: the
-liveness sweep (every 30 s) would bring it back too, but until then it took no work, and a
-restarted stack answered `sku_unavailable` for up to half a minute."""
+offline because its agent fell silent is active again with its agent's first heartbeat
+(node_liveness.bring_back_online): the liveness sweep (every 30 s) would bring it back too, but
+until then it took no work, and a restarted stack answered `sku_unavailable` for up to half a
+minute."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from temporalio import activity
 
+from activities.node_liveness import bring_back_online
 from schema.models import GpuSlot, Node
-from schema.states import NodeStatus
 from workflows.node_presence_contract import RecordHeartbeatInput
 
 
@@ -45,13 +46,9 @@ class NodePresenceActivities:
                 mismatched = sorted(slots.symmetric_difference(reported))
                 values["gpu_inventory"] = [dataclasses.asdict(g) for g in beat.gpus]
                 values["inventory_matches"] = not mismatched
-            prior = await session.scalar(
-                select(Node.status).where(Node.id == node_id).with_for_update()
-            )
-            if prior == NodeStatus.OFFLINE:
-                values.update(status=NodeStatus.ACTIVE, updated_at=func.clock_timestamp())
             await session.execute(update(Node).where(Node.id == node_id).values(**values))
-        if prior == NodeStatus.OFFLINE:
+            back = await bring_back_online(session, Node.id == node_id)
+        if back:
             activity.logger.info("node %s is back: its agent heartbeats again", node_id)
         if mismatched:
             activity.logger.warning(
