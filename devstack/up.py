@@ -48,6 +48,7 @@ from typing import Any
 
 import httpx
 from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio.api.enums.v1 import TaskQueueType
 from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
@@ -381,23 +382,18 @@ async def _has_pollers(client: Client, namespace: str, queue: str, kind: int) ->
     return len(response.pollers) > 0
 
 
-async def _nodes_offline(database_url: str, node_ids: list[uuid.UUID]) -> int:
+async def _nodes_offline(engine: AsyncEngine, node_ids: list[uuid.UUID]) -> int:
     """How many of these nodes are offline (a restarted stack's nodes went offline while it was
     down, and are active again once their agents' first heartbeats are recorded)."""
-    from schema.db import create_engine
     from schema.models import Node
     from schema.states import NodeStatus
 
-    engine = create_engine(database_url, pool_size=1, max_overflow=0)
-    try:
-        async with engine.connect() as connection:
-            offline = await connection.scalar(
-                select(func.count())
-                .select_from(Node)
-                .where(Node.id.in_(node_ids), Node.status == NodeStatus.OFFLINE)
-            )
-    finally:
-        await engine.dispose()
+    async with engine.connect() as connection:
+        offline = await connection.scalar(
+            select(func.count())
+            .select_from(Node)
+            .where(Node.id.in_(node_ids), Node.status == NodeStatus.OFFLINE)
+        )
     return int(offline or 0)
 
 
@@ -641,16 +637,22 @@ class Stack:
                 node_task_queue(demo_nodes[-1]),
                 TaskQueueType.TASK_QUEUE_TYPE_ACTIVITY,
             )
-            return polling and await _nodes_offline(database_url, demo_nodes) == 0
+            return polling and await _nodes_offline(readiness_db, demo_nodes) == 0
 
         async def gateway_ready() -> bool:
             return await _http_ok(f"{o.gateway_probe_url}/healthz")
 
-        waits = [self._wait_for("the control-plane worker", worker_ready, worker)]
-        if o.agents:
-            waits.append(self._wait_for("the simulated fleet", fleet_ready, fleet))
-        waits.append(self._wait_for("the gateway", gateway_ready, gateway))
-        await asyncio.gather(*waits)
+        from schema.db import create_engine
+
+        readiness_db = create_engine(database_url, pool_size=1, max_overflow=0)
+        try:
+            waits = [self._wait_for("the control-plane worker", worker_ready, worker)]
+            if o.agents:
+                waits.append(self._wait_for("the simulated fleet", fleet_ready, fleet))
+            waits.append(self._wait_for("the gateway", gateway_ready, gateway))
+            await asyncio.gather(*waits)
+        finally:
+            await readiness_db.dispose()
         await self._wait_for("the MAAS simulator",
                              lambda: _http_ok(f"{o.maas_url}/api/2.0/version/"), maas,
                              limit_s=30)  # fmt: skip
