@@ -253,7 +253,11 @@ def make_token(
 @pytest.fixture
 def make_ssh_key(db_sessions: async_sessionmaker[AsyncSession]) -> Callable[..., Awaitable[SshKey]]:
     async def make(
-        project: Project | uuid.UUID, *, name: str | None = None, public_key: str | None = None
+        project: Project | uuid.UUID,
+        *,
+        name: str | None = None,
+        public_key: str | None = None,
+        age: dt.timedelta | None = None,  # how long ago it was registered
     ) -> SshKey:
         parsed = parse_public_key(public_key or ed25519_public_key())
         key = SshKey(
@@ -264,6 +268,8 @@ def make_ssh_key(db_sessions: async_sessionmaker[AsyncSession]) -> Callable[...,
             public_key=parsed.openssh,
             fingerprint=parsed.fingerprint,
         )
+        if age is not None:
+            key.created_at = dt.datetime.now(dt.UTC) - age
         async with db_sessions() as session, session.begin():
             session.add(key)
         return key

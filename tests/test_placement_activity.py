@@ -26,30 +26,12 @@ from schema.models import (
     Node,
     NodeTask,
     Sku,
-    SshKey,
 )
 from schema.states import AllocationStatus, ClaimKind, SlotStatus
 from tests.factories import BAREMETAL_SKU, REGION, SLICE_SKU, create_project
 from tests.lifecycle_support import create_fleet
 
 Sessions = async_sessionmaker[AsyncSession]
-
-
-async def _add_key(sessions: Sessions, project_id: uuid.UUID, name: str, age_s: int) -> str:
-    key_id = uuid.uuid4()
-    async with sessions() as session, session.begin():
-        session.add(
-            SshKey(
-                id=key_id,
-                project_id=project_id,
-                name=name,
-                key_type="ssh-ed25519",
-                public_key=f"ssh-ed25519 AAAA{name} {name}@example",
-                fingerprint=f"SHA256:{name}",
-                created_at=dt.datetime.now(dt.UTC) - dt.timedelta(seconds=age_s),
-            )
-        )
-    return str(key_id)
 
 
 def _input(
@@ -106,12 +88,14 @@ async def _rows(sessions: Sessions, allocation_id: str) -> dict[str, Any]:
     }
 
 
-async def test_a_slice_placement_is_written_whole_in_one_statement(db_sessions: Sessions) -> None:
+async def test_a_slice_placement_is_written_whole_in_one_statement(
+    db_sessions: Sessions, make_ssh_key: Any
+) -> None:
     await create_fleet(db_sessions, slice_nodes=2)
     project = await create_project(db_sessions)
-    newer = await _add_key(db_sessions, project, "newer", age_s=10)
-    older = await _add_key(db_sessions, project, "older", age_s=100)
-    request = _input(project, gpus=2, keys=[newer, older])
+    newer = await make_ssh_key(project, age=dt.timedelta(seconds=10))
+    older = await make_ssh_key(project, age=dt.timedelta(seconds=100))
+    request = _input(project, gpus=2, keys=[str(newer.id), str(older.id)])
 
     placement = await AllocationActivities(db_sessions).place(request)
 
@@ -120,10 +104,7 @@ async def test_a_slice_placement_is_written_whole_in_one_statement(db_sessions: 
     assert [g.numa_node for g in reservation.gpus] == [0, 0]  # one NUMA node fits two GPUs
     assert plan.task_id == request.provision_task_id
     assert plan.task_kind == SLICE_VM_PROVISION
-    assert plan.spec.ssh_public_keys == [
-        "ssh-ed25519 AAAAolder older@example",
-        "ssh-ed25519 AAAAnewer newer@example",
-    ]
+    assert plan.spec.ssh_public_keys == [older.public_key, newer.public_key]  # oldest first
     assert plan.spec.gpus == reservation.gpus
     assert (plan.spec.vcpus, plan.spec.memory_mb) == (16, 2 * 65536)
 
@@ -132,7 +113,7 @@ async def test_a_slice_placement_is_written_whole_in_one_statement(db_sessions: 
     assert allocation.status == AllocationStatus.PROVISIONING
     assert allocation.provisioning_started_at is not None
     assert str(allocation.node_id) == reservation.node_id
-    assert sorted(str(k) for k in allocation.ssh_key_ids) == sorted([newer, older])
+    assert sorted(allocation.ssh_key_ids) == sorted([newer.id, older.id])
     assert rows["events"] == [
         ("requested", None, "requested"),
         ("placement_reserved", None, None),
@@ -242,12 +223,12 @@ async def test_a_baremetal_placement_claims_the_whole_node(db_sessions: Sessions
 
 
 async def test_a_rerun_answers_the_same_placement_and_writes_nothing_more(
-    db_sessions: Sessions,
+    db_sessions: Sessions, make_ssh_key: Any
 ) -> None:
     await create_fleet(db_sessions, slice_nodes=1)
     project = await create_project(db_sessions)
-    key = await _add_key(db_sessions, project, "only", age_s=1)
-    request = _input(project, gpus=4, keys=[key])
+    key = await make_ssh_key(project)
+    request = _input(project, gpus=4, keys=[str(key.id)])
     activities = AllocationActivities(db_sessions)
 
     first = await activities.place(request)
@@ -331,13 +312,15 @@ async def test_an_allocation_an_older_build_left_requested_moves_on_to_provision
         ("balance_depleted", "balance_depleted"),
     ],
 )
-async def test_refusals_write_nothing(db_sessions: Sessions, world: str, code: str) -> None:
+async def test_refusals_write_nothing(
+    db_sessions: Sessions, make_ssh_key: Any, world: str, code: str
+) -> None:
     await create_fleet(db_sessions, slice_nodes=1)
     project = await create_project(db_sessions)
     keys: list[str] = []
     async with db_sessions() as session, session.begin():
         if world == "key_of_another_project":
-            keys = [await _add_key(db_sessions, await create_project(db_sessions), "theirs", 1)]
+            keys = [str((await make_ssh_key(await create_project(db_sessions))).id)]
         elif world == "sku_withdrawn":
             await session.execute(update(Sku).where(Sku.name == SLICE_SKU).values(active=False))
         else:
