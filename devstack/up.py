@@ -59,7 +59,12 @@ from core.task_queues import node_task_queue
 from devstack.postgres import PostgresCluster
 from devstack.processes import Child, port_in_use, python_entry, tail
 from devstack.stripe_mock import stripe_mock_argv
-from devstack.temporal import dev_server_extra_args, temporal_cli_path
+from devstack.temporal import (
+    DEV_SERVER_ENV,
+    dev_server_extra_args,
+    drop_unused_visibility_indexes,
+    temporal_cli_path,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DATABASE = "gpucloud"
@@ -544,8 +549,8 @@ class Stack:
             "--namespace", o.namespace,
             *dev_server_extra_args(codec_endpoint=o.codec_endpoint),
         ]  # fmt: skip
-        temporal = Child("temporal", temporal_argv, o.logs_dir / "temporal.log", dict(os.environ),
-                         REPO_ROOT)  # fmt: skip
+        temporal = Child("temporal", temporal_argv, o.logs_dir / "temporal.log",
+                         {**os.environ, **DEV_SERVER_ENV}, REPO_ROOT)  # fmt: skip
         self.children.append(temporal)
         await temporal.start()
         _say(f"  temporal   starting (pid {temporal.pid}), log {temporal.log_path}")
@@ -589,6 +594,11 @@ class Stack:
         await self._wait_for("Temporal Web", lambda: _http_ok(o.ui_url.replace("localhost",
                              "127.0.0.1")), temporal, limit_s=30)  # fmt: skip
         _say(f"  temporal   ready on {o.temporal_address} ({time.monotonic() - t0:.1f}s)")
+        dropped = await asyncio.to_thread(
+            drop_unused_visibility_indexes, o.state_dir / "temporal.db"
+        )
+        if dropped:
+            _say(f"  temporal   dropped {dropped} visibility indexes nothing queries")
         # Before the worker and the gateway: they read secrets from it at call time.
         await self._wait_for("Vault", lambda: _http_ok(f"{o.vault_addr}/v1/sys/health"), vault,
                              limit_s=30)  # fmt: skip
