@@ -13,12 +13,14 @@ from temporalio.service import GrpcCompression
 
 from core.codec import AesGcmPayloadCodec
 from core.config import Settings
+from core.payload_json import PayloadConverter
 
 
 def data_converter(codec_key: bytes) -> DataConverter:
     # Failure messages and stack traces are encrypted too: an exception may quote an input.
     return dataclasses.replace(
         DataConverter.default,
+        payload_converter_class=PayloadConverter,
         payload_codec=AesGcmPayloadCodec(codec_key),
         failure_converter_class=DefaultFailureConverterWithEncodedAttributes,
     )
