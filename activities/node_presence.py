@@ -16,6 +16,7 @@ from temporalio import activity
 
 from activities.node_liveness import bring_back_online
 from schema.models import GpuSlot, Node
+from schema.states import NodeStatus
 from workflows.node_presence_contract import RecordHeartbeatInput
 
 
@@ -46,8 +47,15 @@ class NodePresenceActivities:
                 mismatched = sorted(slots.symmetric_difference(reported))
                 values["gpu_inventory"] = [dataclasses.asdict(g) for g in beat.gpus]
                 values["inventory_matches"] = not mismatched
-            await session.execute(update(Node).where(Node.id == node_id).values(**values))
-            back = await bring_back_online(session, Node.id == node_id)
+            status = await session.scalar(
+                update(Node).where(Node.id == node_id).values(**values).returning(Node.status)
+            )
+            # Only a node the sweep took offline needs the way back: one statement per beat.
+            back = (
+                await bring_back_online(session, Node.id == node_id)
+                if status == NodeStatus.OFFLINE
+                else []
+            )
         if back:
             activity.logger.info("node %s is back: its agent heartbeats again", node_id)
         if mismatched:
