@@ -9,6 +9,8 @@ every workflow run."""
 
 from dataclasses import dataclass, field
 
+from schema.states import AllocationStatus
+
 WORKFLOW_NAME = "AllocationWorkflow"
 RESERVE_UPDATE = "reserve"
 RELEASE_UPDATE = "request_release"
@@ -97,7 +99,7 @@ class AllocationView:
 REJECTED = "rejected"
 # The AllocationStatus the gateway starts the workflow with: placement creates the allocation
 # already `provisioning`, so the first workflow task (on every POST's path) upserts nothing.
-STATUS_AT_START = "provisioning"
+STATUS_AT_START = AllocationStatus.PROVISIONING.value
 
 
 @dataclass
