@@ -27,7 +27,6 @@ from temporalio.converter import (
     JSONPlainPayloadConverter,
 )
 
-_ENCODING = b"json/plain"
 _encoder = msgspec.json.Encoder()
 
 
@@ -40,7 +39,7 @@ class DataclassJSONPayloadConverter(JSONPlainPayloadConverter):
                 data = _encoder.encode(value)
             except (TypeError, msgspec.EncodeError):
                 return super().to_payload(value)
-            return Payload(metadata={"encoding": _ENCODING}, data=data)
+            return Payload(metadata={"encoding": self.encoding.encode()}, data=data)
         return super().to_payload(value)
 
     def from_payload(self, payload: Payload, type_hint: type | None = None) -> Any:
