@@ -3,8 +3,8 @@ serves them, and a worker polling through that client shows up in them."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
+from collections.abc import Callable
 
 import httpx
 from temporalio.worker import Worker
@@ -12,6 +12,7 @@ from temporalio.worker import Worker
 from core.config import Settings
 from core.temporal import connect
 from tests.conftest import free_port
+from tests.lifecycle_support import eventually
 from workflows.node_liveness import NodeLivenessWorkflow
 
 
@@ -32,14 +33,24 @@ async def test_a_worker_connected_with_a_metrics_address_serves_its_sdk_metrics(
         task_queue=settings.control_plane_task_queue,
         workflows=[NodeLivenessWorkflow],
     )
+
+    def pollers_in(metrics: str) -> list[str]:
+        return [
+            line
+            for line in metrics.splitlines()
+            if line.startswith("temporal_num_pollers") and settings.control_plane_task_queue in line
+        ]
+
     async with worker:
-        await asyncio.sleep(1)  # the pollers start
-        metrics = await _scrape(address)
+        # Scraped until the pollers have started, rather than after a guessed pause.
+        metrics = await eventually(
+            lambda: _scrape_when(address, pollers_in), timeout=10, interval=0.2
+        )
 
     assert "temporal_request" in metrics  # the client's RPCs
-    pollers = [
-        line
-        for line in metrics.splitlines()
-        if line.startswith("temporal_num_pollers") and settings.control_plane_task_queue in line
-    ]
-    assert pollers, "the worker's pollers on its task queue"
+    assert pollers_in(metrics), "the worker's pollers on its task queue"
+
+
+async def _scrape_when(address: str, found: Callable[[str], list[str]]) -> str | None:
+    metrics = await _scrape(address)
+    return metrics if found(metrics) else None
