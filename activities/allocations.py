@@ -47,7 +47,7 @@ from agent.contract import (
     HostProvisionInput,
     UnhealthyGpu,
 )
-from schema.db import driver_connection
+from schema.db import bound_engine, driver_connection
 from schema.models import (
     Allocation,
     AllocationEvent,
@@ -96,6 +96,7 @@ class AllocationActivities:
         self, sessions: async_sessionmaker[AsyncSession], *, placement_deadline_seconds: float = 20
     ) -> None:
         self._sessions = sessions
+        self._engine = bound_engine(sessions)
         self._placement_deadline = placement_deadline_seconds
 
     # ------------------------------------------------------------------ placement
@@ -111,7 +112,7 @@ class AllocationActivities:
         while True:
             attempt += 1
             try:
-                async with driver_connection(self._sessions) as pg:
+                async with driver_connection(self._engine) as pg:
                     return await self._place_once(pg, input)
             except PlacementContention:
                 pass

@@ -8,6 +8,7 @@ never writes it.
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import json
 import uuid
@@ -15,8 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import asyncpg
 from sqlalchemy import select
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from temporalio.client import (
     Client,
     WithStartWorkflowOperation,
@@ -54,7 +56,8 @@ from gateway.schemas import (
     ReleaseResponse,
 )
 from gateway.temporal import TemporalOps
-from schema.models import Allocation, SshKey
+from schema.db import driver_connection
+from schema.models import Allocation
 from schema.states import AllocationStatus, ReleaseActor
 from workflows.allocation_contract import (
     BALANCE_DEPLETED,
@@ -167,7 +170,7 @@ def created_from_reservation(reservation: Reservation) -> AllocationCreated:
     )
 
 
-def created_from_row(row: Allocation) -> AllocationCreated:
+def created_from_row(row: KeyedAllocation) -> AllocationCreated:
     """The same answer the reservation gave (status `requested`): a retry with the same key gets
     the same answer; GET /allocations/{id} shows where the allocation is now."""
     return AllocationCreated(
@@ -227,7 +230,7 @@ def detail(row: Allocation) -> AllocationDetail:
     )
 
 
-def _same_request(row: Allocation, body: AllocationCreate) -> bool:
+def _same_request(row: KeyedAllocation, body: AllocationCreate) -> bool:
     return (
         row.sku == body.sku
         and row.region == body.region
@@ -290,13 +293,43 @@ async def list_rows(
 
 
 @dataclass(frozen=True)
+class KeyedAllocation:
+    """What a retry with the same idempotency key is compared with and answered from."""
+
+    id: uuid.UUID
+    node_id: uuid.UUID
+    shape: str
+    sku: str
+    region: str
+    gpu_count: int
+    ssh_key_ids: list[uuid.UUID]
+    created_at: dt.datetime
+
+
+# The allocation id is derived from the project and the idempotency key (allocation_id_for),
+# so a keyed retry finds its allocation by primary key.
+_KEYED_ALLOCATION = (
+    "SELECT id, node_id, shape, sku, region, gpu_count, ssh_key_ids, created_at"
+    " FROM allocations WHERE id = $1 AND project_id = $2"
+)
+_OWNED_SSH_KEYS = "SELECT id FROM ssh_keys WHERE project_id = $1 AND id = ANY($2::uuid[])"
+
+
+async def _keyed_allocation(
+    pg: asyncpg.Connection, project_id: uuid.UUID, allocation_id: uuid.UUID
+) -> KeyedAllocation | None:
+    record = await pg.fetchrow(_KEYED_ALLOCATION, allocation_id, project_id)
+    return None if record is None else KeyedAllocation(**dict(record))
+
+
+@dataclass(frozen=True)
 class CreateOutcome:
     allocation: AllocationCreated
     replayed: bool
 
 
 async def create(
-    db: AsyncSession,
+    engine: AsyncEngine,
     temporal: TemporalOps,
     settings: Settings,
     *,
@@ -306,38 +339,27 @@ async def create(
 ) -> CreateOutcome:
     key = validate_idempotency_key(idempotency_key)
     ssh_key_ids = unique_ids(body.ssh_key_ids)
-    if ssh_key_ids:
-        owned = set(
-            (
-                await db.scalars(
-                    select(SshKey.id).where(
-                        SshKey.project_id == project_id, SshKey.id.in_(ssh_key_ids)
-                    )
-                )
-            ).all()
-        )
-        missing = [str(k) for k in ssh_key_ids if k not in owned]
-        if missing:
-            raise Unprocessable(
-                "an SSH key in the request does not belong to this project",
-                code=SSH_KEY_NOT_FOUND,
-                details={"ssh_key_ids": missing},
-            )
-
     allocation_id = allocation_id_for(project_id, key)
     fingerprint = request_fingerprint(body)
-    if key is not None:
-        existing = await db.scalar(
-            select(Allocation).where(
-                Allocation.project_id == project_id, Allocation.idempotency_key == key
-            )
-        )
-        if existing is not None:
-            if not _same_request(existing, body):
-                raise rejection(IDEMPOTENCY_KEY_REUSED)
-            return CreateOutcome(created_from_row(existing), replayed=True)
-    # Never hold a database connection across a Temporal call (close keeps loaded rows).
-    await db.close()
+    # Plain SQL on one pooled connection (the path every POST takes), returned before the
+    # Temporal call: a connection is never held across one.
+    async with driver_connection(engine) as pg:
+        if ssh_key_ids:
+            owned = {
+                record["id"] for record in await pg.fetch(_OWNED_SSH_KEYS, project_id, ssh_key_ids)
+            }
+            missing = [str(k) for k in ssh_key_ids if k not in owned]
+            if missing:
+                raise Unprocessable(
+                    "an SSH key in the request does not belong to this project",
+                    code=SSH_KEY_NOT_FOUND,
+                    details={"ssh_key_ids": missing},
+                )
+        existing = await _keyed_allocation(pg, project_id, allocation_id) if key else None
+    if existing is not None:
+        if not _same_request(existing, body):
+            raise rejection(IDEMPOTENCY_KEY_REUSED)
+        return CreateOutcome(created_from_row(existing), replayed=True)
 
     workflow_id = allocation_workflow_id(str(allocation_id))
     workflow_input = AllocationInput(
@@ -397,7 +419,7 @@ async def create(
         raise
     except WorkflowAlreadyStartedError:
         # The workflow for this key has already closed: answer what it answered.
-        return await _answer_closed(db, temporal, allocation_id, project_id, body)
+        return await _answer_closed(engine, temporal, allocation_id, project_id, body)
     finally:
         _retrieve_start_error(start)
     return CreateOutcome(created_from_reservation(reservation), replayed=False)
@@ -412,18 +434,14 @@ def _retrieve_start_error(start: WithStartWorkflowOperation[Any, Any]) -> None:
 
 
 async def _answer_closed(
-    db: AsyncSession,
+    engine: AsyncEngine,
     temporal: TemporalOps,
     allocation_id: uuid.UUID,
     project_id: uuid.UUID,
     body: AllocationCreate,
 ) -> CreateOutcome:
-    row = await db.scalar(
-        select(Allocation).where(
-            Allocation.id == allocation_id, Allocation.project_id == project_id
-        )
-    )
-    await db.close()
+    async with driver_connection(engine) as pg:
+        row = await _keyed_allocation(pg, project_id, allocation_id)
     if row is not None:
         if not _same_request(row, body):
             raise rejection(IDEMPOTENCY_KEY_REUSED)

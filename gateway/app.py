@@ -55,13 +55,12 @@ from gateway.runtime import (
     STATE_KEY,
     Runtime,
     provide_db,
-    provide_read_db,
     provide_runtime,
     provide_secrets,
     provide_temporal,
 )
 from gateway.temporal import TemporalOps
-from schema.db import create_engine, read_session_factory, session_factory
+from schema.db import create_engine, session_factory
 
 log = logging.getLogger("gateway")
 
@@ -130,7 +129,6 @@ def create_app(
             config=gateway_config,
             engine=engine,
             sessions=session_factory(engine),
-            read_sessions=read_session_factory(engine),
             temporal=TemporalOps(client, settings),
             secrets=secret_store or VaultSecretStore.from_settings(settings),
         )
@@ -164,7 +162,6 @@ def create_app(
         ],
         dependencies={
             "db": Provide(provide_db),
-            "read_db": Provide(provide_read_db),
             "runtime": Provide(provide_runtime),
             "temporal": Provide(provide_temporal),
             "principal": Provide(provide_principal),

@@ -15,12 +15,11 @@ from typing import Any
 from litestar import Request
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
-from sqlalchemy import select
 
 from gateway import codec_session, tokens
 from gateway.errors import ApiError, Forbidden, Unauthenticated
 from gateway.runtime import get_runtime
-from schema.models import ApiToken
+from schema.db import driver_connection
 from schema.states import TokenRole
 
 _PRINCIPAL_KEY = "principal"
@@ -61,18 +60,25 @@ def _bearer(connection: Connection) -> str:
     return token
 
 
-async def _load(connection: Connection, **where: Any) -> Principal:
-    sessions = get_runtime(connection.app.state).read_sessions
-    async with sessions() as session:
-        row = await session.scalar(select(ApiToken).filter_by(**where))
-    if row is None or row.revoked_at is not None:
+# Plain SQL on a pooled connection: this runs for every request (schema.db.driver_connection).
+_PRINCIPAL_ROW = "SELECT id, name, role, project_id, revoked_at FROM api_tokens WHERE "
+_PRINCIPAL_BY_HASH = _PRINCIPAL_ROW + "token_sha256 = $1"
+_PRINCIPAL_BY_ID = _PRINCIPAL_ROW + "id = $1"
+
+
+async def _load(connection: Connection, query: str, key: object) -> Principal:
+    async with driver_connection(get_runtime(connection.app.state).engine) as pg:
+        row = await pg.fetchrow(query, key)
+    if row is None or row["revoked_at"] is not None:
         raise Unauthenticated("invalid or revoked token")
-    return Principal(token_id=row.id, name=row.name, role=row.role, project_id=row.project_id)
+    return Principal(
+        token_id=row["id"], name=row["name"], role=row["role"], project_id=row["project_id"]
+    )
 
 
 async def authenticate(connection: Connection) -> Principal:
     token = _bearer(connection)
-    return await _load(connection, token_sha256=tokens.hash_token(token))
+    return await _load(connection, _PRINCIPAL_BY_HASH, tokens.hash_token(token))
 
 
 def _remember(connection: Connection, principal: Principal) -> None:
@@ -109,7 +115,7 @@ async def codec_guard(connection: Connection, _: BaseRouteHandler) -> None:
         token_id = codec_session.verify(key, cookie)
         if token_id is None:
             raise Unauthenticated("the codec session has expired or is invalid")
-        principal = await _load(connection, id=token_id)
+        principal = await _load(connection, _PRINCIPAL_BY_ID, token_id)
     if not principal.is_admin:
         raise Forbidden("the codec endpoint needs an admin token")
     _remember(connection, principal)

@@ -23,7 +23,6 @@ class Runtime:
     config: GatewayConfig
     engine: AsyncEngine
     sessions: async_sessionmaker[AsyncSession]
-    read_sessions: async_sessionmaker[AsyncSession]  # autocommit, for lookups (auth, replays)
     temporal: TemporalOps
     # Read at call time, never cached: a rotated secret is used by the next request.
     secrets: SecretStore
@@ -43,12 +42,6 @@ async def provide_runtime(state: State) -> Runtime:
 async def provide_db(state: State) -> AsyncIterator[AsyncSession]:
     """One short session per request; handlers commit their own writes."""
     async with get_runtime(state).sessions() as session:
-        yield session
-
-
-async def provide_read_db(state: State) -> AsyncIterator[AsyncSession]:
-    """A session for a handler that only looks things up (schema.db.read_session_factory)."""
-    async with get_runtime(state).read_sessions() as session:
         yield session
 
 

@@ -68,25 +68,24 @@ def session_factory(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
     return async_sessionmaker(engine, expire_on_commit=False)
 
 
-def read_session_factory(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
-    """Sessions for lookups that need no transaction (one statement, or several that need not
-    see one snapshot) and never write: in autocommit, a lookup costs its query alone rather
-    than BEGIN, the query and ROLLBACK. Same pool; the isolation level is reset at checkin."""
-    return async_sessionmaker(
-        engine.execution_options(isolation_level="AUTOCOMMIT"), expire_on_commit=False
-    )
+def bound_engine(sessions: async_sessionmaker[AsyncSession]) -> AsyncEngine:
+    """The engine a session factory of ours was made for (session_factory binds one)."""
+    engine = sessions.kw.get("bind")
+    if not isinstance(engine, AsyncEngine):
+        raise TypeError("this session factory is not bound to an AsyncEngine")
+    return engine
 
 
 @asynccontextmanager
-async def driver_connection(
-    sessions: async_sessionmaker[AsyncSession],
-) -> AsyncIterator[asyncpg.Connection]:
-    """A pooled connection's asyncpg connection, for hot paths written in plain SQL
-    (activities/placement_sql.py), whose statements each commit on their own. SQLAlchemy only
-    lends the connection: it has begun nothing on it, so returning it to the pool does nothing
-    more."""
-    async with sessions() as session:
-        connection = await session.connection()
+async def driver_connection(engine: AsyncEngine) -> AsyncIterator[asyncpg.Connection]:
+    """A pooled connection's asyncpg connection, for hot paths written in plain SQL (placement,
+    the gateway's per-request lookups), whose statements each commit on their own.
+
+    SQLAlchemy only lends the connection, straight from the pool rather than through a session:
+    it has begun nothing on it, so returning it does nothing more. A one-row lookup costs about
+    0.2 ms of CPU this way against 0.6 to 1 ms through an ORM session, and the POST /allocations
+    path makes three of them."""
+    async with engine.connect() as connection:
         lent = await connection.get_raw_connection()
         pg: asyncpg.Connection = lent.driver_connection
         try:

@@ -46,7 +46,6 @@ class AllocationsController(Controller):
     async def create_allocation(
         self,
         data: JSONBody[AllocationCreate],
-        read_db: NamedDependency[AsyncSession],
         temporal: NamedDependency[TemporalOps],
         runtime: NamedDependency[Runtime],
         principal: NamedDependency[Principal],
@@ -56,7 +55,7 @@ class AllocationsController(Controller):
     ) -> Response[AllocationCreated]:
         settings: Settings = runtime.settings
         outcome = await allocations.create(
-            read_db,
+            runtime.engine,
             temporal,
             settings,
             project_id=principal.project,
