@@ -29,7 +29,14 @@ import httpx
 from sqlalchemy import text
 from temporalio.client import Client
 
-from bench.stack import bench_stack_options, cpu_seconds, machine_speed_seconds, private_state_dir
+from bench.stack import (
+    bench_stack_options,
+    cpu_seconds,
+    machine_cpu_shares,
+    machine_cpu_ticks,
+    machine_speed_seconds,
+    private_state_dir,
+)
 from devstack.processes import Child, python_entry
 from devstack.up import REPO_ROOT, Stack
 from schema.db import create_engine, session_factory
@@ -115,7 +122,9 @@ async def throughput(
             except asyncio.QueueEmpty:
                 return
             if measured and not window:
-                window.update(started=time.perf_counter(), cpu=cpu_seconds(pids))
+                window.update(
+                    started=time.perf_counter(), cpu=cpu_seconds(pids), machine=machine_cpu_ticks()
+                )
             t0, wall0 = time.perf_counter(), time.time()
             async with client.post(
                 "/api/v1/allocations", json=body, headers={"X-Idempotency-Key": key}
@@ -146,6 +155,7 @@ async def throughput(
         await asyncio.gather(*(client_loop(client) for client in api))
         wall = time.perf_counter() - window["started"]
         cpu_after = cpu_seconds(pids)
+        machine_after = machine_cpu_ticks()
     finally:
         for client in api:
             await client.close()
@@ -158,6 +168,7 @@ async def throughput(
         "statuses": dict(sorted(statuses.items())),
         "errors": errors,
         "cpu": {name: cpu_after[name] - cpu_before.get(name, 0.0) for name in cpu_after},
+        "machine": machine_cpu_shares(window["machine"], machine_after),
         "wall_s": wall,
         "throughput_per_s": created / wall,
         "p50_ms": percentile(latencies, 50) * 1000,
@@ -321,6 +332,11 @@ async def main(args: argparse.Namespace) -> None:
             f"(a) {label}: total {means[0]:.0f} ms = "
             + " + ".join(f"{stage} {ms:.0f}" for stage, ms in zip(STAGES, means[1:], strict=True))
         )
+    machine = a["machine"]
+    print(
+        f"machine during (a): {machine['busy']:.0%} busy, {machine['idle']:.0%} idle, "
+        f"{machine['steal']:.0%} taken by the hypervisor (steal)"
+    )
     print(
         "CPU seconds during (a): "
         + ", ".join(f"{name} {used:.1f}" for name, used in sorted(cpu.items(), key=lambda x: -x[1]))

@@ -26,6 +26,29 @@ def machine_speed_seconds() -> float:
     return time.perf_counter() - started
 
 
+_PROC_STAT_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def machine_cpu_ticks() -> dict[str, int]:
+    """The whole machine's CPU time so far, all cores together, by kind (/proc/stat)."""
+    first_line = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    return dict(zip(_PROC_STAT_FIELDS, map(int, first_line[1:9]), strict=True))
+
+
+def machine_cpu_shares(before: dict[str, int], after: dict[str, int]) -> dict[str, float]:
+    """How the machine's CPU time between two readings was spent: busy, idle, and stolen by the
+    hypervisor. Steal is what the slow phases of the shared CI VM are made of (20 to 33 % in
+    some minutes): the figures of a run with much steal measure the neighbours too."""
+    spent = {kind: after[kind] - before[kind] for kind in _PROC_STAT_FIELDS}
+    total = sum(spent.values()) or 1
+    busy = sum(spent[k] for k in ("user", "nice", "system", "irq", "softirq"))
+    return {
+        "busy": busy / total,
+        "idle": (spent["idle"] + spent["iowait"]) / total,
+        "steal": spent["steal"] / total,
+    }
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
