@@ -56,15 +56,14 @@ from temporalio.client import Client
 
 from core.config import Settings
 from core.task_queues import node_task_queue
+from devstack.dev_server_visibility import (
+    drop_unused_visibility_indexes,
+    guard_full_text_triggers,
+)
 from devstack.postgres import PostgresCluster
 from devstack.processes import Child, port_in_use, python_entry, tail
 from devstack.stripe_mock import stripe_mock_argv
-from devstack.temporal import (
-    DEV_SERVER_ENV,
-    dev_server_extra_args,
-    drop_unused_visibility_indexes,
-    temporal_cli_path,
-)
+from devstack.temporal import DEV_SERVER_ENV, dev_server_extra_args, temporal_cli_path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DATABASE = "gpucloud"
@@ -594,11 +593,12 @@ class Stack:
         await self._wait_for("Temporal Web", lambda: _http_ok(o.ui_url.replace("localhost",
                              "127.0.0.1")), temporal, limit_s=30)  # fmt: skip
         _say(f"  temporal   ready on {o.temporal_address} ({time.monotonic() - t0:.1f}s)")
-        dropped = await asyncio.to_thread(
-            drop_unused_visibility_indexes, o.state_dir / "temporal.db"
-        )
+        temporal_db = o.state_dir / "temporal.db"
+        dropped = await asyncio.to_thread(drop_unused_visibility_indexes, temporal_db)
         if dropped:
             _say(f"  temporal   dropped {dropped} visibility indexes nothing queries")
+        if await asyncio.to_thread(guard_full_text_triggers, temporal_db):
+            _say("  temporal   full-text visibility triggers now write only what changed")
         # Before the worker and the gateway: they read secrets from it at call time.
         await self._wait_for("Vault", lambda: _http_ok(f"{o.vault_addr}/v1/sys/health"), vault,
                              limit_s=30)  # fmt: skip
