@@ -92,6 +92,7 @@ with workflow.unsafe.imports_passed_through():
         checkpoint_for,
         outcome_for,
     )
+    from workflows.lifecycle_contract import check_operator_action
     from workflows.onboarding_contract import JobStatus, SiteConfig
 
 QUICK = timedelta(minutes=2)
@@ -779,23 +780,15 @@ class NodeDecommissionWorkflow:
 
     @operator_action.validator
     def _validate_action(self, request: OperatorRequest) -> None:
-        try:
-            action = OperatorAction(request.action)
-        except ValueError:
-            raise ApplicationError(
-                f"unknown action {request.action!r}", type="action_not_allowed"
-            ) from None
-        if self._is_noop(action):
-            return
-        if self._pending is not None or self._interrupt is not None:
-            raise ApplicationError(
-                "another operator action is being applied", type="action_not_allowed"
-            )
-        if self._status not in ALLOWED_ACTIONS[action]:
-            raise ApplicationError(
-                f"{action.value} is not allowed while the decommission is {self._status.value}",
-                type="action_not_allowed",
-            )
+        check_operator_action(
+            request,
+            OperatorAction,
+            job="decommission",
+            status=self._status,
+            busy=self._pending is not None or self._interrupt is not None,
+            is_noop=self._is_noop,
+            allowed=ALLOWED_ACTIONS,
+        )
 
     def _is_noop(self, action: OperatorAction) -> bool:
         return (

@@ -1,11 +1,15 @@
 """The vocabulary every node lifecycle job shares (onboarding, decommission; seed 004 §4.1,
 §5.1: "the same job-state model"): job states, stage event statuses, and the operator-action
-update's name and payloads. Each job's own contract re-exports what it uses."""
+update's name, payloads and admission rule. Each job's own contract re-exports what it uses."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import TypeVar
+
+from temporalio.exceptions import ApplicationError
 
 OPERATOR_ACTION_UPDATE = "operator_action"
 PROGRESS_QUERY = "progress"
@@ -64,3 +68,37 @@ class ActionResult:
     prior_stage: str
     expected_status: str
     message: str = ""
+
+
+ACTION_NOT_ALLOWED = "action_not_allowed"
+Action = TypeVar("Action", bound=StrEnum)
+
+
+def check_operator_action(
+    request: OperatorRequest,
+    actions: type[Action],
+    *,
+    job: str,
+    status: JobStatus,
+    busy: bool,
+    is_noop: Callable[[Action], bool],
+    allowed: Mapping[Action, Collection[JobStatus]],
+) -> None:
+    """The operator-action update's validator, the same for every job kind: a known action;
+    a no-op is always admitted (it answers "already in effect"); otherwise one action at a time
+    (`busy`: another is being applied), and only from the job states the kind allows."""
+    try:
+        action = actions(request.action)
+    except ValueError:
+        raise ApplicationError(
+            f"unknown action {request.action!r}", type=ACTION_NOT_ALLOWED
+        ) from None
+    if is_noop(action):
+        return
+    if busy:
+        raise ApplicationError("another operator action is being applied", type=ACTION_NOT_ALLOWED)
+    if status not in allowed[action]:
+        raise ApplicationError(
+            f"{action.value} is not allowed while the {job} is {status.value}",
+            type=ACTION_NOT_ALLOWED,
+        )

@@ -37,6 +37,7 @@ from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError
 with workflow.unsafe.imports_passed_through():
     from core import search_attributes as sa
     from core.failures import FailureClass
+    from workflows.lifecycle_contract import check_operator_action
     from workflows.onboarding_contract import (
         CHILD_SETTLED_SIGNAL,
         DEPLOY_STAGES,
@@ -505,23 +506,15 @@ class MaasNodeOnboardWorkflow:
 
     @operator_action.validator
     def _validate_action(self, request: OperatorRequest) -> None:
-        try:
-            action = OperatorAction(request.action)
-        except ValueError:
-            raise ApplicationError(
-                f"unknown action {request.action!r}", type="action_not_allowed"
-            ) from None
-        if self._is_noop(action):
-            return
-        if self._pending is not None or self._interrupt is not None:
-            raise ApplicationError(
-                "another operator action is being applied", type="action_not_allowed"
-            )
-        if self._status not in ALLOWED_ACTIONS[action]:
-            raise ApplicationError(
-                f"{action.value} is not allowed while the onboarding is {self._status.value}",
-                type="action_not_allowed",
-            )
+        check_operator_action(
+            request,
+            OperatorAction,
+            job="onboarding",
+            status=self._status,
+            busy=self._pending is not None or self._interrupt is not None,
+            is_noop=self._is_noop,
+            allowed=ALLOWED_ACTIONS,
+        )
 
     def _is_noop(self, action: OperatorAction) -> bool:
         return (action == OperatorAction.CANCEL and self._status == JobStatus.CANCELLED) or (
