@@ -27,9 +27,13 @@ from gateway import audit
 from gateway.auth import Principal
 from gateway.errors import ApiError, Conflict, InvalidRequest
 from gateway.temporal import TemporalOps
-from workflows.lifecycle_contract import OPERATOR_ACTION_UPDATE, ActionResult, OperatorRequest
+from workflows.lifecycle_contract import (
+    ACTION_NOT_ALLOWED,
+    OPERATOR_ACTION_UPDATE,
+    ActionResult,
+    OperatorRequest,
+)
 
-ACTION_NOT_ALLOWED = "action_not_allowed"
 EVENTS_SHOWN = 50  # a job's detail shows its newest stage events
 
 

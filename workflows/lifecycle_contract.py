@@ -70,6 +70,7 @@ class ActionResult:
     message: str = ""
 
 
+# The error type of every refused operator action (the gateway answers it 409).
 ACTION_NOT_ALLOWED = "action_not_allowed"
 Action = TypeVar("Action", bound=StrEnum)
 
