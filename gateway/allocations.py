@@ -315,17 +315,24 @@ _KEYED_ALLOCATION = (
 _OWNED_SSH_KEYS = "SELECT id FROM ssh_keys WHERE project_id = $1 AND id = ANY($2::uuid[])"
 
 
-async def _keyed_allocation(
-    pg: asyncpg.Connection, project_id: uuid.UUID, allocation_id: uuid.UUID
-) -> KeyedAllocation | None:
-    record = await pg.fetchrow(_KEYED_ALLOCATION, allocation_id, project_id)
-    return None if record is None else KeyedAllocation(**dict(record))
-
-
 @dataclass(frozen=True)
 class CreateOutcome:
     allocation: AllocationCreated
     replayed: bool
+
+
+async def _replay(
+    pg: asyncpg.Connection, project_id: uuid.UUID, allocation_id: uuid.UUID, body: AllocationCreate
+) -> CreateOutcome | None:
+    """The answer an earlier request with this key got, if it created its allocation; a
+    different body under the same key is refused."""
+    record = await pg.fetchrow(_KEYED_ALLOCATION, allocation_id, project_id)
+    if record is None:
+        return None
+    row = KeyedAllocation(**dict(record))
+    if not _same_request(row, body):
+        raise rejection(IDEMPOTENCY_KEY_REUSED)
+    return CreateOutcome(created_from_row(row), replayed=True)
 
 
 async def create(
@@ -355,11 +362,9 @@ async def create(
                     code=SSH_KEY_NOT_FOUND,
                     details={"ssh_key_ids": missing},
                 )
-        existing = await _keyed_allocation(pg, project_id, allocation_id) if key else None
-    if existing is not None:
-        if not _same_request(existing, body):
-            raise rejection(IDEMPOTENCY_KEY_REUSED)
-        return CreateOutcome(created_from_row(existing), replayed=True)
+        replay = await _replay(pg, project_id, allocation_id, body) if key else None
+    if replay is not None:
+        return replay
 
     workflow_id = allocation_workflow_id(str(allocation_id))
     workflow_input = AllocationInput(
@@ -441,11 +446,9 @@ async def _answer_closed(
     body: AllocationCreate,
 ) -> CreateOutcome:
     async with driver_connection(engine) as pg:
-        row = await _keyed_allocation(pg, project_id, allocation_id)
-    if row is not None:
-        if not _same_request(row, body):
-            raise rejection(IDEMPOTENCY_KEY_REUSED)
-        return CreateOutcome(created_from_row(row), replayed=True)
+        replay = await _replay(pg, project_id, allocation_id, body)
+    if replay is not None:
+        return replay
     workflow_id = allocation_workflow_id(str(allocation_id))
 
     outcome = await temporal.read(lambda client: _result(client, workflow_id, temporal))
