@@ -85,7 +85,7 @@ def build_worker(
     secret_store = secret_store or VaultSecretStore.from_settings(settings)
     stripe_api = stripe_api or StripeApi(secret_store, payment_settings)
     payments = PaymentActivities(sessions, stripe_api, payment_settings)
-    allocations = AllocationActivities(sessions)
+    allocations = AllocationActivities(engine)
     presence = NodePresenceActivities(sessions)
     maas_reconcile = MaasReconcileActivities(sessions, secret_store)
     liveness = NodeLivenessActivities(sessions)

@@ -19,7 +19,7 @@ from typing import Any
 import asyncpg
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
@@ -47,7 +47,7 @@ from agent.contract import (
     HostProvisionInput,
     UnhealthyGpu,
 )
-from schema.db import bound_engine, driver_connection
+from schema.db import driver_connection, session_factory
 from schema.models import (
     Allocation,
     AllocationEvent,
@@ -92,11 +92,9 @@ def username_for(allocation_id: str) -> str:
 
 
 class AllocationActivities:
-    def __init__(
-        self, sessions: async_sessionmaker[AsyncSession], *, placement_deadline_seconds: float = 20
-    ) -> None:
-        self._sessions = sessions
-        self._engine = bound_engine(sessions)
+    def __init__(self, engine: AsyncEngine, *, placement_deadline_seconds: float = 20) -> None:
+        self._engine = engine  # placement's plain SQL (schema.db.driver_connection)
+        self._sessions = session_factory(engine)  # the transitions, through the ORM
         self._placement_deadline = placement_deadline_seconds
 
     # ------------------------------------------------------------------ placement

@@ -68,14 +68,6 @@ def session_factory(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
     return async_sessionmaker(engine, expire_on_commit=False)
 
 
-def bound_engine(sessions: async_sessionmaker[AsyncSession]) -> AsyncEngine:
-    """The engine a session factory of ours was made for (session_factory binds one)."""
-    engine = sessions.kw.get("bind")
-    if not isinstance(engine, AsyncEngine):
-        raise TypeError("this session factory is not bound to an AsyncEngine")
-    return engine
-
-
 @asynccontextmanager
 async def driver_connection(engine: AsyncEngine) -> AsyncIterator[asyncpg.Connection]:
     """A pooled connection's asyncpg connection, for hot paths written in plain SQL (placement,

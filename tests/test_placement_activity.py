@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select, update
 from sqlalchemy.dialects.postgresql import Range
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from temporalio.exceptions import ApplicationError
 
 from activities.allocation_types import PlaceInput
@@ -89,7 +89,7 @@ async def _rows(sessions: Sessions, allocation_id: str) -> dict[str, Any]:
 
 
 async def test_a_slice_placement_is_written_whole_in_one_statement(
-    db_sessions: Sessions, make_ssh_key: Any
+    db_sessions: Sessions, db_engine: AsyncEngine, make_ssh_key: Any
 ) -> None:
     await create_fleet(db_sessions, slice_nodes=2)
     project = await create_project(db_sessions)
@@ -97,7 +97,7 @@ async def test_a_slice_placement_is_written_whole_in_one_statement(
     older = await make_ssh_key(project, age=dt.timedelta(seconds=100))
     request = _input(project, gpus=2, keys=[str(newer.id), str(older.id)])
 
-    placement = await AllocationActivities(db_sessions).place(request)
+    placement = await AllocationActivities(db_engine).place(request)
 
     reservation, plan = placement.reservation, placement.plan
     assert reservation.status == AllocationStatus.REQUESTED  # what the POST answers with
@@ -129,7 +129,7 @@ async def test_a_slice_placement_is_written_whole_in_one_statement(
 
 @pytest.mark.parametrize("sku", [SLICE_SKU, BAREMETAL_SKU])
 async def test_capacity_another_transaction_holds_is_waited_for_not_refused(
-    db_sessions: Sessions, sku: str
+    db_sessions: Sessions, db_engine: AsyncEngine, sku: str
 ) -> None:
     """A node or slot that a concurrent placement or release holds locked is contention, not a
     lack of capacity: placement ranks again until it is let go, and never answers
@@ -147,7 +147,7 @@ async def test_capacity_another_transaction_holds_is_waited_for_not_refused(
         else:  # the node itself
             held = select(Node).where(Node.id == node.id)
         await holder.execute(held.with_for_update())
-        placing = asyncio.create_task(AllocationActivities(db_sessions).place(request))
+        placing = asyncio.create_task(AllocationActivities(db_engine).place(request))
         await asyncio.sleep(0.5)
         assert not placing.done()  # neither refused nor placed while it is held
 
@@ -172,7 +172,7 @@ async def test_capacity_another_transaction_holds_is_waited_for_not_refused(
     ],
 )
 async def test_slots_come_from_the_best_fitting_numa_node_else_spread_from_the_freest(
-    db_sessions: Sessions, busy: list[int], gpus: int, expected: list[int]
+    db_sessions: Sessions, db_engine: AsyncEngine, busy: list[int], gpus: int, expected: list[int]
 ) -> None:
     [node] = await create_fleet(db_sessions, slice_nodes=1)  # GPUs 0-3 on NUMA 0, 4-7 on NUMA 1
     async with db_sessions() as session, session.begin():
@@ -184,7 +184,7 @@ async def test_slots_come_from_the_best_fitting_numa_node_else_spread_from_the_f
     project = await create_project(db_sessions)
     request = _input(project, gpus=gpus)
 
-    placement = await AllocationActivities(db_sessions).place(request)
+    placement = await AllocationActivities(db_engine).place(request)
 
     assert [g.gpu_index for g in placement.reservation.gpus] == expected
     assert sorted((await _rows(db_sessions, request.allocation_id))["slots"]) == sorted(expected)
@@ -201,12 +201,14 @@ async def test_slots_come_from_the_best_fitting_numa_node_else_spread_from_the_f
     }
 
 
-async def test_a_baremetal_placement_claims_the_whole_node(db_sessions: Sessions) -> None:
+async def test_a_baremetal_placement_claims_the_whole_node(
+    db_sessions: Sessions, db_engine: AsyncEngine
+) -> None:
     nodes = await create_fleet(db_sessions, slice_nodes=0, baremetal_nodes=1)
     project = await create_project(db_sessions)
     request = _input(project, sku=BAREMETAL_SKU, gpus=8)
 
-    placement = await AllocationActivities(db_sessions).place(request)
+    placement = await AllocationActivities(db_engine).place(request)
 
     assert placement.reservation.node_id == str(nodes[0].id)
     assert placement.reservation.gpus == []
@@ -218,18 +220,18 @@ async def test_a_baremetal_placement_claims_the_whole_node(db_sessions: Sessions
     assert rows["slots"] == []
     # The only node is taken: the next bare-metal request is refused, not queued.
     with pytest.raises(ApplicationError) as refused:
-        await AllocationActivities(db_sessions).place(_input(project, sku=BAREMETAL_SKU, gpus=8))
+        await AllocationActivities(db_engine).place(_input(project, sku=BAREMETAL_SKU, gpus=8))
     assert refused.value.type == "sku_unavailable"
 
 
 async def test_a_rerun_answers_the_same_placement_and_writes_nothing_more(
-    db_sessions: Sessions, make_ssh_key: Any
+    db_sessions: Sessions, db_engine: AsyncEngine, make_ssh_key: Any
 ) -> None:
     await create_fleet(db_sessions, slice_nodes=1)
     project = await create_project(db_sessions)
     key = await make_ssh_key(project)
     request = _input(project, gpus=4, keys=[str(key.id)])
-    activities = AllocationActivities(db_sessions)
+    activities = AllocationActivities(db_engine)
 
     first = await activities.place(request)
     before = await _rows(db_sessions, request.allocation_id)
@@ -244,7 +246,7 @@ async def test_a_rerun_answers_the_same_placement_and_writes_nothing_more(
 
 
 async def test_an_allocation_an_older_build_left_requested_moves_on_to_provisioning(
-    db_sessions: Sessions,
+    db_sessions: Sessions, db_engine: AsyncEngine
 ) -> None:
     """Older builds reserved in one transaction and began provisioning in a second: a crash in
     between left the allocation `requested`, holding its slot, with no host task. The rerun
@@ -289,7 +291,7 @@ async def test_an_allocation_an_older_build_left_requested_moves_on_to_provision
         )
         slot.status, slot.allocation_id = SlotStatus.RESERVED, aid
 
-    rerun = await AllocationActivities(db_sessions).place(request)
+    rerun = await AllocationActivities(db_engine).place(request)
 
     assert [g.gpu_index for g in rerun.reservation.gpus] == [5]  # the slot it held, no other
     assert rerun.plan.task_id == request.provision_task_id
@@ -313,7 +315,7 @@ async def test_an_allocation_an_older_build_left_requested_moves_on_to_provision
     ],
 )
 async def test_refusals_write_nothing(
-    db_sessions: Sessions, make_ssh_key: Any, world: str, code: str
+    db_sessions: Sessions, db_engine: AsyncEngine, make_ssh_key: Any, world: str, code: str
 ) -> None:
     await create_fleet(db_sessions, slice_nodes=1)
     project = await create_project(db_sessions)
@@ -328,7 +330,7 @@ async def test_refusals_write_nothing(
     request = _input(project, gpus=1, keys=keys)
 
     with pytest.raises(ApplicationError) as refused:
-        await AllocationActivities(db_sessions).place(request)
+        await AllocationActivities(db_engine).place(request)
 
     assert refused.value.type == code
     assert refused.value.non_retryable
