@@ -44,10 +44,10 @@ from sim.demo_fleet import build_fleet, seed_fleet
 from workflows.allocation_contract import allocation_workflow_id
 
 THROUGHPUT_REGION = "bench-a"
-# Above this share of stolen CPU (the CI VM's slow phases reach 20-50 %), (a) says so.
-STEAL_WARNING = 0.05
 LATENCY_REGION = "bench-b"
 SKU = "h100.slice"
+# Above this share of stolen CPU (the CI VM's slow phases reach 20-50 %), (a) says so.
+STEAL_WARNING = 0.05
 
 
 def percentile(values: list[float], q: float) -> float:
