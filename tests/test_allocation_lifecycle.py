@@ -29,6 +29,7 @@ from tests.lifecycle_support import (
     baremetal_request,
     create_fleet,
     events_of,
+    eventually,
     held_claims,
     reserved_slots,
     slice_request,
@@ -148,12 +149,19 @@ async def test_search_attributes_follow_the_allocation_without_an_upsert_on_the_
 
     await start_node_agent(node.id)
     await wait_status(tenant.client, created["allocation_id"], "active")
-    assert await attributes() == {
+    # The row turns active inside the activity; the upsert is a command of the workflow task
+    # that follows it, so the attributes may lag the row by one task.
+    activated = {
         "AllocationStatus": "active",
         "NodeId": str(node.id),
         "ProjectId": str(tenant.project_id),
         "Sku": SLICE_SKU,
     }
+
+    async def caught_up(expected: dict[str, Any]) -> bool:
+        return await attributes() == expected
+
+    await eventually(lambda: caught_up(activated), timeout=10.0)
     refused = await tenant.client.post(
         "/api/v1/allocations",
         json=slice_request(8, tenant.ssh_key_id),  # 6 of the node's 8 GPUs are free
@@ -169,7 +177,7 @@ async def test_search_attributes_follow_the_allocation_without_an_upsert_on_the_
 
     await tenant.client.post(f"/api/v1/allocations/{created['allocation_id']}/release")
     await wait_status(tenant.client, created["allocation_id"], "released")
-    assert (await attributes())["AllocationStatus"] == "released"
+    await eventually(lambda: caught_up(activated | {"AllocationStatus": "released"}), timeout=10.0)
 
 
 async def test_baremetal_allocation_claims_whole_node(
