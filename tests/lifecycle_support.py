@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from sqlalchemy import select
@@ -17,11 +18,15 @@ from schema.models import AllocationEvent, AllocationResourceClaim, GpuSlot
 from schema.states import SkuShape
 from tests.factories import BAREMETAL_SKU, REGION, SLICE_SKU, FleetNode, create_node, create_sku
 
+T = TypeVar("T")
 
-async def eventually(check: Any, *, timeout: float = 20.0, interval: float = 0.05) -> Any:
-    """Await `check()` until it returns a truthy value or the deadline passes."""
+
+async def eventually(
+    check: Callable[[], Awaitable[T | None]], *, timeout: float = 20.0, interval: float = 0.05
+) -> T:
+    """Await `check()` until it returns a truthy value, and return that; fail at the deadline."""
     deadline = time.monotonic() + timeout
-    last: Any = None
+    last: T | None = None
     while time.monotonic() < deadline:
         last = await check()
         if last:

@@ -8,10 +8,10 @@ import asyncio
 import base64
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 from temporalio import workflow
@@ -53,6 +53,7 @@ from sim.demo_fleet import SLICE_SKU, seed_demo_fleet
 from sim.fleet import SimFleet, load_agent_nodes
 from sim.host import SimulatedHost
 from tests.agent_fixtures import StartNodeAgent
+from tests.lifecycle_support import eventually
 
 # --------------------------------------------------------------------------- the test workflow
 
@@ -152,19 +153,6 @@ async def caller(temporal_client: Client) -> AsyncIterator[HostCaller]:
 
 
 # --------------------------------------------------------------------------- helpers
-
-T = TypeVar("T")
-
-
-async def eventually(probe: Callable[[], Awaitable[T | None]], within_s: float = 10.0) -> T:
-    deadline = asyncio.get_running_loop().time() + within_s
-    while True:
-        value = await probe()
-        if value:
-            return value
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.05)
 
 
 def tenant_key() -> str:
