@@ -306,13 +306,16 @@ class KeyedAllocation:
     created_at: dt.datetime
 
 
-# The allocation id is derived from the project and the idempotency key (allocation_id_for),
-# so a keyed retry finds its allocation by primary key.
-_KEYED_ALLOCATION = (
-    "SELECT id, node_id, shape, sku, region, gpu_count, ssh_key_ids, created_at"
-    " FROM allocations WHERE id = $1 AND project_id = $2"
-)
-_OWNED_SSH_KEYS = "SELECT id FROM ssh_keys WHERE project_id = $1 AND id = ANY($2::uuid[])"
+# Everything a POST needs from the database before Temporal is asked, in one round trip: which
+# of the requested SSH keys the project owns, and the allocation an earlier request with the same
+# idempotency key created. Its id is derived from the project and the key (allocation_id_for),
+# so it is found by primary key; $3 is NULL without a key.
+_BEFORE_CREATE = """
+SELECT ARRAY(SELECT k.id FROM ssh_keys k WHERE k.project_id = $1 AND k.id = ANY($2::uuid[])),
+       a.id, a.node_id, a.shape, a.sku, a.region, a.gpu_count, a.ssh_key_ids, a.created_at
+FROM (SELECT 1) AS one
+LEFT JOIN allocations a ON a.id = $3 AND a.project_id = $1
+"""
 
 
 @dataclass(frozen=True)
@@ -321,18 +324,27 @@ class CreateOutcome:
     replayed: bool
 
 
-async def _replay(
-    pg: asyncpg.Connection, project_id: uuid.UUID, allocation_id: uuid.UUID, body: AllocationCreate
-) -> CreateOutcome | None:
+async def _look_up(
+    pg: asyncpg.Connection,
+    project_id: uuid.UUID,
+    ssh_key_ids: Sequence[uuid.UUID],
+    keyed_allocation_id: uuid.UUID | None,
+) -> tuple[set[uuid.UUID], KeyedAllocation | None]:
+    """The requested SSH keys the project owns, and the keyed allocation if it exists."""
+    record = await pg.fetchrow(_BEFORE_CREATE, project_id, list(ssh_key_ids), keyed_allocation_id)
+    assert record is not None  # one row always: the LEFT JOIN's
+    owned, earlier = set(record[0]), tuple(record)[1:]
+    return owned, (KeyedAllocation(*earlier) if earlier[0] is not None else None)
+
+
+def _replay(earlier: KeyedAllocation | None, body: AllocationCreate) -> CreateOutcome | None:
     """The answer an earlier request with this key got, if it created its allocation; a
     different body under the same key is refused."""
-    record = await pg.fetchrow(_KEYED_ALLOCATION, allocation_id, project_id)
-    if record is None:
+    if earlier is None:
         return None
-    row = KeyedAllocation(**dict(record))
-    if not _same_request(row, body):
+    if not _same_request(earlier, body):
         raise rejection(IDEMPOTENCY_KEY_REUSED)
-    return CreateOutcome(created_from_row(row), replayed=True)
+    return CreateOutcome(created_from_row(earlier), replayed=True)
 
 
 async def create(
@@ -348,21 +360,23 @@ async def create(
     ssh_key_ids = unique_ids(body.ssh_key_ids)
     allocation_id = allocation_id_for(project_id, key)
     fingerprint = request_fingerprint(body)
-    # Plain SQL on one pooled connection (the path every POST takes), returned before the
-    # Temporal call: a connection is never held across one.
-    async with driver_connection(engine) as pg:
-        if ssh_key_ids:
-            owned = {
-                record["id"] for record in await pg.fetch(_OWNED_SSH_KEYS, project_id, ssh_key_ids)
-            }
-            missing = [str(k) for k in ssh_key_ids if k not in owned]
-            if missing:
-                raise Unprocessable(
-                    "an SSH key in the request does not belong to this project",
-                    code=SSH_KEY_NOT_FOUND,
-                    details={"ssh_key_ids": missing},
-                )
-        replay = await _replay(pg, project_id, allocation_id, body) if key else None
+    owned: set[uuid.UUID] = set()
+    earlier: KeyedAllocation | None = None
+    if ssh_key_ids or key is not None:
+        # Plain SQL on a pooled connection (the path every POST takes), returned before the
+        # Temporal call: a connection is never held across one.
+        async with driver_connection(engine) as pg:
+            owned, earlier = await _look_up(
+                pg, project_id, ssh_key_ids, allocation_id if key is not None else None
+            )
+    missing = [str(k) for k in ssh_key_ids if k not in owned]
+    if missing:
+        raise Unprocessable(
+            "an SSH key in the request does not belong to this project",
+            code=SSH_KEY_NOT_FOUND,
+            details={"ssh_key_ids": missing},
+        )
+    replay = _replay(earlier, body)
     if replay is not None:
         return replay
 
@@ -446,7 +460,8 @@ async def _answer_closed(
     body: AllocationCreate,
 ) -> CreateOutcome:
     async with driver_connection(engine) as pg:
-        replay = await _replay(pg, project_id, allocation_id, body)
+        _, earlier = await _look_up(pg, project_id, [], allocation_id)
+    replay = _replay(earlier, body)
     if replay is not None:
         return replay
     workflow_id = allocation_workflow_id(str(allocation_id))

@@ -76,7 +76,7 @@ async def driver_connection(engine: AsyncEngine) -> AsyncIterator[asyncpg.Connec
     SQLAlchemy only lends the connection, straight from the pool rather than through a session:
     it has begun nothing on it, so returning it does nothing more. A one-row lookup costs about
     0.2 ms of CPU this way against 0.6 to 1 ms through an ORM session, and the POST /allocations
-    path makes three of them."""
+    path makes two of them (the token, then the SSH keys and the idempotent replay together)."""
     async with engine.connect() as connection:
         lent = await connection.get_raw_connection()
         pg: asyncpg.Connection = lent.driver_connection
