@@ -152,27 +152,25 @@ SELECT (SELECT id FROM node), (SELECT created_at FROM allocation),
 """
 
 # Slices: nodes where one NUMA node fits the request rank first, then best-fit (fewest free GPUs
-# that still fit), so big requests keep finding room. Of the best `$12`, the first node no
-# concurrent placement holds is locked: concurrent placements spread over the ranking instead of
-# queueing on its head, and none has to retry while fewer than `$12` run at once. On that node
-# the slots come from one NUMA node when one fits (the one with the fewest free slots that fits,
-# best-fit again), else from the NUMA nodes with the most free slots first. If fewer slots than
-# asked could be locked (a release in flight holds some), nothing is written and it ranks again.
+# that still fit), so big requests keep finding room. The ranking reads each node's free-GPU
+# counters (kept by triggers on gpu_slots), one row per node, not every free slot of the region.
+# Of the best `$12`, the first node no concurrent placement holds is locked: concurrent
+# placements spread over the ranking instead of queueing on its head, and none has to retry
+# while fewer than `$12` run at once. The counters only rank: on that node the slots themselves
+# are locked and counted. They come from one NUMA node when one fits (the one with the fewest
+# free slots that fits, best-fit again), else from the NUMA nodes with the most free slots first.
+# If fewer slots than asked could be locked (a release in flight holds some), nothing is written
+# and it ranks again.
 _PLACE_SLICE = f"""
-WITH free AS (
-  SELECT g.node_id, g.numa_node, count(*) AS free
-  FROM gpu_slots g JOIN nodes n ON n.id = g.node_id
-  WHERE n.region = $1 AND n.sku = $2 AND n.status = '{NodeStatus.ACTIVE}'
-    AND g.status = '{SlotStatus.FREE}'
-  GROUP BY g.node_id, g.numa_node
-), ranked AS (
-  SELECT node_id,
-         row_number() OVER (ORDER BY max(free) >= $3 DESC, sum(free), node_id) AS position
-  FROM free
-  GROUP BY node_id
-  HAVING sum(free) >= $3
-  ORDER BY position
+WITH best AS (
+  SELECT n.id, n.free_gpus_one_numa >= $3 AS numa_fit, n.free_gpus
+  FROM nodes n
+  WHERE n.region = $1 AND n.sku = $2 AND n.status = '{NodeStatus.ACTIVE}' AND n.free_gpus >= $3
+  ORDER BY numa_fit DESC, n.free_gpus, n.id
   LIMIT $12
+), ranked AS (
+  SELECT id AS node_id, row_number() OVER (ORDER BY numa_fit DESC, free_gpus, id) AS position
+  FROM best
 ), node AS (
   SELECT n.id FROM nodes n JOIN ranked ON ranked.node_id = n.id
   ORDER BY ranked.position

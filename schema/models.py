@@ -11,6 +11,7 @@ from sqlalchemy import (
     BigInteger,
     Boolean,
     CheckConstraint,
+    Computed,
     DateTime,
     ForeignKey,
     Index,
@@ -166,6 +167,17 @@ class Node(Base):
         JSONB, server_default=text("'[]'::jsonb")
     )
     inventory_matches: Mapped[bool | None] = mapped_column(Boolean)
+    # How many of the node's GPU slots are free: in all, by NUMA node number (the array is
+    # subscripted by it) and on the NUMA node with the most. Kept by triggers on gpu_slots
+    # (migration 0013), never written here: placement ranks nodes by these instead of counting
+    # every free slot of a region.
+    free_gpus: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    free_gpus_by_numa: Mapped[list[int]] = mapped_column(
+        ARRAY(Integer), server_default=text("'{}'")
+    )
+    free_gpus_one_numa: Mapped[int] = mapped_column(
+        Integer, Computed("int_array_largest(free_gpus_by_numa)", persisted=True)
+    )
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=NOW)
     updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=NOW)
     __table_args__ = (
