@@ -15,10 +15,7 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
-import pwd
 import secrets
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -33,8 +30,7 @@ from sqlalchemy import event, insert
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from activities.maas_reconcile import MaasReconcileActivities
-from bench.stack import free_port
-from devstack.postgres import PostgresCluster
+from bench.stack import free_port, private_postgres
 from schema.db import create_engine, session_factory
 from schema.migrate import upgrade
 from schema.models import MaasSite, Node, NodeMaasState
@@ -198,27 +194,13 @@ async def drift(base_url: str, control: str, n: int) -> None:
             r.raise_for_status()
 
 
-def _prepare_dirs(state: Path, pgdir: Path) -> None:
-    """World-traversable; the PostgreSQL data folder owned by `postgres` when run as root."""
-    state.chmod(0o755)
-    pgdir.mkdir(mode=0o755)
-    if os.geteuid() == 0:
-        pw = pwd.getpwnam("postgres")
-        os.chown(pgdir, pw.pw_uid, pw.pw_gid)
-
-
 async def main_async(n: int) -> None:
-    state = Path(tempfile.mkdtemp(prefix="bench-reconciler-"))
-    pgdir = state / "pg"
-    _prepare_dirs(state, pgdir)
-    cluster = PostgresCluster(pgdir / "data", free_port())
-    cluster.start()
-    try:
+    with private_postgres() as cluster, tempfile.TemporaryDirectory() as sim_dir:
         cluster.create_database("bench", recreate=True)
         url = cluster.url("bench")
         await asyncio.to_thread(upgrade, url)
         t0 = time.perf_counter()
-        with maas_simulator(state, n) as (base_url, api_key, control):
+        with maas_simulator(Path(sim_dir), n) as (base_url, api_key, control):
             print(f"simulator with {n} Deployed machines up in {time.perf_counter() - t0:.1f} s")
             engine = create_engine(url)
             site_id = await seed(engine, base_url, api_key, control)
@@ -239,9 +221,6 @@ async def main_async(n: int) -> None:
                     f"drift detected {result.drift_detected}, actions {len(result.actions)}"
                 )
             await engine.dispose()
-    finally:
-        cluster.stop()
-        shutil.rmtree(state, ignore_errors=True)
 
 
 def main() -> None:

@@ -7,11 +7,14 @@ from __future__ import annotations
 import contextlib
 import os
 import pwd
+import shutil
 import socket
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+from devstack.postgres import PostgresCluster
 from devstack.up import StackOptions
 
 
@@ -91,6 +94,25 @@ def private_state_dir() -> Path:
     state = Path(tempfile.mkdtemp(prefix="gpucloud-bench-"))
     state.chmod(0o755)
     return state
+
+
+@contextlib.contextmanager
+def private_postgres() -> Iterator[PostgresCluster]:
+    """A throwaway PostgreSQL cluster on a free port, for benchmarks that need only the
+    database; stopped and deleted on exit. The caller creates and migrates its databases."""
+    state = private_state_dir()
+    pgdir = state / "pg"
+    pgdir.mkdir(mode=0o755)
+    if os.geteuid() == 0:
+        pw = pwd.getpwnam("postgres")
+        os.chown(pgdir, pw.pw_uid, pw.pw_gid)
+    cluster = PostgresCluster(pgdir / "data", free_port())
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+        shutil.rmtree(state, ignore_errors=True)
 
 
 def bench_stack_options(state: Path) -> StackOptions:
