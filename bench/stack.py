@@ -14,8 +14,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from devstack.postgres import PostgresCluster
-from devstack.up import StackOptions
+from devstack.postgres import PostgresCluster, throwaway_cluster
 
 
 def machine_speed_seconds() -> float:
@@ -101,36 +100,8 @@ def private_postgres() -> Iterator[PostgresCluster]:
     """A throwaway PostgreSQL cluster on a free port, for benchmarks that need only the
     database; stopped and deleted on exit. The caller creates and migrates its databases."""
     state = private_state_dir()
-    pgdir = state / "pg"
-    pgdir.mkdir(mode=0o755)
-    if os.geteuid() == 0:
-        pw = pwd.getpwnam("postgres")
-        os.chown(pgdir, pw.pw_uid, pw.pw_gid)
-    cluster = PostgresCluster(pgdir / "data", free_port())
-    cluster.start()
     try:
-        yield cluster
+        with throwaway_cluster(state / "pg", free_port()) as cluster:
+            yield cluster
     finally:
-        cluster.stop()
         shutil.rmtree(state, ignore_errors=True)
-
-
-def bench_stack_options(state: Path) -> StackOptions:
-    """The whole embedded stack on free ports in `state`, with no agent fleet and no delays."""
-    return StackOptions(
-        state_dir=state,
-        pg_port=free_port(),
-        temporal_port=free_port(),
-        ui_port=free_port(),
-        gateway_host="127.0.0.1",
-        gateway_port=free_port(),
-        vault_port=free_port(),
-        maas_port=free_port(),
-        stripe_port=free_port(),
-        worker_metrics_port=free_port(),
-        phase_delay=0.0,
-        jitter=0.0,
-        agents=False,
-        check=False,
-        reset=False,
-    )

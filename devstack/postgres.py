@@ -3,12 +3,14 @@ root (the server refuses to run as root)."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import pwd
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -183,3 +185,22 @@ class PostgresCluster:
         exists = self.psql(f"SELECT 1 FROM pg_database WHERE datname = '{name}'")  # noqa: S608
         if not exists.strip():
             self.psql(f'CREATE DATABASE "{name}"')
+
+
+@contextlib.contextmanager
+def throwaway_cluster(folder: Path, port: int) -> Iterator[PostgresCluster]:
+    """A running cluster in `folder` (made afresh, world-traversable: the server runs as the
+    `postgres` user when we are root), for tests and benchmarks; stopped and `folder` deleted on
+    exit. The caller creates and migrates its databases."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(mode=0o755)
+    if os.geteuid() == 0:
+        pw = pwd.getpwnam("postgres")
+        os.chown(folder, pw.pw_uid, pw.pw_gid)
+    cluster = PostgresCluster(folder / "data", port)
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+        shutil.rmtree(folder, ignore_errors=True)

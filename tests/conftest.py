@@ -10,8 +10,6 @@ from __future__ import annotations
 import base64
 import dataclasses
 import os
-import pwd
-import shutil
 import socket
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -25,7 +23,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from core.config import Settings
 from core.temporal import data_converter
-from devstack.postgres import PostgresCluster
+from devstack.postgres import PostgresCluster, throwaway_cluster
 from devstack.temporal import dev_server_extra_args, temporal_cli_path
 from schema.db import create_engine, session_factory
 from schema.migrate import upgrade
@@ -56,17 +54,8 @@ def free_port() -> int:
 @pytest.fixture(scope="session")
 def pg_cluster() -> Iterator[PostgresCluster]:
     # Under /tmp with world-traversable parents: the server runs as `postgres`, not as root.
-    datadir = Path(f"/tmp/gpucloud-test-pg-{os.getpid()}")
-    shutil.rmtree(datadir, ignore_errors=True)
-    datadir.mkdir(mode=0o755)
-    if os.geteuid() == 0:
-        pw = pwd.getpwnam("postgres")
-        os.chown(datadir, pw.pw_uid, pw.pw_gid)
-    cluster = PostgresCluster(datadir / "data", free_port())
-    cluster.start()
-    yield cluster
-    cluster.stop()
-    shutil.rmtree(datadir, ignore_errors=True)
+    with throwaway_cluster(Path(f"/tmp/gpucloud-test-pg-{os.getpid()}"), free_port()) as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="session")

@@ -9,12 +9,13 @@ import uuid
 from collections import Counter
 
 import pytest
+from alembic import command
 from sqlalchemy import delete, select, text, update
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from devstack.postgres import PostgresCluster
 from schema.db import create_engine
-from schema.migrate import upgrade
+from schema.migrate import alembic_config, upgrade
 from schema.models import GpuSlot, Node
 from schema.states import SlotStatus
 from tests.factories import create_node
@@ -175,6 +176,20 @@ async def test_migration_backfills_an_existing_fleet(scratch_database: str) -> N
         counters = await _counters(engine)
         assert counters[uuid.UUID(int=1)] == (3, {0: 1, 1: 2})
         assert counters[uuid.UUID(int=2)] == (0, {})
+        await _assert_counted(engine)
+
+        # Down and up again: the downgrade removes all of it, the upgrade counts afresh.
+        await engine.dispose()
+        await asyncio.to_thread(command.downgrade, alembic_config(scratch_database), "0012")
+        async with engine.connect() as conn:
+            columns = await conn.scalars(
+                text(
+                    "SELECT column_name FROM information_schema.columns "
+                    "WHERE table_name = 'nodes' AND column_name LIKE 'free_gpus%'"
+                )
+            )
+            assert list(columns) == []
+        await asyncio.to_thread(upgrade, scratch_database)
         await _assert_counted(engine)
     finally:
         await engine.dispose()
