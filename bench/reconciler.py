@@ -30,7 +30,8 @@ from sqlalchemy import event, insert
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from activities.maas_reconcile import MaasReconcileActivities
-from bench.stack import free_port, private_postgres
+from bench.stack import private_postgres
+from devstack.processes import free_port
 from schema.db import create_engine, session_factory
 from schema.migrate import upgrade
 from schema.models import MaasSite, Node, NodeMaasState

@@ -8,13 +8,13 @@ import contextlib
 import os
 import pwd
 import shutil
-import socket
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from devstack.postgres import PostgresCluster, throwaway_cluster
+from devstack.processes import free_port
 
 
 def machine_speed_seconds() -> float:
@@ -49,12 +49,6 @@ def machine_cpu_shares(before: dict[str, int], after: dict[str, int]) -> dict[st
         "idle": (spent["idle"] + spent["iowait"]) / total,
         "steal": spent["steal"] / total,
     }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:

@@ -57,6 +57,13 @@ def tail(path: Path, lines: int = 25) -> str:
     return "\n".join(data.splitlines()[-lines:])
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a private server to listen on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def port_in_use(host: str, port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.5)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import dataclasses
 import os
-import socket
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -24,6 +23,7 @@ from temporalio.testing import WorkflowEnvironment
 from core.config import Settings
 from core.temporal import data_converter
 from devstack.postgres import PostgresCluster, throwaway_cluster
+from devstack.processes import free_port
 from devstack.temporal import dev_server_extra_args, temporal_cli_path
 from schema.db import create_engine, session_factory
 from schema.migrate import upgrade
@@ -43,12 +43,6 @@ pytest_plugins = [
 # Recorded histories in tests/histories were written with this key; keep it fixed.
 TEST_CODEC_KEY = b"gpucloud-test-codec-key-32bytes!"
 TEST_CODEC_KEY_B64 = base64.b64encode(TEST_CODEC_KEY).decode()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="session")

@@ -185,7 +185,7 @@ async def api(settings: Settings, temporal_client: Client) -> AsyncIterator[ApiF
 @pytest.fixture
 def unreachable_settings(settings: Settings) -> Callable[..., Settings]:
     """Settings pointing Temporal and/or PostgreSQL at a loopback port where nothing listens."""
-    from tests.conftest import free_port
+    from devstack.processes import free_port
 
     def build(*, temporal: bool = False, database: bool = False) -> Settings:
         changes: dict[str, Any] = {}

@@ -58,7 +58,6 @@ import ipaddress
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -70,6 +69,7 @@ from typing import Any
 import httpx
 import pytest
 
+from devstack.processes import free_port
 from sim.maas.auth import oauth_header
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -295,12 +295,6 @@ class MaasSim:
         )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _wait_until_serving(process: subprocess.Popen[bytes], url: str, log: Path) -> None:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -316,7 +310,7 @@ def _wait_until_serving(process: subprocess.Popen[bytes], url: str, log: Path) -
 @pytest.fixture(scope="session")
 def maas_sim_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MaasSimProcess]:
     workdir = tmp_path_factory.mktemp("maas-sim")
-    port = _free_port()
+    port = free_port()
     api_key = f"{secrets.token_hex(9)}:{secrets.token_hex(9)}:{secrets.token_hex(16)}"
     control_token = secrets.token_hex(16)
     (workdir / "scenario.json").write_text(json.dumps(DEFAULT_SCENARIO))

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -35,6 +34,7 @@ from core.secret_paths import (
     site_default_power_path,
     site_deploy_password_path,
 )
+from devstack.processes import free_port
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from schema.models import (
@@ -74,12 +74,6 @@ TEST_POLICY: dict[str, Any] = {
     "hw_sync_health_timeout_seconds": 6,
     "enrollment_timeout_seconds": 4,
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -241,7 +235,7 @@ async def onboarding_rig(
     maas_sim: Any,
 ) -> AsyncIterator[OnboardingRig]:
     """The site, its secrets, the gateway over HTTP and the first-boot simulator; no worker."""
-    port = _free_port()
+    port = free_port()
     settings = dataclasses.replace(settings, public_api_url=f"http://127.0.0.1:{port}")
     site_id, profile_id = uuid.uuid4(), uuid.uuid4()
     async with db_sessions() as session, session.begin():

@@ -17,7 +17,6 @@ import hashlib
 import hmac
 import json
 import secrets
-import socket
 import subprocess
 import time
 import uuid
@@ -40,6 +39,7 @@ from activities.payments.config import (
 from activities.payments.stripe_api import StripeApi
 from core.config import Settings
 from core.secrets import VaultSecretStore
+from devstack.processes import free_port
 from devstack.stripe_mock import stripe_mock_argv, write_fixtures
 from tests.vault_fixtures import VaultServer
 
@@ -63,20 +63,14 @@ class StripeMock:
                 self.process.wait()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch_stripe_mock(workdir: Path, fixtures: Path | None = None) -> StripeMock:
     workdir.mkdir(parents=True, exist_ok=True)
     for _ in range(3):
-        port = _free_port()
+        port = free_port()
         log_file = workdir / f"stripe-mock-{port}.log"
         with log_file.open("wb") as log:
             process = subprocess.Popen(
-                stripe_mock_argv(port, _free_port(), fixtures),
+                stripe_mock_argv(port, free_port(), fixtures),
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )

@@ -14,11 +14,11 @@ import uvicorn
 from temporalio.api.common.v1 import Payload
 
 from core.codec import ENCODING, AesGcmPayloadCodec
+from devstack.processes import free_port
 from devstack.temporal import temporal_cli_path
 from gateway import codec_session
 from gateway.app import create_app
 from gateway.config import GatewayConfig
-from tests.conftest import free_port
 from tests.gateway_fixtures import TEMPORAL_UI_ORIGIN, bearer
 from tests.test_gateway_auth import assert_error
 

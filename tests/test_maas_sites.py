@@ -13,8 +13,8 @@ import pytest
 from sqlalchemy import select
 
 from activities.power_credentials import PowerCredentialsMissing, resolve_power_credentials
+from devstack.processes import free_port
 from schema.models import AuditEntry, MaasSite
-from tests.conftest import free_port
 
 POWER_PASSWORD = "bmc-pa55-" + uuid.uuid4().hex
 DEPLOY_PASSWORD = "deploy-pa55-" + uuid.uuid4().hex

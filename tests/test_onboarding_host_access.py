@@ -30,7 +30,7 @@ from activities.onboarding.ipmi import IpmitoolBmc
 from activities.onboarding.ssh_seeder import SshHostSeeder
 from agent.maintenance import HwSyncConfig, render_hw_sync_service, render_hw_sync_timer
 from core.failures import ClassifiedError, FailureClass
-from tests.conftest import free_port
+from devstack.processes import free_port
 
 USER = "gpuadmin"
 PASSWORD = "Sup3r-s3cret_deploy.pw"

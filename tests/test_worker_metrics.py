@@ -11,7 +11,7 @@ from temporalio.worker import Worker
 
 from core.config import Settings
 from core.temporal import connect
-from tests.conftest import free_port
+from devstack.processes import free_port
 from tests.lifecycle_support import eventually
 from workflows.node_liveness import NodeLivenessWorkflow
 

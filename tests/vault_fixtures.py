@@ -15,7 +15,6 @@ Every server started here is stopped at its fixture's teardown.
 from __future__ import annotations
 
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ import hvac
 import pytest
 
 from core.secrets import VaultSecretStore
+from devstack.processes import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 20.0
@@ -57,12 +57,6 @@ class VaultServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait_healthy(server: VaultServer) -> bool:
@@ -97,7 +91,7 @@ def launch_vault(
         token_file.write_text("hvs." + secrets.token_urlsafe(18) + "\n")
         token_file.chmod(0o600)
     for _ in range(3):  # a free port can be taken between the probe and the server's bind
-        port = _free_port()
+        port = free_port()
         log_file = workdir / f"vault-{port}.log"
         argv = [sys.executable, "-m", "sim.vault", "--host", "127.0.0.1", "--port", str(port),
                 "--root-token-file", str(token_file)]  # fmt: skip
