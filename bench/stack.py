@@ -15,6 +15,7 @@ from pathlib import Path
 
 from devstack.postgres import PostgresCluster, throwaway_cluster
 from devstack.processes import free_port
+from devstack.up import StackOptions
 
 
 def machine_speed_seconds() -> float:
@@ -99,3 +100,24 @@ def private_postgres() -> Iterator[PostgresCluster]:
             yield cluster
     finally:
         shutil.rmtree(state, ignore_errors=True)
+
+
+def bench_stack_options(state: Path) -> StackOptions:
+    """The whole embedded stack on free ports in `state`, with no agent fleet and no delays."""
+    return StackOptions(
+        state_dir=state,
+        pg_port=free_port(),
+        temporal_port=free_port(),
+        ui_port=free_port(),
+        gateway_host="127.0.0.1",
+        gateway_port=free_port(),
+        vault_port=free_port(),
+        maas_port=free_port(),
+        stripe_port=free_port(),
+        worker_metrics_port=free_port(),
+        phase_delay=0.0,
+        jitter=0.0,
+        agents=False,
+        check=False,
+        reset=False,
+    )
