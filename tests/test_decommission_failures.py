@@ -7,22 +7,31 @@ release fails), and resume's idempotency under a live and a stale task (seed 004
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import threading
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
 from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncEngine
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import Client
 
+from activities.onboarding.host_access import HostAccess
 from agent.contract import BAREMETAL_DEPROVISION_USER, HostErrorType
 from schema.models import Allocation, DomainEvent, Node, NodeDriftEvent, NodeMaasState, NodeTask
 from schema.states import SkuShape
+from sim.first_boot import SimulatedBmc
 from tests.decommission_fixtures import DecommissionRig
 from tests.factories import BAREMETAL_SKU, create_node, create_sku
 from tests.histories import record_history
-from tests.lifecycle_support import Tenant, baremetal_request, wait_status
+from tests.lifecycle_support import Tenant, baremetal_request, eventually, wait_status
 from tests.maas_fixtures import sim_machine, sim_scenario
+from tests.onboarding_fixtures import OnboardingRig
+from worker import build_worker
 from workflows.allocation_contract import allocation_workflow_id
 
 MACHINES = sim_scenario(
@@ -451,3 +460,64 @@ async def test_cancelled_soft_reset_with_an_unreachable_agent_quarantines_the_no
 
     assert agent.maintenance.inner.is_draining()
     assert await _node_status(decommission, node_id) == "quarantined"
+
+
+async def test_a_cancel_that_lands_with_a_stage_completion_still_stops_the_job(
+    onboarding_without_worker: OnboardingRig,
+    temporal_client: Client,
+    db_engine: AsyncEngine,
+    secret_store: Any,
+    maas_sim: Any,
+    tmp_path: Path,
+) -> None:
+    """The cancel and the running stage's completion reach the workflow in one workflow task
+    (the control-plane worker is away while both happen). The update runs first and cancels the
+    stage, but the stage's result is already there and wins the await, so the cancel is only
+    seen between stages: the next stage must not start, and the job compensates."""
+    rig = DecommissionRig(
+        onboarding=onboarding_without_worker, client=temporal_client, tmp=tmp_path
+    )
+    host_access = HostAccess(
+        bmc=SimulatedBmc(maas_sim.base_url, maas_sim.control_token),
+        seeder=onboarding_without_worker.seeder,
+    )
+
+    def control_plane() -> Any:
+        return build_worker(
+            temporal_client, rig.onboarding.settings, db_engine, secret_store=secret_store,
+            host_access=host_access,
+        )  # fmt: skip
+
+    try:
+        async with control_plane():
+            node_id, agent, gate, job = await _soft_reset_held_at_storage_cleanup(rig)
+        # No control-plane worker: the stage's host task finishes, and its workflow task waits.
+        gate.set()
+        await eventually(lambda: _host_task_completed(rig, job))
+        cancel = asyncio.create_task(rig.action(job, "cancel", reason="wrong node"))
+        await asyncio.sleep(1.0)  # the update is admitted and waits for the same workflow task
+        async with control_plane():
+            answer = await asyncio.wait_for(cancel, timeout=30)
+            assert answer.accepted
+            await rig.wait_status(job, "cancelled")
+            await record_history(rig.handle(job), "decommission", "cancel_with_stage_result")
+    finally:
+        for gate_left in (g for a in rig.agents for g in a.maintenance.hang.values()):
+            gate_left.set()
+        for started in rig.jobs:
+            with contextlib.suppress(Exception):
+                await temporal_client.get_workflow_handle(started.workflow_id).terminate()
+        await asyncio.gather(*(a.stop() for a in rig.agents), return_exceptions=True)
+
+    assert "gpu_scrub" not in agent.maintenance.calls, "the stage after the cancel never ran"
+    assert not agent.maintenance.inner.is_draining(), "compensation undrained the agent"
+    assert await _node_status(rig, node_id) == "offline"
+
+
+async def _host_task_completed(rig: DecommissionRig, job: Any) -> bool:
+    history = await rig.handle(job).fetch_history()
+    return any(
+        e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED
+        and e.activity_task_completed_event_attributes.result.payloads
+        for e in history.events[-3:]
+    )

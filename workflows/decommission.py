@@ -98,10 +98,18 @@ with workflow.unsafe.imports_passed_through():
 QUICK = timedelta(minutes=2)
 LOCAL = timedelta(seconds=30)
 # Workflows that ran before these changes replay without them: a cancelled soft reset undrains
-# the agent; an operator's interrupt wins over the failure its cancelled host task reports.
+# the agent; an operator's interrupt wins over the failure its cancelled host task reports; an
+# interrupt the finishing stage absorbed stops the job before its next stage.
 UNDRAIN_ON_CANCEL_PATCH = "undrain-agent-when-soft-reset-is-cancelled"
 INTERRUPT_WINS_PATCH = "operator-interrupt-wins-over-stage-failure"
+STOP_BEFORE_NEXT_STAGE_PATCH = "operator-interrupt-stops-before-the-next-stage"
 _FAILED = frozenset({JobStatus.FAILED_RETRYABLE, JobStatus.FAILED_MANUAL_INTERVENTION})
+
+
+class _StoppedBeforeNextStage(Exception):
+    """An operator's cancel or freeze came in the same workflow task as the running stage's
+    result: the update handler ran first and cancelled the stage, but the result was already
+    there and won the await, so the stop is carried out here, before the next stage."""
 
 
 class StageFailure(Exception):
@@ -204,13 +212,21 @@ class NodeDecommissionWorkflow:
             # The stage failed because it was stopped (its host task was cancelled, which
             # reaches the workflow as that task's failure): the operator's action decides.
             return await self._interrupted()
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, _StoppedBeforeNextStage):
             if self._interrupt is None:  # the workflow itself was cancelled
                 self._interrupt = OperatorAction.CANCEL
             return await self._interrupted()
         finally:
             self._stage_task = None
             self._task = None
+        if self._interrupt is not None and workflow.patched(STOP_BEFORE_NEXT_STAGE_PATCH):
+            # It came with the last stage's result: there is nothing left to stop, and
+            # compensating a finished job would undo what was asked for. The job completes.
+            workflow.logger.warning(
+                "%s arrived as the last stage finished; the decommission completes",
+                self._interrupt.value,
+            )
+            self._interrupt = None
         final = JobStatus.RECONCILED if self._adopted else JobStatus.COMPLETED
         await self._set_status(final, domain_event="node.decommission.completed", clear_error=True)
         return await self._result()
@@ -241,6 +257,8 @@ class NodeDecommissionWorkflow:
             result = await self._call("decommission.load_node", self._stage_input(), QUICK)
             self._state = result.state
         for stage in stages[stages.index(start) :]:
+            if self._interrupt is not None and workflow.patched(STOP_BEFORE_NEXT_STAGE_PATCH):
+                raise _StoppedBeforeNextStage()
             await self._run_stage(stage)
 
     async def _run_stage(self, stage: Stage) -> None:
