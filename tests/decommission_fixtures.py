@@ -205,6 +205,16 @@ class DecommissionRig:
     def sessions(self) -> Any:
         return self.onboarding.sessions
 
+    async def close(self) -> None:
+        """End what a test left running: failed jobs wait for operators forever, hung host
+        tasks for their gates."""
+        for job in self.jobs:
+            with contextlib.suppress(Exception):
+                await self.client.get_workflow_handle(job.workflow_id).terminate()
+        for gate in (g for a in self.agents for g in a.maintenance.hang.values()):
+            gate.set()
+        await asyncio.gather(*(a.stop() for a in self.agents), return_exceptions=True)
+
     # --- nodes and agents ---
 
     async def maas_node(self, hostname: str, ipmi_ip: str) -> str:
@@ -362,9 +372,4 @@ async def decommission(
     try:
         yield rig
     finally:
-        for job in rig.jobs:  # failed jobs wait for operators forever
-            with contextlib.suppress(Exception):
-                await temporal_client.get_workflow_handle(job.workflow_id).terminate()
-        for gate in (g for a in rig.agents for g in a.maintenance.hang.values()):
-            gate.set()
-        await asyncio.gather(*(a.stop() for a in rig.agents), return_exceptions=True)
+        await rig.close()

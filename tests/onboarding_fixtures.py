@@ -25,6 +25,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from temporalio.client import Client, WorkflowHandle
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
+from temporalio.worker import Worker
 
 from activities.onboarding.host_access import HostAccess
 from core import search_attributes as sa
@@ -310,6 +311,21 @@ async def onboarding_without_worker(
         yield rig
 
 
+def control_plane_worker(
+    rig: OnboardingRig, client: Client, engine: AsyncEngine, secret_store: Any, maas_sim: Any
+) -> Worker:
+    """The control-plane worker with the rig's simulated host access (the BMC is the MAAS
+    simulator's, SSH the seeder's), to run as `async with`; a test may start it more than once."""
+    from worker import build_worker
+
+    host_access = HostAccess(
+        bmc=SimulatedBmc(maas_sim.base_url, maas_sim.control_token), seeder=rig.seeder
+    )
+    return build_worker(
+        client, rig.settings, engine, secret_store=secret_store, host_access=host_access
+    )
+
+
 @pytest.fixture
 async def onboarding(
     settings: Settings,
@@ -320,23 +336,15 @@ async def onboarding(
     maas_sim: Any,
 ) -> AsyncIterator[OnboardingRig]:
     """The rig plus the control-plane worker in-process with the rig's simulated host access."""
-    from worker import build_worker
-
-    async with onboarding_rig(
-        settings, temporal_client, db_sessions, secret_store, maas_sim
-    ) as rig:
-        host_access = HostAccess(
-            bmc=SimulatedBmc(maas_sim.base_url, maas_sim.control_token), seeder=rig.seeder
-        )
-        async with build_worker(
-            temporal_client, rig.settings, db_engine, secret_store=secret_store,
-            host_access=host_access,
-        ):  # fmt: skip
-            try:
-                yield rig
-            finally:
-                for workflow_id in [j.workflow_id for j in rig.jobs] + [
-                    batch_workflow_id(b) for b in rig.batches
-                ]:
-                    with contextlib.suppress(Exception):
-                        await temporal_client.get_workflow_handle(workflow_id).terminate()
+    async with (
+        onboarding_rig(settings, temporal_client, db_sessions, secret_store, maas_sim) as rig,
+        control_plane_worker(rig, temporal_client, db_engine, secret_store, maas_sim),
+    ):
+        try:
+            yield rig
+        finally:
+            for workflow_id in [j.workflow_id for j in rig.jobs] + [
+                batch_workflow_id(b) for b in rig.batches
+            ]:
+                with contextlib.suppress(Exception):
+                    await temporal_client.get_workflow_handle(workflow_id).terminate()

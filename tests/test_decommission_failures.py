@@ -7,7 +7,6 @@ release fails), and resume's idempotency under a live and a stale task (seed 004
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime as dt
 import threading
 import uuid
@@ -19,19 +18,17 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
+from temporalio.worker import Worker
 
-from activities.onboarding.host_access import HostAccess
 from agent.contract import BAREMETAL_DEPROVISION_USER, HostErrorType
 from schema.models import Allocation, DomainEvent, Node, NodeDriftEvent, NodeMaasState, NodeTask
 from schema.states import SkuShape
-from sim.first_boot import SimulatedBmc
 from tests.decommission_fixtures import DecommissionRig
 from tests.factories import BAREMETAL_SKU, create_node, create_sku
 from tests.histories import record_history
 from tests.lifecycle_support import Tenant, baremetal_request, eventually, wait_status
 from tests.maas_fixtures import sim_machine, sim_scenario
-from tests.onboarding_fixtures import OnboardingRig
-from worker import build_worker
+from tests.onboarding_fixtures import OnboardingRig, control_plane_worker
 from workflows.allocation_contract import allocation_workflow_id
 
 MACHINES = sim_scenario(
@@ -477,16 +474,11 @@ async def test_a_cancel_that_lands_with_a_stage_completion_still_stops_the_job(
     rig = DecommissionRig(
         onboarding=onboarding_without_worker, client=temporal_client, tmp=tmp_path
     )
-    host_access = HostAccess(
-        bmc=SimulatedBmc(maas_sim.base_url, maas_sim.control_token),
-        seeder=onboarding_without_worker.seeder,
-    )
 
-    def control_plane() -> Any:
-        return build_worker(
-            temporal_client, rig.onboarding.settings, db_engine, secret_store=secret_store,
-            host_access=host_access,
-        )  # fmt: skip
+    def control_plane() -> Worker:
+        return control_plane_worker(
+            onboarding_without_worker, temporal_client, db_engine, secret_store, maas_sim
+        )
 
     try:
         async with control_plane():
@@ -502,12 +494,7 @@ async def test_a_cancel_that_lands_with_a_stage_completion_still_stops_the_job(
             await rig.wait_status(job, "cancelled")
             await record_history(rig.handle(job), "decommission", "cancel_with_stage_result")
     finally:
-        for gate_left in (g for a in rig.agents for g in a.maintenance.hang.values()):
-            gate_left.set()
-        for started in rig.jobs:
-            with contextlib.suppress(Exception):
-                await temporal_client.get_workflow_handle(started.workflow_id).terminate()
-        await asyncio.gather(*(a.stop() for a in rig.agents), return_exceptions=True)
+        await rig.close()
 
     assert "gpu_scrub" not in agent.maintenance.calls, "the stage after the cancel never ran"
     assert not agent.maintenance.inner.is_draining(), "compensation undrained the agent"
