@@ -101,6 +101,15 @@ class OnboardingRig:
     jobs: list[Job] = field(default_factory=list)
     batches: list[str] = field(default_factory=list)
 
+    async def terminate_workflows(self) -> None:
+        """Failed jobs wait for operators forever: end them (and their batches) so that
+        workers can stop."""
+        for workflow_id in [j.workflow_id for j in self.jobs] + [
+            batch_workflow_id(b) for b in self.batches
+        ]:
+            with contextlib.suppress(Exception):
+                await self.client.get_workflow_handle(workflow_id).terminate()
+
     async def insert_job(self, hostname: str, ipmi_ip: str, *, batch_id: str | None = None) -> Job:
         job = Job(str(uuid.uuid4()), str(uuid.uuid4()), hostname)
         async with self.sessions() as session, session.begin():
@@ -286,12 +295,7 @@ async def onboarding_rig(
     try:
         yield rig
     finally:
-        # Failed jobs wait for operators forever: end them so workers can stop.
-        for workflow_id in [j.workflow_id for j in rig.jobs] + [
-            batch_workflow_id(b) for b in rig.batches
-        ]:
-            with contextlib.suppress(Exception):
-                await temporal_client.get_workflow_handle(workflow_id).terminate()
+        await rig.terminate_workflows()
         await first_boot.stop()
         server.should_exit = True
         await serving
@@ -343,8 +347,4 @@ async def onboarding(
         try:
             yield rig
         finally:
-            for workflow_id in [j.workflow_id for j in rig.jobs] + [
-                batch_workflow_id(b) for b in rig.batches
-            ]:
-                with contextlib.suppress(Exception):
-                    await temporal_client.get_workflow_handle(workflow_id).terminate()
+            await rig.terminate_workflows()  # before the worker stops
