@@ -393,29 +393,37 @@ async def create(
         policy=policy_from(settings),
     )
 
-    start: WithStartWorkflowOperation[Any, Any] = WithStartWorkflowOperation(
-        WORKFLOW_NAME,
-        workflow_input,
-        id=workflow_id,
-        id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-        id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
-        task_queue=settings.control_plane_task_queue,
-        result_type=AllocationResult,
-        # Known before placement, so set at start: the workflow then upserts only what changes
-        # (nothing before the POST is answered; see AllocationWorkflow._set_status).
-        search_attributes=TypedSearchAttributes(
-            [
-                SearchAttributePair(search_attributes.ALLOCATION_STATUS, STATUS_AT_START),
-                SearchAttributePair(search_attributes.PROJECT_ID, str(project_id)),
-                SearchAttributePair(search_attributes.SKU, body.sku),
-            ]
-        ),
+    # Known before placement, so set at start: the workflow then upserts only what changes
+    # (nothing before the POST is answered; see AllocationWorkflow._set_status).
+    attributes = TypedSearchAttributes(
+        [
+            SearchAttributePair(search_attributes.ALLOCATION_STATUS, STATUS_AT_START),
+            SearchAttributePair(search_attributes.PROJECT_ID, str(project_id)),
+            SearchAttributePair(search_attributes.SKU, body.sku),
+        ]
     )
+    # One update id for every attempt of this request: an attempt the server took is answered
+    # from its outcome, never reserved twice. (Per request, not per key: a retried POST with
+    # another body must reach the workflow's own check of the fingerprint.)
+    update_id = f"reserve-{uuid.uuid4()}"
+    starts: list[WithStartWorkflowOperation[Any, Any]] = []
 
     async def reserve(client: Client) -> Reservation:
+        start: WithStartWorkflowOperation[Any, Any] = WithStartWorkflowOperation(
+            WORKFLOW_NAME,
+            workflow_input,
+            id=workflow_id,
+            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+            id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+            task_queue=settings.control_plane_task_queue,
+            result_type=AllocationResult,
+            search_attributes=attributes,
+        )
+        starts.append(start)  # single-use: each attempt builds its own
         reservation: Reservation = await client.execute_update_with_start_workflow(
             RESERVE_UPDATE,
             fingerprint,
+            id=update_id,
             start_workflow_operation=start,
             result_type=Reservation,
             rpc_timeout=temporal.rpc_timeout,
@@ -423,7 +431,7 @@ async def create(
         return reservation
 
     try:
-        reservation = await temporal.update(reserve)
+        reservation = await temporal.update_with_start(reserve)
     except TemporalUnavailable as err:
         # The workflow may have started before Temporal stopped answering: tell the client which
         # allocation that would be, so nothing it asked for is ever out of its sight.
@@ -440,7 +448,8 @@ async def create(
         # The workflow for this key has already closed: answer what it answered.
         return await _answer_closed(engine, temporal, allocation_id, project_id, body)
     finally:
-        _retrieve_start_error(start)
+        for start in starts:
+            _retrieve_start_error(start)
     return CreateOutcome(created_from_reservation(reservation), replayed=False)
 
 

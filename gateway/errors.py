@@ -190,6 +190,19 @@ def is_temporal_unavailable(exc: BaseException) -> bool:
     return False
 
 
+def cause_summary(exc: BaseException) -> str:
+    """What an operator needs to tell one 5xx from another: the types along the cause chain,
+    and for Temporal's RPC errors their status and message (a server message, never our
+    payloads). Database messages are left out: they may quote SQL parameters."""
+    parts = []
+    for e in _chain(exc):
+        if isinstance(e, RPCError):
+            parts.append(f"RPCError({e.status.name}: {e.message[:160]})")
+        else:
+            parts.append(type(e).__name__)
+    return " <- ".join(parts)
+
+
 def is_database_unavailable(exc: BaseException) -> bool:
     for e in _chain(exc):
         if isinstance(
@@ -294,7 +307,7 @@ def exception_handler(request: Request[Any, Any, Any], exc: Exception) -> Respon
                 request.method,
                 request.url.path,
                 api_error.code,
-                type(exc).__name__,
+                cause_summary(exc),
             )
         return Response(
             error_body(api_error.code, api_error.message, api_error.details),

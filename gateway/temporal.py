@@ -10,21 +10,29 @@ caller to map.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import TypeVar
 
 from temporalio.client import Client, WorkflowUpdateRPCTimeoutOrCancelledError
+from temporalio.service import RPCError, RPCStatusCode
 
 from core.config import Settings
 from gateway.errors import TemporalUnavailable, is_temporal_unavailable
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 # Reads (describe, health, result of a closed workflow) answer within this, whatever the
 # configured RPC timeout: a read is never worth a long wait.
 READ_DEADLINE_SECONDS = 5.0
 HEALTH_DEADLINE_SECONDS = 2.0
+# Update-with-start answers a quick UNAVAILABLE when the server aborts the update before the
+# workflow saw it (its update registry was cleared, or another start won a race); the server
+# calls that retryable, but it hides it inside a multi-operation error, which neither the SDK nor
+# its core retries. Retried from here, a little later each time, within the call's deadline.
+UPDATE_WITH_START_BACKOFF_SECONDS = (0.05, 0.1, 0.2, 0.4, 0.8)
 # A healthy answer is trusted this long: under load one check serves many requests instead of
 # doubling the gRPC calls per POST. Failures are never cached.
 HEALTH_TRUSTED_SECONDS = 1.0
@@ -75,6 +83,27 @@ class TemporalOps:
         await self.check_health()
         # A little beyond the RPC timeout so the SDK's own deadline fires first when it can.
         return await self._bounded(call, self._rpc_seconds + 0.5)
+
+    async def update_with_start(self, call: Callable[[Client], Awaitable[T]]) -> T:
+        """update(), for an update-with-start: `call` must build a fresh start operation each
+        time (the SDK's are single-use) and send the same update id, so that an attempt the
+        server did take is answered from it, not applied twice."""
+        await self.check_health()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._rpc_seconds + 0.5
+        for pause in (*UPDATE_WITH_START_BACKOFF_SECONDS, None):
+            try:
+                return await self._bounded(call, max(deadline - loop.time(), 0.1))
+            except TemporalUnavailable as err:
+                cause = err.__cause__
+                retryable = (
+                    isinstance(cause, RPCError) and cause.status == RPCStatusCode.UNAVAILABLE
+                )
+                if not retryable or pause is None or loop.time() + pause >= deadline:
+                    raise
+                log.info("update-with-start aborted by the server (%s); retrying", cause)
+            await asyncio.sleep(pause)
+        raise AssertionError("unreachable: the last pause is None")
 
     async def check_health(self) -> None:
         loop = asyncio.get_running_loop()

@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 from sqlalchemy import select
+from temporalio.client import Client, Interceptor, OutboundInterceptor
+from temporalio.service import RPCError, RPCStatusCode
 
 from agent.contract import (
     BAREMETAL_DEPROVISION_USER,
@@ -533,3 +535,72 @@ async def test_post_that_times_out_names_the_allocation_it_may_have_started(
 
     async with build_worker(temporal_client, quick, db_engine):
         await wait_status(client, allocation_id, "active")
+
+
+class _AbortedUpdateWithStart(Interceptor):
+    """Answers update-with-start the way the server does when it aborts the update (a quick
+    UNAVAILABLE inside a multi-operation error), for the planned attempts: "before" without
+    sending anything, "after" once the real call has reserved (the answer lost on its way)."""
+
+    def __init__(self, plan: list[str]) -> None:
+        self.plan = plan
+        self.attempts = 0
+
+    def intercept_client(self, next: OutboundInterceptor) -> OutboundInterceptor:
+        interceptor = self
+
+        class Outbound(OutboundInterceptor):
+            async def start_update_with_start_workflow(self, input: Any) -> Any:
+                interceptor.attempts += 1
+                fault = interceptor.plan.pop(0) if interceptor.plan else None
+                aborted = RPCError("workflow update was aborted", RPCStatusCode.UNAVAILABLE, b"")
+                if fault == "before":
+                    raise aborted
+                handle = await super().start_update_with_start_workflow(input)
+                if fault == "after":
+                    await handle.result()
+                    raise aborted
+                return handle
+
+        return Outbound(next)
+
+
+@pytest.mark.parametrize("plan", [["before", "before"], ["after"]])
+async def test_post_retries_an_update_the_server_aborted_and_reserves_once(
+    plan: list[str],
+    api: Any,
+    make_project: Any,
+    make_token: Any,
+    make_ssh_key: Any,
+    db_sessions: Any,
+    temporal_client: Any,
+    start_node_agent: Any,
+) -> None:
+    (node,) = await create_fleet(db_sessions, slice_nodes=1)
+    await start_node_agent(node.id)
+    faults = _AbortedUpdateWithStart(list(plan))
+    aborting = Client(**{**temporal_client.config(), "interceptors": [faults]})
+    project = await make_project()
+    key = await make_ssh_key(project)
+    client = await api(token=await make_token("tenant", project), temporal_client=aborting)
+
+    response = await client.post("/api/v1/allocations", json=slice_request(1, str(key.id)))
+
+    assert response.status_code == 201, response.text
+    assert faults.attempts == len(plan) + 1
+    allocation_id = response.json()["allocation_id"]
+    await wait_status(client, allocation_id, "active")
+    assert await held_claims(db_sessions, allocation_id) == 1
+    async with db_sessions() as session:
+        assert len((await session.scalars(select(Allocation.id))).all()) == 1
+    # One reservation in the workflow: a retry the server had already taken was answered from
+    # that update's outcome (same update id), not reserved again.
+    history = await temporal_client.get_workflow_handle(
+        allocation_workflow_id(allocation_id)
+    ).fetch_history()
+    accepted = [
+        e
+        for e in history.events
+        if e.HasField("workflow_execution_update_accepted_event_attributes")
+    ]
+    assert len(accepted) == 1
