@@ -104,6 +104,7 @@ def build_worker(
     return Worker(
         client,
         task_queue=task_queue or settings.control_plane_task_queue,
+        build_id=settings.build_id,  # what the gateway's workflow starts expect (core.build_id)
         workflows=WORKFLOWS,
         workflow_runner=WORKFLOW_RUNNER,
         activities=[

@@ -10,6 +10,8 @@ import base64
 import os
 from dataclasses import dataclass, field
 
+from core.build_id import workflow_code_build_id
+
 # A fixed key for the embedded default only; production must set GPUCLOUD_CODEC_KEY.
 DEV_CODEC_KEY_B64 = base64.b64encode(b"gpucloud-embedded-dev-codec-key!").decode()
 
@@ -48,6 +50,9 @@ class Settings:
     # host:port where this process serves its Temporal SDK metrics for Prometheus
     # (`/metrics`); unset, none are served. bin/stack sets it for the worker.
     metrics_address: str | None = None
+    # The build id the control-plane worker reports to Temporal; the gateway starts workflows
+    # with the BuildIds it implies (core.build_id). Unset, a checksum of the workflow code.
+    build_id: str = field(default_factory=workflow_code_build_id)
 
     @property
     def codec_key(self) -> bytes:
@@ -84,4 +89,5 @@ class Settings:
             node_offline_after_seconds=float(e.get("GPUCLOUD_NODE_OFFLINE_AFTER_S", "300")),
             public_api_url=e.get("GPUCLOUD_PUBLIC_API_URL", "http://127.0.0.1:8000"),
             metrics_address=e.get("GPUCLOUD_METRICS_ADDRESS") or None,
+            build_id=e.get("GPUCLOUD_BUILD_ID") or workflow_code_build_id(),
         )

@@ -36,6 +36,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from activities.allocation_types import Reservation
 from core import search_attributes
+from core.build_id import build_ids_at_start
 from core.config import Settings
 from core.timestamps import parse_iso
 from gateway.errors import (
@@ -394,12 +395,14 @@ async def create(
     )
 
     # Known before placement, so set at start: the workflow then upserts only what changes
-    # (nothing before the POST is answered; see AllocationWorkflow._set_status).
+    # (nothing before the POST is answered; see AllocationWorkflow._set_status), and Temporal
+    # has no BuildIds to record at its first workflow task (core.build_id).
     attributes = TypedSearchAttributes(
         [
             SearchAttributePair(search_attributes.ALLOCATION_STATUS, STATUS_AT_START),
             SearchAttributePair(search_attributes.PROJECT_ID, str(project_id)),
             SearchAttributePair(search_attributes.SKU, body.sku),
+            build_ids_at_start(settings.build_id),
         ]
     )
     # One update id for every attempt of this request: an attempt the server took is answered

@@ -21,6 +21,7 @@ from agent.contract import (
     HostErrorType,
 )
 from core import search_attributes as sa
+from core.build_id import BUILD_IDS
 from gateway.allocations import allocation_id_for
 from schema.models import Allocation, AuditEntry, NodeTask
 from tests.factories import SLICE_SKU
@@ -123,7 +124,7 @@ async def test_slice_allocation_full_lifecycle(
 
 
 async def test_search_attributes_follow_the_allocation_without_an_upsert_on_the_post_path(
-    tenant: Tenant, db_sessions: Any, start_node_agent: Any, temporal_client: Any
+    tenant: Tenant, db_sessions: Any, start_node_agent: Any, temporal_client: Any, settings: Any
 ) -> None:
     (node,) = await create_fleet(db_sessions, slice_nodes=1)
     created = await allocate(tenant, slice_request(2, tenant.ssh_key_id))  # no agent yet
@@ -147,6 +148,16 @@ async def test_search_attributes_follow_the_allocation_without_an_upsert_on_the_
         e
         for e in history.events
         if e.HasField("upsert_workflow_search_attributes_event_attributes")
+    ]
+    # Nor does Temporal itself: the worker that completed the first workflow task reported the
+    # build id the workflow started with, so BuildIds is what the gateway set (a third entry if
+    # the two disagreed, and a visibility write for it).
+    described = await handle.describe()
+    info = described.raw_description.workflow_execution_info
+    assert info.most_recent_worker_version_stamp.build_id == settings.build_id
+    assert described.typed_search_attributes.get(BUILD_IDS) == [
+        "unversioned",
+        f"unversioned:{settings.build_id}",
     ]
 
     await start_node_agent(node.id)
