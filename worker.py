@@ -7,11 +7,12 @@ import logging
 import signal
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from typing import Any
 
 import uvloop
 from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio.client import Client
-from temporalio.worker import Worker
+from temporalio.worker import Worker, WorkerConfig
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
 from activities.allocations import AllocationActivities
@@ -73,13 +74,25 @@ def build_worker(
     client: Client,
     settings: Settings,
     engine: AsyncEngine,
+    **dependencies: Any,
+) -> Worker:
+    """The control-plane worker: every workflow and every control-plane activity."""
+    return Worker(**worker_config(client, settings, engine, **dependencies))
+
+
+def worker_config(
+    client: Client,
+    settings: Settings,
+    engine: AsyncEngine,
     *,
     task_queue: str | None = None,
     secret_store: SecretStore | None = None,
     stripe_api: StripeApi | None = None,
     payment_settings: PaymentSettings | None = None,
     host_access: HostAccess | None = None,
-) -> Worker:
+) -> WorkerConfig:
+    """build_worker's arguments, for a test that splits them over two workers (one for the
+    workflows, one for the activities)."""
     sessions = session_factory(engine)
     payment_settings = payment_settings or PaymentSettings.from_env()
     secret_store = secret_store or VaultSecretStore.from_settings(settings)
@@ -101,8 +114,8 @@ def build_worker(
         DecommissionDeps(sessions, secret_store, host_access, settings.public_api_url, client)
     )
     reimage = ReimageActivities(onboarding_deps)
-    return Worker(
-        client,
+    return WorkerConfig(
+        client=client,
         task_queue=task_queue or settings.control_plane_task_queue,
         build_id=settings.build_id,  # what the gateway's workflow starts expect (core.build_id)
         workflows=WORKFLOWS,

@@ -25,7 +25,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from temporalio.client import Client, WorkflowHandle
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
-from temporalio.worker import Worker
+from temporalio.worker import Worker, WorkerConfig
 
 from activities.onboarding.host_access import HostAccess
 from core import search_attributes as sa
@@ -320,12 +320,19 @@ def control_plane_worker(
 ) -> Worker:
     """The control-plane worker with the rig's simulated host access (the BMC is the MAAS
     simulator's, SSH the seeder's), to run as `async with`; a test may start it more than once."""
-    from worker import build_worker
+    return Worker(**control_plane_worker_config(rig, client, engine, secret_store, maas_sim))
+
+
+def control_plane_worker_config(
+    rig: OnboardingRig, client: Client, engine: AsyncEngine, secret_store: Any, maas_sim: Any
+) -> WorkerConfig:
+    """control_plane_worker's arguments, for a test that splits them over two workers."""
+    from worker import worker_config
 
     host_access = HostAccess(
         bmc=SimulatedBmc(maas_sim.base_url, maas_sim.control_token), seeder=rig.seeder
     )
-    return build_worker(
+    return worker_config(
         client, rig.settings, engine, secret_store=secret_store, host_access=host_access
     )
 

@@ -4,15 +4,22 @@ node table and the stage events."""
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 import pytest
 from sqlalchemy import func, select
-from temporalio.client import WorkflowUpdateFailedError
+from sqlalchemy.ext.asyncio import AsyncEngine
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import Client, WorkflowUpdateFailedError
 from temporalio.service import RPCError, RPCStatusCode
+from temporalio.worker import Worker
 
 from schema.models import Node
 from tests.histories import record_history
+from tests.lifecycle_support import eventually
 from tests.maas_fixtures import sim_machine, sim_scenario
-from tests.onboarding_fixtures import Job, OnboardingRig
+from tests.onboarding_fixtures import Job, OnboardingRig, control_plane_worker_config
 
 SCENARIO = sim_scenario(
     sim_machine("r-deploy-once", "10.176.18.10", faults=[{"kind": "deploy_fails", "times": 1}]),
@@ -22,6 +29,7 @@ SCENARIO = sim_scenario(
     sim_machine("r-slow", "10.176.18.14", timings={"deploying": 60_000}),
     sim_machine("r-clean", "10.176.18.15", faults=[{"kind": "hw_sync_never_healthy"}]),
     sim_machine("r-gone", "10.176.18.16", boss=False),
+    sim_machine("r-race", "10.176.18.17", timings={"deploying": 3_000}),
 )
 
 
@@ -213,3 +221,69 @@ async def test_adopt_after_an_out_of_band_fix_verifies_hardware_sync(
     assert node.status == "active"
     counters = await onboarding.maas_sim.counters()
     assert counters["machines"][row.maas_system_id]["machine.deploy"] == 1
+
+
+@pytest.mark.maas_scenario(SCENARIO)
+async def test_a_cancel_that_lands_with_a_stage_completion_stops_before_the_next_stage(
+    onboarding_without_worker: OnboardingRig,
+    temporal_client: Client,
+    db_engine: AsyncEngine,
+    secret_store: Any,
+    maas_sim: Any,
+) -> None:
+    """The cancel and the deploy stage's completion reach the workflow in one workflow task (its
+    workflow worker is away while both happen; the stages' activities run in a worker of their
+    own). The update runs first and cancels the stage, but the stage's result is already there
+    and wins the await: the next stage must still not start, and the job compensates."""
+    rig = onboarding_without_worker
+    config = control_plane_worker_config(rig, temporal_client, db_engine, secret_store, maas_sim)
+
+    def workflows_only() -> Worker:  # and their local activities
+        return Worker(**{**config, "no_remote_activities": True})
+
+    try:
+        async with Worker(**{**config, "workflows": []}):
+            async with workflows_only():
+                job = await rig.start("r-race", "10.176.18.17")
+                await rig.wait_status(job, "running", stage="wait_for_deployed")
+            await eventually(
+                lambda: _stage_completed(rig, job, "onboarding.wait_for_deployed"), timeout=30
+            )
+            cancel = asyncio.create_task(rig.action(job, "cancel", reason="wrong machine"))
+            await asyncio.sleep(1.0)  # the update is admitted and waits for that workflow task
+            async with workflows_only():
+                answer = await asyncio.wait_for(cancel, timeout=30)
+                assert answer.accepted
+                row = await rig.wait_status(job, "cancelled")
+                await record_history(
+                    rig.client.get_workflow_handle(job.workflow_id),
+                    "onboarding",
+                    "cancel_with_stage_result",
+                )
+    finally:
+        await rig.terminate_workflows()
+
+    stages = [(e.stage, e.status) for e in await rig.events(job)]
+    assert ("wait_for_deployed", "succeeded") in stages
+    assert ("ensure_hardware_sync_configured", "started") not in stages, "a stage ran after it"
+    # Compensated as for any cancel once the OS runs (§4.6): MAAS is left alone, the node
+    # quarantined.
+    assert stages[-1] == ("deploy_via_maas", "compensated")
+    assert [n.status for n in await _nodes_named(rig, "r-race")] == ["quarantined"]
+    assert (await rig.maas_sim.machine(row.maas_system_id))["status_name"] == "Deployed"
+
+
+async def _stage_completed(rig: OnboardingRig, job: Job, activity: str) -> bool:
+    """The stage's activity has completed in the job's history (its result awaits a worker)."""
+    events = (await rig.client.get_workflow_handle(job.workflow_id).fetch_history()).events
+    scheduled = {
+        e.event_id
+        for e in events
+        if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+        and e.activity_task_scheduled_event_attributes.activity_type.name == activity
+    }
+    return any(
+        e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED
+        and e.activity_task_completed_event_attributes.scheduled_event_id in scheduled
+        for e in events
+    )

@@ -92,17 +92,16 @@ with workflow.unsafe.imports_passed_through():
         checkpoint_for,
         outcome_for,
     )
-    from workflows.lifecycle_contract import check_operator_action
+    from workflows.lifecycle_contract import STOP_BEFORE_NEXT_STAGE_PATCH, check_operator_action
     from workflows.onboarding_contract import JobStatus, SiteConfig
 
 QUICK = timedelta(minutes=2)
 LOCAL = timedelta(seconds=30)
 # Workflows that ran before these changes replay without them: a cancelled soft reset undrains
-# the agent; an operator's interrupt wins over the failure its cancelled host task reports; an
-# interrupt the finishing stage absorbed stops the job before its next stage.
+# the agent; an operator's interrupt wins over the failure its cancelled host task reports (and
+# STOP_BEFORE_NEXT_STAGE_PATCH, shared with onboarding).
 UNDRAIN_ON_CANCEL_PATCH = "undrain-agent-when-soft-reset-is-cancelled"
 INTERRUPT_WINS_PATCH = "operator-interrupt-wins-over-stage-failure"
-STOP_BEFORE_NEXT_STAGE_PATCH = "operator-interrupt-stops-before-the-next-stage"
 _FAILED = frozenset({JobStatus.FAILED_RETRYABLE, JobStatus.FAILED_MANUAL_INTERVENTION})
 
 

@@ -13,6 +13,11 @@ from temporalio.exceptions import ApplicationError
 
 OPERATOR_ACTION_UPDATE = "operator_action"
 PROGRESS_QUERY = "progress"
+# A lifecycle job's cancel or freeze can reach the workflow in the same workflow task as the
+# running stage's result: the update handler runs first and cancels the stage, but the result is
+# already there and wins the await. Jobs check for it before each stage; jobs that ran before that
+# check replay without it.
+STOP_BEFORE_NEXT_STAGE_PATCH = "operator-interrupt-stops-before-the-next-stage"
 
 
 class JobStatus(StrEnum):

@@ -37,7 +37,7 @@ from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError
 with workflow.unsafe.imports_passed_through():
     from core import search_attributes as sa
     from core.failures import FailureClass
-    from workflows.lifecycle_contract import check_operator_action
+    from workflows.lifecycle_contract import STOP_BEFORE_NEXT_STAGE_PATCH, check_operator_action
     from workflows.onboarding_contract import (
         CHILD_SETTLED_SIGNAL,
         DEPLOY_STAGES,
@@ -99,7 +99,9 @@ class StageFailure(Exception):
 
 
 class Interrupted(Exception):
-    """An operator stopped the running stage (cancel / mark manual intervention)."""
+    """An operator's cancel or freeze came in the same workflow task as the running stage's
+    result, which won the await over the update's cancellation: it stops the job here, before
+    the next stage (STOP_BEFORE_NEXT_STAGE_PATCH)."""
 
 
 def _failure_from(stage: Stage, err: ActivityError) -> StageFailure:
@@ -179,7 +181,7 @@ class MaasNodeOnboardWorkflow:
                 return None
             # An operator interrupt: the cancelled stage's failure is not the job's outcome.
             return await self._interrupted()
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, Interrupted):
             if self._interrupt is None:  # the workflow itself was cancelled: compensate
                 self._interrupt = OperatorAction.CANCEL
             return await self._interrupted()
@@ -294,6 +296,8 @@ class MaasNodeOnboardWorkflow:
 
     async def _run_stage(self, stage: Stage, *, activity: str | None = None) -> StageResult:
         assert self._input is not None
+        if self._interrupt is not None and workflow.patched(STOP_BEFORE_NEXT_STAGE_PATCH):
+            raise Interrupted()
         self._stage = stage
         self._entries[stage] = self._entries.get(stage, 0) + 1
         if stage in POST_DEPLOY_STAGES:
