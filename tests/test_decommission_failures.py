@@ -413,14 +413,14 @@ async def test_release_that_does_not_converge_stops_for_an_operator(
 
 
 async def _soft_reset_held_at_storage_cleanup(
-    rig: DecommissionRig,
+    rig: DecommissionRig, storage_cleanup: str = "local"
 ) -> tuple[str, Any, threading.Event, Any]:
     """A soft reset whose agent drained and now hangs in storage cleanup until `gate` is set."""
     node_id = await rig.plain_node()
     agent = await rig.agent(node_id)
     gate = threading.Event()
     agent.maintenance.hang["storage_cleanup"] = gate
-    job = await rig.start(node_id, "soft_reset", storage_cleanup="local")
+    job = await rig.start(node_id, "soft_reset", storage_cleanup=storage_cleanup)
     await rig.wait_stage(job, "cleanup_storage")
     assert agent.maintenance.inner.is_draining()
     return node_id, agent, gate, job
@@ -459,7 +459,9 @@ async def test_cancelled_soft_reset_with_an_unreachable_agent_quarantines_the_no
     assert await _node_status(decommission, node_id) == "quarantined"
 
 
-async def test_a_cancel_that_lands_with_a_stage_completion_still_stops_the_job(
+@pytest.mark.parametrize("storage_cleanup", ["local", "all"])
+async def test_a_cancel_that_lands_with_a_host_task_result_still_stops_the_job(
+    storage_cleanup: str,
     onboarding_without_worker: OnboardingRig,
     temporal_client: Client,
     db_engine: AsyncEngine,
@@ -467,10 +469,12 @@ async def test_a_cancel_that_lands_with_a_stage_completion_still_stops_the_job(
     maas_sim: Any,
     tmp_path: Path,
 ) -> None:
-    """The cancel and the running stage's completion reach the workflow in one workflow task
-    (the control-plane worker is away while both happen). The update runs first and cancels the
-    stage, but the stage's result is already there and wins the await, so the cancel is only
-    seen between stages: the next stage must not start, and the job compensates."""
+    """The cancel and a host task's completion reach the workflow in one workflow task (the
+    control-plane worker is away while both happen). The update runs first and cancels the
+    stage, but the task's result is already there and wins the await, so the cancel is only
+    seen afterwards. With one storage scope that result ends the stage: the next stage must
+    not start. With two, it is the first scope's: the second scope must not be wiped. Either
+    way the job compensates."""
     rig = DecommissionRig(
         onboarding=onboarding_without_worker, client=temporal_client, tmp=tmp_path
     )
@@ -482,8 +486,10 @@ async def test_a_cancel_that_lands_with_a_stage_completion_still_stops_the_job(
 
     try:
         async with control_plane():
-            node_id, agent, gate, job = await _soft_reset_held_at_storage_cleanup(rig)
-        # No control-plane worker: the stage's host task finishes, and its workflow task waits.
+            node_id, agent, gate, job = await _soft_reset_held_at_storage_cleanup(
+                rig, storage_cleanup
+            )
+        # No control-plane worker: the host task finishes, and its workflow task waits.
         gate.set()
         await eventually(lambda: _host_task_completed(rig, job))
         cancel = asyncio.create_task(rig.action(job, "cancel", reason="wrong node"))
@@ -492,10 +498,16 @@ async def test_a_cancel_that_lands_with_a_stage_completion_still_stops_the_job(
             answer = await asyncio.wait_for(cancel, timeout=30)
             assert answer.accepted
             await rig.wait_status(job, "cancelled")
-            await record_history(rig.handle(job), "decommission", "cancel_with_stage_result")
+            if storage_cleanup == "local":
+                history = "cancel_with_stage_result"
+            else:
+                history = "cancel_with_host_task_result"
+            await record_history(rig.handle(job), "decommission", history)
     finally:
         await rig.close()
 
+    assert agent.maintenance.calls.get("storage_cleanup") == 1, "no second scope was wiped"
+    assert len(await _tasks(rig, node_id, "node.storage_cleanup")) == 1
     assert "gpu_scrub" not in agent.maintenance.calls, "the stage after the cancel never ran"
     assert not agent.maintenance.inner.is_draining(), "compensation undrained the agent"
     assert await _node_status(rig, node_id) == "offline"

@@ -98,17 +98,20 @@ with workflow.unsafe.imports_passed_through():
 QUICK = timedelta(minutes=2)
 LOCAL = timedelta(seconds=30)
 # Workflows that ran before these changes replay without them: a cancelled soft reset undrains
-# the agent; an operator's interrupt wins over the failure its cancelled host task reports (and
-# STOP_BEFORE_NEXT_STAGE_PATCH, shared with onboarding).
+# the agent; an operator's interrupt wins over the failure its cancelled host task reports; an
+# interrupt absorbed by a host task's result also stops a stage before its next host task (a
+# second storage scope's wipe); and STOP_BEFORE_NEXT_STAGE_PATCH, shared with onboarding.
 UNDRAIN_ON_CANCEL_PATCH = "undrain-agent-when-soft-reset-is-cancelled"
 INTERRUPT_WINS_PATCH = "operator-interrupt-wins-over-stage-failure"
+STOP_BEFORE_NEXT_HOST_TASK_PATCH = "operator-interrupt-stops-before-the-next-host-task"
 _FAILED = frozenset({JobStatus.FAILED_RETRYABLE, JobStatus.FAILED_MANUAL_INTERVENTION})
 
 
-class _StoppedBeforeNextStage(Exception):
+class _StoppedBeforeNextStep(Exception):
     """An operator's cancel or freeze came in the same workflow task as the running stage's
-    result: the update handler ran first and cancelled the stage, but the result was already
-    there and won the await, so the stop is carried out here, before the next stage."""
+    (or host task's) result: the update handler ran first and cancelled the stage, but the
+    result was already there and won the await, so the stop is carried out here, before the
+    next stage or host task."""
 
 
 class StageFailure(Exception):
@@ -211,7 +214,7 @@ class NodeDecommissionWorkflow:
             # The stage failed because it was stopped (its host task was cancelled, which
             # reaches the workflow as that task's failure): the operator's action decides.
             return await self._interrupted()
-        except (asyncio.CancelledError, _StoppedBeforeNextStage):
+        except (asyncio.CancelledError, _StoppedBeforeNextStep):
             if self._interrupt is None:  # the workflow itself was cancelled
                 self._interrupt = OperatorAction.CANCEL
             return await self._interrupted()
@@ -257,7 +260,7 @@ class NodeDecommissionWorkflow:
             self._state = result.state
         for stage in stages[stages.index(start) :]:
             if self._interrupt is not None and workflow.patched(STOP_BEFORE_NEXT_STAGE_PATCH):
-                raise _StoppedBeforeNextStage()
+                raise _StoppedBeforeNextStep()
             await self._run_stage(stage)
 
     async def _run_stage(self, stage: Stage) -> None:
@@ -384,6 +387,9 @@ class NodeDecommissionWorkflow:
         not pick up in time is `agent_unreachable` (manual intervention, §5.8); while MAAS
         still holds the machine deployed, that is the ambiguous case of seed 003 §5.8."""
         assert self._input is not None
+        # Compensation's own host tasks run after the interrupt is taken (and cleared).
+        if self._interrupt is not None and workflow.patched(STOP_BEFORE_NEXT_HOST_TASK_PATCH):
+            raise _StoppedBeforeNextStep()
         policy = self._input.policy
         task = NodeTaskRef(task_id=spec.task_id, kind=kind)
         self._task = task
