@@ -355,10 +355,13 @@ class DecommissionRig:
                 raise AssertionError(f"never reached {stage}")
             await asyncio.sleep(0.05)
 
-    async def action(self, job: Job, action: str, reason: str = "test") -> ActionResult:
+    async def action(
+        self, job: Job, action: str, reason: str = "test", *, update_id: str | None = None
+    ) -> ActionResult:
         result: ActionResult = await self.handle(job).execute_update(
             OPERATOR_ACTION_UPDATE,
             OperatorRequest(action=action, actor="test-admin", reason=reason),
+            id=update_id,
             result_type=ActionResult,
         )
         return result

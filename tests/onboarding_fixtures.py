@@ -219,11 +219,14 @@ class OnboardingRig:
             row = await self.row(job)
         return row
 
-    async def action(self, job: Job, action: str, reason: str = "test") -> ActionResult:
+    async def action(
+        self, job: Job, action: str, reason: str = "test", *, update_id: str | None = None
+    ) -> ActionResult:
         handle = self.client.get_workflow_handle(job.workflow_id)
         result: ActionResult = await handle.execute_update(
             OPERATOR_ACTION_UPDATE,
             OperatorRequest(action=action, actor="test-admin", reason=reason),
+            id=update_id,
             result_type=ActionResult,
         )
         return result

@@ -26,7 +26,13 @@ from schema.states import SkuShape
 from tests.decommission_fixtures import DecommissionRig
 from tests.factories import BAREMETAL_SKU, create_node, create_sku
 from tests.histories import record_history
-from tests.lifecycle_support import Tenant, baremetal_request, eventually, wait_status
+from tests.lifecycle_support import (
+    Tenant,
+    baremetal_request,
+    eventually,
+    update_admitted,
+    wait_status,
+)
 from tests.maas_fixtures import sim_machine, sim_scenario
 from tests.onboarding_fixtures import OnboardingRig, control_plane_worker
 from workflows.allocation_contract import allocation_workflow_id
@@ -492,8 +498,13 @@ async def test_a_cancel_that_lands_with_a_host_task_result_still_stops_the_job(
         # No control-plane worker: the host task finishes, and its workflow task waits.
         gate.set()
         await eventually(lambda: _host_task_completed(rig, job))
-        cancel = asyncio.create_task(rig.action(job, "cancel", reason="wrong node"))
-        await asyncio.sleep(1.0)  # the update is admitted and waits for the same workflow task
+        update_id = f"cancel-{job.decommission_id}"
+        cancel = asyncio.create_task(
+            rig.action(job, "cancel", reason="wrong node", update_id=update_id)
+        )
+        # Admitted, it waits for the same workflow task as the host task's result.
+        workflow_id = rig.handle(job).id
+        await eventually(lambda: update_admitted(temporal_client, workflow_id, update_id))
         async with control_plane():
             answer = await asyncio.wait_for(cancel, timeout=30)
             assert answer.accepted

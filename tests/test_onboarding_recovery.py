@@ -17,7 +17,7 @@ from temporalio.worker import Worker
 
 from schema.models import Node
 from tests.histories import record_history
-from tests.lifecycle_support import eventually
+from tests.lifecycle_support import eventually, update_admitted
 from tests.maas_fixtures import sim_machine, sim_scenario
 from tests.onboarding_fixtures import Job, OnboardingRig, control_plane_worker_config
 
@@ -249,8 +249,12 @@ async def test_a_cancel_that_lands_with_a_stage_completion_stops_before_the_next
             await eventually(
                 lambda: _stage_completed(rig, job, "onboarding.wait_for_deployed"), timeout=30
             )
-            cancel = asyncio.create_task(rig.action(job, "cancel", reason="wrong machine"))
-            await asyncio.sleep(1.0)  # the update is admitted and waits for that workflow task
+            update_id = f"cancel-{job.onboarding_id}"
+            cancel = asyncio.create_task(
+                rig.action(job, "cancel", reason="wrong machine", update_id=update_id)
+            )
+            # Admitted, it waits for the same workflow task as the stage's result.
+            await eventually(lambda: update_admitted(temporal_client, job.workflow_id, update_id))
             async with workflows_only():
                 answer = await asyncio.wait_for(cancel, timeout=30)
                 assert answer.accepted
