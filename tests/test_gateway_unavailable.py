@@ -3,6 +3,7 @@ a failed request leaves nothing behind."""
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 
@@ -23,7 +24,7 @@ async def timed(call):
 
 
 async def test_temporal_down_answers_503_fast(
-    api, unreachable_settings, make_project, make_token, make_ssh_key, count_rows
+    api, unreachable_settings, make_project, make_token, make_ssh_key, count_rows, caplog, request
 ):
     project = await make_project()
     key = await make_ssh_key(project)
@@ -32,6 +33,10 @@ async def test_temporal_down_answers_503_fast(
         settings=unreachable_settings(temporal=True),
         temporal_client=None,  # the app connects (lazily) to where nothing listens
     )
+    # The app's logging configuration replaced the root handlers, caplog's among them.
+    errors_log = logging.getLogger("gateway.errors")
+    errors_log.addHandler(caplog.handler)
+    request.addfinalizer(lambda: errors_log.removeHandler(caplog.handler))
     assert (await client.get("/healthz")).status_code == 200
 
     body = {"sku": "h100.slice", "gpus": 1, "region": "test-region-1", "ssh_key_ids": [str(key.id)]}
@@ -43,6 +48,11 @@ async def test_temporal_down_answers_503_fast(
         assert response.headers["retry-after"]
         assert seconds < PROMPT_SECONDS
     assert await count_rows(Allocation) == 0
+    # The log says why, down the cause chain (the client never connected), for the operator.
+    logged = [r.getMessage() for r in caplog.records if r.name == "gateway.errors"]
+    assert any(
+        "temporal_unavailable (TemporalUnavailable <- " in m and "RuntimeError" in m for m in logged
+    ), logged
 
     ready, seconds = await timed(client.get("/readyz"))
     body = assert_error(ready, 503, "temporal_unavailable")
