@@ -172,5 +172,11 @@ def create_app(
         request_max_body_size=settings.max_request_body_bytes,
         cors_config=_cors(gateway_config),
         openapi_config=_openapi(),
+        # The process configures logging (gateway.serve); building an app must not. Litestar's
+        # default replaced the root logger's handlers with its own queue listener: every
+        # record, the access log's included, then cost a hand-off to a second thread, and an
+        # app built inside a test dropped pytest's capture handler, so the tests' "no secret
+        # in the logs" checks saw no logs at all.
+        logging_config=None,
         debug=False,
     )
