@@ -7,7 +7,7 @@ import logging
 import signal
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import Any
+from typing import TypedDict, Unpack
 
 import uvloop
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -70,11 +70,22 @@ WORKFLOW_RUNNER = SandboxedWorkflowRunner(
 )
 
 
+class WorkerDependencies(TypedDict, total=False):
+    """What a caller may put in place of the worker's defaults (each read from the
+    environment when absent)."""
+
+    task_queue: str | None
+    secret_store: SecretStore | None
+    stripe_api: StripeApi | None
+    payment_settings: PaymentSettings | None
+    host_access: HostAccess | None
+
+
 def build_worker(
     client: Client,
     settings: Settings,
     engine: AsyncEngine,
-    **dependencies: Any,
+    **dependencies: Unpack[WorkerDependencies],
 ) -> Worker:
     """The control-plane worker: every workflow and every control-plane activity."""
     return Worker(**worker_config(client, settings, engine, **dependencies))
@@ -84,15 +95,15 @@ def worker_config(
     client: Client,
     settings: Settings,
     engine: AsyncEngine,
-    *,
-    task_queue: str | None = None,
-    secret_store: SecretStore | None = None,
-    stripe_api: StripeApi | None = None,
-    payment_settings: PaymentSettings | None = None,
-    host_access: HostAccess | None = None,
+    **dependencies: Unpack[WorkerDependencies],
 ) -> WorkerConfig:
     """build_worker's arguments, for a test that splits them over two workers (one for the
     workflows, one for the activities)."""
+    task_queue = dependencies.get("task_queue")
+    secret_store = dependencies.get("secret_store")
+    stripe_api = dependencies.get("stripe_api")
+    payment_settings = dependencies.get("payment_settings")
+    host_access = dependencies.get("host_access")
     sessions = session_factory(engine)
     payment_settings = payment_settings or PaymentSettings.from_env()
     secret_store = secret_store or VaultSecretStore.from_settings(settings)
