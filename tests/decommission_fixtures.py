@@ -15,7 +15,6 @@ decommission jobs and wait for their read model.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 import time
 import uuid
@@ -57,9 +56,9 @@ from schema.states import NodeStatus
 from sim.config import SimHostConfig
 from sim.host import SimulatedHost
 from tests.factories import create_node
-from tests.onboarding_fixtures import ONBOARD_SKU, OnboardingRig
+from tests.onboarding_fixtures import ONBOARD_SKU, OnboardingRig, operator_action
+from tests.workflow_probes import terminate_quietly
 from workflows.decommission_contract import (
-    OPERATOR_ACTION_UPDATE,
     STAGES_BY_MODE,
     WORKFLOW_NAME,
     ActionResult,
@@ -67,7 +66,6 @@ from workflows.decommission_contract import (
     DecommissionPolicy,
     DecommissionResult,
     Mode,
-    OperatorRequest,
     decommission_workflow_id,
 )
 
@@ -206,11 +204,8 @@ class DecommissionRig:
         return self.onboarding.sessions
 
     async def close(self) -> None:
-        """End what a test left running: failed jobs wait for operators forever, hung host
-        tasks for their gates."""
-        for job in self.jobs:
-            with contextlib.suppress(Exception):
-                await self.client.get_workflow_handle(job.workflow_id).terminate()
+        """End what a test left running: its jobs, and host tasks hung at their gates."""
+        await terminate_quietly(self.client, [job.workflow_id for job in self.jobs])
         for gate in (g for a in self.agents for g in a.maintenance.hang.values()):
             gate.set()
         await asyncio.gather(*(a.stop() for a in self.agents), return_exceptions=True)
@@ -355,16 +350,8 @@ class DecommissionRig:
                 raise AssertionError(f"never reached {stage}")
             await asyncio.sleep(0.05)
 
-    async def action(
-        self, job: Job, action: str, reason: str = "test", *, update_id: str | None = None
-    ) -> ActionResult:
-        result: ActionResult = await self.handle(job).execute_update(
-            OPERATOR_ACTION_UPDATE,
-            OperatorRequest(action=action, actor="test-admin", reason=reason),
-            id=update_id,
-            result_type=ActionResult,
-        )
-        return result
+    async def action(self, job: Job, action: str, reason: str = "test") -> ActionResult:
+        return await operator_action(self.handle(job), action, reason)
 
 
 @pytest.fixture

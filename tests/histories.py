@@ -4,13 +4,14 @@ workflows fails CI."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 from pathlib import Path
 
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowHandle, WorkflowHistory
+
+from tests.lifecycle_support import eventually
 
 HISTORIES_DIR = Path(__file__).parent / "histories"
 
@@ -34,14 +35,12 @@ async def _settled_history(handle: WorkflowHandle, timeout: float = 15.0) -> Wor
     """The history once no workflow task is outstanding. A test may call this right after what
     it waited for became visible (a row, an API answer), which an activity does before the
     workflow task that follows it; a history cut there would record less than the run did."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
+
+    async def settled() -> WorkflowHistory | None:
         history = await handle.fetch_history()
-        if not _workflow_task_outstanding(history):
-            return history
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"{handle.id}: a workflow task is still outstanding")
-        await asyncio.sleep(0.1)
+        return None if _workflow_task_outstanding(history) else history
+
+    return await eventually(settled, timeout=timeout, interval=0.1)
 
 
 def _workflow_task_outstanding(history: WorkflowHistory) -> bool:

@@ -13,12 +13,6 @@ from typing import Any, TypeVar
 import httpx
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
-from temporalio.api.common.v1 import WorkflowExecution
-from temporalio.api.enums.v1 import UpdateWorkflowExecutionLifecycleStage
-from temporalio.api.update.v1 import UpdateRef, WaitPolicy
-from temporalio.api.workflowservice.v1 import PollWorkflowExecutionUpdateRequest
-from temporalio.client import Client
-from temporalio.service import RPCError, RPCStatusCode
 
 from schema.models import AllocationEvent, AllocationResourceClaim, GpuSlot
 from schema.states import SkuShape
@@ -39,29 +33,6 @@ async def eventually(
             return last
         await asyncio.sleep(interval)
     raise AssertionError(f"condition not met within {timeout}s (last value: {last!r})")
-
-
-async def update_admitted(client: Client, workflow_id: str, update_id: str) -> bool:
-    """Whether Temporal has admitted the update: it waits in the workflow's update registry
-    for the next workflow task (which a test may be holding back by keeping the worker away)."""
-    admitted = (
-        UpdateWorkflowExecutionLifecycleStage.UPDATE_WORKFLOW_EXECUTION_LIFECYCLE_STAGE_ADMITTED
-    )
-    request = PollWorkflowExecutionUpdateRequest(
-        namespace=client.namespace,
-        update_ref=UpdateRef(
-            workflow_execution=WorkflowExecution(workflow_id=workflow_id), update_id=update_id
-        ),
-        identity="tests",
-        wait_policy=WaitPolicy(lifecycle_stage=admitted),
-    )
-    try:
-        response = await client.workflow_service.poll_workflow_execution_update(request)
-    except RPCError as err:
-        if err.status == RPCStatusCode.NOT_FOUND:  # not (yet) in the registry
-            return False
-        raise
-    return response.stage >= admitted
 
 
 async def wait_status(

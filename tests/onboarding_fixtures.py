@@ -48,6 +48,8 @@ from schema.models import (
 from schema.states import SkuShape
 from sim.first_boot import FirstBootSimulator, SimulatedBmc, SimulatedHostSeeder
 from tests.factories import REGION, create_sku
+from tests.lifecycle_support import eventually
+from tests.workflow_probes import terminate_quietly, update_admitted
 from workflows.onboarding_contract import (
     BATCH_WORKFLOW_NAME,
     OPERATOR_ACTION_UPDATE,
@@ -77,6 +79,43 @@ TEST_POLICY: dict[str, Any] = {
 }
 
 
+async def operator_action(
+    handle: WorkflowHandle[Any, Any],
+    action: str,
+    reason: str = "test",
+    *,
+    update_id: str | None = None,
+) -> ActionResult:
+    """An operator's action on a lifecycle job (onboarding or decommission), as the admin API
+    sends it."""
+    result: ActionResult = await handle.execute_update(
+        OPERATOR_ACTION_UPDATE,
+        OperatorRequest(action=action, actor="test-admin", reason=reason),
+        id=update_id,
+        result_type=ActionResult,
+    )
+    return result
+
+
+async def operator_action_admitted(
+    client: Client, workflow_id: str, action: str, reason: str
+) -> asyncio.Task[ActionResult]:
+    """The action sent in the background, returned once Temporal has admitted it: it then waits
+    for the job's next workflow task (which a test holding the workflow worker back decides)."""
+    update_id = f"{action}-{uuid.uuid4()}"
+    sent = asyncio.create_task(
+        operator_action(
+            client.get_workflow_handle(workflow_id), action, reason, update_id=update_id
+        )
+    )
+    try:
+        await eventually(lambda: update_admitted(client, workflow_id, update_id))
+    except BaseException:
+        sent.cancel()
+        raise
+    return sent
+
+
 @dataclass
 class Job:
     onboarding_id: str
@@ -102,13 +141,11 @@ class OnboardingRig:
     batches: list[str] = field(default_factory=list)
 
     async def terminate_workflows(self) -> None:
-        """Failed jobs wait for operators forever: end them (and their batches) so that
-        workers can stop."""
-        for workflow_id in [j.workflow_id for j in self.jobs] + [
-            batch_workflow_id(b) for b in self.batches
-        ]:
-            with contextlib.suppress(Exception):
-                await self.client.get_workflow_handle(workflow_id).terminate()
+        """End the rig's jobs and batches, so that workers can stop."""
+        await terminate_quietly(
+            self.client,
+            [j.workflow_id for j in self.jobs] + [batch_workflow_id(b) for b in self.batches],
+        )
 
     async def insert_job(self, hostname: str, ipmi_ip: str, *, batch_id: str | None = None) -> Job:
         job = Job(str(uuid.uuid4()), str(uuid.uuid4()), hostname)
@@ -219,17 +256,10 @@ class OnboardingRig:
             row = await self.row(job)
         return row
 
-    async def action(
-        self, job: Job, action: str, reason: str = "test", *, update_id: str | None = None
-    ) -> ActionResult:
-        handle = self.client.get_workflow_handle(job.workflow_id)
-        result: ActionResult = await handle.execute_update(
-            OPERATOR_ACTION_UPDATE,
-            OperatorRequest(action=action, actor="test-admin", reason=reason),
-            id=update_id,
-            result_type=ActionResult,
+    async def action(self, job: Job, action: str, reason: str = "test") -> ActionResult:
+        return await operator_action(
+            self.client.get_workflow_handle(job.workflow_id), action, reason
         )
-        return result
 
     async def set_policy(self, **values: Any) -> None:
         async with self.sessions() as session, session.begin():

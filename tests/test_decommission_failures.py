@@ -16,25 +16,19 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
-from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 from temporalio.worker import Worker
 
-from agent.contract import BAREMETAL_DEPROVISION_USER, HostErrorType
+from agent.contract import BAREMETAL_DEPROVISION_USER, NODE_STORAGE_CLEANUP, HostErrorType
 from schema.models import Allocation, DomainEvent, Node, NodeDriftEvent, NodeMaasState, NodeTask
 from schema.states import SkuShape
 from tests.decommission_fixtures import DecommissionRig
 from tests.factories import BAREMETAL_SKU, create_node, create_sku
 from tests.histories import record_history
-from tests.lifecycle_support import (
-    Tenant,
-    baremetal_request,
-    eventually,
-    update_admitted,
-    wait_status,
-)
+from tests.lifecycle_support import Tenant, baremetal_request, eventually, wait_status
 from tests.maas_fixtures import sim_machine, sim_scenario
-from tests.onboarding_fixtures import OnboardingRig, control_plane_worker
+from tests.onboarding_fixtures import OnboardingRig, control_plane_worker, operator_action_admitted
+from tests.workflow_probes import activity_completed
 from workflows.allocation_contract import allocation_workflow_id
 
 MACHINES = sim_scenario(
@@ -495,39 +489,24 @@ async def test_a_cancel_that_lands_with_a_host_task_result_still_stops_the_job(
             node_id, agent, gate, job = await _soft_reset_held_at_storage_cleanup(
                 rig, storage_cleanup
             )
-        # No control-plane worker: the host task finishes, and its workflow task waits.
+        # No control-plane worker: the host task finishes, and its workflow task waits; the
+        # cancel is admitted to wait for that same workflow task.
         gate.set()
-        await eventually(lambda: _host_task_completed(rig, job))
-        update_id = f"cancel-{job.decommission_id}"
-        cancel = asyncio.create_task(
-            rig.action(job, "cancel", reason="wrong node", update_id=update_id)
+        await eventually(lambda: activity_completed(rig.handle(job), NODE_STORAGE_CLEANUP))
+        cancel = await operator_action_admitted(
+            temporal_client, job.workflow_id, "cancel", "wrong node"
         )
-        # Admitted, it waits for the same workflow task as the host task's result.
-        workflow_id = rig.handle(job).id
-        await eventually(lambda: update_admitted(temporal_client, workflow_id, update_id))
         async with control_plane():
             answer = await asyncio.wait_for(cancel, timeout=30)
             assert answer.accepted
             await rig.wait_status(job, "cancelled")
-            if storage_cleanup == "local":
-                history = "cancel_with_stage_result"
-            else:
-                history = "cancel_with_host_task_result"
-            await record_history(rig.handle(job), "decommission", history)
+            history = {"local": "cancel_with_stage_result", "all": "cancel_with_host_task_result"}
+            await record_history(rig.handle(job), "decommission", history[storage_cleanup])
     finally:
         await rig.close()
 
     assert agent.maintenance.calls.get("storage_cleanup") == 1, "no second scope was wiped"
-    assert len(await _tasks(rig, node_id, "node.storage_cleanup")) == 1
+    assert len(await _tasks(rig, node_id, NODE_STORAGE_CLEANUP)) == 1
     assert "gpu_scrub" not in agent.maintenance.calls, "the stage after the cancel never ran"
     assert not agent.maintenance.inner.is_draining(), "compensation undrained the agent"
     assert await _node_status(rig, node_id) == "offline"
-
-
-async def _host_task_completed(rig: DecommissionRig, job: Any) -> bool:
-    history = await rig.handle(job).fetch_history()
-    return any(
-        e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED
-        and e.activity_task_completed_event_attributes.result.payloads
-        for e in history.events[-3:]
-    )

@@ -10,16 +10,21 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
-from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowUpdateFailedError
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import Worker
 
 from schema.models import Node
 from tests.histories import record_history
-from tests.lifecycle_support import eventually, update_admitted
+from tests.lifecycle_support import eventually
 from tests.maas_fixtures import sim_machine, sim_scenario
-from tests.onboarding_fixtures import Job, OnboardingRig, control_plane_worker_config
+from tests.onboarding_fixtures import (
+    Job,
+    OnboardingRig,
+    control_plane_worker_config,
+    operator_action_admitted,
+)
+from tests.workflow_probes import activity_completed
 
 SCENARIO = sim_scenario(
     sim_machine("r-deploy-once", "10.176.18.10", faults=[{"kind": "deploy_fails", "times": 1}]),
@@ -246,24 +251,20 @@ async def test_a_cancel_that_lands_with_a_stage_completion_stops_before_the_next
             async with workflows_only():
                 job = await rig.start("r-race", "10.176.18.17")
                 await rig.wait_status(job, "running", stage="wait_for_deployed")
+            # The stage's result waits for a workflow task; the cancel is admitted to wait for
+            # the same one.
+            handle = rig.client.get_workflow_handle(job.workflow_id)
             await eventually(
-                lambda: _stage_completed(rig, job, "onboarding.wait_for_deployed"), timeout=30
+                lambda: activity_completed(handle, "onboarding.wait_for_deployed"), timeout=30
             )
-            update_id = f"cancel-{job.onboarding_id}"
-            cancel = asyncio.create_task(
-                rig.action(job, "cancel", reason="wrong machine", update_id=update_id)
+            cancel = await operator_action_admitted(
+                temporal_client, job.workflow_id, "cancel", "wrong machine"
             )
-            # Admitted, it waits for the same workflow task as the stage's result.
-            await eventually(lambda: update_admitted(temporal_client, job.workflow_id, update_id))
             async with workflows_only():
                 answer = await asyncio.wait_for(cancel, timeout=30)
                 assert answer.accepted
                 row = await rig.wait_status(job, "cancelled")
-                await record_history(
-                    rig.client.get_workflow_handle(job.workflow_id),
-                    "onboarding",
-                    "cancel_with_stage_result",
-                )
+                await record_history(handle, "onboarding", "cancel_with_stage_result")
     finally:
         await rig.terminate_workflows()
 
@@ -275,19 +276,3 @@ async def test_a_cancel_that_lands_with_a_stage_completion_stops_before_the_next
     assert stages[-1] == ("deploy_via_maas", "compensated")
     assert [n.status for n in await _nodes_named(rig, "r-race")] == ["quarantined"]
     assert (await rig.maas_sim.machine(row.maas_system_id))["status_name"] == "Deployed"
-
-
-async def _stage_completed(rig: OnboardingRig, job: Job, activity: str) -> bool:
-    """The stage's activity has completed in the job's history (its result awaits a worker)."""
-    events = (await rig.client.get_workflow_handle(job.workflow_id).fetch_history()).events
-    scheduled = {
-        e.event_id
-        for e in events
-        if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
-        and e.activity_task_scheduled_event_attributes.activity_type.name == activity
-    }
-    return any(
-        e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED
-        and e.activity_task_completed_event_attributes.scheduled_event_id in scheduled
-        for e in events
-    )
