@@ -99,21 +99,17 @@ def worker_config(
 ) -> WorkerConfig:
     """build_worker's arguments, for a test that splits them over two workers (one for the
     workflows, one for the activities)."""
-    task_queue = dependencies.get("task_queue")
-    secret_store = dependencies.get("secret_store")
-    stripe_api = dependencies.get("stripe_api")
-    payment_settings = dependencies.get("payment_settings")
-    host_access = dependencies.get("host_access")
     sessions = session_factory(engine)
-    payment_settings = payment_settings or PaymentSettings.from_env()
-    secret_store = secret_store or VaultSecretStore.from_settings(settings)
-    stripe_api = stripe_api or StripeApi(secret_store, payment_settings)
+    payment_settings = dependencies.get("payment_settings") or PaymentSettings.from_env()
+    secret_store = dependencies.get("secret_store") or VaultSecretStore.from_settings(settings)
+    stripe_api = dependencies.get("stripe_api") or StripeApi(secret_store, payment_settings)
     payments = PaymentActivities(sessions, stripe_api, payment_settings)
     allocations = AllocationActivities(engine)
     presence = NodePresenceActivities(sessions)
     maas_reconcile = MaasReconcileActivities(sessions, secret_store)
     liveness = NodeLivenessActivities(sessions)
     billing = BillingActivities(sessions, client)
+    host_access = dependencies.get("host_access")
     if host_access is None:
         from activities.onboarding.host_access_config import host_access_from_env
 
@@ -127,7 +123,7 @@ def worker_config(
     reimage = ReimageActivities(onboarding_deps)
     return WorkerConfig(
         client=client,
-        task_queue=task_queue or settings.control_plane_task_queue,
+        task_queue=dependencies.get("task_queue") or settings.control_plane_task_queue,
         build_id=settings.build_id,  # what the gateway's workflow starts expect (core.build_id)
         workflows=WORKFLOWS,
         workflow_runner=WORKFLOW_RUNNER,
