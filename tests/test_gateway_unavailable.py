@@ -3,7 +3,6 @@ a failed request leaves nothing behind."""
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 
@@ -24,7 +23,7 @@ async def timed(call):
 
 
 async def test_temporal_down_answers_503_fast(
-    api, unreachable_settings, make_project, make_token, make_ssh_key, count_rows, caplog, request
+    api, unreachable_settings, make_project, make_token, make_ssh_key, count_rows, caplog
 ):
     project = await make_project()
     key = await make_ssh_key(project)
@@ -33,10 +32,6 @@ async def test_temporal_down_answers_503_fast(
         settings=unreachable_settings(temporal=True),
         temporal_client=None,  # the app connects (lazily) to where nothing listens
     )
-    # The app's logging configuration replaced the root handlers, caplog's among them.
-    errors_log = logging.getLogger("gateway.errors")
-    errors_log.addHandler(caplog.handler)
-    request.addfinalizer(lambda: errors_log.removeHandler(caplog.handler))
     assert (await client.get("/healthz")).status_code == 200
 
     body = {"sku": "h100.slice", "gpus": 1, "region": "test-region-1", "ssh_key_ids": [str(key.id)]}
