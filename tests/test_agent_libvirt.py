@@ -199,6 +199,9 @@ def test_ssh_keys_never_reach_logs_or_phase_messages(
     progress = RecordingProgress()
     host.backend.provision_slice_vm(provision_spec(), progress)
     host.backend.release_slice_vm(release_spec(), progress)
+    logged = [r.getMessage() for r in caplog.records if r.name == "agent.backends.libvirt_slice"]
+    assert any("slice VM ready" in m for m in logged), logged  # the check below reads something
+    assert any("slice VM released" in m for m in logged), logged
     assert "VerySecretKeyMaterial" not in caplog.text
     assert all("VerySecretKeyMaterial" not in message for _, _, message in progress.events)
 

@@ -248,6 +248,13 @@ class LibvirtSliceBackend:
         _phase(progress, "vm_started", start)
         _phase(progress, "guest_reachable", reach_guest)
         _phase(progress, "driver_ready", driver_ready)
+        logger.info(
+            "allocation %s: slice VM ready at %s with %d GPU(s) (adopted=%s)",
+            spec.allocation_id,
+            state["address"],
+            len(gpus),
+            adopted,
+        )
         return ProvisionOutcome(connect_host=state["address"], adopted_existing=adopted)
 
     def release_slice_vm(self, spec: HostReleaseInput, progress: Progress) -> ReleaseOutcome:
@@ -290,6 +297,19 @@ class LibvirtSliceBackend:
                 HostErrorType.RELEASE_ERROR, f"libvirt: {err.get_error_message()}"
             ) from None
         _phase(progress, "gpus_health_checked", check_gpus)
+        for gpu in unhealthy:
+            logger.warning(
+                "allocation %s: GPU %s quarantined: %s",
+                spec.allocation_id,
+                gpu.pci_address,
+                gpu.reason,
+            )
+        logger.info(
+            "allocation %s: slice VM released (hard_stopped=%s, %d GPU(s))",
+            spec.allocation_id,
+            hard_stopped,
+            len(released_gpus),
+        )
         return ReleaseOutcome(
             released=True,
             hard_stopped=hard_stopped,
