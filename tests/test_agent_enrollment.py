@@ -71,6 +71,7 @@ async def test_agent_enrolls_once_and_keeps_its_identity(
     with pytest.raises(EnrollmentError) as reused:
         await ensure_enrolled(config(tmp_path, token, "other"), http=anonymous)
     assert reused.value.code == "enrollment_token_used"
+    assert caplog.records  # the log check reads what was logged
     assert token not in caplog.text
     assert token not in str(reused.value)
 

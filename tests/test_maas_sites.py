@@ -185,6 +185,7 @@ async def test_credentials_are_validated_against_maas_before_anything_is_written
         + [dict(a.details or {}) for a in audits]
         + [{c.name: str(getattr(s, c.name)) for c in MaasSite.__table__.columns} for s in sites]
     )
+    assert caplog.records  # the log check reads what was logged
     for secret in (maas_sim.api_key.split(":")[2], POWER_PASSWORD, DEPLOY_PASSWORD):
         assert secret not in seen
         assert secret not in caplog.text

@@ -41,6 +41,7 @@ def secret_value() -> str:
 
 def assert_leaks_nothing(err: BaseException, secret: str, caplog: pytest.LogCaptureFixture) -> None:
     assert isinstance(err, SecretStoreError)
+    assert caplog.records, "the log check reads what was logged"
     shown = [str(err), repr(err), "".join(traceback.format_exception(err)), caplog.text]
     for text in shown:
         assert secret not in text
@@ -186,6 +187,7 @@ async def test_a_silent_server_times_out_as_unavailable(
 async def test_a_sealed_vault_is_unavailable(
     start_vault: Callable[..., VaultServer], caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.DEBUG)  # hvac, requests and urllib3, at their chattiest
     server = start_vault()
     store = VaultSecretStore(server.addr, token=server.token, timeout=5)
     path, secret = site_path(), secret_value()
