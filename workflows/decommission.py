@@ -93,6 +93,15 @@ with workflow.unsafe.imports_passed_through():
         outcome_for,
     )
     from workflows.lifecycle_contract import STOP_BEFORE_NEXT_STAGE_PATCH, check_operator_action
+    from workflows.lifecycle_job import (
+        OperatorControlledJob,
+        StageFailure,
+        StoppedBeforeNextStep,
+        expected_job_status,
+        is_standing_action,
+        operator_freeze,
+        stage_failure_from,
+    )
     from workflows.onboarding_contract import JobStatus, SiteConfig
 
 QUICK = timedelta(minutes=2)
@@ -107,55 +116,8 @@ STOP_BEFORE_NEXT_HOST_TASK_PATCH = "operator-interrupt-stops-before-the-next-hos
 _FAILED = frozenset({JobStatus.FAILED_RETRYABLE, JobStatus.FAILED_MANUAL_INTERVENTION})
 
 
-class _StoppedBeforeNextStep(Exception):
-    """An operator's cancel or freeze came in the same workflow task as the running stage's
-    (or host task's) result: the update handler ran first and cancelled the stage, but the
-    result was already there and won the await, so the stop is carried out here, before the
-    next stage or host task."""
-
-
-class StageFailure(Exception):
-    def __init__(
-        self,
-        stage: Stage,
-        failure_class: str,
-        error_code: str,
-        message: str,
-        details: dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.stage = stage
-        self.failure_class = failure_class
-        self.error_code = error_code
-        self.message = message
-        self.details = dict(details or {})
-
-
-def _failure_from(stage: Stage, err: ActivityError) -> StageFailure:
-    cause = err.cause
-    if isinstance(cause, ApplicationError):
-        info: dict[str, Any] = {}
-        if cause.details and isinstance(cause.details[0], dict):
-            info = cause.details[0]
-        return StageFailure(
-            stage,
-            cause.type or FailureClass.UPSTREAM_TRANSIENT.value,
-            str(info.get("error_code") or cause.type or "unknown"),
-            cause.message,
-            dict(info.get("details") or {}),
-        )
-    if isinstance(cause, TimeoutError):
-        return StageFailure(
-            stage,
-            FailureClass.UPSTREAM_TRANSIENT.value,
-            "activity_timeout",
-            f"{stage.value} timed out ({cause.type.name if cause.type else 'timeout'})",
-        )
-    return StageFailure(stage, FailureClass.UPSTREAM_TRANSIENT.value, "activity_failed", str(err))
-
-
 @workflow.defn(name=WORKFLOW_NAME)
-class NodeDecommissionWorkflow:
+class NodeDecommissionWorkflow(OperatorControlledJob[Stage, OperatorAction]):
     def __init__(self) -> None:
         self._input: DecommissionInput | None = None
         self._site: SiteConfig | None = None
@@ -163,7 +125,7 @@ class NodeDecommissionWorkflow:
         self._status = JobStatus.PENDING
         self._stage = Stage.DISABLE_NODE
         self._entries: dict[Stage, int] = {}
-        self._failure: StageFailure | None = None
+        self._failure: StageFailure[Stage] | None = None
         self._pending: OperatorRequest | None = None
         self._interrupt: OperatorAction | None = None
         self._stage_task: asyncio.Task[None] | None = None
@@ -214,7 +176,7 @@ class NodeDecommissionWorkflow:
             # The stage failed because it was stopped (its host task was cancelled, which
             # reaches the workflow as that task's failure): the operator's action decides.
             return await self._interrupted()
-        except (asyncio.CancelledError, _StoppedBeforeNextStep):
+        except (asyncio.CancelledError, StoppedBeforeNextStep):
             if self._interrupt is None:  # the workflow itself was cancelled
                 self._interrupt = OperatorAction.CANCEL
             return await self._interrupted()
@@ -240,12 +202,7 @@ class NodeDecommissionWorkflow:
             return await self._cancel()
         self._interrupt = None
         await self._fail(
-            StageFailure(
-                self._stage,
-                self._failure.failure_class if self._failure else "",
-                "manual_intervention_requested",
-                "an operator froze automation",
-            ),
+            operator_freeze(self._stage, self._failure),
             forced=JobStatus.FAILED_MANUAL_INTERVENTION,
         )
         return None
@@ -260,7 +217,7 @@ class NodeDecommissionWorkflow:
             self._state = result.state
         for stage in stages[stages.index(start) :]:
             if self._interrupt is not None and workflow.patched(STOP_BEFORE_NEXT_STAGE_PATCH):
-                raise _StoppedBeforeNextStep()
+                raise StoppedBeforeNextStep()
             await self._run_stage(stage)
 
     async def _run_stage(self, stage: Stage) -> None:
@@ -321,7 +278,7 @@ class NodeDecommissionWorkflow:
                 ),
             )
         except ActivityError as err:
-            raise _failure_from(self._stage, err) from None
+            raise stage_failure_from(self._stage, err) from None
         return result
 
     def _enter(self, stage: Stage) -> None:
@@ -389,7 +346,7 @@ class NodeDecommissionWorkflow:
         assert self._input is not None
         # Compensation's own host tasks run after the interrupt is taken (and cleared).
         if self._interrupt is not None and workflow.patched(STOP_BEFORE_NEXT_HOST_TASK_PATCH):
-            raise _StoppedBeforeNextStep()
+            raise StoppedBeforeNextStep()
         policy = self._input.policy
         task = NodeTaskRef(task_id=spec.task_id, kind=kind)
         self._task = task
@@ -432,7 +389,7 @@ class NodeDecommissionWorkflow:
         )
         return result
 
-    def _host_failure(self, stage: Stage, kind: str, err: ActivityError) -> StageFailure:
+    def _host_failure(self, stage: Stage, kind: str, err: ActivityError) -> StageFailure[Stage]:
         cause = err.cause
         if isinstance(cause, TimeoutError) and cause.type == TimeoutType.SCHEDULE_TO_START:
             maas_mutable = self._state.maas_managed and not self._state.released_in_maas
@@ -636,7 +593,7 @@ class NodeDecommissionWorkflow:
 
     # ------------------------------------------------------------------ failure and actions
 
-    async def _fail(self, failure: StageFailure, *, forced: JobStatus | None = None) -> None:
+    async def _fail(self, failure: StageFailure[Stage], *, forced: JobStatus | None = None) -> None:
         self._failure = failure
         outcome = outcome_for(failure.failure_class, failure.error_code)
         status = forced or outcome.job_status
@@ -678,7 +635,7 @@ class NodeDecommissionWorkflow:
             except StageFailure as failure:
                 await self._fail(failure)
             except ActivityError as err:
-                await self._fail(_failure_from(failed_stage, err))
+                await self._fail(stage_failure_from(failed_stage, err))
 
     async def _adopt(self, failed: Stage) -> Stage | None:
         """Accept the observed state (or the operator's word for host work) for the failed
@@ -693,7 +650,7 @@ class NodeDecommissionWorkflow:
         )
         self._state = observation.state
 
-        def cannot(why: str) -> StageFailure:
+        def cannot(why: str) -> StageFailure[Stage]:
             return StageFailure(
                 failed,
                 FailureClass.STATE_AMBIGUITY.value,
@@ -771,27 +728,22 @@ class NodeDecommissionWorkflow:
     @workflow.update(name=OPERATOR_ACTION_UPDATE)
     async def operator_action(self, request: OperatorRequest) -> ActionResult:
         action = OperatorAction(request.action)
-        prior_status, prior_stage = self._status, self._stage
-        noop = self._is_noop(action)
-        if noop:
-            message = f"{action.value}: already in effect"
-            if action == OperatorAction.RESUME:
-                message = self._resume_noop_message()
-        elif self._status in (JobStatus.PENDING, JobStatus.RUNNING):
-            self._interrupt = action  # cancel or mark_manual_intervention_required
-            if self._stage_task is not None:
-                self._stage_task.cancel()
-            message = f"{action.value}: stopping {self._stage.value}"
-        else:
-            self._pending = request
-            message = f"{action.value} accepted"
-        return ActionResult(
-            action=action.value,
-            accepted=not noop,
-            prior_status=prior_status.value,
-            prior_stage=prior_stage.value,
-            expected_status=_expected_status(action, self._status).value,
-            message=message,
+        running = self._status in (JobStatus.PENDING, JobStatus.RUNNING)
+        return self._take_operator_action(
+            request,
+            action,
+            noop=self._is_noop(action),
+            noop_message=(
+                self._resume_noop_message()
+                if action == OperatorAction.RESUME
+                else f"{action.value}: already in effect"
+            ),
+            # A resume of a running job is a no-op (below): it stays as it is.
+            expected=(
+                self._status
+                if action == OperatorAction.RESUME and running
+                else expected_job_status(action)
+            ),
         )
 
     def _resume_noop_message(self) -> str:
@@ -814,18 +766,11 @@ class NodeDecommissionWorkflow:
         )
 
     def _is_noop(self, action: OperatorAction) -> bool:
-        return (
-            (action == OperatorAction.CANCEL and self._status == JobStatus.CANCELLED)
-            or (
-                action == OperatorAction.MARK_MANUAL_INTERVENTION
-                and self._status == JobStatus.FAILED_MANUAL_INTERVENTION
-            )
-            or (
-                # Seed 004 §8: a live (or freshly queued) task already does what resume asks.
-                action == OperatorAction.RESUME
-                and self._status in (JobStatus.PENDING, JobStatus.RUNNING)
-                and self._interrupt is None
-            )
+        return is_standing_action(action, self._status) or (
+            # Seed 004 §8: a live (or freshly queued) task already does what resume asks.
+            action == OperatorAction.RESUME
+            and self._status in (JobStatus.PENDING, JobStatus.RUNNING)
+            and self._interrupt is None
         )
 
     @workflow.query(name=PROGRESS_QUERY)
@@ -852,7 +797,7 @@ class NodeDecommissionWorkflow:
         status: JobStatus,
         *,
         stage: Stage | None = None,
-        failure: StageFailure | None = None,
+        failure: StageFailure[Stage] | None = None,
         recommended_action: str | None = None,
         details: dict[str, Any] | None = None,
         event_status: EventStatus | None = None,
@@ -929,18 +874,6 @@ class NodeDecommissionWorkflow:
 
 class _Cancel:
     """_await_operator's answer for cancel."""
-
-
-def _expected_status(action: OperatorAction, status: JobStatus) -> JobStatus:
-    if action == OperatorAction.CANCEL:
-        return JobStatus.CANCELLED
-    if action == OperatorAction.MARK_MANUAL_INTERVENTION:
-        return JobStatus.FAILED_MANUAL_INTERVENTION
-    if action == OperatorAction.ADOPT:
-        return JobStatus.RECONCILED
-    if action == OperatorAction.RESUME and status in (JobStatus.PENDING, JobStatus.RUNNING):
-        return status
-    return JobStatus.COMPLETED
 
 
 def _summary(result: Any) -> dict[str, Any]:

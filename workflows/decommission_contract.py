@@ -17,6 +17,14 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from workflows.lifecycle_contract import (
+    ADOPT_ACTION,
+    CANCEL_ACTION,
+    FREEZE_ACTION,
+    RESUME_ACTION,
+    RETRY_STAGE_ACTION,
+)
+
 # Seed 004 §5.1: decommission uses the same job-state model and operator-action update.
 from workflows.lifecycle_contract import OPERATOR_ACTION_UPDATE as OPERATOR_ACTION_UPDATE
 from workflows.lifecycle_contract import PROGRESS_QUERY as PROGRESS_QUERY
@@ -187,11 +195,11 @@ class OperatorAction(StrEnum):
     """Seed 004 §8, the ones that make sense for a decommission (there is no rerun from a blank
     slate: a half-decommissioned node is resumed, retried, adopted or cancelled)."""
 
-    RETRY_STAGE = "retry_stage"
-    RESUME = "resume"
-    CANCEL = "cancel"
-    ADOPT = "adopt_observed_state"
-    MARK_MANUAL_INTERVENTION = "mark_manual_intervention_required"
+    RETRY_STAGE = RETRY_STAGE_ACTION
+    RESUME = RESUME_ACTION
+    CANCEL = CANCEL_ACTION
+    ADOPT = ADOPT_ACTION
+    MARK_MANUAL_INTERVENTION = FREEZE_ACTION
 
 
 @dataclass

@@ -13,6 +13,13 @@ from temporalio.exceptions import ApplicationError
 
 OPERATOR_ACTION_UPDATE = "operator_action"
 PROGRESS_QUERY = "progress"
+# The operator actions every job kind has (seed 004 §8), by name; each kind's OperatorAction
+# enum spells them with these values, and adds its own.
+CANCEL_ACTION = "cancel"
+FREEZE_ACTION = "mark_manual_intervention_required"
+ADOPT_ACTION = "adopt_observed_state"
+RETRY_STAGE_ACTION = "retry_stage"
+RESUME_ACTION = "resume"
 # A lifecycle job's cancel or freeze can reach the workflow in the same workflow task as the
 # running stage's result: the update handler runs first and cancels the stage, but the result is
 # already there and wins the await. Jobs check for it before each stage; jobs that ran before that

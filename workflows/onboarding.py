@@ -32,12 +32,21 @@ from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError
+from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
     from core import search_attributes as sa
     from core.failures import FailureClass
     from workflows.lifecycle_contract import STOP_BEFORE_NEXT_STAGE_PATCH, check_operator_action
+    from workflows.lifecycle_job import (
+        OperatorControlledJob,
+        StageFailure,
+        StoppedBeforeNextStep,
+        expected_job_status,
+        is_standing_action,
+        operator_freeze,
+        stage_failure_from,
+    )
     from workflows.onboarding_contract import (
         CHILD_SETTLED_SIGNAL,
         DEPLOY_STAGES,
@@ -81,57 +90,8 @@ DEFAULT_ATTEMPTS = 3
 ACTIVITY_NAMES = {stage: f"onboarding.{stage.value}" for stage in Stage}
 
 
-class StageFailure(Exception):
-    def __init__(
-        self,
-        stage: Stage,
-        failure_class: str,
-        error_code: str,
-        message: str,
-        details: dict[str, Any],
-    ) -> None:
-        super().__init__(message)
-        self.stage = stage
-        self.failure_class = failure_class
-        self.error_code = error_code
-        self.message = message
-        self.details = details
-
-
-class Interrupted(Exception):
-    """An operator's cancel or freeze came in the same workflow task as the running stage's
-    result, which won the await over the update's cancellation: it stops the job here, before
-    the next stage (STOP_BEFORE_NEXT_STAGE_PATCH)."""
-
-
-def _failure_from(stage: Stage, err: ActivityError) -> StageFailure:
-    cause = err.cause
-    if isinstance(cause, ApplicationError):
-        info: dict[str, Any] = {}
-        if cause.details and isinstance(cause.details[0], dict):
-            info = cause.details[0]
-        return StageFailure(
-            stage,
-            cause.type or FailureClass.UPSTREAM_TRANSIENT.value,
-            str(info.get("error_code") or cause.type or "unknown"),
-            cause.message,
-            dict(info.get("details") or {}),
-        )
-    if isinstance(cause, TimeoutError):
-        return StageFailure(
-            stage,
-            FailureClass.UPSTREAM_TRANSIENT.value,
-            "activity_timeout",
-            f"{stage.value} timed out ({cause.type.name if cause.type else 'timeout'})",
-            {},
-        )
-    return StageFailure(
-        stage, FailureClass.UPSTREAM_TRANSIENT.value, "activity_failed", str(err), {}
-    )
-
-
 @workflow.defn(name=WORKFLOW_NAME)
-class MaasNodeOnboardWorkflow:
+class MaasNodeOnboardWorkflow(OperatorControlledJob[Stage, OperatorAction]):
     def __init__(self) -> None:
         self._input: OnboardInput | None = None
         self._site: SiteConfig | None = None
@@ -139,7 +99,7 @@ class MaasNodeOnboardWorkflow:
         self._status = JobStatus.PENDING
         self._stage = Stage.LOAD_SITE_CONFIG
         self._entries: dict[Stage, int] = {}
-        self._failure: StageFailure | None = None
+        self._failure: StageFailure[Stage] | None = None
         self._pending: OperatorRequest | None = None
         self._interrupt: OperatorAction | None = None
         self._stage_task: asyncio.Task[None] | None = None
@@ -181,7 +141,7 @@ class MaasNodeOnboardWorkflow:
                 return None
             # An operator interrupt: the cancelled stage's failure is not the job's outcome.
             return await self._interrupted()
-        except (asyncio.CancelledError, Interrupted):
+        except (asyncio.CancelledError, StoppedBeforeNextStep):
             if self._interrupt is None:  # the workflow itself was cancelled: compensate
                 self._interrupt = OperatorAction.CANCEL
             return await self._interrupted()
@@ -201,13 +161,7 @@ class MaasNodeOnboardWorkflow:
             return await self._cancel()
         self._interrupt = None
         await self._fail(
-            StageFailure(
-                self._stage,
-                self._failure.failure_class if self._failure else "",
-                "manual_intervention_requested",
-                "an operator froze automation",
-                {},
-            ),
+            operator_freeze(self._stage, self._failure),
             forced=JobStatus.FAILED_MANUAL_INTERVENTION,
         )
         return None
@@ -252,7 +206,7 @@ class MaasNodeOnboardWorkflow:
                     raise
                 stage = await self._after_deploy_failure(failure)
 
-    async def _after_deploy_failure(self, failure: StageFailure) -> Stage:
+    async def _after_deploy_failure(self, failure: StageFailure[Stage]) -> Stage:
         result = await self._run_stage(Stage.CLASSIFY_DEPLOY_FAILURE)
         kind = str(result.details.get("failure_kind", "generic"))
         policy = self._site.policy if self._site else None
@@ -297,7 +251,7 @@ class MaasNodeOnboardWorkflow:
     async def _run_stage(self, stage: Stage, *, activity: str | None = None) -> StageResult:
         assert self._input is not None
         if self._interrupt is not None and workflow.patched(STOP_BEFORE_NEXT_STAGE_PATCH):
-            raise Interrupted()
+            raise StoppedBeforeNextStep()
         self._stage = stage
         self._entries[stage] = self._entries.get(stage, 0) + 1
         if stage in POST_DEPLOY_STAGES:
@@ -318,7 +272,7 @@ class MaasNodeOnboardWorkflow:
                 ),
             )
         except ActivityError as err:
-            raise _failure_from(stage, err) from None
+            raise stage_failure_from(stage, err) from None
         self._state = result.state
         if result.site is not None:
             self._site = result.site
@@ -351,7 +305,7 @@ class MaasNodeOnboardWorkflow:
 
     # ------------------------------------------------------------------ failure and actions
 
-    async def _fail(self, failure: StageFailure, *, forced: JobStatus | None = None) -> None:
+    async def _fail(self, failure: StageFailure[Stage], *, forced: JobStatus | None = None) -> None:
         self._failure = failure
         outcome = outcome_for(failure.failure_class, failure.error_code)
         status = forced or outcome.job_status
@@ -486,26 +440,12 @@ class MaasNodeOnboardWorkflow:
     @workflow.update(name=OPERATOR_ACTION_UPDATE)
     async def operator_action(self, request: OperatorRequest) -> ActionResult:
         action = OperatorAction(request.action)
-        prior_status, prior_stage = self._status, self._stage
-        expected = _expected_status(action)
-        noop = self._is_noop(action)
-        if noop:
-            message = f"{action.value}: already in effect"
-        elif self._status in (JobStatus.PENDING, JobStatus.RUNNING):
-            self._interrupt = action  # cancel or mark_manual_intervention_required
-            if self._stage_task is not None:
-                self._stage_task.cancel()
-            message = f"{action.value}: stopping {self._stage.value}"
-        else:
-            self._pending = request
-            message = f"{action.value} accepted"
-        return ActionResult(
-            action=action.value,
-            accepted=not noop,
-            prior_status=prior_status.value,
-            prior_stage=prior_stage.value,
-            expected_status=expected.value,
-            message=message,
+        return self._take_operator_action(
+            request,
+            action,
+            noop=self._is_noop(action),
+            noop_message=f"{action.value}: already in effect",
+            expected=expected_job_status(action),
         )
 
     @operator_action.validator
@@ -521,10 +461,7 @@ class MaasNodeOnboardWorkflow:
         )
 
     def _is_noop(self, action: OperatorAction) -> bool:
-        return (action == OperatorAction.CANCEL and self._status == JobStatus.CANCELLED) or (
-            action == OperatorAction.MARK_MANUAL_INTERVENTION
-            and self._status == JobStatus.FAILED_MANUAL_INTERVENTION
-        )
+        return is_standing_action(action, self._status)
 
     @workflow.query(name=PROGRESS_QUERY)
     def progress(self) -> Progress:
@@ -547,7 +484,7 @@ class MaasNodeOnboardWorkflow:
         status: JobStatus,
         *,
         stage: Stage | None = None,
-        failure: StageFailure | None = None,
+        failure: StageFailure[Stage] | None = None,
         recommended_action: str | None = None,
         details: dict[str, Any] | None = None,
         event_status: EventStatus | None = None,
@@ -624,13 +561,3 @@ class MaasNodeOnboardWorkflow:
             failure_class=failure.failure_class if failure else None,
             error_code=failure.error_code if failure else None,
         )
-
-
-def _expected_status(action: OperatorAction) -> JobStatus:
-    if action == OperatorAction.CANCEL:
-        return JobStatus.CANCELLED
-    if action == OperatorAction.MARK_MANUAL_INTERVENTION:
-        return JobStatus.FAILED_MANUAL_INTERVENTION
-    if action == OperatorAction.ADOPT:
-        return JobStatus.RECONCILED
-    return JobStatus.COMPLETED

@@ -18,6 +18,13 @@ from enum import StrEnum
 from typing import Any
 
 from workflows.lifecycle_contract import (
+    ADOPT_ACTION,
+    CANCEL_ACTION,
+    FREEZE_ACTION,
+    RESUME_ACTION,
+    RETRY_STAGE_ACTION,
+)
+from workflows.lifecycle_contract import (
     FAILED_JOB_STATUSES as FAILED_JOB_STATUSES,
 )
 from workflows.lifecycle_contract import (
@@ -109,13 +116,13 @@ DEPLOY_STAGES = frozenset(
 class OperatorAction(StrEnum):
     """Seed 003 §4.9: distinct operations, not synonyms."""
 
-    RETRY_STAGE = "retry_stage"  # rerun only the failed stage, then go on
-    RESUME = "resume"  # from the failed stage's last safe checkpoint, state refreshed
+    RETRY_STAGE = RETRY_STAGE_ACTION  # rerun only the failed stage, then go on
+    RESUME = RESUME_ACTION  # from the failed stage's last safe checkpoint, state refreshed
     RERUN = "rerun"  # from the top, every stage adopting what is already done
     RESTART_CLEAN = "restart_clean"  # compensate known progress, then from the top
-    CANCEL = "cancel"  # stop and compensate where possible
-    ADOPT = "adopt_observed_state"  # accept externally advanced MAAS/node state
-    MARK_MANUAL_INTERVENTION = "mark_manual_intervention_required"  # freeze automation
+    CANCEL = CANCEL_ACTION  # stop and compensate where possible
+    ADOPT = ADOPT_ACTION  # accept externally advanced MAAS/node state
+    MARK_MANUAL_INTERVENTION = FREEZE_ACTION  # freeze automation
 
 
 @dataclass
