@@ -25,6 +25,8 @@ def _bindir() -> Path:
     raise RuntimeError("PostgreSQL server binaries not found; run bin/bootstrap first")
 
 
+# Commands run as the postgres user start in the data folder (it owns it): a repository cloned
+# under a private folder (mktemp's 0700) is not theirs to enter, and PostgreSQL says so on stderr.
 def _run_as_postgres() -> list[str]:
     if os.geteuid() != 0:
         return []
@@ -69,6 +71,7 @@ class PostgresCluster:
             ],
             check=True,
             stdout=subprocess.DEVNULL,
+            cwd=self.datadir,
         )
         with (self.datadir / "postgresql.conf").open("a") as conf:
             conf.write(
@@ -106,6 +109,7 @@ class PostgresCluster:
             ],
             check=True,
             stdout=subprocess.DEVNULL,
+            cwd=self.datadir,
         )
         deadline = time.monotonic() + 30
         while not self.running():
@@ -153,6 +157,7 @@ class PostgresCluster:
             check=False,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            cwd=self.datadir,
         )
 
     def psql(self, sql: str, database: str = "postgres") -> str:
