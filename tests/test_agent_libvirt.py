@@ -382,3 +382,34 @@ def test_capabilities_topology_is_read_when_not_given() -> None:
     finally:
         conn.close()
     assert topology == {0: tuple(range(8)), 1: tuple(range(8, 16))}
+
+
+@dataclass
+class OneBadGpu:
+    """A GpuHealthCheck that fails one address (as the sysfs check does after a failed reset)."""
+
+    bad: str
+    checked: list[str] = field(default_factory=list)
+
+    def check(self, pci_address: str) -> str | None:
+        self.checked.append(pci_address)
+        return "PCI config space reads all-ones" if pci_address == self.bad else None
+
+
+def test_release_checks_each_gpu_it_freed_and_reports_the_unhealthy_one(
+    host: Host, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    health = OneBadGpu(bad=NODE1_GPUS[1])
+    backend = host.new_backend(gpu_health=health)
+    backend.provision_slice_vm(provision_spec(), RecordingProgress())
+    progress = RecordingProgress()
+    outcome = backend.release_slice_vm(release_spec(), progress)
+    assert sorted(health.checked) == sorted(NODE1_GPUS)  # read before the domain was undefined
+    assert [(g.pci_address, g.reason) for g in outcome.unhealthy_gpus] == [
+        (NODE1_GPUS[1], "PCI config space reads all-ones")
+    ]
+    checked = [m for phase, status, m in progress.events if phase == "gpus_health_checked"]
+    assert checked[-1] == "1 healthy, 1 quarantined"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(NODE1_GPUS[1] in m and "quarantined" in m for m in warnings), warnings
