@@ -28,10 +28,13 @@ log = logging.getLogger(__name__)
 # configured RPC timeout: a read is never worth a long wait.
 READ_DEADLINE_SECONDS = 5.0
 HEALTH_DEADLINE_SECONDS = 2.0
-# Update-with-start answers a quick UNAVAILABLE when the server aborts the update before the
-# workflow saw it (its update registry was cleared, or another start won a race); the server
-# calls that retryable, but it hides it inside a multi-operation error, which neither the SDK nor
-# its core retries. Retried from here, a little later each time, within the call's deadline.
+# Update-with-start answers a quick UNAVAILABLE ("workflow update was aborted") when the server
+# aborts the update before the workflow saw it. Server 1.29 does that when it drops a workflow's
+# cached state, which it does whenever a persistence write for that workflow fails (a busy or
+# slow store: the dev server's one SQLite connection under load), or when completing the
+# workflow task fails. The server calls that retryable, but it hides it inside a
+# multi-operation error, which neither the SDK nor its core retries. Retried from here, a
+# little later each time, within the call's deadline.
 UPDATE_WITH_START_BACKOFF_SECONDS = (0.05, 0.1, 0.2, 0.4, 0.8)
 # A healthy answer is trusted this long: under load one check serves many requests instead of
 # doubling the gRPC calls per POST. Failures are never cached.
