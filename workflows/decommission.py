@@ -94,12 +94,11 @@ with workflow.unsafe.imports_passed_through():
     )
     from workflows.lifecycle_contract import STOP_BEFORE_NEXT_STAGE_PATCH, check_operator_action
     from workflows.lifecycle_job import (
+        RUNNING_JOB_STATUSES,
         OperatorControlledJob,
         StageFailure,
         StoppedBeforeNextStep,
-        expected_job_status,
         is_standing_action,
-        operator_freeze,
         stage_failure_from,
     )
     from workflows.onboarding_contract import JobStatus, SiteConfig
@@ -117,7 +116,7 @@ _FAILED = frozenset({JobStatus.FAILED_RETRYABLE, JobStatus.FAILED_MANUAL_INTERVE
 
 
 @workflow.defn(name=WORKFLOW_NAME)
-class NodeDecommissionWorkflow(OperatorControlledJob[Stage, OperatorAction]):
+class NodeDecommissionWorkflow(OperatorControlledJob[Stage, OperatorAction, DecommissionResult]):
     def __init__(self) -> None:
         self._input: DecommissionInput | None = None
         self._site: SiteConfig | None = None
@@ -195,18 +194,6 @@ class NodeDecommissionWorkflow(OperatorControlledJob[Stage, OperatorAction]):
         await self._set_status(final, domain_event="node.decommission.completed", clear_error=True)
         return await self._result()
 
-    async def _interrupted(self) -> DecommissionResult | None:
-        """An operator's cancel or freeze stopped the running stage."""
-        if self._interrupt == OperatorAction.CANCEL:
-            self._interrupt = None
-            return await self._cancel()
-        self._interrupt = None
-        await self._fail(
-            operator_freeze(self._stage, self._failure),
-            forced=JobStatus.FAILED_MANUAL_INTERVENTION,
-        )
-        return None
-
     async def _run_from(self, start: Stage | None) -> None:
         stages = self._stages
         if start is None:
@@ -216,8 +203,7 @@ class NodeDecommissionWorkflow(OperatorControlledJob[Stage, OperatorAction]):
             result = await self._call("decommission.load_node", self._stage_input(), QUICK)
             self._state = result.state
         for stage in stages[stages.index(start) :]:
-            if self._interrupt is not None and workflow.patched(STOP_BEFORE_NEXT_STAGE_PATCH):
-                raise StoppedBeforeNextStep()
+            self._stop_if_interrupted(STOP_BEFORE_NEXT_STAGE_PATCH)
             await self._run_stage(stage)
 
     async def _run_stage(self, stage: Stage) -> None:
@@ -345,8 +331,7 @@ class NodeDecommissionWorkflow(OperatorControlledJob[Stage, OperatorAction]):
         still holds the machine deployed, that is the ambiguous case of seed 003 §5.8."""
         assert self._input is not None
         # Compensation's own host tasks run after the interrupt is taken (and cleared).
-        if self._interrupt is not None and workflow.patched(STOP_BEFORE_NEXT_HOST_TASK_PATCH):
-            raise StoppedBeforeNextStep()
+        self._stop_if_interrupted(STOP_BEFORE_NEXT_HOST_TASK_PATCH)
         policy = self._input.policy
         task = NodeTaskRef(task_id=spec.task_id, kind=kind)
         self._task = task
@@ -728,22 +713,11 @@ class NodeDecommissionWorkflow(OperatorControlledJob[Stage, OperatorAction]):
     @workflow.update(name=OPERATOR_ACTION_UPDATE)
     async def operator_action(self, request: OperatorRequest) -> ActionResult:
         action = OperatorAction(request.action)
-        running = self._status in (JobStatus.PENDING, JobStatus.RUNNING)
         return self._take_operator_action(
             request,
             action,
             noop=self._is_noop(action),
-            noop_message=(
-                self._resume_noop_message()
-                if action == OperatorAction.RESUME
-                else f"{action.value}: already in effect"
-            ),
-            # A resume of a running job is a no-op (below): it stays as it is.
-            expected=(
-                self._status
-                if action == OperatorAction.RESUME and running
-                else expected_job_status(action)
-            ),
+            noop_message=self._resume_noop_message() if action == OperatorAction.RESUME else "",
         )
 
     def _resume_noop_message(self) -> str:
@@ -769,7 +743,7 @@ class NodeDecommissionWorkflow(OperatorControlledJob[Stage, OperatorAction]):
         return is_standing_action(action, self._status) or (
             # Seed 004 §8: a live (or freshly queued) task already does what resume asks.
             action == OperatorAction.RESUME
-            and self._status in (JobStatus.PENDING, JobStatus.RUNNING)
+            and self._status in RUNNING_JOB_STATUSES
             and self._interrupt is None
         )
 

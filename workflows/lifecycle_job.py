@@ -10,6 +10,7 @@ import asyncio
 from enum import StrEnum
 from typing import Any, Generic, TypeVar
 
+from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError
 
 from core.failures import FailureClass
@@ -24,9 +25,10 @@ from workflows.lifecycle_contract import (
 
 StageT = TypeVar("StageT", bound=StrEnum)
 ActionT = TypeVar("ActionT", bound=StrEnum)
+ResultT = TypeVar("ResultT")
 
 # A job still running (or about to) when an operator acts: cancel and freeze stop its stage.
-_RUNNING = (JobStatus.PENDING, JobStatus.RUNNING)
+RUNNING_JOB_STATUSES = (JobStatus.PENDING, JobStatus.RUNNING)
 
 
 class StageFailure(Exception, Generic[StageT]):
@@ -109,31 +111,38 @@ def expected_job_status(action: StrEnum) -> JobStatus:
     return JobStatus.COMPLETED
 
 
-class OperatorControlledJob(Generic[StageT, ActionT]):
-    """The state a job's operator-action update shares with its run loop, and how the update
-    takes an admitted action: a no-op answers at once; while the job runs, cancel and freeze
-    (the only actions admitted then) become its interrupt and cancel the running stage;
-    otherwise the action waits for the job's operator loop."""
+class OperatorControlledJob(Generic[StageT, ActionT, ResultT]):
+    """How a job's operator-action update and its run loop share an operator's interrupt.
+
+    The update takes an admitted action: a no-op answers at once; while the job runs, cancel
+    and freeze (the only actions admitted then) become its interrupt and cancel the running
+    stage; otherwise the action waits for the job's operator loop. The run loop stops before
+    its next step while an interrupt is pending, and then carries it out: cancel compensates
+    and closes the job, freeze fails it for manual intervention. Each job kind supplies how it
+    cancels and how it records a failure."""
 
     _status: JobStatus
     _stage: StageT
+    _failure: StageFailure[StageT] | None
     _pending: OperatorRequest | None
     _interrupt: ActionT | None
     _stage_task: asyncio.Task[None] | None
 
+    async def _cancel(self) -> ResultT:
+        raise NotImplementedError
+
+    async def _fail(
+        self, failure: StageFailure[StageT], *, forced: JobStatus | None = None
+    ) -> None:
+        raise NotImplementedError
+
     def _take_operator_action(
-        self,
-        request: OperatorRequest,
-        action: ActionT,
-        *,
-        noop: bool,
-        noop_message: str,
-        expected: JobStatus,
+        self, request: OperatorRequest, action: ActionT, *, noop: bool, noop_message: str = ""
     ) -> ActionResult:
         prior_status, prior_stage = self._status, self._stage
         if noop:
-            message = noop_message
-        elif self._status in _RUNNING:
+            message = noop_message or f"{action.value}: already in effect"
+        elif self._status in RUNNING_JOB_STATUSES:
             self._interrupt = action
             if self._stage_task is not None:
                 self._stage_task.cancel()
@@ -146,6 +155,25 @@ class OperatorControlledJob(Generic[StageT, ActionT]):
             accepted=not noop,
             prior_status=prior_status.value,
             prior_stage=prior_stage.value,
-            expected_status=expected.value,
+            # A no-op leaves the job as it is.
+            expected_status=(prior_status if noop else expected_job_status(action)).value,
             message=message,
         )
+
+    def _stop_if_interrupted(self, patch_id: str) -> None:
+        """Before the next step: an interrupt that came with the last step's result (see
+        StoppedBeforeNextStep) stops the job here; runs from before `patch_id` went on."""
+        if self._interrupt is not None and workflow.patched(patch_id):
+            raise StoppedBeforeNextStep()
+
+    async def _interrupted(self) -> ResultT | None:
+        """Carry out the pending interrupt: cancel → compensate and close (the result);
+        mark_manual_intervention_required → freeze (None: the job waits for an operator)."""
+        interrupt, self._interrupt = self._interrupt, None
+        if interrupt == CANCEL_ACTION:
+            return await self._cancel()
+        await self._fail(
+            operator_freeze(self._stage, self._failure),
+            forced=JobStatus.FAILED_MANUAL_INTERVENTION,
+        )
+        return None

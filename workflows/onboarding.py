@@ -42,9 +42,7 @@ with workflow.unsafe.imports_passed_through():
         OperatorControlledJob,
         StageFailure,
         StoppedBeforeNextStep,
-        expected_job_status,
         is_standing_action,
-        operator_freeze,
         stage_failure_from,
     )
     from workflows.onboarding_contract import (
@@ -91,7 +89,7 @@ ACTIVITY_NAMES = {stage: f"onboarding.{stage.value}" for stage in Stage}
 
 
 @workflow.defn(name=WORKFLOW_NAME)
-class MaasNodeOnboardWorkflow(OperatorControlledJob[Stage, OperatorAction]):
+class MaasNodeOnboardWorkflow(OperatorControlledJob[Stage, OperatorAction, OnboardResult]):
     def __init__(self) -> None:
         self._input: OnboardInput | None = None
         self._site: SiteConfig | None = None
@@ -153,18 +151,6 @@ class MaasNodeOnboardWorkflow(OperatorControlledJob[Stage, OperatorAction]):
         await self._set_status(final, domain_event="node.onboarding.completed", clear_error=True)
         await self._tell_parent()
         return self._result()
-
-    async def _interrupted(self) -> OnboardResult | None:
-        """cancel → compensate and close; mark_manual_intervention_required → freeze."""
-        if self._interrupt == OperatorAction.CANCEL:
-            self._interrupt = None
-            return await self._cancel()
-        self._interrupt = None
-        await self._fail(
-            operator_freeze(self._stage, self._failure),
-            forced=JobStatus.FAILED_MANUAL_INTERVENTION,
-        )
-        return None
 
     async def _run_from(self, start: Stage) -> None:
         order = list(STAGE_ORDER)
@@ -250,8 +236,7 @@ class MaasNodeOnboardWorkflow(OperatorControlledJob[Stage, OperatorAction]):
 
     async def _run_stage(self, stage: Stage, *, activity: str | None = None) -> StageResult:
         assert self._input is not None
-        if self._interrupt is not None and workflow.patched(STOP_BEFORE_NEXT_STAGE_PATCH):
-            raise StoppedBeforeNextStep()
+        self._stop_if_interrupted(STOP_BEFORE_NEXT_STAGE_PATCH)
         self._stage = stage
         self._entries[stage] = self._entries.get(stage, 0) + 1
         if stage in POST_DEPLOY_STAGES:
@@ -440,13 +425,7 @@ class MaasNodeOnboardWorkflow(OperatorControlledJob[Stage, OperatorAction]):
     @workflow.update(name=OPERATOR_ACTION_UPDATE)
     async def operator_action(self, request: OperatorRequest) -> ActionResult:
         action = OperatorAction(request.action)
-        return self._take_operator_action(
-            request,
-            action,
-            noop=self._is_noop(action),
-            noop_message=f"{action.value}: already in effect",
-            expected=expected_job_status(action),
-        )
+        return self._take_operator_action(request, action, noop=self._is_noop(action))
 
     @operator_action.validator
     def _validate_action(self, request: OperatorRequest) -> None:
