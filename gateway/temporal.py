@@ -80,9 +80,9 @@ class TemporalOps:
         return await self._bounded(call, self.read_timeout.total_seconds())
 
     async def update(self, call: Callable[[Client], Awaitable[T]]) -> T:
-        """A call that waits on a workflow (update, update-with-start). A cheap health check
-        first, so a Temporal that went away answers 503 at once rather than after the SDK's
-        own retries."""
+        """A call that waits on a workflow (an update; update-with-start goes through
+        update_with_start). A cheap health check first, so a Temporal that went away answers
+        503 at once rather than after the SDK's own retries."""
         await self.check_health()
         # A little beyond the RPC timeout so the SDK's own deadline fires first when it can.
         return await self._bounded(call, self._rpc_seconds + 0.5)
