@@ -4,7 +4,13 @@
 
 from dataclasses import dataclass, field
 
-from agent.contract import GpuAssignment, HostProvisionInput, HostProvisionResult, HostReleaseResult
+from agent.contract import (
+    GpuAssignment,
+    HostProvisionInput,
+    HostProvisionResult,
+    HostReleaseResult,
+    UnhealthyGpu,
+)
 
 
 @dataclass
@@ -66,6 +72,15 @@ class FailProvisioningInput:
     task_id: str
     reason: str
     message: str
+    # Whether the host proved the cleanup after the failed provision (the cleanup host task
+    # succeeded with proof). Only then are the claims freed; otherwise the slots (slice) or the
+    # node (bare metal) are quarantined as `provision_cleanup_unconfirmed`. Defaults to the
+    # safe side.
+    cleanup_proven: bool = False
+    # Why the cleanup is not proven (error type and message), for the quarantine's records.
+    cleanup_error: str = ""
+    # GPUs the proven cleanup found unhealthy: their slots are quarantined, the rest freed.
+    unhealthy_gpus: list[UnhealthyGpu] = field(default_factory=list)
 
 
 @dataclass

@@ -13,7 +13,7 @@ import datetime as dt
 import random
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import asyncpg
@@ -36,6 +36,7 @@ from activities.allocation_types import (
     Reservation,
 )
 from activities.billing.usage import close_usage, open_usage
+from activities.node_lifecycle import transition_node
 from activities.node_task_log import record_task_outcome
 from activities.placement_sql import PlacementRequest, SkuSizing
 from agent.contract import (
@@ -45,13 +46,13 @@ from agent.contract import (
     SLICE_VM_RELEASE,
     GpuAssignment,
     HostProvisionInput,
-    UnhealthyGpu,
 )
 from schema.db import driver_connection, session_factory
 from schema.models import (
     Allocation,
     AllocationEvent,
     AllocationResourceClaim,
+    DomainEvent,
     GpuSlot,
     NodeTask,
     Sku,
@@ -61,11 +62,16 @@ from schema.states import (
     ALLOCATION_TRANSITIONS,
     AllocationStatus,
     ClaimStatus,
+    NodeStatus,
     NodeTaskStatus,
     SkuShape,
     SlotStatus,
 )
-from workflows.allocation_contract import BALANCE_DEPLETED, SKU_UNAVAILABLE
+from workflows.allocation_contract import (
+    BALANCE_DEPLETED,
+    PROVISION_CLEANUP_UNCONFIRMED,
+    SKU_UNAVAILABLE,
+)
 
 CLOCK = func.clock_timestamp()
 MAX_MESSAGE = 500
@@ -73,6 +79,8 @@ MAX_MESSAGE = 500
 # placements that run at once (the worker runs up to 100 local activities), so a placement only
 # retries when the ranking changed under it. Contention beyond that retries with a fresh ranking.
 SLICE_CANDIDATES = 128
+# Who moves a node into quarantine after a failed provision (node.status_changed's actor).
+NODE_ACTOR = "allocation"
 
 
 class PlacementContention(Exception):
@@ -271,8 +279,18 @@ class AllocationActivities:
 
     @activity.defn(name="allocation.fail_provisioning")
     async def fail_provisioning(self, input: FailProvisioningInput) -> None:
+        """`failed`, with the claims freed only when the host proved the cleanup after the failed
+        provision; otherwise what the allocation held stays out of placement: its GPU slots
+        (slice) or its node (bare metal) are quarantined as `provision_cleanup_unconfirmed`,
+        and the node is flagged with a CRITICAL domain event, until an operator finishes the
+        cleanup and returns them to service."""
         allocation_id = uuid.UUID(input.allocation_id)
         async with self._sessions() as session, session.begin():
+            prior = await session.scalar(
+                select(Allocation.status).where(Allocation.id == allocation_id).with_for_update()
+            )
+            if prior == AllocationStatus.FAILED:
+                return  # a retried activity: all of it was committed together
             await record_task_outcome(
                 session,
                 uuid.UUID(input.task_id),
@@ -280,7 +298,7 @@ class AllocationActivities:
                 error_type=input.reason,
                 error_message=input.message,
             )
-            await _transition(
+            allocation = await _transition(
                 session,
                 allocation_id,
                 AllocationStatus.FAILED,
@@ -292,6 +310,12 @@ class AllocationActivities:
                     "failure_message": _truncate(input.message),
                 },
             )
+            if input.cleanup_proven:
+                await _quarantine_slots(
+                    session, allocation_id, {g.pci_address: g.reason for g in input.unhealthy_gpus}
+                )
+            else:
+                await _quarantine_unconfirmed_cleanup(session, allocation, input.cleanup_error)
             await _free_claims(session, allocation_id)
 
     # ------------------------------------------------------------------ release
@@ -370,7 +394,11 @@ class AllocationActivities:
                     details={"hard_stopped": result.hard_stopped},
                     values={"released_at": CLOCK, "hard_stopped": result.hard_stopped},
                 )
-                await _quarantine_unhealthy_gpus(session, allocation_id, result.unhealthy_gpus)
+                await _quarantine_slots(
+                    session,
+                    allocation_id,
+                    {g.pci_address: g.reason for g in result.unhealthy_gpus},
+                )
                 await _free_claims(session, allocation_id)
             else:
                 await _transition(
@@ -523,19 +551,22 @@ async def _transition(
     return updated
 
 
-async def _quarantine_unhealthy_gpus(
-    session: AsyncSession, allocation_id: uuid.UUID, unhealthy: Sequence[UnhealthyGpu]
+async def _quarantine_slots(
+    session: AsyncSession, allocation_id: uuid.UUID, reasons: Mapping[str, str]
 ) -> None:
-    """A GPU that failed its health check after release quarantines its own slot only: the
-    slot goes `disabled` with the reason (an operator returns it to service), the rest free."""
-    for gpu in unhealthy:
+    """Quarantine slots the allocation holds, by PCI address: each goes `disabled` with its
+    reason (an operator returns it to service: gateway/controllers/gpu_slots.py); slots not named
+    are left to the caller (_free_claims frees them). The one way a slot leaves placement: a GPU
+    that failed its health check after release, or a failed provision whose cleanup the host
+    did not prove."""
+    for pci_address, reason in reasons.items():
         slot_id = await session.scalar(
             update(GpuSlot)
-            .where(GpuSlot.allocation_id == allocation_id, GpuSlot.pci_address == gpu.pci_address)
+            .where(GpuSlot.allocation_id == allocation_id, GpuSlot.pci_address == pci_address)
             .values(
                 status=SlotStatus.DISABLED,
                 allocation_id=None,
-                quarantine_reason=_truncate(gpu.reason),
+                quarantine_reason=_truncate(reason),
                 quarantined_at=CLOCK,
                 updated_at=CLOCK,
             )
@@ -546,9 +577,55 @@ async def _quarantine_unhealthy_gpus(
                 session,
                 allocation_id,
                 "gpu_quarantined",
-                reason=_truncate(gpu.reason),
-                details={"pci_address": gpu.pci_address, "slot_id": str(slot_id)},
+                reason=_truncate(reason),
+                details={"pci_address": pci_address, "slot_id": str(slot_id)},
             )
+
+
+async def _quarantine_unconfirmed_cleanup(
+    session: AsyncSession, allocation: Allocation, cleanup_error: str
+) -> None:
+    """A failed provision whose cleanup the host did not prove (it failed, reported no proof,
+    or could not run: the node was unreachable) may have left a VM or a user holding what the
+    allocation claimed. A slice's GPU slots are quarantined; a bare-metal allocation's claim is
+    the node itself, so the node is (active or offline → quarantined; an operator brings it
+    back through a decommission, e.g. soft_reset). Either way the allocation records it and the
+    node gets a CRITICAL `node.provision_cleanup_unconfirmed` domain event."""
+    reason = PROVISION_CLEANUP_UNCONFIRMED
+    details: dict[str, Any] = {
+        "node_id": str(allocation.node_id),
+        "shape": allocation.shape,
+        "cleanup_error": _truncate(cleanup_error) or "",
+    }
+    if allocation.shape == SkuShape.GPU_SLICE:
+        held = (
+            await session.scalars(
+                select(GpuSlot.pci_address)
+                .where(GpuSlot.allocation_id == allocation.id)
+                .order_by(GpuSlot.gpu_index)
+            )
+        ).all()
+        await _quarantine_slots(session, allocation.id, dict.fromkeys(held, reason))
+        details["pci_addresses"] = list(held)
+    else:
+        moved = await transition_node(
+            session,
+            allocation.node_id,
+            [NodeStatus.ACTIVE, NodeStatus.OFFLINE],
+            NodeStatus.QUARANTINED,
+            actor=NODE_ACTOR,
+            reason=f"{reason}: allocation {allocation.id}",
+        )
+        details["node_status"] = moved.current.value if moved.current else None
+    await _record(session, allocation.id, "cleanup_unconfirmed", reason=reason, details=details)
+    await session.execute(
+        insert(DomainEvent).values(
+            type=f"node.{reason}",
+            subject_type="node",
+            subject_id=str(allocation.node_id),
+            payload={"severity": "CRITICAL", "allocation_id": str(allocation.id), **details},
+        )
+    )
 
 
 async def _free_claims(session: AsyncSession, allocation_id: uuid.UUID) -> None:

@@ -201,8 +201,9 @@ class GpuSlot(Base):
     pci_address: Mapped[str] = mapped_column(String(32))
     status: Mapped[str] = mapped_column(String(16), server_default=text("'free'"))
     allocation_id: Mapped[uuid.UUID | None] = mapped_column(UUID)
-    # Set when a health check after release failed: the slot is `disabled` until an operator
-    # returns it to service.
+    # Set when a health check after release failed, or a failed provision's cleanup was not
+    # proven (`provision_cleanup_unconfirmed`): the slot is `disabled` until an operator returns
+    # it to service.
     quarantine_reason: Mapped[str | None] = mapped_column(Text)
     quarantined_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
     updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=NOW)

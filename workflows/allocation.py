@@ -9,6 +9,7 @@ an append-only event row; the workflow only decides what happens next.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 from temporalio import workflow
@@ -38,11 +39,13 @@ with workflow.unsafe.imports_passed_through():
         HostProvisionResult,
         HostReleaseInput,
         HostReleaseResult,
+        UnhealthyGpu,
     )
     from core import search_attributes as sa
     from core.task_queues import node_task_queue
     from schema.states import AllocationStatus, ReleaseActor
     from workflows.allocation_contract import (
+        AGENT_CAPABILITY_MISSING,
         HOST_TIMEOUT,
         IDEMPOTENCY_KEY_REUSED,
         NODE_UNREACHABLE,
@@ -61,6 +64,7 @@ with workflow.unsafe.imports_passed_through():
         ReleaseAccepted,
         ReleaseRequest,
     )
+    from workflows.host_task_errors import agent_capability_missing, host_task_non_retryable
 
 _LOCAL = timedelta(seconds=30)
 _DB_RETRY = RetryPolicy(initial_interval=timedelta(milliseconds=200), maximum_attempts=20)
@@ -214,17 +218,30 @@ class AllocationWorkflow:
                 retry_policy=RetryPolicy(
                     initial_interval=timedelta(seconds=1),
                     maximum_attempts=max(1, policy.lease_conflict_max_attempts),
-                    non_retryable_error_types=[e.value for e in NON_RETRYABLE_HOST_ERRORS],
+                    non_retryable_error_types=host_task_non_retryable(
+                        e.value for e in NON_RETRYABLE_HOST_ERRORS
+                    ),
                 ),
             )
         except ActivityError as err:
-            reason, message = _classify_provisioning_failure(err)
+            reason, message = _classify_provisioning_failure(err, plan.task_kind)
             self._failure_reason = reason
+            # The claims are freed only when the host proves the cleanup; an unreachable node
+            # cannot run it, so what the allocation held is quarantined instead.
+            cleanup = _Cleanup(proven=False, error=f"{NODE_UNREACHABLE}: cleanup could not run")
             if reason != NODE_UNREACHABLE:
-                await self._cleanup_after_failed_provision(input, reservation, plan)
+                cleanup = await self._cleanup_after_failed_provision(input, reservation, plan)
             await workflow.execute_local_activity(
                 "allocation.fail_provisioning",
-                FailProvisioningInput(input.allocation_id, plan.task_id, reason, message),
+                FailProvisioningInput(
+                    input.allocation_id,
+                    plan.task_id,
+                    reason,
+                    message,
+                    cleanup_proven=cleanup.proven,
+                    cleanup_error=cleanup.error,
+                    unhealthy_gpus=cleanup.unhealthy_gpus,
+                ),
                 start_to_close_timeout=_LOCAL,
                 retry_policy=_DB_RETRY,
             )
@@ -241,16 +258,27 @@ class AllocationWorkflow:
 
     async def _cleanup_after_failed_provision(
         self, input: AllocationInput, reservation: Reservation, plan: ProvisionPlan
-    ) -> None:
-        """One best-effort host release so a half-built VM or user does not outlive its claim."""
+    ) -> _Cleanup:
+        """A host release, retried as a release is, so a half-built VM or user does not outlive
+        its claim; whether the host proved it decides whether the claims are freed or
+        quarantined (an operator then finishes the cleanup)."""
         release = await self._begin_release_task(input, ReleaseRequest(ReleaseActor.ADMIN), False)
         try:
-            await self._host_release(input, reservation, release, attempts=1)
+            result = await self._host_release(
+                input, reservation, release, attempts=input.policy.release_max_attempts
+            )
         except ActivityError as err:
             workflow.logger.warning("cleanup after failed provisioning did not finish: %s", err)
             await self._finish_release(input, release, None, err, final=False)
-            return
-        await self._finish_release(input, release, None, None, final=False)
+            return _Cleanup(proven=False, error=": ".join(_describe_error(err, release.task_kind)))
+        if not result.cleanup_proven:
+            unproven = ApplicationError(
+                "host reported release without proof of cleanup", type=HostErrorType.RELEASE_ERROR
+            )
+            await self._finish_release(input, release, result, unproven, final=False)
+            return _Cleanup(proven=False, error=": ".join(_describe_error(unproven)))
+        await self._finish_release(input, release, result, None, final=False)
+        return _Cleanup(proven=True, unhealthy_gpus=list(result.unhealthy_gpus))
 
     async def _release(
         self, input: AllocationInput, reservation: Reservation, request: ReleaseRequest
@@ -330,7 +358,9 @@ class AllocationWorkflow:
                 initial_interval=timedelta(seconds=policy.release_retry_initial_seconds),
                 backoff_coefficient=2.0,
                 maximum_attempts=max(1, attempts),
-                non_retryable_error_types=[HostErrorType.INVALID_SPEC.value],
+                non_retryable_error_types=host_task_non_retryable(
+                    [HostErrorType.INVALID_SPEC.value]
+                ),
             ),
         )
         return result
@@ -344,7 +374,9 @@ class AllocationWorkflow:
         *,
         final: bool,
     ) -> None:
-        error_type, message = (None, None) if error is None else _describe_error(error)
+        error_type, message = (
+            (None, None) if error is None else _describe_error(error, plan.task_kind)
+        )
         await workflow.execute_local_activity(
             "allocation.finish_release",
             FinishReleaseInput(
@@ -386,18 +418,32 @@ class AllocationWorkflow:
             workflow.upsert_search_attributes([sa.ALLOCATION_STATUS.value_set(REJECTED)])
 
 
-def _describe_error(error: BaseException) -> tuple[str, str]:
+@dataclass
+class _Cleanup:
+    """How the host cleanup after a failed provision went."""
+
+    proven: bool
+    error: str = ""  # why it is not proven: "error_type: message"
+    unhealthy_gpus: list[UnhealthyGpu] = field(default_factory=list)
+
+
+def _describe_error(error: BaseException, kind: str = "") -> tuple[str, str]:
+    missing = agent_capability_missing(error, kind)
+    if missing is not None:
+        return AGENT_CAPABILITY_MISSING, missing
     cause = error.cause if isinstance(error, ActivityError) and error.cause else error
     if isinstance(cause, ApplicationError):
         return cause.type or "application_error", cause.message
     if isinstance(cause, TimeoutError):
-        kind = cause.type.name.lower() if cause.type else "timeout"
-        return f"timeout_{kind}", str(cause)
+        timeout = cause.type.name.lower() if cause.type else "timeout"
+        return f"timeout_{timeout}", str(cause)
     return type(cause).__name__, str(cause)
 
 
-def _classify_provisioning_failure(err: ActivityError) -> tuple[str, str]:
-    """Map a failed host provision to seed 000's failure reasons."""
+def _classify_provisioning_failure(err: ActivityError, kind: str) -> tuple[str, str]:
+    """Map a failed host provision to seed 000's failure reasons: the host's own error type
+    (vfio_error, image_error, …), agent_capability_missing, node_unreachable, host_timeout, or
+    provisioning_error for anything else."""
     cause = err.cause
     if isinstance(cause, TimeoutError):
         if cause.type == TimeoutType.SCHEDULE_TO_START:
@@ -406,7 +452,10 @@ def _classify_provisioning_failure(err: ActivityError) -> tuple[str, str]:
             HOST_TIMEOUT,
             f"host task timed out ({cause.type.name.lower() if cause.type else ''})",
         )
+    missing = agent_capability_missing(err, kind)
+    if missing is not None:
+        return AGENT_CAPABILITY_MISSING, missing
     if isinstance(cause, ApplicationError) and cause.type in {e.value for e in HostErrorType}:
         return cause.type, cause.message
-    error_type, message = _describe_error(err)
+    error_type, message = _describe_error(err, kind)
     return PROVISIONING_ERROR, f"{error_type}: {message}"

@@ -1,6 +1,8 @@
 """Admin view of a node's GPU slots, and returning a quarantined slot to service. A slot is
 quarantined (status `disabled` with a reason) when its GPU failed the health check after a slice
-VM released it; only an operator puts it back, after fixing or rebooting the host."""
+VM released it, or when a slice provision failed and the host did not prove its cleanup
+(`provision_cleanup_unconfirmed`: a half-built VM may still hold the GPU). Only an operator puts
+it back, after fixing or rebooting the host, or finishing that cleanup."""
 
 from __future__ import annotations
 
