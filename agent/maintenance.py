@@ -5,12 +5,14 @@ Two layers, like the host activities:
 
 - `MaintenanceBackend` (a protocol, blocking) does the work; `FileMaintenanceBackend` implements
   it under a `SystemRoot` (a directory standing for "/", a temporary tree in tests). Everything
-  the node vendor or the OS must do is behind a small protocol: `NodeGpuScrubber` (the vendor's
-  scrub; `WholeNodeScrubber` adapts the bare-metal `GpuScrubber`), `ProcessLister` (default:
-  `ProcProcessLister`, reading `proc/<pid>/status` under the root), `GpuMemoryProbe` (optional
-  `NvmlGpuMemoryProbe`, read-only), `RunningTaskCounter` and `UnitManager` (production: systemd
-  over D-Bus; not implemented here). No operation runs a shell or takes a command, a script or a
-  path to act on from the control plane (seed 003 §2.4): paths come from the agent's own config.
+  the node vendor or the OS must do is behind a small protocol: `NodeGpuScrubber` (production on
+  NVIDIA: `agent.gpu_tools.NvidiaSmiScrubber`, a read-only verification that no compute process
+  holds GPU memory; `WholeNodeScrubber` adapts the bare-metal `GpuScrubber`), `ProcessLister`
+  (default: `ProcProcessLister`, reading `proc/<pid>/status` under the root), `GpuMemoryProbe`
+  (production on NVIDIA: `NvmlGpuMemoryProbe`, read-only), `RunningTaskCounter` and
+  `UnitManager` (production: systemd over D-Bus; not implemented here). No operation runs a
+  shell or takes a command, a script or a path to act on from the control plane (seed 003 §2.4):
+  paths come from the agent's own config.
 - `MaintenanceActivities` registers them as Temporal activities on the node's queue, heartbeats
   the phase list while the backend runs, maps `HostError` to `ApplicationError` and sanitises
   everything that leaves the node (`sanitise`): secret-looking text redacted, the system root's
@@ -25,7 +27,17 @@ Rules:
   /var/tmp) lose only top-level entries owned by a uid in the tenant range. scope "weka" is
   `unsupported` until the Weka integration (seed 003 §11) exists.
 - validate_clean answers each check with passed/failed and a reason; a failed check is a result,
-  not an error. A check that cannot be carried out (no GPU probe, no mount table) fails.
+  not an error. Checks: tenant accounts, groups and sudoers grants (etc/passwd, etc/group,
+  etc/sudoers.d); processes with any tenant uid (real, effective, saved or filesystem); tenant
+  mounts (below a home or scratch root, a tenant's /run/user/<uid>, a FUSE mount of a tenant
+  uid); GPU memory and GPU processes (the probe). A check that cannot be carried out (no mount
+  table, no /proc) fails.
+- GPU state that this host cannot verify (no probe or scrubber tool, no NVML library, no driver,
+  a GPU the driver cannot see) is reported as "unverified: <reason>" (agent.gpu_tools), never as
+  clean: the check fails and the scrub outcome is not scrubbed, unless node policy accepts it
+  (`FileMaintenanceBackend(allow_unverified_gpu=True)`: the check passes and the outcome counts as
+  scrubbed, the reason still saying "unverified"). GPU state that is checked and wrong (memory or
+  processes in use, a GPU fell off the bus) always fails.
 - drain writes a marker in the agent's state dir (idempotent) and reports the running task count.
 - uninstall removes only the paths listed in `AgentFiles` (the agent's own files).
 - hw_sync_reseed writes the hardware-sync service and timer units from a fixed template; the
@@ -80,6 +92,11 @@ from agent.contract import (
     UninstallResult,
     ValidateCleanResult,
 )
+
+# GpuMemoryUse and NvmlGpuMemoryProbe live with the other vendor tools; importable from here too.
+from agent.gpu_tools import GpuMemoryUse as GpuMemoryUse
+from agent.gpu_tools import GpuQueryFailed, GpuToolUnavailable, is_unverified, unverified
+from agent.gpu_tools import NvmlGpuMemoryProbe as NvmlGpuMemoryProbe
 from agent.host_activities import heartbeat_interval_seconds
 from agent.progress import TaskProgress, utc_now_iso
 
@@ -169,10 +186,12 @@ def sanitise_strings(value: _T, *, root: SystemRoot | None = None) -> _T:
 
 
 class NodeGpuScrubber(Protocol):
-    """Clears the memory of every GPU on the node (vendor command behind it: nvidia-smi
-    --gpu-reset, rocm-smi --resetgpu or a memory-clearing job). One outcome per GPU; a GPU that
-    could not be scrubbed is an outcome with scrubbed=False. Raises only when the scrub could not
-    be attempted at all."""
+    """Scrubs every GPU on the node, or verifies there is nothing to scrub (production on NVIDIA:
+    agent.gpu_tools.NvidiaSmiScrubber, which checks that no compute process holds GPU memory and
+    never resets a GPU). One outcome per GPU; a GPU that could not be scrubbed is an outcome with
+    scrubbed=False, and one this host cannot verify has a message starting "unverified: "
+    (agent.gpu_tools.unverified). Raises GpuToolUnavailable when nothing can be verified here,
+    GpuQueryFailed (or anything else) when the scrub could not be attempted at all."""
 
     def scrub_each(self) -> list[GpuScrubOutcome]: ...
 
@@ -186,6 +205,10 @@ class WholeNodeScrubber:
     def scrub_each(self) -> list[GpuScrubOutcome]:
         try:
             message = self._scrubber.scrub()
+        except GpuToolUnavailable as err:
+            return [GpuScrubOutcome(gpu="all", scrubbed=False, message=unverified(str(err)))]
+        except GpuQueryFailed as err:
+            return [GpuScrubOutcome(gpu="all", scrubbed=False, message=str(err))]
         except Exception as err:
             return [GpuScrubOutcome(gpu="all", scrubbed=False, message=type(err).__name__)]
         return [GpuScrubOutcome(gpu="all", scrubbed=True, message=message)]
@@ -194,17 +217,23 @@ class WholeNodeScrubber:
 @dataclass(frozen=True)
 class ProcessInfo:
     pid: int
-    uid: int
+    uid: int  # the real uid
+    other_uids: tuple[int, ...] = ()  # effective, saved set and filesystem uids, where known
+
+    @property
+    def uids(self) -> tuple[int, ...]:
+        return (self.uid, *self.other_uids)
 
 
 class ProcessLister(Protocol):
-    """Every process on the node with its real uid."""
+    """Every process on the node with its uids."""
 
     def processes(self) -> list[ProcessInfo]: ...
 
 
 class ProcProcessLister:
-    """Reads `proc/<pid>/status` under the system root ("Uid:" line, real uid). Read-only."""
+    """Reads `proc/<pid>/status` under the system root ("Uid:" line: real, effective, saved set
+    and filesystem uid). Read-only."""
 
     def __init__(self, root: SystemRoot) -> None:
         self._proc = root.host_path("/proc")
@@ -224,45 +253,20 @@ class ProcProcessLister:
                 continue  # the process ended while we looked
             for line in text.splitlines():
                 if line.startswith("Uid:"):
-                    found.append(ProcessInfo(pid=int(entry.name), uid=int(line.split()[1])))
+                    uids = [int(u) for u in line.split()[1:] if u.isdigit()]
+                    if uids:
+                        found.append(ProcessInfo(int(entry.name), uids[0], tuple(uids[1:])))
                     break
         return found
 
 
-@dataclass(frozen=True)
-class GpuMemoryUse:
-    gpu: str
-    used_bytes: int
-    processes: int  # compute/graphics processes holding memory on it
-
-
 class GpuMemoryProbe(Protocol):
-    """GPU memory in use on each GPU. Read-only: never resets a GPU or changes a setting."""
+    """GPU memory in use on each GPU (`GpuMemoryUse`, from agent.gpu_tools). Read-only: never
+    resets a GPU or changes a setting. A GPU it cannot inspect has `unverified` set; raises
+    GpuToolUnavailable when it cannot inspect any (no library, no driver), GpuQueryFailed when
+    the query fails (production on NVIDIA: NvmlGpuMemoryProbe)."""
 
     def usage(self) -> list[GpuMemoryUse]: ...
-
-
-class NvmlGpuMemoryProbe:
-    """NVML through `pynvml` (nvidia-ml-py), imported lazily. Calls only nvmlInit,
-    nvmlDeviceGetCount, nvmlDeviceGetHandleByIndex, nvmlDeviceGetMemoryInfo,
-    nvmlDeviceGetComputeRunningProcesses, nvmlDeviceGetGraphicsRunningProcesses, nvmlShutdown."""
-
-    def usage(self) -> list[GpuMemoryUse]:  # pragma: no cover - needs an NVIDIA driver
-        import pynvml  # type: ignore[import-not-found, unused-ignore]
-
-        pynvml.nvmlInit()
-        try:
-            result: list[GpuMemoryUse] = []
-            for index in range(pynvml.nvmlDeviceGetCount()):
-                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-                memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
-                procs = len(pynvml.nvmlDeviceGetComputeRunningProcesses(handle)) + len(
-                    pynvml.nvmlDeviceGetGraphicsRunningProcesses(handle)
-                )
-                result.append(GpuMemoryUse(str(index), int(memory.used), procs))
-            return result
-        finally:
-            pynvml.nvmlShutdown()
 
 
 class RunningTaskCounter(Protocol):
@@ -415,7 +419,12 @@ class MaintenanceBackend(Protocol):
 
 
 class FileMaintenanceBackend:
-    """Maintenance under a `SystemRoot` ("/" on a node, a temporary tree in tests)."""
+    """Maintenance under a `SystemRoot` ("/" on a node, a temporary tree in tests).
+
+    allow_unverified_gpu: node policy for GPU state this host cannot verify (no GPU tool, library
+    or driver; GPUs the driver cannot see): False (the default) makes such a scrub outcome not
+    scrubbed and the gpu_memory check fail; True accepts them, the reason still saying
+    "unverified". GPU state that was checked and found in use is never accepted."""
 
     def __init__(
         self,
@@ -427,6 +436,7 @@ class FileMaintenanceBackend:
         tasks: RunningTaskCounter | None = None,
         units: UnitManager | None = None,
         config: MaintenanceConfig | None = None,
+        allow_unverified_gpu: bool = False,
     ) -> None:
         self.root = root if isinstance(root, SystemRoot) else SystemRoot(root)
         self.config = config or MaintenanceConfig()
@@ -435,6 +445,7 @@ class FileMaintenanceBackend:
         self._processes = processes or ProcProcessLister(self.root)
         self._tasks = tasks
         self._units = units
+        self.allow_unverified_gpu = allow_unverified_gpu
 
     def sanitise_root(self) -> SystemRoot | None:
         return self.root
@@ -446,19 +457,43 @@ class FileMaintenanceBackend:
         progress(phase, PhaseStatus.STARTED)
         try:
             outcomes = self._scrubber.scrub_each()
+        except GpuToolUnavailable as err:
+            outcomes = [GpuScrubOutcome(gpu="all", scrubbed=False, message=unverified(str(err)))]
+        except GpuQueryFailed as err:
+            raise HostError(HostErrorType.MAINTENANCE_ERROR, f"GPU scrub failed: {err}") from None
         except Exception as err:
             raise HostError(
                 HostErrorType.MAINTENANCE_ERROR, f"GPU scrub could not run: {type(err).__name__}"
             ) from None
-        outcomes = [sanitise_strings(o, root=self.root) for o in outcomes]
+        outcomes = [sanitise_strings(self._gpu_policy(o), root=self.root) for o in outcomes]
         failed = [o.gpu for o in outcomes if not o.scrubbed]
+        unsure = [o for o in outcomes if is_unverified(o.message)]
         if not outcomes:
             progress(phase, PhaseStatus.FAILED, "the scrubber reported no GPUs")
         elif failed:
-            progress(phase, PhaseStatus.FAILED, f"not scrubbed: GPU {', '.join(failed)}")
+            first = next(o for o in outcomes if not o.scrubbed)
+            progress(
+                phase,
+                PhaseStatus.FAILED,
+                f"not scrubbed: GPU {_few(failed)} ({first.gpu}: {first.message})",
+            )
+        elif unsure:
+            progress(
+                phase,
+                PhaseStatus.SUCCEEDED,
+                f"{len(outcomes) - len(unsure)} scrubbed, {len(unsure)} {unsure[0].message}",
+            )
         else:
             progress(phase, PhaseStatus.SUCCEEDED, f"{len(outcomes)} scrubbed")
         return outcomes
+
+    def _gpu_policy(self, outcome: GpuScrubOutcome) -> GpuScrubOutcome:
+        """An unverified outcome counts as scrubbed only where node policy allows it."""
+        if not is_unverified(outcome.message):
+            return outcome
+        if not self.allow_unverified_gpu:
+            return replace(outcome, scrubbed=False)
+        return replace(outcome, scrubbed=True, message=unverified(outcome.message, allowed=True))
 
     # ------------------------------------------------------------------ storage_cleanup
 
@@ -566,7 +601,10 @@ class FileMaintenanceBackend:
         check = run()
         check.reason = sanitise(check.reason, root=self.root)
         # A failed check is a finding, not a failed step: the phase itself succeeded.
-        outcome = "passed" if check.passed else f"failed: {check.reason}"
+        if not check.passed:
+            outcome = f"failed: {check.reason}"
+        else:
+            outcome = f"passed, {check.reason}" if is_unverified(check.reason) else "passed"
         progress(phase, PhaseStatus.SUCCEEDED, outcome)
         return check
 
@@ -574,22 +612,52 @@ class FileMaintenanceBackend:
         return self.config.users.uid_min <= uid <= self.config.users.uid_max
 
     def _check_users(self) -> CleanCheck:
+        """Tenant accounts (etc/passwd), tenant groups (etc/group) and the sudoers grants the
+        bare-metal backend writes (etc/sudoers.d/<prefix><user>)."""
         try:
-            text = self.root.read_text("/etc/passwd")
+            passwd = self.root.read_text("/etc/passwd")
+            group = self.root.read_text("/etc/group")
         except (OSError, ValueError) as err:
-            return CleanCheck(CHECK_TENANT_USERS, False, f"passwd unreadable: {type(err).__name__}")
-        if text is None:
+            return CleanCheck(
+                CHECK_TENANT_USERS, False, f"account files unreadable: {type(err).__name__}"
+            )
+        if passwd is None:
             return CleanCheck(CHECK_TENANT_USERS, False, "no /etc/passwd")
+        findings = []
+        names = self._tenant_rows(passwd)
+        if names:
+            findings.append(f"{len(names)} tenant account(s) remain: {_few(names)}")
+        groups = [g for g in self._tenant_rows(group or "") if g not in names]
+        if groups:
+            findings.append(f"{len(groups)} tenant group(s) remain: {_few(groups)}")
+        grants = self._sudoers_grants()
+        if grants is None:
+            findings.append("/etc/sudoers.d is unreadable")
+        elif grants:
+            findings.append(f"{len(grants)} sudoers grant(s) remain: {_few(grants)}")
+        if not findings:
+            return CleanCheck(CHECK_TENANT_USERS, True, "no tenant accounts")
+        return CleanCheck(CHECK_TENANT_USERS, False, "; ".join(findings))
+
+    def _tenant_rows(self, table: str) -> list[str]:
+        """Names in a passwd- or group-format table whose id is in the tenant range."""
         names = []
-        for line in text.splitlines():
+        for line in table.splitlines():
             row = line.split(":")
             if len(row) >= 3 and row[2].isdigit() and self._tenant_uid(int(row[2])):
                 names.append(row[0])
-        if not names:
-            return CleanCheck(CHECK_TENANT_USERS, True, "no tenant accounts")
-        return CleanCheck(
-            CHECK_TENANT_USERS, False, f"{len(names)} tenant account(s) remain: {_few(names)}"
-        )
+        return names
+
+    def _sudoers_grants(self) -> list[str] | None:
+        prefix = self.config.users.sudoers_prefix
+        try:
+            with self.root.open_dir("/etc/sudoers.d") as fd:
+                entries = os.listdir(fd)
+        except FileNotFoundError:
+            return []
+        except (OSError, UnsafePath):
+            return None
+        return sorted(e for e in entries if prefix and e.startswith(prefix))
 
     def _check_processes(self) -> CleanCheck:
         try:
@@ -598,43 +666,96 @@ class FileMaintenanceBackend:
             return CleanCheck(
                 CHECK_TENANT_PROCESSES, False, f"process list unavailable: {type(err).__name__}"
             )
-        tenant = sorted({p.uid for p in procs if self._tenant_uid(p.uid)})
-        count = sum(1 for p in procs if self._tenant_uid(p.uid))
-        if not count:
+        # Any tenant uid counts: a setuid helper a tenant started keeps its real uid, a process
+        # that switched to a tenant uid keeps its saved one.
+        found = [p for p in procs if any(self._tenant_uid(u) for u in p.uids)]
+        if not found:
             return CleanCheck(CHECK_TENANT_PROCESSES, True, "no tenant processes")
+        tenant = sorted({u for p in found for u in p.uids if self._tenant_uid(u)})
         return CleanCheck(
             CHECK_TENANT_PROCESSES,
             False,
-            f"{count} tenant process(es) running, uid(s) {_few([str(u) for u in tenant])}",
+            f"{len(found)} tenant process(es) running, uid(s) {_few([str(u) for u in tenant])}",
         )
 
     def _check_mounts(self) -> CleanCheck:
-        points = self._mount_points()
-        if points is None:
+        """Mounts strictly below a home or scratch root, a tenant's runtime dir
+        (/run/user/<tenant uid>: a login session left behind) and FUSE mounts of a tenant uid."""
+        table = self._mount_table()
+        if table is None:
             return CleanCheck(CHECK_TENANT_MOUNTS, False, "the mount table is unreadable")
         watched = [self.config.users.home_base] + [r.path for r in self.config.scratch_roots]
-        tenant = [m for m in points if any(_strictly_below(m, w) for w in watched)]
+        tenant = []
+        for point, options in table:
+            below = any(_strictly_below(point, w) for w in watched)
+            runtime = PurePosixPath(point).parent == PurePosixPath("/run/user") and (
+                PurePosixPath(point).name.isdigit()
+                and self._tenant_uid(int(PurePosixPath(point).name))
+            )
+            fuse_uid = re.search(r"(?:^|,)user_id=(\d+)(?:,|$)", options)
+            fuse = fuse_uid is not None and self._tenant_uid(int(fuse_uid.group(1)))
+            if below or runtime or fuse:
+                tenant.append(point)
         if not tenant:
             return CleanCheck(CHECK_TENANT_MOUNTS, True, "no tenant mounts")
         return CleanCheck(
             CHECK_TENANT_MOUNTS, False, f"{len(tenant)} tenant mount(s): {_few(tenant)}"
         )
 
+    def _mount_table(self) -> list[tuple[str, str]] | None:
+        """(mount point, options) of each line of the mount table, None when unreadable."""
+        try:
+            text = self.root.read_text(self.config.mounts_file)
+        except (OSError, ValueError):
+            return None
+        if text is None:
+            return None
+        table = []
+        for line in text.splitlines():
+            columns = line.split()
+            if len(columns) >= 2:
+                options = columns[3] if len(columns) >= 4 else ""
+                table.append((_unescape_mount(columns[1]), options))
+        return table
+
     def _check_gpu_memory(self) -> CleanCheck:
+        """Memory and processes on every GPU, through the probe. Memory in use, processes on a
+        GPU or a failed query fail; what this host cannot verify is "unverified" (node policy,
+        `allow_unverified_gpu`, decides whether that passes)."""
         if self._gpu_probe is None:
-            return CleanCheck(CHECK_GPU_MEMORY, False, "no GPU memory probe configured")
+            return self._unverified_gpu_check("no GPU memory probe configured")
         try:
             usage = self._gpu_probe.usage()
+        except GpuToolUnavailable as err:
+            return self._unverified_gpu_check(str(err))
+        except GpuQueryFailed as err:
+            return CleanCheck(CHECK_GPU_MEMORY, False, f"GPU probe failed: {err}")
         except Exception as err:
             return CleanCheck(CHECK_GPU_MEMORY, False, f"GPU probe failed: {type(err).__name__}")
+        checked = [u for u in usage if not u.unverified]
+        unsure = [u for u in usage if u.unverified]
         busy = [
             u.gpu
-            for u in usage
+            for u in checked
             if u.processes > 0 or u.used_bytes > self.config.gpu_idle_used_bytes
         ]
-        if not busy:
-            return CleanCheck(CHECK_GPU_MEMORY, True, f"{len(usage)} GPU(s) idle")
-        return CleanCheck(CHECK_GPU_MEMORY, False, f"GPU memory in use on GPU {_few(busy)}")
+        if busy:
+            note = f" ({len(unsure)} more unverified)" if unsure else ""
+            return CleanCheck(
+                CHECK_GPU_MEMORY, False, f"GPU memory in use on GPU {_few(busy)}{note}"
+            )
+        if unsure:
+            names = _few([u.gpu for u in unsure])
+            return self._unverified_gpu_check(
+                f"GPU {names}: {unsure[0].unverified} ({len(checked)} other GPU(s) idle)"
+            )
+        if not usage:
+            return CleanCheck(CHECK_GPU_MEMORY, True, "no GPU found")
+        return CleanCheck(CHECK_GPU_MEMORY, True, f"{len(usage)} GPU(s) idle")
+
+    def _unverified_gpu_check(self, reason: str) -> CleanCheck:
+        allowed = self.allow_unverified_gpu
+        return CleanCheck(CHECK_GPU_MEMORY, allowed, unverified(reason, allowed=allowed))
 
     # ------------------------------------------------------------------ drain
 

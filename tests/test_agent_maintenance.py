@@ -38,6 +38,7 @@ from agent.contract import (
     StorageCleanupResult,
     ValidateCleanResult,
 )
+from agent.gpu_tools import GpuQueryFailed, GpuToolUnavailable, unverified
 from agent.maintenance import (
     CHECK_GPU_MEMORY,
     CHECK_TENANT_MOUNTS,
@@ -48,10 +49,11 @@ from agent.maintenance import (
     GpuMemoryUse,
     MaintenanceConfig,
     ProcessInfo,
+    ProcProcessLister,
     WholeNodeScrubber,
     sanitise,
 )
-from agent.node_worker import build_node_worker
+from agent.node_worker import NodeServices, build_node_worker
 from core.task_queues import node_task_queue
 
 MY_UID = os.getuid()
@@ -200,6 +202,63 @@ def test_whole_node_scrubber_adapts_the_baremetal_interface() -> None:
     [failed] = WholeNodeScrubber(Broken()).scrub_each()
     assert not failed.scrubbed
     assert failed.message == "RuntimeError"
+
+    class NoTool:
+        def scrub(self) -> str:
+            raise GpuToolUnavailable("nvidia-smi is not installed")
+
+    [unsure] = WholeNodeScrubber(NoTool()).scrub_each()
+    assert (unsure.scrubbed, unsure.message) == (False, "unverified: nvidia-smi is not installed")
+
+
+@dataclass
+class RaisingScrubber:
+    error: Exception
+
+    def scrub_each(self) -> list[GpuScrubOutcome]:
+        raise self.error
+
+
+def test_gpu_scrub_that_cannot_verify_is_not_scrubbed_unless_policy_allows(
+    tmp_path: Path,
+) -> None:
+    root = make_root(tmp_path)
+    no_tool = RaisingScrubber(GpuToolUnavailable("nvidia-smi is not installed"))
+    progress = RecordingProgress()
+    [outcome] = backend(root, scrubber=no_tool).gpu_scrub(spec(), progress)
+    assert (outcome.gpu, outcome.scrubbed) == ("all", False)
+    assert outcome.message == "unverified: nvidia-smi is not installed"
+    assert progress.events[-1][1] == PhaseStatus.FAILED
+    assert "unverified: nvidia-smi is not installed" in progress.events[-1][2]
+
+    progress = RecordingProgress()
+    [outcome] = backend(root, scrubber=no_tool, allow_unverified_gpu=True).gpu_scrub(
+        spec(), progress
+    )
+    assert outcome.scrubbed
+    assert outcome.message == "unverified (allowed by node policy): nvidia-smi is not installed"
+    assert progress.events[-1][1] == PhaseStatus.SUCCEEDED
+    assert progress.events[-1][2].startswith("0 scrubbed, 1 unverified (allowed by node policy)")
+
+
+def test_gpu_scrub_never_counts_an_unverified_gpu_as_scrubbed_by_default(tmp_path: Path) -> None:
+    """A scrubber that says scrubbed=True about a GPU it could not verify is corrected."""
+    claims = FakeScrubber(
+        [GpuScrubOutcome("0", True), GpuScrubOutcome("1", True, unverified("on vfio-pci"))]
+    )
+    outcomes = backend(make_root(tmp_path), scrubber=claims).gpu_scrub(spec(), RecordingProgress())
+    assert [(o.gpu, o.scrubbed) for o in outcomes] == [("0", True), ("1", False)]
+
+
+def test_gpu_scrub_failure_of_the_tool_is_a_retryable_error(tmp_path: Path) -> None:
+    failing = RaisingScrubber(GpuQueryFailed("a GPU has fallen off the bus (nvidia-smi exit 15)"))
+    with pytest.raises(HostError) as err:
+        backend(make_root(tmp_path), scrubber=failing, allow_unverified_gpu=True).gpu_scrub(
+            spec(), RecordingProgress()
+        )
+    assert err.value.error_type == HostErrorType.MAINTENANCE_ERROR
+    assert "fallen off the bus" in err.value.message
+    assert HostErrorType.MAINTENANCE_ERROR not in NON_RETRYABLE_MAINTENANCE_ERRORS
 
 
 # --------------------------------------------------------------------------- storage_cleanup
@@ -392,6 +451,129 @@ def test_validate_clean_finds_gpu_memory_in_use(
     passed, reason = checks(make_root(tmp_path), gpu_probe=probe)[CHECK_GPU_MEMORY]
     assert not passed
     assert fragment in reason
+
+
+@dataclass
+class RaisingProbe:
+    error: Exception
+
+    def usage(self) -> list[GpuMemoryUse]:
+        raise self.error
+
+
+def test_validate_clean_gpu_state_this_host_cannot_verify(tmp_path: Path) -> None:
+    root = make_root(tmp_path)
+    no_nvml = RaisingProbe(GpuToolUnavailable("the NVML library is not installed"))
+    out = backend(root, gpu_probe=no_nvml).validate_clean(spec(), RecordingProgress())
+    assert not out.clean
+    gpu = {c.name: c for c in out.checks}[CHECK_GPU_MEMORY]
+    assert (gpu.passed, gpu.reason) == (False, "unverified: the NVML library is not installed")
+
+    progress = RecordingProgress()
+    allowed = backend(root, gpu_probe=no_nvml, allow_unverified_gpu=True)
+    out = allowed.validate_clean(spec(), progress)
+    assert out.clean
+    gpu = {c.name: c for c in out.checks}[CHECK_GPU_MEMORY]
+    assert gpu.passed
+    assert gpu.reason == "unverified (allowed by node policy): the NVML library is not installed"
+    assert progress.events[-1] == (
+        "gpu_memory_checked",
+        PhaseStatus.SUCCEEDED,
+        "passed, unverified (allowed by node policy): the NVML library is not installed",
+    )
+
+    # No probe at all is unverified too, and policy may accept it.
+    assert checks(root, gpu_probe=None)[CHECK_GPU_MEMORY] == (
+        False,
+        "unverified: no GPU memory probe configured",
+    )
+    lenient = checks(root, gpu_probe=None, allow_unverified_gpu=True)[CHECK_GPU_MEMORY]
+    assert lenient[0] is True
+
+
+def test_validate_clean_unverified_gpus_beside_idle_ones(tmp_path: Path) -> None:
+    probe = FakeProbe(
+        [
+            GpuMemoryUse("0000:18:00.0", 0, 0),
+            GpuMemoryUse(
+                "0000:2a:00.0", 0, 0, unverified="not visible to NVML (bound to vfio-pci)"
+            ),
+        ]
+    )
+    passed, reason = checks(make_root(tmp_path), gpu_probe=probe)[CHECK_GPU_MEMORY]
+    assert not passed
+    assert reason == (
+        "unverified: GPU 0000:2a:00.0: not visible to NVML (bound to vfio-pci) "
+        "(1 other GPU(s) idle)"
+    )
+
+
+def test_validate_clean_policy_never_excuses_gpus_in_use_or_a_failed_probe(tmp_path: Path) -> None:
+    root = make_root(tmp_path)
+    busy = FakeProbe(
+        [
+            GpuMemoryUse("0000:18:00.0", 0, 1),
+            GpuMemoryUse("0000:2a:00.0", 0, 0, unverified="not visible to NVML"),
+        ]
+    )
+    passed, reason = checks(root, gpu_probe=busy, allow_unverified_gpu=True)[CHECK_GPU_MEMORY]
+    assert not passed
+    assert reason == "GPU memory in use on GPU 0000:18:00.0 (1 more unverified)"
+    lost = RaisingProbe(GpuQueryFailed("NVML failed on GPU 0000:18:00.0: GPU is lost"))
+    passed, reason = checks(root, gpu_probe=lost, allow_unverified_gpu=True)[CHECK_GPU_MEMORY]
+    assert not passed
+    assert reason == "GPU probe failed: NVML failed on GPU 0000:18:00.0: GPU is lost"
+
+
+def test_validate_clean_finds_tenant_groups_and_sudoers_grants(tmp_path: Path) -> None:
+    root = make_root(tmp_path)
+    (root / "etc/group").write_text("root:x:0:\nalice:x:20000:\nusers:x:100:alice\n")
+    (root / "etc/sudoers.d").mkdir()
+    (root / "etc/sudoers.d/gpucloud-alice").write_text("alice ALL=(ALL) NOPASSWD:ALL\n")
+    (root / "etc/sudoers.d/README").write_text("")
+    passed, reason = checks(root, tenant_uid=20000)[CHECK_TENANT_USERS]
+    assert not passed
+    assert reason == "1 tenant group(s) remain: alice; 1 sudoers grant(s) remain: gpucloud-alice"
+    with (root / "etc/passwd").open("a") as f:
+        f.write("alice:x:20000:20000::/home/alice:/bin/bash\n")
+    (root / "etc/sudoers.d/gpucloud-alice").unlink()
+    # The account's own group is part of the account finding.
+    assert checks(root, tenant_uid=20000)[CHECK_TENANT_USERS] == (
+        False,
+        "1 tenant account(s) remain: alice",
+    )
+
+
+def test_validate_clean_counts_any_tenant_uid_of_a_process(tmp_path: Path) -> None:
+    root = make_root(tmp_path)
+    # A root-started process running as the tenant (effective uid) and a setuid helper the
+    # tenant started (real uid root, saved uid the tenant's).
+    for pid, uids in ((1, "0\t0\t0\t0"), (50, "0\t20000\t20000\t20000"), (51, "0\t0\t20000\t0")):
+        (root / f"proc/{pid}").mkdir()
+        (root / f"proc/{pid}/status").write_text(f"Name:\tx\nUid:\t{uids}\nGid:\t0\t0\t0\t0\n")
+    procs = ProcProcessLister(SystemRoot(root)).processes()
+    assert sorted(procs, key=lambda p: p.pid) == [
+        ProcessInfo(1, 0, (0, 0, 0)),
+        ProcessInfo(50, 0, (20000, 20000, 20000)),
+        ProcessInfo(51, 0, (0, 20000, 0)),
+    ]
+    passed, reason = checks(root, tenant_uid=20000, processes=ProcProcessLister(SystemRoot(root)))[
+        CHECK_TENANT_PROCESSES
+    ]
+    assert not passed
+    assert reason == "2 tenant process(es) running, uid(s) 20000"
+
+
+def test_validate_clean_finds_tenant_runtime_dirs_and_fuse_mounts(tmp_path: Path) -> None:
+    root = make_root(tmp_path)
+    with (root / "proc/self/mounts").open("a") as f:
+        f.write("tmpfs /run/user/20000 tmpfs rw,nosuid,nodev,size=1G,uid=20000 0 0\n")
+        f.write("tmpfs /run/user/1000 tmpfs rw,nosuid,nodev,uid=1000 0 0\n")
+        f.write("sshfs /mnt/data fuse.sshfs rw,nosuid,user_id=20000,group_id=20000 0 0\n")
+        f.write("gvfsd /run/x fuse.gvfsd rw,user_id=0,group_id=0 0 0\n")
+    passed, reason = checks(root, tenant_uid=20000)[CHECK_TENANT_MOUNTS]
+    assert not passed
+    assert reason == "2 tenant mount(s): /run/user/20000, /mnt/data"
 
 
 def test_validate_clean_reasons_are_sanitised(tmp_path: Path) -> None:
@@ -595,7 +777,7 @@ async def test_maintenance_activities_through_a_real_worker(
     node = str(uuid.uuid4())
     maint = backend(root, tenant_uid=20000)
     worker = build_node_worker(
-        temporal_client, node, SimulatedHost(node, config=SimHostConfig()), maintenance=maint
+        temporal_client, node, NodeServices(SimulatedHost(node, config=SimHostConfig()), maint)
     )
 
     async def call(c: MaintenanceCall) -> MaintenanceCallResult:
