@@ -114,7 +114,13 @@ def worker_config(
         from activities.onboarding.host_access_config import host_access_from_env
 
         host_access = host_access_from_env()
-    onboarding_deps = OnboardingDeps(sessions, secret_store, host_access, settings.public_api_url)
+    onboarding_deps = OnboardingDeps(
+        sessions,
+        secret_store,
+        host_access,
+        settings.public_api_url,
+        payload_key_b64=settings.codec_key_b64,
+    )
     maas_stages = MaasStageActivities(onboarding_deps)
     node_stages = NodeStageActivities(onboarding_deps)
     decommission = DecommissionActivities(

@@ -7,6 +7,11 @@ error types a host reports. Workflows import this module; agents implement it.""
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+# Allocation shapes as host tasks carry them (`shape`); the SKU catalog's shapes (schema) use the
+# same strings.
+SHAPE_BAREMETAL = "baremetal"
+SHAPE_GPU_SLICE = "gpu_slice"
+
 # Activity names on the node's queue.
 SLICE_VM_PROVISION = "slice.vm_provision"
 SLICE_VM_RELEASE = "slice.vm_release"

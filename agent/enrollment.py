@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import json
 import os
-import tomllib
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
+
+from agent.config_file import ConfigError, read_agent_config
 
 DEFAULT_CONFIG_PATH = Path("/etc/gpucloud/agent.toml")
 DEFAULT_STATE_DIR = Path("/var/lib/gpucloud-agent")
@@ -45,15 +47,20 @@ class AgentConfig:
 
     @classmethod
     def load(cls, path: Path) -> AgentConfig:
+        """`path` with its agent.d drop-ins (agent/config_file.py)."""
         try:
-            data = tomllib.loads(path.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as err:
-            raise EnrollmentError(f"cannot read agent config {path}: {err}", "config") from None
+            data = read_agent_config(path)
+        except ConfigError as err:
+            raise EnrollmentError(str(err), "config") from None
+        return cls.from_data(data, source=path)
+
+    @classmethod
+    def from_data(cls, data: dict[str, Any], *, source: Path) -> AgentConfig:
         api_url, token = data.get("api_url"), data.get("enrollment_token")
         if not isinstance(api_url, str) or not api_url.startswith(("http://", "https://")):
-            raise EnrollmentError(f"{path}: api_url must be an http(s) URL", "config")
+            raise EnrollmentError(f"{source}: api_url must be an http(s) URL", "config")
         if not isinstance(token, str) or not token:
-            raise EnrollmentError(f"{path}: enrollment_token is missing", "config")
+            raise EnrollmentError(f"{source}: enrollment_token is missing", "config")
         state_dir = Path(data.get("state_dir", DEFAULT_STATE_DIR))
         return cls(api_url=api_url.rstrip("/"), enrollment_token=token, state_dir=state_dir)
 

@@ -9,6 +9,7 @@ import contextlib
 import datetime as dt
 import logging
 from collections.abc import Callable
+from pathlib import Path
 
 from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
@@ -28,13 +29,16 @@ DEFAULT_INTERVAL_SECONDS = 30.0
 InventoryProbe = Callable[[], list[ReportedGpu] | None]
 
 
-def probe_local_gpus() -> list[ReportedGpu] | None:
+def probe_local_gpus(
+    sysfs_root: Path | str = "/sys", *, use_nvml: bool = True
+) -> list[ReportedGpu] | None:
     """This host's GPUs, read-only (agent/inventory.py: NVML where present, else sysfs; [] when
     neither can be read, which the control plane then flags as not matching the node's slots)."""
     from agent.inventory import probe_gpus
 
     return [
-        ReportedGpu(r.pci_address, r.numa_node, r.model or "", r.memory_mib) for r in probe_gpus()
+        ReportedGpu(r.pci_address, r.numa_node, r.model or "", r.memory_mib)
+        for r in probe_gpus(sysfs_root, use_nvml=use_nvml)
     ]
 
 

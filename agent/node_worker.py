@@ -7,8 +7,10 @@ import asyncio
 import contextlib
 import signal
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 from temporalio.client import Client
 from temporalio.worker import PollerBehaviorSimpleMaximum, Worker
@@ -22,37 +24,57 @@ from core.task_queues import node_task_queue
 MAX_CONCURRENT_HOST_TASKS = 16
 
 
+@dataclass(frozen=True)
+class NodeServices:
+    """Everything one node's agent serves: the allocation host tasks (`host`, both shapes) and
+    the node maintenance tasks (`maintenance`, seed 003 §5.6). Production builds it from the
+    agent config (agent.backends.from_config), the simulator from sim/ (a backend plugin)."""
+
+    host: HostBackend
+    maintenance: MaintenanceBackend
+
+
+def node_activities(
+    services: NodeServices,
+    node_id: uuid.UUID | str,
+    *,
+    max_concurrent: int = MAX_CONCURRENT_HOST_TASKS,
+) -> list[Callable[..., Any]]:
+    """The one registration of host activities: every activity the control plane schedules on
+    `node-{id}`. The production agent, the simulated fleet and the tests all register through
+    here, so a node never lacks a task one of them offers (tests/test_agent_registration.py
+    checks it against the names the workflows schedule)."""
+    node = str(node_id)
+    host = HostActivities(
+        services.host,
+        node_id=node,
+        max_concurrent=max_concurrent,
+        is_draining=services.maintenance.is_draining,
+    )
+    maintenance = MaintenanceActivities(services.maintenance, node_id=node)
+    return [*host.activities(), *maintenance.activities()]
+
+
 def build_node_worker(
     client: Client,
     node_id: uuid.UUID | str,
-    backend: HostBackend,
+    services: NodeServices,
     *,
     max_concurrent: int = MAX_CONCURRENT_HOST_TASKS,
     graceful_shutdown: timedelta = timedelta(0),
     identity: str | None = None,
     pollers: int = 5,
-    maintenance: MaintenanceBackend | None = None,
 ) -> Worker:
-    """A worker polling `node-{node_id}` with the host activities bound to `backend`.
+    """A worker polling `node-{node_id}` with every host activity bound to `services`.
 
     `graceful_shutdown` is how long running host tasks may finish after shutdown begins before
-    they are cancelled (they stop at their next phase boundary either way). With `maintenance`,
-    the node.* maintenance activities (agent/maintenance.py) are registered too.
+    they are cancelled (they stop at their next phase boundary either way).
     """
     node = str(node_id)
-    activities = HostActivities(
-        backend,
-        node_id=node,
-        max_concurrent=max_concurrent,
-        is_draining=maintenance.is_draining if maintenance is not None else None,
-    )
-    registered = activities.activities()
-    if maintenance is not None:
-        registered += MaintenanceActivities(maintenance, node_id=node).activities()
     return Worker(
         client,
         task_queue=node_task_queue(node),
-        activities=registered,
+        activities=node_activities(services, node, max_concurrent=max_concurrent),
         max_concurrent_activities=max_concurrent,
         graceful_shutdown_timeout=graceful_shutdown,
         # A fleet of simulated nodes shares one connection: fewer pollers per node keep it light.

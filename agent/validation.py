@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import re
 
-from agent.contract import HostProvisionInput, HostReleaseInput
-from schema.states import SkuShape
+from agent.contract import SHAPE_BAREMETAL, SHAPE_GPU_SLICE, HostProvisionInput, HostReleaseInput
 
 # POSIX-portable user names, as useradd accepts them by default.
 _USERNAME = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
@@ -21,7 +20,7 @@ def _check_common(
     allocation_id: str,
     node_id: str,
     shape: str,
-    expected_shape: SkuShape,
+    expected_shape: str,
     agent_node_id: str | None,
 ) -> None:
     if not allocation_id:
@@ -46,7 +45,7 @@ def _check_ssh_keys(keys: list[str]) -> None:
 
 
 def validate_slice_provision(spec: HostProvisionInput, agent_node_id: str | None) -> None:
-    _check_common(spec.allocation_id, spec.node_id, spec.shape, SkuShape.GPU_SLICE, agent_node_id)
+    _check_common(spec.allocation_id, spec.node_id, spec.shape, SHAPE_GPU_SLICE, agent_node_id)
     if not spec.gpus:
         raise InvalidSpec("a GPU slice needs at least one GPU")
     addresses = [gpu.pci_address.lower() for gpu in spec.gpus]
@@ -61,15 +60,15 @@ def validate_slice_provision(spec: HostProvisionInput, agent_node_id: str | None
 
 
 def validate_baremetal_provision(spec: HostProvisionInput, agent_node_id: str | None) -> None:
-    _check_common(spec.allocation_id, spec.node_id, spec.shape, SkuShape.BAREMETAL, agent_node_id)
+    _check_common(spec.allocation_id, spec.node_id, spec.shape, SHAPE_BAREMETAL, agent_node_id)
     _check_username(spec.username)
     _check_ssh_keys(spec.ssh_public_keys)
 
 
 def validate_slice_release(spec: HostReleaseInput, agent_node_id: str | None) -> None:
-    _check_common(spec.allocation_id, spec.node_id, spec.shape, SkuShape.GPU_SLICE, agent_node_id)
+    _check_common(spec.allocation_id, spec.node_id, spec.shape, SHAPE_GPU_SLICE, agent_node_id)
 
 
 def validate_baremetal_release(spec: HostReleaseInput, agent_node_id: str | None) -> None:
-    _check_common(spec.allocation_id, spec.node_id, spec.shape, SkuShape.BAREMETAL, agent_node_id)
+    _check_common(spec.allocation_id, spec.node_id, spec.shape, SHAPE_BAREMETAL, agent_node_id)
     _check_username(spec.username)

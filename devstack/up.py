@@ -112,6 +112,11 @@ class StackOptions:
         return self.state_dir / "logs"
 
     @property
+    def machines_dir(self) -> Path:
+        """The MAAS simulator's deployed machines' disks (sim/first_boot.py)."""
+        return (self.state_dir / "machines").resolve()
+
+    @property
     def libvirt_hosts_dir(self) -> Path:
         return self.state_dir / "libvirt-hosts"
 
@@ -570,8 +575,11 @@ class Stack:
         self.children.append(maas)
         await maas.start()
         # Polls the MAAS simulator (and retries until it and the gateway answer).
+        # Each deployed machine's disk is a folder under machines/; its agent is a real
+        # gpucloud-agent process started from the rendered cloud-init (logs in the folder).
         first_boot_argv = [sys.executable, "-m", "sim.first_boot", "--maas-url", o.maas_url,
-                           "--control-token-file", str(o.maas_control_token_file)]  # fmt: skip
+                           "--control-token-file", str(o.maas_control_token_file),
+                           "--machines-dir", str(o.machines_dir)]  # fmt: skip
         first_boot = Child("first-boot", first_boot_argv, o.logs_dir / "first-boot.log",
                            {**os.environ, "PYTHONUNBUFFERED": "1"}, REPO_ROOT)  # fmt: skip
         self.children.append(first_boot)
@@ -611,6 +619,7 @@ class Stack:
             "GPUCLOUD_HOST_ACCESS": "simulated",
             "GPUCLOUD_SIM_MAAS_URL": o.maas_url,
             "GPUCLOUD_SIM_MAAS_CONTROL_TOKEN": maas_control_token,
+            "GPUCLOUD_SIM_MACHINES_DIR": str(o.machines_dir),
             # Deployed nodes' agents enroll here (written into their cloud-init).
             "GPUCLOUD_PUBLIC_API_URL": o.gateway_probe_url,
             "GPUCLOUD_METRICS_ADDRESS": o.worker_metrics_address,
@@ -620,7 +629,8 @@ class Stack:
         gateway = Child("gateway", python_entry("gateway.serve"), o.logs_dir / "gateway.log", env,
                         REPO_ROOT)  # fmt: skip
         fleet = Child("fleet", [*python_entry("sim.fleet"), "--refresh-seconds", "5", "--hosts",
-                               o.hosts, "--state-dir", str(o.libvirt_hosts_dir)],
+                               o.hosts, "--state-dir", str(o.libvirt_hosts_dir),
+                               "--machines-dir", str(o.state_dir / "fleet-machines")],
                       o.logs_dir / "fleet.log", env, REPO_ROOT)  # fmt: skip
         started = [worker, *([fleet] if o.agents else []), gateway]
         for child in started:

@@ -45,13 +45,15 @@ import hashlib
 import json
 import logging
 import os
+import shlex
+import shutil
 import signal
 import sys
 import time
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from types import TracebackType
 from typing import Any
 from urllib.parse import quote
@@ -59,12 +61,21 @@ from urllib.parse import quote
 import httpx
 
 from activities.onboarding.host_access import BmcLogin, SshLogin
-from agent.enrollment import DEFAULT_CONFIG_PATH, ENROLL_PATH
+from agent.config_file import ROOT_ENV
+from agent.enrollment import DEFAULT_CONFIG_PATH, DEFAULT_STATE_DIR, ENROLL_PATH
 from core.failures import ClassifiedError, FailureClass
+from sim.machine_image import build_machine
 
 logger = logging.getLogger("sim.first_boot")
 
 AGENT_CONFIG_PATH = str(DEFAULT_CONFIG_PATH)
+AGENT_UNIT_PATH = "/etc/systemd/system/gpucloud-agent.service"
+AGENT_EXECUTABLE = "gpucloud-agent"
+IDENTITY_PATH = str(DEFAULT_STATE_DIR / "identity.json")
+# Left in a machine's directory by an SSH config push: the agent restarts at the next poll.
+RESTART_MARKER = "restart-agent"
+AGENT_STOP_TIMEOUT_S = 15.0
+DEFAULT_MACHINES_DIR = Path(".state/machines")
 DEPLOYED = "Deployed"
 HTTP_TIMEOUT_S = 10.0
 INTERVAL_RANGE_MINUTES = (1, 1440)  # what the real seeder (and node.hw_sync_reseed) accepts
@@ -99,8 +110,8 @@ def parse_agent_toml(text: str) -> AgentToml:
     return AgentToml(api_url=api_url.rstrip("/"), enrollment_token=token)
 
 
-def agent_config_from_user_data(user_data: str) -> AgentToml:
-    """The agent config cloud-init would write, from a #cloud-config with a JSON body."""
+def parse_cloud_config(user_data: str) -> dict[str, Any]:
+    """The #cloud-config document (a JSON body: JSON is YAML 1.2, which cloud-init reads)."""
     header, _, body = user_data.partition("\n")
     if header.strip() != "#cloud-config":
         raise MalformedUserData("not a #cloud-config document")
@@ -108,21 +119,93 @@ def agent_config_from_user_data(user_data: str) -> AgentToml:
         doc = json.loads(body)
     except ValueError:
         raise MalformedUserData("the #cloud-config body is not JSON") from None
-    files = doc.get("write_files") if isinstance(doc, dict) else None
+    if not isinstance(doc, dict):
+        raise MalformedUserData("the #cloud-config body is not a mapping")
+    return doc
+
+
+def _file_content(entry: Mapping[str, Any], path: str) -> bytes:
+    content = entry.get("content", "")
+    if not isinstance(content, str):
+        raise MalformedUserData(f"{path} has no content")
+    if entry.get("encoding") in ("b64", "base64"):
+        try:
+            return base64.b64decode(content, validate=True)
+        except ValueError:
+            raise MalformedUserData(f"{path} is not valid base64") from None
+    return content.encode()
+
+
+def write_files(root: Path, doc: Mapping[str, Any]) -> list[str]:
+    """cloud-init's write_files module on the disk at `root`: each file at its path, with its
+    permissions. Answers the paths written."""
+    files = doc.get("write_files")
+    if not isinstance(files, list):
+        raise MalformedUserData("no write_files")
+    written = []
+    for entry in files:
+        path = entry.get("path") if isinstance(entry, dict) else None
+        if not isinstance(path, str) or not path.startswith("/") or ".." in path.split("/"):
+            raise MalformedUserData("a write_files entry has no absolute path")
+        target = root / path.lstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(_file_content(entry, path))
+        try:
+            target.chmod(int(str(entry.get("permissions", "0644")), 8))
+        except ValueError:
+            raise MalformedUserData(f"{path}: permissions are not octal") from None
+        written.append(path)
+    return written
+
+
+def agent_config_from_user_data(user_data: str) -> AgentToml:
+    """The agent config cloud-init would write, from a #cloud-config with a JSON body."""
+    files = parse_cloud_config(user_data).get("write_files")
     if not isinstance(files, list):
         raise MalformedUserData("no write_files")
     for entry in files:
         if isinstance(entry, dict) and entry.get("path") == AGENT_CONFIG_PATH:
-            content = entry.get("content")
-            if not isinstance(content, str):
-                raise MalformedUserData(f"{AGENT_CONFIG_PATH} has no content")
-            if entry.get("encoding") in ("b64", "base64"):
-                try:
-                    content = base64.b64decode(content).decode()
-                except ValueError:
-                    raise MalformedUserData(f"{AGENT_CONFIG_PATH} is not valid base64") from None
-            return parse_agent_toml(content)
+            return parse_agent_toml(_file_content(entry, AGENT_CONFIG_PATH).decode())
     raise MalformedUserData(f"write_files has no {AGENT_CONFIG_PATH}")
+
+
+def parse_unit(text: str) -> tuple[list[str], dict[str, str], float]:
+    """ExecStart's argv, the Environment= settings and RestartSec of a systemd service unit."""
+    argv: list[str] = []
+    env: dict[str, str] = {}
+    restart_s = 0.1
+    section = ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("["):
+            section = line
+            continue
+        key, _, value = line.partition("=")
+        if section != "[Service]":
+            continue
+        if key == "ExecStart":
+            argv = shlex.split(value)
+        elif key == "Environment":
+            for assignment in shlex.split(value):
+                name, _, setting = assignment.partition("=")
+                env[name] = setting
+        elif key == "RestartSec":
+            with contextlib.suppress(ValueError):
+                restart_s = float(value.rstrip("s"))
+    if not argv:
+        raise MalformedUserData("the agent unit has no ExecStart")
+    return argv, env, restart_s
+
+
+def default_agent_command() -> list[str]:
+    """What /usr/bin/gpucloud-agent is on a simulated machine: the agent installed in this
+    Python environment (its console script, else the module)."""
+    script = Path(sys.executable).with_name(AGENT_EXECUTABLE)
+    if script.is_file():
+        return [str(script)]
+    return [sys.executable, "-m", "agent.main"]
 
 
 @dataclass
@@ -143,7 +226,24 @@ class BootRecord:
     error: str | None = None
     config_pushes: int = 0
     enrolled_at: float | None = None  # time.monotonic()
-    _token: str | None = field(default=None, repr=False)
+    machine_dir: Path | None = None
+    address: str | None = None
+    unit_argv: tuple[str, ...] = ()
+    unit_env: tuple[tuple[str, str], ...] = ()
+    restart_delay_s: float = 0.0
+    agent_starts: int = 0
+    agent_exit_codes: list[int] = field(default_factory=list)
+    stopped: bool = False  # systemctl stop: not restarted
+    _process: asyncio.subprocess.Process | None = field(default=None, repr=False)
+    _next_start: float = 0.0
+
+    @property
+    def root(self) -> Path | None:
+        return self.machine_dir / "root" if self.machine_dir is not None else None
+
+    @property
+    def agent_running(self) -> bool:
+        return self._process is not None and self._process.returncode is None
 
 
 async def post_enrollment(
@@ -164,28 +264,34 @@ def _error_code(response: httpx.Response) -> str:
 
 
 class FirstBootSimulator:
-    """See the module docstring. `http`: the client enrollments go through (absolute URLs, so
-    any base_url is ignored; tests pass one on an ASGI transport); by default one is made and
-    closed here. `control_http`: the same for the MAAS simulator's control API."""
+    """See the module docstring. `machines_dir`: where each machine's disk lives (one directory
+    per system_id, sim/machine_image.py); `agent_command`: what /usr/bin/gpucloud-agent is on
+    these machines (default: this environment's installed console script); `agent_env`: extra
+    environment for every agent (e.g. GPUCLOUD_AGENT_HEARTBEAT_S); `max_restart_delay_s` caps
+    the unit's RestartSec. `control_http`: the client for the MAAS simulator's control API (by
+    default one is made and closed here)."""
 
     def __init__(
         self,
         maas_base_url: str,
         control_token: str,
         *,
+        machines_dir: Path,
         poll_interval: float = 0.1,
-        agent_version: str = "sim-first-boot",
-        http: httpx.AsyncClient | None = None,
+        agent_command: Sequence[str] | None = None,
+        agent_env: Mapping[str, str] | None = None,
+        max_restart_delay_s: float = 2.0,
         control_http: httpx.AsyncClient | None = None,
     ) -> None:
         self.maas_base_url = maas_base_url
         self.poll_interval = poll_interval
-        self.agent_version = agent_version
+        self.machines_dir = Path(machines_dir).resolve()
+        self.agent_command = tuple(agent_command or default_agent_command())
+        self.agent_env = dict(agent_env or {})
+        self.max_restart_delay_s = max_restart_delay_s
         self.booted: dict[str, BootRecord] = {}  # hostname -> its latest boot
         self.polls = 0
         self._control_token = control_token
-        self._http = http
-        self._own_http = http is None
         self._control = control_http
         self._own_control = control_http is None
         self._boots: dict[str, BootRecord] = {}  # system_id -> the current deployment's boot
@@ -200,8 +306,7 @@ class FirstBootSimulator:
     async def start(self) -> None:
         if self._task is not None:
             return
-        if self._http is None:
-            self._http = httpx.AsyncClient(timeout=HTTP_TIMEOUT_S)
+        self.machines_dir.mkdir(parents=True, exist_ok=True)
         if self._control is None:
             self._control = httpx.AsyncClient(
                 base_url=control_base_url(self.maas_base_url),
@@ -216,9 +321,7 @@ class FirstBootSimulator:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        if self._own_http and self._http is not None:
-            await self._http.aclose()
-            self._http = None
+        await asyncio.gather(*(self._stop_agent(r) for r in list(self._boots.values())))
         if self._own_control and self._control is not None:
             await self._control.aclose()
             self._control = None
@@ -250,15 +353,29 @@ class FirstBootSimulator:
     # ------------------------------------------------------------------ control
 
     def hold(self, hostname: str) -> None:
-        """The agent on `hostname` cannot reach the API: it never enrolls (until released)."""
+        """The agent on `hostname` cannot reach the API: its network is down, so the agent is
+        not running (until released)."""
         self._held.add(hostname)
 
     def release(self, hostname: str) -> None:
-        """Undo `hold`: the agent enrolls on the next poll (a late enrollment)."""
+        """Undo `hold`: the agent starts on the next poll and enrolls (a late enrollment)."""
         self._held.discard(hostname)
 
     def is_held(self, hostname: str) -> bool:
         return hostname in self._held
+
+    async def stop_agent(self, hostname: str) -> None:
+        """`systemctl stop gpucloud-agent` on `hostname`: its agent stays stopped until
+        `start_agent`, or until the machine is deployed afresh (a new OS starts its own)."""
+        record = self.booted.get(hostname)
+        if record is not None:
+            record.stopped = True
+            await self._stop_agent(record)
+
+    def start_agent(self, hostname: str) -> None:
+        record = self.booted.get(hostname)
+        if record is not None:
+            record.stopped = False
 
     async def wait_for(
         self, hostname: str, *, enrolled: bool = True, timeout: float = 10.0
@@ -275,8 +392,8 @@ class FirstBootSimulator:
     # ------------------------------------------------------------------ the boot loop
 
     async def poll_once(self) -> None:
-        """Read the simulator's state once and boot / enroll what is due. Raises httpx errors
-        of the state read (the loop logs them)."""
+        """Read the simulator's state once and boot / supervise what is due. Raises httpx
+        errors of the state read (the loop logs them)."""
         assert self._control is not None, "start() first"
         response = await self._control.get("/_sim/state")
         response.raise_for_status()
@@ -284,8 +401,13 @@ class FirstBootSimulator:
         async with self._lock:
             self._machines = [m for m in machines if isinstance(m, dict)]
             self.polls += 1
+            deployed = set()
             for machine in self._machines:
+                if machine.get("status_name") == DEPLOYED:
+                    deployed.add(str(machine.get("system_id")))
                 await self._observe(machine)
+            for system_id in [s for s in self._boots if s not in deployed]:
+                await self._stop_agent(self._boots.pop(system_id))  # powered off or released
 
     def machine_at(self, address: str) -> dict[str, Any] | None:
         """The snapshot (last poll) of the machine with this deployed IP address or hostname."""
@@ -295,113 +417,183 @@ class FirstBootSimulator:
         return None
 
     async def _observe(self, machine: Mapping[str, Any]) -> None:
-        system_id = str(machine.get("system_id"))
         if machine.get("status_name") != DEPLOYED:
-            self._boots.pop(system_id, None)  # the next deployment boots afresh
             return
-        record = self._record_for(machine)
-        if not (record.enrolled or record.gave_up):
-            await self._try_enroll(record)
+        record = await self._record_for(machine)
+        if not record.gave_up:
+            await self._supervise(record)
 
-    def _record_for(self, machine: Mapping[str, Any]) -> BootRecord:
-        """The current boot of a Deployed machine, booting it if its user data is new. A
-        machine deployed without user data boots with no agent config (nothing to enroll with
-        until one is pushed)."""
+    async def _record_for(self, machine: Mapping[str, Any]) -> BootRecord:
+        """The current boot of a Deployed machine, booting it if its user data is new: a new
+        deployment is a fresh disk, with the user data's files written on it."""
         system_id = str(machine.get("system_id"))
         user_data = machine.get("user_data_text")
         record = self._boots.get(system_id)
-        if not isinstance(user_data, str):
-            if record is None:
-                record = BootRecord(
-                    hostname=str(machine.get("hostname")),
-                    system_id=system_id,
-                    user_data_sha256="",
-                    scenario_hostname=machine.get("scenario_hostname"),
-                    error="no user data: no agent config",
-                )
-                self._boots[system_id] = record
-                self.booted[record.hostname] = record
-            return record
-        digest = hashlib.sha256(user_data.encode()).hexdigest()
+        digest = (
+            hashlib.sha256(user_data.encode()).hexdigest() if isinstance(user_data, str) else ""
+        )
         if record is not None and record.user_data_sha256 == digest:
             return record
+        if record is not None:
+            await self._stop_agent(record)
         hostname = str(machine.get("hostname"))
+        addresses = [str(a) for a in machine.get("ip_addresses") or []]
         record = BootRecord(
             hostname=hostname,
             system_id=system_id,
             user_data_sha256=digest,
             scenario_hostname=machine.get("scenario_hostname"),
+            machine_dir=self.machines_dir / system_id,
+            address=addresses[0] if addresses else None,
         )
+        self._boots[system_id] = record
+        self.booted[hostname] = record
+        if not isinstance(user_data, str):
+            record.error = "no user data: no agent config"
+            return record
         try:
-            config = agent_config_from_user_data(user_data)
+            doc = parse_cloud_config(user_data)
+            await asyncio.to_thread(self._install, record, doc)
         except MalformedUserData as err:
             record.gave_up = True
             record.error = f"malformed user data: {err}"
             logger.warning("%s (%s) booted with malformed user data: %s", hostname, system_id, err)
         else:
-            record.api_url, record._token = config.api_url, config.enrollment_token
-            logger.info("%s (%s) booted; its agent enrolls at %s", hostname, system_id,
-                        config.api_url)  # fmt: skip
-        self._boots[system_id] = record
-        self.booted[hostname] = record
+            logger.info("%s (%s) booted from its user data", hostname, system_id)
         return record
+
+    def _install(self, record: BootRecord, doc: Mapping[str, Any]) -> None:
+        """A fresh disk: the machine image, then cloud-init's write_files, then the agent unit
+        read back as systemd would."""
+        assert record.machine_dir is not None
+        assert record.root is not None
+        if record.machine_dir.exists():
+            shutil.rmtree(record.machine_dir)
+        build_machine(
+            record.machine_dir,
+            address=record.address or record.hostname,
+            machine_key=record.system_id,
+        )
+        write_files(record.root, doc)
+        agent_toml = record.root / AGENT_CONFIG_PATH.lstrip("/")
+        config = parse_agent_toml(agent_toml.read_text()) if agent_toml.is_file() else None
+        if config is None:
+            raise MalformedUserData(f"write_files has no {AGENT_CONFIG_PATH}")
+        record.api_url = config.api_url
+        unit = record.root / AGENT_UNIT_PATH.lstrip("/")
+        if not unit.is_file():
+            raise MalformedUserData(f"write_files has no {AGENT_UNIT_PATH}")
+        argv, env, restart_s = parse_unit(unit.read_text())
+        record.unit_argv, record.unit_env = tuple(argv), tuple(env.items())
+        record.restart_delay_s = min(restart_s, self.max_restart_delay_s)
+        if self.machines_dir not in record.machine_dir.parents:
+            raise MalformedUserData("machine directory escapes the machines directory")
+        address_link = self.machines_dir / "by-address"
+        address_link.mkdir(exist_ok=True)
+        if record.address:
+            link = address_link / record.address
+            link.unlink(missing_ok=True)
+            link.symlink_to(record.machine_dir)
 
     def _held_record(self, record: BootRecord) -> bool:
         return record.hostname in self._held or (
             record.scenario_hostname is not None and record.scenario_hostname in self._held
         )
 
-    async def _try_enroll(self, record: BootRecord) -> None:
-        if record._token is None or record.api_url is None:
+    def _agent_argv(self, record: BootRecord) -> list[str]:
+        executable, *args = record.unit_argv
+        if PurePosixPath(executable).name != AGENT_EXECUTABLE:
+            raise MalformedUserData(f"the agent unit runs {executable}, not {AGENT_EXECUTABLE}")
+        return [*self.agent_command, *args]
+
+    async def _supervise(self, record: BootRecord) -> None:
+        """systemd's part: keep the unit's command running (Restart=always, RestartSec), pick
+        up a restart an SSH push asked for, and notice enrollment (the identity file)."""
+        if not record.unit_argv or record.root is None or record.stopped:
             return
         if self._held_record(record):
             if not record.held:
                 logger.info("%s is held: its agent cannot reach the API", record.hostname)
+                await self._stop_agent(record)
             record.held = True
             record.error = "held: the agent cannot reach the API"
             return
         record.held = False
-        record.attempts += 1
-        assert self._http is not None, "start() first"
-        try:
-            response = await post_enrollment(
-                self._http, record.api_url, record._token, self.agent_version
-            )
-        except httpx.HTTPError as err:
-            if record.error != f"API unreachable ({type(err).__name__})":
-                logger.info("%s: the API at %s is not reachable (%s); retrying",
-                            record.hostname, record.api_url, type(err).__name__)  # fmt: skip
-            record.error = f"API unreachable ({type(err).__name__})"
-            return
-        record.http_status = response.status_code
-        if response.status_code == 200:
+        marker = record.machine_dir / RESTART_MARKER if record.machine_dir else None
+        if marker is not None and marker.exists():
+            marker.unlink()
+            record.config_pushes += 1
+            await self._stop_agent(record)
+            record._next_start = 0.0
+        process = record._process
+        if process is not None and process.returncode is not None:
+            record.agent_exit_codes.append(process.returncode)
+            record._process = None
+            record.error = f"agent exited {process.returncode}"
+            record._next_start = time.monotonic() + record.restart_delay_s
+            logger.info("%s: the agent exited %d", record.hostname, process.returncode)
+        if record._process is None and time.monotonic() >= record._next_start:
+            await self._start_agent(record)
+        identity = record.root / IDENTITY_PATH.lstrip("/")
+        if not record.enrolled and identity.is_file():
             record.enrolled, record.error = True, None
             record.enrolled_at = time.monotonic()
-            record._token = None  # single-use, and nothing keeps it after enrollment
             logger.info("%s enrolled", record.hostname)
-        elif response.status_code >= 500 or response.status_code == 429:
-            record.error = f"API answered {response.status_code}"
-        else:
-            record.gave_up = True
-            record.error = f"enrollment refused ({response.status_code} {_error_code(response)})"
-            logger.warning("%s: %s", record.hostname, record.error)
+
+    async def _start_agent(self, record: BootRecord) -> None:
+        assert record.root is not None
+        assert record.machine_dir is not None
+        env = {**os.environ, **dict(record.unit_env), **self.agent_env}
+        env[ROOT_ENV] = str(record.root)
+        # The machine's own environment, not the simulator's: no inherited overrides.
+        for name in ("GPUCLOUD_CODEC_KEY", "GPUCLOUD_TEMPORAL_ADDRESS", "GPUCLOUD_AGENT_CONFIG"):
+            if name not in dict(record.unit_env) and name not in self.agent_env:
+                env.pop(name, None)
+        log = (record.machine_dir / "agent.log").open("ab")
+        try:
+            record._process = await asyncio.create_subprocess_exec(
+                *self._agent_argv(record),
+                env=env,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,
+            )
+        finally:
+            log.close()
+        record.agent_starts += 1
+        logger.info("%s: started its agent (pid %d)", record.hostname, record._process.pid)
+
+    async def _stop_agent(self, record: BootRecord) -> None:
+        process, record._process = record._process, None
+        if process is None or process.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            process.terminate()
+        try:
+            await asyncio.wait_for(process.wait(), AGENT_STOP_TIMEOUT_S)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            await process.wait()
 
     async def agent_config_pushed(self, address: str, agent_toml: str) -> BootRecord:
         """A new agent.toml was written on the host at `address` and the agent restarted
-        (`SimulatedHostSeeder.push_agent_config`): unless the machine is held, it enrolls now
-        with that token; an agent that already enrolled keeps its identity and does nothing.
-        Raises ClassifiedError (post_deploy_connectivity_failure) when no deployed host is at
-        `address`, MalformedUserData for a bad config."""
-        config = parse_agent_toml(agent_toml)
+        (`SimulatedHostSeeder.push_agent_config`). Raises ClassifiedError
+        (post_deploy_connectivity_failure) when no deployed host is at `address`,
+        MalformedUserData for a bad config."""
+        parse_agent_toml(agent_toml)
         machine = await self._deployed_machine_at(address)
         async with self._lock:
-            record = self._record_for(machine)
+            record = await self._record_for(machine)
+            if record.root is None or not record.root.is_dir():
+                raise MalformedUserData("the machine has no disk to write to")
+            push_agent_config(record.root, agent_toml)
             record.config_pushes += 1
-            if record.enrolled:
-                return record
-            record.api_url, record._token = config.api_url, config.enrollment_token
             record.gave_up, record.error = False, None
-            await self._try_enroll(record)
+            await self._stop_agent(record)
+            record._next_start = 0.0
+            await self._supervise(record)
             return record
 
     async def _deployed_machine_at(self, address: str) -> dict[str, Any]:
@@ -419,6 +611,16 @@ class FirstBootSimulator:
     async def host_at(self, address: str) -> dict[str, Any]:
         """The deployed machine at `address` (its last snapshot); ClassifiedError if none."""
         return await self._deployed_machine_at(address)
+
+
+def push_agent_config(root: Path, agent_toml: str) -> None:
+    """What `ssh host 'cat > /etc/gpucloud/agent.toml'` does on the machine's disk."""
+    path = root / AGENT_CONFIG_PATH.lstrip("/")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(agent_toml)
+    tmp.chmod(0o600)
+    tmp.replace(path)
 
 
 # ---------------------------------------------------------------------- BMC and SSH stand-ins
@@ -477,23 +679,25 @@ class SimulatedBmc:
 
 
 class SimulatedHostSeeder:
-    """`HostSeeder` without SSH. With a `first_boot` simulator an address must belong to a
-    Deployed machine (else post_deploy_connectivity_failure, as SSH to it would fail) and a
-    pushed agent config goes through it (a held machine stays unenrolled); without one every
-    address answers and a pushed config enrolls directly (`http`, or a client per call)."""
+    """`HostSeeder` without SSH, writing on the simulated machines' disks instead. An address
+    must belong to a deployed machine (else post_deploy_connectivity_failure, as SSH to it would
+    fail): with a `first_boot` simulator in this process it asks it; otherwise it finds the
+    machine's disk under `machines_dir/by-address/` (where `python -m sim.first_boot` keeps
+    them). A pushed agent config is written there and the agent restarted, as
+    `systemctl restart gpucloud-agent` over SSH would: the agent then enrolls itself."""
 
     def __init__(
         self,
         first_boot: FirstBootSimulator | None = None,
         *,
-        http: httpx.AsyncClient | None = None,
-        agent_version: str = "sim-first-boot",
+        machines_dir: Path | None = None,
     ) -> None:
         self.first_boot = first_boot
+        self.machines_dir = (
+            first_boot.machines_dir if first_boot is not None else machines_dir
+        ) or DEFAULT_MACHINES_DIR
         self.seeds: list[tuple[str, int]] = []  # (address, interval_minutes) per call
         self.agent_config_pushes = 0
-        self._http = http
-        self._agent_version = agent_version
         self._unreachable: set[str] = set()
 
     def fail_ssh(self, address: str) -> None:
@@ -503,13 +707,21 @@ class SimulatedHostSeeder:
     def restore_ssh(self, address: str) -> None:
         self._unreachable.discard(address)
 
-    def _connect(self, login: SshLogin) -> None:
+    def _connect(self, login: SshLogin) -> Path:
+        """The disk of the machine at the login's address."""
         if login.address in self._unreachable:
             raise ClassifiedError(
                 f"SSH to {login.user}@{login.address}:{login.port}: cannot connect "
                 "(ConnectionRefusedError)",
                 failure_class=FailureClass.POST_DEPLOY_CONNECTIVITY_FAILURE,
             )
+        machine = self.machines_dir / "by-address" / login.address
+        if not (machine / "root").is_dir():
+            raise ClassifiedError(
+                f"SSH to {login.user}@{login.address}:{login.port}: no host answers there",
+                failure_class=FailureClass.POST_DEPLOY_CONNECTIVITY_FAILURE,
+            )
+        return machine
 
     async def seed_hardware_sync(
         self, login: SshLogin, *, creds_yaml: str, interval_minutes: int
@@ -525,43 +737,29 @@ class SimulatedHostSeeder:
                 "the MAAS machine credentials are empty",
                 failure_class=FailureClass.INPUT_CONFIG_ERROR,
             )
-        self._connect(login)
         if self.first_boot is not None:
             await self.first_boot.host_at(login.address)
+        self._connect(login)
         self.seeds.append((login.address, interval_minutes))
 
     async def push_agent_config(self, login: SshLogin, *, agent_toml: str) -> None:
         try:
-            config = parse_agent_toml(agent_toml)
+            parse_agent_toml(agent_toml)
         except MalformedUserData as err:
             raise ClassifiedError(
                 f"the agent config is invalid: {err}",
                 failure_class=FailureClass.INPUT_CONFIG_ERROR,
             ) from None
-        self._connect(login)
         if self.first_boot is not None:
+            if login.address in self._unreachable:
+                self._connect(login)
             await self.first_boot.agent_config_pushed(login.address, agent_toml)
-            self.agent_config_pushes += 1
-            return
+        else:
+            machine = self._connect(login)
+            push_agent_config(machine / "root", agent_toml)
+            (machine / RESTART_MARKER).touch()
         self.agent_config_pushes += 1
-        # The restarted agent enrolls; whether it succeeds is for the workflow to observe
-        # (nodes.enrolled_at), not an error of the push.
-        http = self._http or httpx.AsyncClient(timeout=HTTP_TIMEOUT_S)
-        try:
-            response = await post_enrollment(
-                http, config.api_url, config.enrollment_token, self._agent_version
-            )
-            if response.status_code == 200:
-                logger.info("the agent at %s enrolled after the config push", login.address)
-            else:
-                logger.warning("the agent at %s was refused (%d %s)", login.address,
-                               response.status_code, _error_code(response))  # fmt: skip
-        except httpx.HTTPError as err:
-            logger.warning("the agent at %s cannot reach the API (%s)", login.address,
-                           type(err).__name__)  # fmt: skip
-        finally:
-            if self._http is None:
-                await http.aclose()
+        logger.info("agent config pushed to %s; its agent restarts", login.address)
 
 
 # ---------------------------------------------------------------------- python -m sim.first_boot
@@ -593,7 +791,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--control-token", help="the MAAS simulator's /_sim/ bearer token")
     parser.add_argument("--control-token-file", type=Path, help="the same, from a file")
     parser.add_argument("--poll-interval", type=float, default=0.5, help="seconds (%(default)s)")
-    parser.add_argument("--agent-version", default="sim-first-boot")
+    parser.add_argument(
+        "--machines-dir",
+        type=Path,
+        default=DEFAULT_MACHINES_DIR,
+        help="each machine's disk, one directory per system_id (default: %(default)s)",
+    )
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
@@ -610,7 +813,7 @@ def main(argv: list[str] | None = None) -> int:
             "--control-token-file or GPUCLOUD_SIM_MAAS_CONTROL_TOKEN"
         )
     simulator = FirstBootSimulator(
-        args.maas_url, token, poll_interval=args.poll_interval, agent_version=args.agent_version
+        args.maas_url, token, machines_dir=args.machines_dir, poll_interval=args.poll_interval
     )
     print(f"sim.first_boot: booting what {args.maas_url} deploys (poll every "
           f"{args.poll_interval:g}s)", flush=True)  # fmt: skip

@@ -24,8 +24,9 @@ import dataclasses
 import json
 import logging
 import os
+import tempfile
 import uuid
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -37,7 +38,7 @@ from temporalio.worker import Worker
 
 from agent.backend import HostBackend
 from agent.heartbeat import DEFAULT_INTERVAL_SECONDS, run_heartbeats
-from agent.node_worker import build_node_worker, stop_on_signals
+from agent.node_worker import NodeServices, build_node_worker, stop_on_signals
 from core.config import Settings
 from core.temporal import connect
 from schema.db import create_engine, session_factory
@@ -47,6 +48,8 @@ from sim.config import SimHostConfig
 from sim.faults import FaultSpec
 from sim.host import SimulatedHost
 from sim.libvirt_hosts import GpuPlacement, LibvirtTestHost, build_libvirt_test_host
+from sim.machine_image import build_machine
+from sim.node_services import machine_services, simulated_services
 
 logger = logging.getLogger("sim.fleet")
 
@@ -64,10 +67,15 @@ class AgentNode:
     hostname: str | None = None
 
 
-async def load_agent_nodes(session: AsyncSession) -> list[AgentNode]:
-    rows = await session.execute(
-        select(Node.id, Node.hostname).where(Node.status.in_(AGENT_NODE_STATUSES)).order_by(Node.id)
-    )
+async def load_agent_nodes(
+    session: AsyncSession, node_ids: Collection[str] | None = None
+) -> list[AgentNode]:
+    """Nodes that need an agent; with `node_ids`, only those (the fleet's own machines: a node
+    booted elsewhere, e.g. by the MAAS simulator's first boot, runs its own agent)."""
+    query = select(Node.id, Node.hostname).where(Node.status.in_(AGENT_NODE_STATUSES))
+    if node_ids is not None:
+        query = query.where(Node.id.in_([uuid.UUID(n) for n in node_ids]))
+    rows = await session.execute(query.order_by(Node.id))
     return [AgentNode(str(node_id), hostname) for node_id, hostname in rows.all()]
 
 
@@ -109,9 +117,9 @@ async def load_node_hardware(
 
 
 class HostFactory(Protocol):
-    """Builds the backend of one node (instead of a SimulatedHost); `close()` at fleet stop."""
+    """Builds the services of one node (instead of a SimulatedHost); `close()` at fleet stop."""
 
-    def __call__(self, node: AgentNode) -> HostBackend: ...
+    def __call__(self, node: AgentNode) -> NodeServices: ...
 
     def close(self) -> None: ...
 
@@ -130,7 +138,7 @@ class LibvirtTestHosts:
         missing = [n for n in node_ids if n not in self.hardware]
         self.hardware.update(await load_node_hardware(session, missing))
 
-    def __call__(self, node: AgentNode) -> HostBackend:
+    def __call__(self, node: AgentNode) -> NodeServices:
         hardware = self.hardware.get(node.node_id)
         if hardware is None:
             raise LookupError(f"node {node.node_id} is not in the database")
@@ -142,7 +150,13 @@ class LibvirtTestHosts:
             images=[hardware.image],
         )
         self.hosts[node.node_id] = host
-        return host.backend
+        machine = build_machine(
+            host.directory / "machine",
+            address=node.hostname or node.node_id,
+            gpus=hardware.gpus,
+            machine_key=node.node_id,
+        )
+        return NodeServices(host=host.backend, maintenance=machine_services(machine).maintenance)
 
     def close(self) -> None:
         for host in self.hosts.values():
@@ -162,8 +176,11 @@ class SimFleet:
         host_factory: HostFactory | None = None,
         heartbeat_queue: str | None = None,
         heartbeat_seconds: float = DEFAULT_INTERVAL_SECONDS,
+        machines_dir: Path | None = None,
     ) -> None:
         self._client = client
+        # Each simulated node's disk (sim/machine_image.py): what its maintenance tasks work on.
+        self._machines_dir = machines_dir or Path(tempfile.mkdtemp(prefix="gpucloud-fleet-"))
         # Simulated agents heartbeat like real ones (liveness only: no GPUs to probe here).
         self._heartbeat_queue = heartbeat_queue
         self._heartbeat_seconds = heartbeat_seconds
@@ -183,24 +200,31 @@ class SimFleet:
         for node in nodes:
             if node.node_id in self._workers:
                 continue
-            host: HostBackend
-            if self._host_factory is None:
-                simulated = SimulatedHost(
-                    node.node_id, hostname=node.hostname, config=self._config_for(node.node_id)
-                )
-                self.hosts[node.node_id] = simulated
-                host = simulated
-            else:
-                try:
-                    host = self._host_factory(node)
-                except Exception as err:  # one bad node must not keep the others down
-                    logger.warning("no host for node %s: %s", node.node_id, err)
-                    continue
-            self.backends[node.node_id] = host
+            services: NodeServices
+            try:
+                if self._host_factory is None:
+                    machine = build_machine(
+                        self._machines_dir / node.node_id,
+                        address=node.hostname or node.node_id,
+                        machine_key=node.node_id,
+                    )
+                    simulated, services = simulated_services(
+                        node.node_id,
+                        machine,
+                        hostname=node.hostname,
+                        config=self._config_for(node.node_id),
+                    )
+                    self.hosts[node.node_id] = simulated
+                else:
+                    services = self._host_factory(node)
+            except Exception as err:  # one bad node must not keep the others down
+                logger.warning("no host for node %s: %s", node.node_id, err)
+                continue
+            self.backends[node.node_id] = services.host
             worker = build_node_worker(
                 self._client,
                 node.node_id,
-                host,
+                services,
                 identity=f"sim-agent-{node.node_id}",
                 pollers=self._pollers,
             )
@@ -297,8 +321,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=DEFAULT_LIBVIRT_STATE_DIR,
         help="libvirt-test hosts' files, one directory per node (default: %(default)s)",
     )
+    parser.add_argument(
+        "--machines-dir",
+        type=Path,
+        default=Path(".state/fleet-machines"),
+        help="each simulated node's disk (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--all-nodes",
+        action="store_true",
+        help="serve every active node in the database, not only the demo fleet's (tests)",
+    )
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
+
+
+def fleet_node_ids(args: argparse.Namespace) -> list[str] | None:
+    """The nodes this fleet boots: the demo fleet's (sim/demo_fleet.py), unless --all-nodes."""
+    if args.all_nodes:
+        return None
+    from sim.demo_fleet import demo_fleet
+
+    return [str(node.id) for node in demo_fleet().nodes]
 
 
 def config_factory(args: argparse.Namespace) -> Callable[[str], SimHostConfig]:
@@ -335,6 +379,7 @@ async def run(args: argparse.Namespace, settings: Settings) -> None:
         heartbeat_seconds=float(
             os.environ.get("GPUCLOUD_AGENT_HEARTBEAT_S", DEFAULT_INTERVAL_SECONDS)
         ),
+        machines_dir=args.machines_dir,
     )
     stop = asyncio.Event()
     with stop_on_signals(stop):
@@ -350,7 +395,7 @@ async def run(args: argparse.Namespace, settings: Settings) -> None:
                 if args.node_id:
                     nodes = [AgentNode(str(n)) for n in args.node_id]
                 else:
-                    nodes = await load_agent_nodes(session)
+                    nodes = await load_agent_nodes(session, fleet_node_ids(args))
                 if libvirt_hosts is not None:  # GPU slots of nodes not started yet
                     await libvirt_hosts.load(
                         session, [n.node_id for n in nodes if n.node_id not in fleet.backends]

@@ -15,15 +15,17 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 from temporalio.client import Client
 from temporalio.worker import Worker
 
-from agent.node_worker import build_node_worker
+from agent.node_worker import NodeServices, build_node_worker
 from core.task_queues import node_task_queue
 from sim.config import SimHostConfig
 from sim.host import SimulatedHost
+from sim.node_services import machine_maintenance
 
 
 class SimHosts:
@@ -85,7 +87,7 @@ def sim_hosts() -> SimHosts:
 
 @pytest.fixture
 async def start_node_agent(
-    temporal_client: Client, sim_hosts: SimHosts
+    temporal_client: Client, sim_hosts: SimHosts, tmp_path: Path
 ) -> AsyncIterator[StartNodeAgent]:
     agents: list[NodeAgent] = []
 
@@ -94,7 +96,9 @@ async def start_node_agent(
         if host is not None:
             sim_hosts[key] = host
         sim_host = sim_hosts[key]
-        worker = build_node_worker(temporal_client, key, sim_host)
+        worker = build_node_worker(
+            temporal_client, key, NodeServices(sim_host, machine_maintenance(tmp_path / key))
+        )
         agent = NodeAgent(key, sim_host, worker, asyncio.create_task(worker.run()))
         agents.append(agent)
         return agent

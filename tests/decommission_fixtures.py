@@ -49,9 +49,9 @@ from agent.maintenance import (
     UninstallOutcome,
     ValidateOutcome,
 )
-from agent.node_worker import build_node_worker
+from agent.node_worker import NodeServices, build_node_worker
 from core import search_attributes as sa
-from schema.models import NodeDecommission, NodeDecommissionEvent
+from schema.models import Node, NodeDecommission, NodeDecommissionEvent
 from schema.states import NodeStatus
 from sim.config import SimHostConfig
 from sim.host import SimulatedHost
@@ -225,6 +225,15 @@ class DecommissionRig:
         return str(node.id)
 
     async def agent(self, node_id: str) -> Agent:
+        """An instrumented agent for the node (faults and hangs on demand): the machine's own
+        agent, started by its first boot, is stopped first (`systemctl stop`), so one agent
+        polls the node's queue. Both register through agent.node_worker.node_activities."""
+        async with self.sessions() as session:
+            hostname = await session.scalar(
+                select(Node.hostname).where(Node.id == uuid.UUID(node_id))
+            )
+        if hostname is not None:
+            await self.onboarding.first_boot.stop_agent(hostname)
         root = self.tmp / f"root-{node_id[:8]}-{len(self.agents)}"
         for d in ("etc", "proc/self", "home", "scratch", "tmp", "var/tmp", "var/lib"):
             (root / d).mkdir(parents=True, exist_ok=True)
@@ -246,7 +255,7 @@ class DecommissionRig:
         )
         maintenance = FaultyMaintenance(inner)
         host = SimulatedHost(node_id, config=SimHostConfig())
-        worker = build_node_worker(self.client, node_id, host, maintenance=maintenance)
+        worker = build_node_worker(self.client, node_id, NodeServices(host, maintenance))
         agent = Agent(
             node_id, root, maintenance, processes, host, worker, asyncio.create_task(worker.run())
         )

@@ -13,10 +13,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -312,7 +314,15 @@ async def onboarding_rig(
     serving = asyncio.create_task(server.serve())
     while not server.started:  # noqa: ASYNC110 - uvicorn offers no started event
         await asyncio.sleep(0.02)
-    first_boot = FirstBootSimulator(maas_sim.base_url, maas_sim.control_token, poll_interval=0.05)
+    # Each deployed machine runs the real gpucloud-agent from its rendered cloud-init.
+    first_boot = FirstBootSimulator(
+        maas_sim.base_url,
+        maas_sim.control_token,
+        machines_dir=Path(tempfile.mkdtemp(prefix="gpucloud-machines-")),
+        poll_interval=0.05,
+        agent_env={"GPUCLOUD_AGENT_HEARTBEAT_S": "2"},
+        max_restart_delay_s=0.5,
+    )
     seeder = SimulatedHostSeeder(first_boot=first_boot)
     await first_boot.start()
     rig = OnboardingRig(

@@ -1,63 +1,135 @@
-"""The production host backend built from the agent config's [libvirt] table."""
+"""The production agent: its services built from the agent config (agent.toml + agent.d
+drop-ins) on a host root, and the binary's refusals (no payload key without --dev)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from agent.backend import HostError
-from agent.backends.from_config import BackendConfigError, host_backend_from_config
+from agent.backends.from_config import BackendConfigError, node_services_from_config
 from agent.backends.libvirt_slice import LibvirtSliceBackend
-from agent.contract import HostErrorType
+from agent.config_file import HostRoot, read_agent_config
+from agent.main import EXIT_CONFIG
+from sim.machine_image import build_machine
 from tests.test_agent_host import baremetal_spec
 
 HOST_XML = Path(__file__).parent / "data" / "libvirt" / "host.xml"
+BASE = 'api_url = "https://api.example"\nenrollment_token = "gpe_x"\n'
 
 
 def write_config(tmp_path: Path, body: str) -> Path:
     path = tmp_path / "agent.toml"
-    path.write_text('api_url = "https://api.example"\nenrollment_token = "gpe_x"\n' + body)
+    path.write_text(BASE + body)
     return path
 
 
-def test_host_backend_serves_slices_on_libvirt_and_refuses_bare_metal(tmp_path: Path) -> None:
-    config = write_config(
-        tmp_path,
-        f"""
-[libvirt]
-uri = "test://{HOST_XML}"
-image_dir = "{tmp_path}/images"
-seed_dir = "{tmp_path}/seeds"
-state_dir = "{tmp_path}/state"
-readiness = "ssh"
-check_gpu_health = false
-uplink = "bond0"
-[libvirt.images]
-"ubuntu-22.04-cuda" = "ABCDEF"
-""",
+class _Progress:
+    cancelled = False
+
+    def __call__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def wait(self, seconds: float | None) -> None:
+        pass
+
+    def suspend_heartbeats(self) -> None:
+        pass
+
+
+def test_drop_ins_override_agent_toml_table_by_table(tmp_path: Path) -> None:
+    config = write_config(tmp_path, '[libvirt]\nuri = "qemu:///system"\nuplink = "bond0"\n')
+    (tmp_path / "agent.d").mkdir()
+    (tmp_path / "agent.d/50-site.toml").write_text('[libvirt]\nuplink = "bond1"\n')
+    (tmp_path / "agent.d/10-early.toml").write_text('[libvirt]\nuplink = "eth9"\n')
+    data = read_agent_config(config)
+    assert data["libvirt"] == {"uri": "qemu:///system", "uplink": "bond1"}
+    assert data["api_url"] == "https://api.example"
+
+
+def test_defaults_are_a_real_node_and_both_shapes_are_served(tmp_path: Path) -> None:
+    services = node_services_from_config({}, HostRoot(Path("/")), hostname="n1.example")
+    slices = services.host.slice  # type: ignore[attr-defined]
+    assert isinstance(slices, LibvirtSliceBackend)
+    assert slices.uri == "qemu:///system"
+    assert services.host.baremetal is not None  # type: ignore[attr-defined]
+
+
+def test_bare_metal_runs_on_the_host_root(tmp_path: Path) -> None:
+    machine = build_machine(tmp_path / "m", address="10.9.0.5")
+    data = read_agent_config(machine.root / "etc/gpucloud/agent.d/50-machine.toml")
+    services = node_services_from_config(data, HostRoot(machine.root))
+    outcome = services.host.provision_baremetal_user(baremetal_spec("n1"), _Progress())
+    assert outcome.connect_host == "10.9.0.5"
+    assert (
+        "tenant" in (machine.root / "etc/passwd").read_text()
+        or (machine.root / "etc/passwd").read_text().count("\n") > 1
     )
-    backend = host_backend_from_config(config)
-    assert isinstance(backend.slice, LibvirtSliceBackend)
-    assert backend.slice.images.catalog == {"ubuntu-22.04-cuda": "abcdef"}
-    assert backend.slice.gpu_health is None
-    assert backend.slice.networks is not None
-    assert backend.slice.networks.uplink == "bond0"
-    with pytest.raises(HostError) as refused:
-        backend.provision_baremetal_user(baremetal_spec("n1"), lambda *a, **k: None)  # type: ignore[arg-type]
-    assert refused.value.error_type == HostErrorType.INVALID_SPEC
 
 
 @pytest.mark.parametrize(
     ("body", "complaint"),
     [
-        ("", "a [libvirt] table is needed"),
-        ('[libvirt]\nimage_dir = "/x"\nseed_dir = "/y"\n', "needs state_dir"),
         ('[libvirt]\nreadiness = "telepathy"\n', "readiness must be one of"),
+        ('[libvirt]\nreadiness = "fixed"\n', "needs fixed_address"),
         ("[libvirt]\nimages = 3\n", "maps image names"),
+        ("libvirt = 3\n", "[libvirt] must be a table"),
+        ("[users]\nuid_min = 0\n", "[users]"),
     ],
 )
 def test_bad_backend_config_is_refused_clearly(tmp_path: Path, body: str, complaint: str) -> None:
     with pytest.raises(BackendConfigError) as err:
-        host_backend_from_config(write_config(tmp_path, body))
+        node_services_from_config(
+            read_agent_config(write_config(tmp_path, body)), HostRoot(tmp_path)
+        )
     assert complaint in str(err.value)
+
+
+def _agent(tmp_path: Path, *args: str, key: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "GPUCLOUD_CODEC_KEY"}
+    if key is not None:
+        env["GPUCLOUD_CODEC_KEY"] = key
+    env["GPUCLOUD_AGENT_ROOT"] = str(tmp_path)
+    (tmp_path / "etc/gpucloud").mkdir(parents=True, exist_ok=True)
+    # An API nobody answers: a start that gets past the key check fails at enrollment instead.
+    (tmp_path / "etc/gpucloud/agent.toml").write_text(
+        'api_url = "http://127.0.0.1:9"\nenrollment_token = "gpe_x"\n'
+    )
+    return subprocess.run(
+        [sys.executable, "-m", "agent.main", "--config", "/etc/gpucloud/agent.toml", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_the_agent_refuses_to_start_without_a_payload_key(tmp_path: Path) -> None:
+    refused = _agent(tmp_path)
+    assert refused.returncode == EXIT_CONFIG
+    assert "no payload key" in refused.stderr
+    # --dev allows the public development key: the agent gets as far as enrolling.
+    dev = _agent(tmp_path, "--dev")
+    assert dev.returncode == 1
+    assert "enrollment failed (unreachable)" in dev.stderr
+    # A key file named by the config (cloud-init writes one) counts as explicit.
+    (tmp_path / "etc/gpucloud/payload.key").write_text("MDEyMzQ1Njc4OWFiY2RlZg==\n")
+    with (tmp_path / "etc/gpucloud/agent.toml").open("a") as f:
+        f.write('payload_key_file = "/etc/gpucloud/payload.key"\n')
+    keyed = subprocess.run(
+        [sys.executable, "-m", "agent.main", "--config", "/etc/gpucloud/agent.toml"],
+        env={
+            **{k: v for k, v in os.environ.items() if k != "GPUCLOUD_CODEC_KEY"},
+            "GPUCLOUD_AGENT_ROOT": str(tmp_path),
+        },
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert keyed.returncode == 1, keyed.stderr
+    assert "gpe_x" not in keyed.stderr + dev.stderr + refused.stderr

@@ -69,7 +69,8 @@ async def test_agent_unreachable_while_maas_is_mutable_needs_an_operator(
 ) -> None:
     node_id = await decommission.maas_node("fail-a", "10.176.18.10")
     system_id = await _system_id(decommission, node_id)
-    job = await decommission.start(node_id, "full_decommission")  # no agent runs
+    await decommission.onboarding.first_boot.stop_agent("fail-a")  # the node's agent is down
+    job = await decommission.start(node_id, "full_decommission")
     row = await decommission.wait_status(job, "failed_manual_intervention")
     assert row.current_stage == "drain_node"
     assert row.error_code == "agent_unreachable_maas_mutable"

@@ -257,6 +257,8 @@ async def test_a_cancel_that_lands_with_a_stage_completion_stops_before_the_next
             await eventually(
                 lambda: activity_completed(handle, "onboarding.wait_for_deployed"), timeout=30
             )
+            # The OS runs: its agent process has enrolled by the time the operator cancels.
+            await rig.first_boot.wait_for("r-race", enrolled=True, timeout=30)
             cancel = await operator_action_admitted(
                 temporal_client, job.workflow_id, "cancel", "wrong machine"
             )

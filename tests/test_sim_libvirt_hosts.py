@@ -189,8 +189,8 @@ async def _start(
     assert [g.pci_address for g in hosts.hardware[str(node.id)].gpus] == [
         s.pci_address for s in node.slots
     ]
-    backend = hosts(AgentNode(str(node.id), node.hostname))
-    await start_node_agent(node.id, host=backend)
+    services = hosts(AgentNode(str(node.id), node.hostname))
+    await start_node_agent(node.id, host=services.host)
     return hosts.hosts[str(node.id)]
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from pathlib import Path
 
 from activities.onboarding.host_access import HostAccess
 from activities.onboarding.ipmi import IpmitoolBmc
@@ -25,6 +26,7 @@ from activities.onboarding.ssh_seeder import SshHostSeeder
 HOST_ACCESS_ENV = "GPUCLOUD_HOST_ACCESS"
 SIM_MAAS_URL_ENV = "GPUCLOUD_SIM_MAAS_URL"
 SIM_MAAS_CONTROL_TOKEN_ENV = "GPUCLOUD_SIM_MAAS_CONTROL_TOKEN"  # noqa: S105 - a variable name
+SIM_MACHINES_DIR_ENV = "GPUCLOUD_SIM_MACHINES_DIR"
 REAL = "real"
 SIMULATED = "simulated"
 
@@ -55,5 +57,9 @@ def host_access_from_env(env: Mapping[str, str] = os.environ) -> HostAccess:
             raise HostAccessConfigError(f"{SIM_MAAS_URL_ENV} must be an http(s) URL")
         from sim.first_boot import SimulatedBmc, SimulatedHostSeeder
 
-        return HostAccess(bmc=SimulatedBmc(url, token), seeder=SimulatedHostSeeder())
+        machines = env.get(SIM_MACHINES_DIR_ENV, "").strip()
+        return HostAccess(
+            bmc=SimulatedBmc(url, token),
+            seeder=SimulatedHostSeeder(machines_dir=Path(machines) if machines else None),
+        )
     raise HostAccessConfigError(f"{HOST_ACCESS_ENV} must be {REAL!r} or {SIMULATED!r}")

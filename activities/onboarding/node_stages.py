@@ -276,7 +276,11 @@ class NodeStageActivities(StageActivitiesBase):
                 maas_system_id=run.system_id,
                 maas_url=site.api_base_url,
             ),
-            agent=AgentBootstrap(api_url=self.deps.api_url, enrollment_token=enrollment_token),
+            agent=AgentBootstrap(
+                api_url=self.deps.api_url,
+                enrollment_token=enrollment_token,
+                payload_key_b64=self.deps.payload_key_b64,
+            ),
             roce=tuple(CloudInitRoce(i, c) for i, c in roce)
             if site.policy.enable_phase2_roce
             else (),
@@ -548,7 +552,11 @@ class NodeStageActivities(StageActivitiesBase):
                     ttl_seconds=site.policy.enrollment_token_ttl_seconds,
                 )
             agent_toml = render_agent_toml(
-                AgentBootstrap(api_url=self.deps.api_url, enrollment_token=token)
+                AgentBootstrap(
+                    api_url=self.deps.api_url,
+                    enrollment_token=token,
+                    payload_key_b64=self.deps.payload_key_b64,
+                )
             )
             del token
             async with self.maas(site) as maas:

@@ -18,7 +18,7 @@ import datetime as dt
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -52,6 +52,8 @@ class OnboardingDeps:
     secrets: SecretStore
     host_access: HostAccess
     api_url: str  # what a node's agent calls to enroll (written into its cloud-init)
+    # The payload codec key (base64) a node's agent needs, delivered by its cloud-init.
+    payload_key_b64: str | None = field(default=None, repr=False)
 
 
 @dataclass

@@ -1,71 +1,159 @@
-"""The production host backend, built from the agent config file's `[libvirt]` table:
+"""The production node services, built from the agent config (agent/config_file.py: agent.toml
+and its agent.d drop-ins). Every table is optional; the defaults are a real node's:
 
-    [libvirt]
+    [host]
+    connect_host = "10.0.0.5"            # what tenants SSH to (default: this host's name)
+
+    [libvirt]                            # GPU slices
     uri = "qemu:///system"
     image_dir = "/var/lib/gpucloud/images"
     seed_dir = "/var/lib/gpucloud/seeds"
     state_dir = "/var/lib/gpucloud/vms"
-    readiness = "guest-agent"            # or "ssh"
-    check_gpu_health = true              # sysfs check of every released GPU
+    readiness = "guest-agent"            # "ssh", or "fixed" with fixed_address (a test driver)
+    check_gpu_health = true              # config-space and driver check of every released GPU
     bridge_per_allocation = true         # an isolated bridge per slice (agent/network)
     uplink = "bond0"                     # tenant VLANs hang off it (optional)
 
-    [libvirt.images]                     # name → expected sha256
+    [libvirt.images]                     # name → expected sha256 (default: the task's sha256)
     "ubuntu-22.04-cuda-12.4" = "9f86d0…"
 
-GPU slices run on libvirt. Bare-metal access is not served by this backend yet: the file-based
-user backend is for system roots the agent owns (tests, libvirt-test hosts); a node's real
-accounts need the useradd-based variant and real session and GPU-scrub implementations."""
+    [users]                              # bare-metal tenant accounts (baremetal_users.py)
+    uid_min = 20000
+    uid_max = 29999
+    grant_sudo = false
+
+    [gpu]
+    sysfs = "/sys"                       # where PCI devices are read (under the host root)
+    nvidia_smi = "/usr/bin/nvidia-smi"   # the vendor tool, read-only queries only
+    expected_drivers = ["vfio-pci", "nvidia"]  # a released GPU bound elsewhere is quarantined
+    allow_unverified = false             # node policy: GPU state that cannot be verified passes
+
+Both allocation shapes are served: slices through libvirt (connected on first use, so a node
+without libvirtd still serves bare metal), bare metal through system accounts; node maintenance
+(agent/maintenance.py) runs on the same host root.
+"""
 
 from __future__ import annotations
 
-import tomllib
-from pathlib import Path
+import socket
 from typing import Any
 
+from agent.backends.baremetal_users import FileBaremetalUserBackend, UserAccountConfig
 from agent.backends.composite import NodeHostBackend
 from agent.backends.libvirt_slice import LibvirtSliceBackend
-from agent.backends.readiness import GuestAgentProbe, ReadinessProbe, SshPortProbe
-from agent.gpu_health import SysfsGpuHealthCheck
+from agent.backends.readiness import (
+    FixedAddressProbe,
+    GuestAgentProbe,
+    ReadinessProbe,
+    SshPortProbe,
+)
+from agent.backends.system_root import SystemRoot
+from agent.config_file import ConfigError, HostRoot, table
+from agent.gpu_health import DEFAULT_EXPECTED_DRIVERS, SysfsGpuHealthCheck
+from agent.gpu_tools import (
+    NvidiaSmi,
+    NvidiaSmiMemoryProbe,
+    NvidiaSmiScrubber,
+    NvmlGpuMemoryProbe,
+)
+from agent.host_processes import ProcSessionTerminator, SystemctlUnits
+from agent.maintenance import FileMaintenanceBackend, MaintenanceConfig
 from agent.network.slice_networks import SliceNetworks
+from agent.node_worker import NodeServices
 
-READINESS = {"guest-agent": GuestAgentProbe, "ssh": SshPortProbe}
+# Kept for callers that caught the old name.
+BackendConfigError = ConfigError
+
+READINESS = ("guest-agent", "ssh", "fixed")
+NVIDIA_SMI = "/usr/bin/nvidia-smi"
 
 
-class BackendConfigError(ValueError):
-    pass
+def _readiness(section: dict[str, Any]) -> ReadinessProbe:
+    kind = section.get("readiness", "guest-agent")
+    if kind == "guest-agent":
+        return GuestAgentProbe()
+    if kind == "ssh":
+        return SshPortProbe()
+    if kind == "fixed":
+        address = section.get("fixed_address")
+        if not isinstance(address, str) or not address:
+            raise ConfigError("[libvirt] readiness = 'fixed' needs fixed_address")
+        return FixedAddressProbe(address)
+    raise ConfigError(f"[libvirt] readiness must be one of {', '.join(READINESS)}")
 
 
-def host_backend_from_config(path: Path) -> NodeHostBackend:
-    try:
-        data: dict[str, Any] = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as err:
-        raise BackendConfigError(f"cannot read {path}: {err}") from None
-    section = data.get("libvirt")
-    if not isinstance(section, dict):
-        raise BackendConfigError(f"{path}: a [libvirt] table is needed for the host backend")
+def slice_backend_from_config(data: dict[str, Any], root: HostRoot) -> LibvirtSliceBackend:
+    section = table(data, "libvirt")
     images = section.get("images", {})
     if not isinstance(images, dict) or not all(isinstance(v, str) for v in images.values()):
-        raise BackendConfigError(f"{path}: [libvirt.images] maps image names to sha256 strings")
-    probe_kind = section.get("readiness", "guest-agent")
-    if probe_kind not in READINESS:
-        raise BackendConfigError(f"{path}: readiness must be one of {', '.join(READINESS)}")
-    readiness: ReadinessProbe = READINESS[probe_kind]()
+        raise ConfigError("[libvirt.images] maps image names to sha256 strings")
+    gpu = table(data, "gpu")
+    sysfs = root(str(gpu.get("sysfs", "/sys")))
+    drivers = gpu.get("expected_drivers", list(DEFAULT_EXPECTED_DRIVERS))
+    if not isinstance(drivers, list) or not all(isinstance(d, str) for d in drivers):
+        raise ConfigError("[gpu] expected_drivers is a list of driver names")
+    return LibvirtSliceBackend(
+        str(section.get("uri", "qemu:///system")),
+        image_dir=root(section.get("image_dir", "/var/lib/gpucloud/images")),
+        image_catalog={str(k): v.lower() for k, v in images.items()},
+        seed_dir=root(section.get("seed_dir", "/var/lib/gpucloud/seeds")),
+        state_dir=root(section.get("state_dir", "/var/lib/gpucloud/vms")),
+        readiness=_readiness(section),
+        gpu_health=(
+            SysfsGpuHealthCheck(sysfs, expected_drivers=drivers)
+            if section.get("check_gpu_health", True)
+            else None
+        ),
+        networks=(
+            SliceNetworks(uplink=section.get("uplink"))
+            if section.get("bridge_per_allocation", True)
+            else None
+        ),
+    )
+
+
+def _user_config(data: dict[str, Any]) -> UserAccountConfig:
+    section = table(data, "users")
     try:
-        slices = LibvirtSliceBackend(
-            str(section.get("uri", "qemu:///system")),
-            image_dir=Path(section["image_dir"]),
-            image_catalog={str(k): v.lower() for k, v in images.items()},
-            seed_dir=Path(section["seed_dir"]),
-            state_dir=Path(section["state_dir"]),
-            readiness=readiness,
-            gpu_health=SysfsGpuHealthCheck() if section.get("check_gpu_health", True) else None,
-            networks=(
-                SliceNetworks(uplink=section.get("uplink"))
-                if section.get("bridge_per_allocation", True)
-                else None
-            ),
-        )
-    except KeyError as err:
-        raise BackendConfigError(f"{path}: [libvirt] needs {err.args[0]}") from None
-    return NodeHostBackend(slice=slices, baremetal=None)
+        return UserAccountConfig(**section)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"[users]: {err}") from None
+
+
+def node_services_from_config(
+    data: dict[str, Any], root: HostRoot, *, hostname: str | None = None
+) -> NodeServices:
+    """The node's services on its host root, from the merged agent config."""
+    host = table(data, "host")
+    connect_host = str(host.get("connect_host") or hostname or socket.getfqdn())
+    system_root = SystemRoot(root.path)
+    users = _user_config(data)
+    gpu = table(data, "gpu")
+    sysfs = root(str(gpu.get("sysfs", "/sys")))
+    allow_unverified = bool(gpu.get("allow_unverified", False))
+    smi = NvidiaSmi(root(str(gpu.get("nvidia_smi", NVIDIA_SMI))))
+    scrubber = NvidiaSmiScrubber(smi, sysfs_root=sysfs, allow_unverified=allow_unverified)
+    baremetal = FileBaremetalUserBackend(
+        system_root,
+        connect_host=connect_host,
+        sessions=ProcSessionTerminator(system_root, kill=root.is_real_root),
+        scrubber=scrubber,
+        config=users,
+    )
+    maintenance = FileMaintenanceBackend(
+        system_root,
+        scrubber=scrubber,
+        # NVML reads the driver of the machine the process runs on: only on the real root.
+        gpu_probe=(
+            NvmlGpuMemoryProbe(sysfs_root=sysfs)
+            if root.is_real_root
+            else NvidiaSmiMemoryProbe(smi, sysfs_root=sysfs)
+        ),
+        units=SystemctlUnits() if root.is_real_root else None,
+        config=MaintenanceConfig(users=users),
+        allow_unverified_gpu=allow_unverified,
+    )
+    return NodeServices(
+        host=NodeHostBackend(slice=slice_backend_from_config(data, root), baremetal=baremetal),
+        maintenance=maintenance,
+    )

@@ -1,0 +1,63 @@
+"""Node services for simulated machines: the agent's backends when there is no hardware.
+
+- `machine_services(machine)`: the production services (agent/backends/from_config.py) on a
+  simulated machine's disk (sim/machine_image.py): libvirt's test driver, the account files,
+  the stand-in sysfs and nvidia-smi. This is what `--hosts libvirt-test` runs.
+- `simulated_services(...)`: a `SimulatedHost` (phase delays, faults: sim/host.py) for the
+  allocation tasks, and the production maintenance backend on a machine's disk for the node
+  tasks. This is the plugin `gpucloud-agent --backend simulated` loads through the entry point
+  `gpucloud.agent.backends` (pyproject.toml), and the fleet's default.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from agent.backends.from_config import node_services_from_config
+from agent.config_file import HostRoot, read_agent_config
+from agent.main import BackendContext
+from agent.maintenance import MaintenanceBackend
+from agent.node_worker import NodeServices
+from sim.config import SimHostConfig
+from sim.host import SimulatedHost
+from sim.machine_image import Machine, build_machine
+
+
+def machine_services(machine: Machine, *, hostname: str | None = None) -> NodeServices:
+    """The production node services on `machine`'s disk, configured by its image's drop-in."""
+    config = read_agent_config(machine.root / "etc/gpucloud/agent.d/50-machine.toml")
+    return node_services_from_config(config, HostRoot(machine.root), hostname=hostname)
+
+
+def machine_maintenance(directory: Path, *, key: str | None = None) -> MaintenanceBackend:
+    """The production maintenance backend on a fresh simulated machine at `directory`."""
+    machine = build_machine(directory, address="127.0.0.1", machine_key=key or directory.name)
+    return machine_services(machine).maintenance
+
+
+def simulated_services(
+    node_id: str, machine: Machine, *, hostname: str | None, config: SimHostConfig
+) -> tuple[SimulatedHost, NodeServices]:
+    host = SimulatedHost(node_id, hostname=hostname, config=config)
+    return host, NodeServices(host=host, maintenance=machine_services(machine).maintenance)
+
+
+def simulated_node_services(context: BackendContext) -> NodeServices:
+    """Entry point `simulated`: the agent's host root is the machine (GPUCLOUD_AGENT_ROOT); on
+    the real root a throwaway machine is made instead, so no maintenance task ever touches this
+    computer's own files."""
+    if context.root.is_real_root:
+        directory = Path(tempfile.mkdtemp(prefix=f"gpucloud-sim-{context.node_id[:8]}-"))
+        machine = build_machine(directory, address=context.hostname, machine_key=context.node_id)
+    else:
+        machine = build_machine(
+            context.root.path.parent, address=context.hostname, machine_key=context.node_id
+        )
+    _, services = simulated_services(
+        context.node_id,
+        machine,
+        hostname=context.hostname,
+        config=SimHostConfig.from_env(context.node_id),
+    )
+    return services
