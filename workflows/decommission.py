@@ -19,7 +19,9 @@ for an operator action (the `operator_action` update) instead of closing:
                   (the stale one is closed as superseded). While the job runs, resume is an
                   idempotent no-op that names the live task: nothing is duplicated.
     adopt         accept what the node and MAAS show now (or the operator's word for host
-                  work: "continue with explicit override", §5.8) and go on; ends `reconciled`
+                  work: "continue with explicit override", §5.8) and go on; ends `reconciled`.
+                  Only what was seen: MAAS is asked first (loading the site if the job never
+                  did), and a MAAS that cannot be asked refuses the adopt (`cannot_adopt`)
     cancel        stop (also while a stage runs) and compensate where possible: MAAS is never
                   rolled back; the node leaves draining/removing for offline/quarantined/retired
     mark_manual_intervention_required   freeze: stop the running stage, wait for a human
@@ -71,6 +73,7 @@ with workflow.unsafe.imports_passed_through():
         DecommissionInput,
         DecommissionResult,
         DecommissionState,
+        Erase,
         EventStatus,
         Mode,
         NodeTaskRecord,
@@ -86,6 +89,7 @@ with workflow.unsafe.imports_passed_through():
         StorageScope,
     )
     from workflows.decommission_policy import (
+        ADOPTABLE_NODE_STATUSES,
         ALLOWED_ACTIONS,
         DEFAULT_ATTEMPTS,
         STAGE_ATTEMPTS,
@@ -112,6 +116,10 @@ LOCAL = timedelta(seconds=30)
 UNDRAIN_ON_CANCEL_PATCH = "undrain-agent-when-soft-reset-is-cancelled"
 INTERRUPT_WINS_PATCH = "operator-interrupt-wins-over-stage-failure"
 STOP_BEFORE_NEXT_HOST_TASK_PATCH = "operator-interrupt-stops-before-the-next-host-task"
+# Adopt accepts only what it saw: a job that never loaded its site loads it (and asks MAAS)
+# before adopting, MAAS that cannot be seen refuses the adopt instead of counting as "machine
+# gone", and node and erase state are checked as well. Runs that adopted before go on as they did.
+ADOPT_ONLY_OBSERVED_PATCH = "adopt-only-what-was-observed"
 _FAILED = frozenset({JobStatus.FAILED_RETRYABLE, JobStatus.FAILED_MANUAL_INTERVENTION})
 
 
@@ -624,30 +632,27 @@ class NodeDecommissionWorkflow(OperatorControlledJob[Stage, OperatorAction, Deco
 
     async def _adopt(self, failed: Stage) -> Stage | None:
         """Accept the observed state (or the operator's word for host work) for the failed
-        stage and continue after it. MAAS stages are checked against MAAS: a machine that is not
-        where the stage would have left it cannot be adopted."""
-        observation: Observation = await workflow.execute_activity(
-            "decommission.observe",
-            self._stage_input(),
-            result_type=Observation,
-            start_to_close_timeout=QUICK,
-            retry_policy=RetryPolicy(maximum_attempts=3),
-        )
-        self._state = observation.state
+        stage and continue after it. Only what was observed is accepted: a job that never loaded
+        its site loads it first, so MAAS is asked before anything is adopted; MAAS that cannot
+        be asked refuses the adopt (unknown is not absent); MAAS stages are checked against
+        MAAS (a machine not where the stage would have left it, or Ready without the erase
+        asked for, cannot be adopted) and inventory stages against the node record."""
+        observation = await self._observe()
+        observed_only = workflow.patched(ADOPT_ONLY_OBSERVED_PATCH)
+        if observed_only and self._state.maas_managed and self._site is None:
+            observation = await self._load_site_and_observe(failed, observation)
 
         def cannot(why: str) -> StageFailure[Stage]:
-            return StageFailure(
-                failed,
-                FailureClass.STATE_AMBIGUITY.value,
-                "cannot_adopt",
-                f"nothing to adopt: {why}",
-                {"maas_status": observation.maas_status, "node_status": observation.node_status},
-            )
+            return _cannot_adopt(failed, why, observation)
 
         if failed == Stage.FORCE_RELEASE_ALLOCATIONS and observation.live_allocations:
             raise cannot(f"{observation.live_allocations} allocation(s) are still live")
-        if self._state.maas_managed and not observation.machine_present:
-            self._state.machine_absent = True
+        if observed_only:
+            self._check_observed(failed, observation)
+            if self._state.maas_managed and not observation.machine_present:
+                self._state.machine_absent = True  # MAAS answered: it has no such machine
+        elif self._state.maas_managed and not observation.machine_present:
+            self._state.machine_absent = True  # (unpatched: a MAAS never asked counted too)
         if failed == Stage.RELEASE_MAAS_NODE:
             if observation.machine_present and observation.maas_status != "Ready":
                 raise cannot(f"the machine is {observation.maas_status}, not Ready")
@@ -676,6 +681,83 @@ class NodeDecommissionWorkflow(OperatorControlledJob[Stage, OperatorAction, Deco
         stages = self._stages
         index = stages.index(failed) + 1 if failed in stages else 0
         return stages[index] if index < len(stages) else None
+
+    async def _observe(self) -> Observation:
+        """The node record, MAAS's machine (through the loaded site) and live allocations, now;
+        the run's state is refreshed from them."""
+        observation: Observation = await workflow.execute_activity(
+            "decommission.observe",
+            self._stage_input(),
+            result_type=Observation,
+            start_to_close_timeout=QUICK,
+            retry_policy=RetryPolicy(maximum_attempts=3),
+        )
+        self._state = observation.state
+        return observation
+
+    async def _load_site_and_observe(self, failed: Stage, observation: Observation) -> Observation:
+        """A MAAS-managed node whose job never loaded its site (it failed before or at
+        load_site_config) has never been looked at in MAAS: load the site, then look. A site
+        that cannot be loaded (its MAAS token missing, MAAS unreachable) leaves MAAS unseen,
+        and the adopt is refused."""
+        try:
+            loaded = await self._call(
+                "decommission.load_site_config",
+                self._stage_input(),
+                QUICK,
+                attempts=STAGE_ATTEMPTS.get(Stage.LOAD_SITE_CONFIG, DEFAULT_ATTEMPTS),
+            )
+        except StageFailure as failure:
+            raise _cannot_adopt(
+                failed, f"MAAS cannot be observed: {failure.message}", observation
+            ) from None
+        self._state = loaded.state
+        if loaded.site is None:
+            return observation  # still unseen: refused below
+        self._site = loaded.site
+        self._upsert_search_attributes()
+        return await self._observe()
+
+    def _check_observed(self, failed: Stage, observation: Observation) -> None:
+        """What adopt needs to have seen before it accepts `failed` as done (raises
+        cannot_adopt): MAAS itself, for a MAAS-managed node; the node record where the stage
+        changes it; the requested erase, where the machine is already Ready; the machine gone,
+        where its MAAS record was to be deleted."""
+        assert self._input is not None
+        if self._state.maas_managed and not observation.maas_observed:
+            why = observation.maas_error or "no answer"
+            raise _cannot_adopt(
+                failed,
+                f"MAAS could not be observed ({why}); adopt accepts only what MAAS shows",
+                observation,
+            )
+        expected = ADOPTABLE_NODE_STATUSES.get(failed)
+        if expected is not None and observation.node_status not in expected:
+            raise _cannot_adopt(
+                failed,
+                f"the node is {observation.node_status}, not {' or '.join(sorted(expected))}",
+                observation,
+            )
+        erase = Erase(self._input.erase)
+        if (
+            failed == Stage.RELEASE_MAAS_NODE
+            and observation.machine_present
+            and observation.maas_status == "Ready"
+            and erase != Erase.NONE
+            and not observation.disks_erased
+        ):
+            raise _cannot_adopt(
+                failed,
+                f"the machine is Ready but MAAS shows no disk erase since it was deployed "
+                f"(the request asked for a {erase.value} erase)",
+                observation,
+            )
+        if (
+            failed == Stage.REMOVE_MAAS_RECORD
+            and self._input.remove_maas_record
+            and observation.machine_present
+        ):
+            raise _cannot_adopt(failed, "the machine is still in MAAS", observation)
 
     async def _cancel(self) -> DecommissionResult:
         await self._set_status(JobStatus.COMPENSATING)
@@ -848,6 +930,16 @@ class NodeDecommissionWorkflow(OperatorControlledJob[Stage, OperatorAction, Deco
 
 class _Cancel:
     """_await_operator's answer for cancel."""
+
+
+def _cannot_adopt(failed: Stage, why: str, observation: Observation) -> StageFailure[Stage]:
+    return StageFailure(
+        failed,
+        FailureClass.STATE_AMBIGUITY.value,
+        "cannot_adopt",
+        f"nothing to adopt: {why}",
+        {"maas_status": observation.maas_status, "node_status": observation.node_status},
+    )
 
 
 def _summary(result: Any) -> dict[str, Any]:

@@ -323,7 +323,14 @@ class ProgressRecord:
 
 @dataclass
 class Observation:
-    """What adopt_observed_state decides from: MAAS's machine and the node record now."""
+    """What adopt_observed_state decides from: MAAS's machine and the node record now.
+
+    `machine_present` is only meaningful when `maas_observed`: MAAS was asked and answered (the
+    machine, or that it has none by that id). When MAAS could not be asked (no site loaded, its
+    token missing, MAAS unreachable) `maas_observed` is False and `maas_error` says why: unknown,
+    never absent. `disks_erased` answers, for a Ready machine whose decommission asked for an
+    erase, whether MAAS's event log shows the disks erased since the machine was last deployed
+    (None: not asked)."""
 
     node_status: str | None
     machine_present: bool
@@ -331,6 +338,9 @@ class Observation:
     power_state: str | None
     live_allocations: int
     state: DecommissionState
+    maas_observed: bool = False
+    maas_error: str = ""
+    disks_erased: bool | None = None
 
 
 @dataclass

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from core.failures import FailureClass
+from schema.states import NodeStatus
 from workflows.decommission_contract import OperatorAction, Stage
 from workflows.onboarding_contract import JobStatus
 
@@ -146,6 +147,12 @@ _BY_CODE: dict[str, Outcome] = {
         "disk erasing failed and the site does not allow a no-erase fallback; fix the disks "
         "(or allow the fallback), then retry",
     ),
+    "erase_not_observed": Outcome(
+        _MANUAL,
+        OperatorAction.RETRY_STAGE,
+        "MAAS shows the machine Ready but no disk erase since it was deployed; erase it in MAAS "
+        "(allocate, then release with erase), then retry",
+    ),
     "power_off_failed": Outcome(
         _MANUAL,
         OperatorAction.RETRY_STAGE,
@@ -208,6 +215,18 @@ _CHECKPOINTS: dict[Stage, Stage] = {
 def checkpoint_for(stage: Stage) -> Stage:
     return _CHECKPOINTS.get(stage, stage)
 
+
+# adopt_observed_state accepts an inventory stage as done only where the node record shows it
+# done (MAAS stages are checked against MAAS, host work is taken on the operator's word).
+ADOPTABLE_NODE_STATUSES: dict[Stage, frozenset[str]] = {
+    Stage.DISABLE_NODE: frozenset(
+        {NodeStatus.DRAINING.value, NodeStatus.RETIRED.value, NodeStatus.REMOVING.value}
+    ),
+    Stage.RETIRE_GPUAAS_NODE: frozenset(
+        {NodeStatus.RETIRED.value, NodeStatus.REMOVING.value, NodeStatus.DELETED.value}
+    ),
+    Stage.ENABLE_NODE: frozenset({NodeStatus.ACTIVE.value}),
+}
 
 _FAILED = {JobStatus.FAILED_RETRYABLE, JobStatus.FAILED_MANUAL_INTERVENTION}
 ALLOWED_ACTIONS: dict[OperatorAction, frozenset[JobStatus]] = {

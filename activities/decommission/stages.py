@@ -97,6 +97,10 @@ RELEASABLE = frozenset(
     }
 )
 RELEASE_IN_PROGRESS = frozenset({S.RELEASING, S.DISK_ERASING})
+# MAAS event types, as the region names them: a deployment (which puts an OS, and then tenant
+# data, on the disks) begins with the first; an erase that completed logs the second.
+MAAS_DEPLOYMENT_EVENT = "User starting deployment"
+MAAS_DISKS_ERASED_EVENT = "Disks erased"
 
 
 @dataclass
@@ -148,6 +152,19 @@ def ambiguity(code: str, message: str, **details: Any) -> StageError:
 def observe_machine(state: DecommissionState, machine: Machine) -> None:
     state.maas_status = machine.status.label
     state.power_state = str(machine.power_state)
+
+
+async def disks_erased_since_deployment(maas: MaasClient, system_id: str) -> bool:
+    """Whether MAAS's event log shows the machine's disks erased since it was last deployed:
+    reading newest first, "Disks erased" comes before the deployment start. A Ready machine
+    does not say whether a release erased it; only its event log does. Not found in the last
+    events: not seen, so not erased."""
+    for event in await maas.query_events(system_id=system_id, level="DEBUG", limit=200):
+        if event.type == MAAS_DISKS_ERASED_EVENT:
+            return True
+        if event.type == MAAS_DEPLOYMENT_EVENT:
+            return False
+    return False
 
 
 class DecommissionActivities:
@@ -639,7 +656,18 @@ class DecommissionActivities:
             run.skipped("already Ready")
             return
         if machine.status == S.READY:
-            # Released by someone else while we drained: adopt, but say so.
+            # Released by someone else while we drained (or by an attempt of ours whose answer
+            # was lost): adopt, but say so, and only with the erase asked for seen done.
+            if erase != Erase.NONE and not await disks_erased_since_deployment(
+                maas, state.system_id
+            ):
+                raise ambiguity(
+                    "erase_not_observed",
+                    f"the machine is Ready but MAAS shows no disk erase since it was deployed; "
+                    f"the requested {erase.value} erase was not seen done",
+                    maas_status=machine.status.label,
+                    erase=erase.value,
+                )
             state.released_in_maas = True
             run.done("the machine was already Ready (released out of band); adopted")
             return
@@ -931,28 +959,59 @@ class DecommissionActivities:
 
     @activity.defn(name="decommission.observe")
     async def observe(self, input: StageInput) -> Observation:
-        """What adopt_observed_state decides from: the node record, MAAS's machine, and the
-        live allocations on the node, now."""
+        """What adopt_observed_state decides from, seen now: the node record (its status and
+        its MAAS binding, which a stage that failed may never have handed back), MAAS's machine,
+        and the live allocations on the node. MAAS is asked through the loaded site only; when
+        it cannot be asked (no site loaded, token missing, MAAS unreachable) the observation
+        says so (`maas_observed` False, `maas_error` why) instead of reporting the machine
+        absent."""
         run = Run(input=input, stage=Stage.DISABLE_NODE)
+        state = input.state
+        try:
+            await self._load_node(run)
+        except ClassifiedError as err:
+            raise as_application_error(err) from err
         async with self.deps.sessions() as session:
             node_status = await session.scalar(select(Node.status).where(Node.id == run.node_id))
-        machine_present = False
-        if input.state.maas_managed and input.site is not None and input.state.system_id:
-            async with self.maas(run) as maas:
+        machine_present = maas_observed = False
+        maas_error = ""
+        disks_erased: bool | None = None
+        if state.maas_managed:
+            if input.site is None:
+                maas_error = "the site configuration is not loaded"
+            elif not state.system_id:
+                maas_error = "the node's MAAS binding names no machine"
+            else:
                 try:
-                    machine = await maas.get_machine(input.state.system_id)
-                    observe_machine(input.state, machine)
-                    machine_present = True
-                except MaasNotFound:
-                    input.state.maas_status = None
+                    async with asyncio.timeout(MAAS_TIMEOUT_SECONDS), self.maas(run) as maas:
+                        try:
+                            machine = await maas.get_machine(state.system_id)
+                        except MaasNotFound:
+                            state.maas_status = None
+                            maas_observed = True
+                        else:
+                            observe_machine(state, machine)
+                            machine_present = maas_observed = True
+                            erase = Erase(input.decommission.erase)
+                            if machine.status == S.READY and erase != Erase.NONE:
+                                disks_erased = await disks_erased_since_deployment(
+                                    maas, state.system_id
+                                )
+                except (ClassifiedError, SecretStoreError, TimeoutError) as err:
+                    machine_present = maas_observed = False
+                    disks_erased = None
+                    maas_error = str(err)[:300] or f"MAAS did not answer ({type(err).__name__})"
         live = await self._live_allocations(run.node_id)
         return Observation(
             node_status=node_status,
             machine_present=machine_present,
-            maas_status=input.state.maas_status,
-            power_state=input.state.power_state,
+            maas_status=state.maas_status,
+            power_state=state.power_state,
             live_allocations=len(live),
-            state=input.state,
+            state=state,
+            maas_observed=maas_observed,
+            maas_error=maas_error,
+            disks_erased=disks_erased,
         )
 
     @activity.defn(name="decommission.compensate")
@@ -962,10 +1021,12 @@ class DecommissionActivities:
         draining → offline ("operator recovery stops short of retirement", §3.3), from where
         the liveness loop returns it to active — unless the agent's node.drain ran (its marker
         refuses tenant work) or MAAS already changed the machine, in which case it goes on to
-        quarantined for an operator."""
+        quarantined for an operator. Whether MAAS changed it is what MAAS shows, not what the
+        run last believed (a release whose stage failed may have gone through)."""
         run = Run(input=input, stage=Stage.DISABLE_NODE)
         notes: list[str] = []
         agent_drained = any(f.get("kind") == "agent_drained" for f in input.state.followups)
+        maas_changed = input.state.released_in_maas or await self._maas_changed(run)
         async with self.deps.sessions() as session, session.begin():
             current = await session.scalar(select(Node.status).where(Node.id == run.node_id))
             if current == NodeStatus.REMOVING:
@@ -980,7 +1041,7 @@ class DecommissionActivities:
                 notes.append("removing -> retired")
             elif current == NodeStatus.DRAINING:
                 path = [NodeStatus.DRAINING, NodeStatus.OFFLINE]
-                if agent_drained or input.state.released_in_maas:
+                if agent_drained or maas_changed:
                     path.append(NodeStatus.QUARANTINED)
                 moved = await transition_path(
                     session, run.node_id, path, actor=ACTOR, reason="decommission cancelled"
@@ -995,6 +1056,21 @@ class DecommissionActivities:
                 message="; ".join(notes) or "nothing to compensate",
             )
         return StageResult(state=input.state, message="; ".join(notes) or "nothing to compensate")
+
+    async def _maas_changed(self, run: Run) -> bool:
+        """Whether MAAS may hold the machine other than deployed because of this run. Without a
+        loaded site no MAAS stage can have run (each needs it): unchanged, known. With one,
+        MAAS is asked; a machine not Deployed, gone, or that cannot be seen counts as changed."""
+        state = run.state
+        if not state.maas_managed or run.input.site is None or not state.system_id:
+            return False
+        try:
+            async with asyncio.timeout(MAAS_TIMEOUT_SECONDS), self.maas(run) as maas:
+                machine = await maas.get_machine(state.system_id)
+        except (ClassifiedError, SecretStoreError, TimeoutError):
+            return True
+        observe_machine(state, machine)
+        return machine.status != S.DEPLOYED
 
     @activity.defn(name="decommission.node_status")
     async def node_status(self, node_id: str) -> str | None:
