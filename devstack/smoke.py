@@ -87,17 +87,19 @@ def _onboard_demo_node(
     site: dict[str, Any],
     step: Callable[[str], None],
     timeout: float,
-) -> None:
+) -> str | None:
     """Onboard the demo site's Ready machine through every stage (the simulated first boot
     enrolls its agent). Idempotent across runs: the same key answers the same onboarding, and
     a node already onboarded by an earlier run is reported, not onboarded twice."""
     body = {"site_id": site["id"], "profile_id": site["default_profile_id"], **DEMO_ONBOARD}
     step(f"POST /api/v1/admin/onboardings ({DEMO_ONBOARD['hostname']} on {site['name']})")
-    headers = {**admin, "X-Idempotency-Key": f"smoke-onboard-{DEMO_ONBOARD['hostname']}"}
+    # A fresh key per run: the node is decommissioned at the end of each run (the machine goes
+    # back to Ready), so the next run onboards it again.
+    headers = {**admin, "X-Idempotency-Key": f"smoke-onboard-{uuid.uuid4()}"}
     response = http.post("/api/v1/admin/onboardings", json=body, headers=headers)
     if response.status_code == 409 and response.json()["error"]["code"] == "node_exists":
         step("    already onboarded by an earlier run")
-        return
+        return None
     onboarding = _expect(response, 200, 201)
     path = f"/api/v1/admin/onboardings/{onboarding['onboarding_id']}"
     step(f"GET {path} until completed")
@@ -110,7 +112,7 @@ def _onboard_demo_node(
             step(f"    {where}")
             last = where
         if job["status"] in ONBOARD_SETTLED_OK:
-            return
+            return str(job["node_id"])
         if job["status"] in ONBOARD_FAILED:
             raise SmokeFailed(
                 f"onboarding ended {job['status']}: {job['error_code']} {job['error_message']}"
@@ -118,6 +120,52 @@ def _onboard_demo_node(
         if time.monotonic() > deadline:
             raise SmokeFailed(f"onboarding still {where} after {timeout:.0f}s")
         time.sleep(1.0)
+
+
+DECOMMISSIONS = (
+    {"mode": "soft_reset", "reason": "stack check"},
+    {"mode": "reimage", "reason": "stack check"},
+    {"mode": "full_decommission", "erase": "quick", "reason": "stack check"},
+)
+
+
+def _decommission_demo_node(
+    http: httpx.Client,
+    admin: dict[str, str],
+    node_id: str,
+    step: Callable[[str], None],
+    timeout: float,
+) -> None:
+    """soft_reset, reimage (the agent re-enrolls from a fresh cloud-init) and full_decommission
+    with erase on the onboarded node: every host task served by the agent its first boot
+    started."""
+    for body in DECOMMISSIONS:
+        step(f"POST /api/v1/admin/nodes/{node_id}/decommission ({body['mode']})")
+        job = _expect(
+            http.post(f"/api/v1/admin/nodes/{node_id}/decommission", json=body, headers=admin),
+            200,
+            201,
+            202,
+        )
+        path = f"/api/v1/admin/decommissions/{job['decommission_id']}"
+        deadline = time.monotonic() + timeout
+        last = None
+        while True:
+            row: dict[str, Any] = _expect(http.get(path, headers=admin), 200)
+            where = f"{row['status']} at {row['current_stage']}"
+            if where != last:
+                step(f"    {where}")
+                last = where
+            if row["status"] in ONBOARD_SETTLED_OK:
+                break
+            if row["status"] in ONBOARD_FAILED:
+                raise SmokeFailed(
+                    f"{body['mode']} ended {row['status']}: {row.get('error_code')} "
+                    f"{row.get('error_message')}"
+                )
+            if time.monotonic() > deadline:
+                raise SmokeFailed(f"{body['mode']} still {where} after {timeout:.0f}s")
+            time.sleep(1.0)
 
 
 def run_smoke(
@@ -234,7 +282,9 @@ def run_smoke(
                     racks = ", ".join(r["hostname"] for r in probe["rack_controllers"])
                     step(f"    MAAS {probe['maas_version']}, rack controllers: {racks}")
                     if site["name"] == DEMO_SITE:
-                        _onboard_demo_node(http, admin, site, step, timeout)
+                        node_id = _onboard_demo_node(http, admin, site, step, timeout)
+                        if node_id is not None:
+                            _decommission_demo_node(http, admin, node_id, step, timeout)
     except (SmokeFailed, httpx.HTTPError, KeyError, ValueError) as err:
         step(f"SMOKE CHECK FAILED: {type(err).__name__}: {err}")
         if allocation_id and not released:  # give the capacity back

@@ -6,21 +6,23 @@ answers the calls onboarding makes outside MAAS's API (activities/onboarding/hos
 
 - `FirstBootSimulator` polls the MAAS simulator's control API (GET /_sim/state). Each machine
   that is Deployed with user data it has not booted yet (key: system_id and the sha256 of the
-  user data) "boots": the #cloud-config is parsed, /etc/gpucloud/agent.toml taken from its
-  write_files (as `agent.enrollment.AgentConfig.load` reads it), and the enrollment is POSTed
-  to the config's api_url, exactly as the agent does (`agent.enrollment.ENROLL_PATH`). A
-  machine that leaves Deployed is forgotten, so every deployment boots afresh.
-  `hold(hostname)` makes a machine's agent unable to reach the API (it never enrolls);
-  `release(hostname)` lets it enroll on the next poll (a late enrollment). Malformed user data
-  is recorded and logged, never fatal; an API that does not answer (or answers 5xx) is retried
-  on every poll, since the gateway may start after this simulator.
+  user data) boots on a fresh disk, `machines_dir/<system_id>/root` (sim/machine_image.py): the
+  #cloud-config's write_files are written there with their permissions, and the rendered
+  `gpucloud-agent.service` is read as systemd would: its ExecStart runs as a real
+  `gpucloud-agent` process (GPUCLOUD_AGENT_ROOT = the disk; log in `<system_id>/agent.log`),
+  restarted after RestartSec unless its exit status is in RestartPreventExitStatus. The agent
+  enrolls itself with the token from its own config; the boot counts as enrolled once its
+  identity file exists. A machine that leaves Deployed is powered off (its agent stopped) and
+  forgotten, so every deployment boots afresh. `hold(hostname)` takes the machine's network
+  away (its agent is not running); `release(hostname)` brings it back (a late enrollment);
+  `stop_agent` is `systemctl stop`. Malformed user data is recorded and logged, never fatal.
 - `SimulatedBmc` power-cycles through POST /_sim/bmc/{address}/power-cycle: an unknown machine
   PXE-boots and enlists as New, as with `ipmitool chassis power cycle`. The BMC login is not
   checked (the simulator's BMCs accept any).
 - `SimulatedHostSeeder` stands for SSH to the deployed host: seeds are recorded, an address can
-  be made unreachable (`fail_ssh`), and a pushed agent config makes the "restarted agent"
-  enroll with its token (through the linked `FirstBootSimulator` when there is one, so a held
-  machine stays unenrolled).
+  be made unreachable (`fail_ssh`), and a pushed agent config is written on the machine's disk
+  and its agent restarted (through the linked `FirstBootSimulator`, or a restart marker in
+  `machines_dir` that the simulator process picks up).
 
 Only the JSON-bodied #cloud-config that activities/cloud_init.py renders is understood (JSON is
 YAML 1.2, which real cloud-init reads); anything else counts as malformed here.
@@ -29,7 +31,7 @@ Nothing here logs or records a token or user-data content: records carry hostnam
 and error kinds only.
 
     python -m sim.first_boot --maas-url http://127.0.0.1:5240/MAAS \\
-        --control-token-file .state/maas-control-token [--poll-interval 0.5]
+        --control-token-file .state/maas-control-token [--machines-dir .state/machines]
 
 runs a `FirstBootSimulator` until SIGINT/SIGTERM (`--control-token T` or
 GPUCLOUD_SIM_MAAS_CONTROL_TOKEN instead of the file).
@@ -62,7 +64,7 @@ import httpx
 
 from activities.onboarding.host_access import BmcLogin, SshLogin
 from agent.config_file import ROOT_ENV
-from agent.enrollment import DEFAULT_CONFIG_PATH, DEFAULT_STATE_DIR, ENROLL_PATH
+from agent.enrollment import DEFAULT_CONFIG_PATH, DEFAULT_STATE_DIR
 from core.failures import ClassifiedError, FailureClass
 from sim.machine_image import build_machine
 
@@ -169,11 +171,13 @@ def agent_config_from_user_data(user_data: str) -> AgentToml:
     raise MalformedUserData(f"write_files has no {AGENT_CONFIG_PATH}")
 
 
-def parse_unit(text: str) -> tuple[list[str], dict[str, str], float]:
-    """ExecStart's argv, the Environment= settings and RestartSec of a systemd service unit."""
+def parse_unit(text: str) -> tuple[list[str], dict[str, str], float, frozenset[int]]:
+    """ExecStart's argv, the Environment= settings, RestartSec and RestartPreventExitStatus of a
+    systemd service unit."""
     argv: list[str] = []
     env: dict[str, str] = {}
     restart_s = 0.1
+    no_restart: set[int] = set()
     section = ""
     for raw in text.splitlines():
         line = raw.strip()
@@ -194,9 +198,11 @@ def parse_unit(text: str) -> tuple[list[str], dict[str, str], float]:
         elif key == "RestartSec":
             with contextlib.suppress(ValueError):
                 restart_s = float(value.rstrip("s"))
+        elif key == "RestartPreventExitStatus":
+            no_restart.update(int(v) for v in value.split() if v.isdigit())
     if not argv:
         raise MalformedUserData("the agent unit has no ExecStart")
-    return argv, env, restart_s
+    return argv, env, restart_s, frozenset(no_restart)
 
 
 def default_agent_command() -> list[str]:
@@ -210,8 +216,8 @@ def default_agent_command() -> list[str]:
 
 @dataclass
 class BootRecord:
-    """One boot of one deployment. `error` says why it has not enrolled (a kind, never a
-    secret); `gave_up`: it will not try again (malformed user data, enrollment refused)."""
+    """One boot of one deployment. `error` says why its agent has not enrolled (a kind, never a
+    secret); `gave_up`: it will not try again (malformed user data, an agent that cannot start)."""
 
     hostname: str
     system_id: str
@@ -219,8 +225,6 @@ class BootRecord:
     scenario_hostname: str | None = None
     api_url: str | None = None
     enrolled: bool = False
-    http_status: int | None = None
-    attempts: int = 0
     held: bool = False
     gave_up: bool = False
     error: str | None = None
@@ -234,6 +238,7 @@ class BootRecord:
     agent_starts: int = 0
     agent_exit_codes: list[int] = field(default_factory=list)
     stopped: bool = False  # systemctl stop: not restarted
+    no_restart_codes: frozenset[int] = frozenset()  # the unit's RestartPreventExitStatus
     _process: asyncio.subprocess.Process | None = field(default=None, repr=False)
     _next_start: float = 0.0
 
@@ -244,23 +249,6 @@ class BootRecord:
     @property
     def agent_running(self) -> bool:
         return self._process is not None and self._process.returncode is None
-
-
-async def post_enrollment(
-    http: httpx.AsyncClient, api_url: str, token: str, agent_version: str
-) -> httpx.Response:
-    """What `agent.enrollment.ensure_enrolled` sends. Raises httpx.HTTPError."""
-    return await http.post(
-        f"{api_url}{ENROLL_PATH}",
-        json={"enrollment_token": token, "agent_version": agent_version},
-        timeout=HTTP_TIMEOUT_S,
-    )
-
-
-def _error_code(response: httpx.Response) -> str:
-    with contextlib.suppress(ValueError, KeyError, TypeError):
-        return str(response.json()["error"]["code"])
-    return "unknown"
 
 
 class FirstBootSimulator:
@@ -407,7 +395,9 @@ class FirstBootSimulator:
                     deployed.add(str(machine.get("system_id")))
                 await self._observe(machine)
             for system_id in [s for s in self._boots if s not in deployed]:
-                await self._stop_agent(self._boots.pop(system_id))  # powered off or released
+                gone = self._boots.pop(system_id)  # powered off or released
+                await self._stop_agent(gone)
+                self._unlink_address(gone)
 
     def machine_at(self, address: str) -> dict[str, Any] | None:
         """The snapshot (last poll) of the machine with this deployed IP address or hostname."""
@@ -420,8 +410,14 @@ class FirstBootSimulator:
         if machine.get("status_name") != DEPLOYED:
             return
         record = await self._record_for(machine)
-        if not record.gave_up:
+        if record.gave_up:
+            return
+        try:
             await self._supervise(record)
+        except (MalformedUserData, OSError) as err:  # this machine only; the loop goes on
+            record.gave_up = True
+            record.error = f"agent cannot start: {type(err).__name__}"
+            logger.warning("%s: its agent cannot start (%s)", record.hostname, record.error)
 
     async def _record_for(self, machine: Mapping[str, Any]) -> BootRecord:
         """The current boot of a Deployed machine, booting it if its user data is new: a new
@@ -436,6 +432,7 @@ class FirstBootSimulator:
             return record
         if record is not None:
             await self._stop_agent(record)
+            self._unlink_address(record)
         hostname = str(machine.get("hostname"))
         addresses = [str(a) for a in machine.get("ip_addresses") or []]
         record = BootRecord(
@@ -447,19 +444,21 @@ class FirstBootSimulator:
             address=addresses[0] if addresses else None,
         )
         self._boots[system_id] = record
-        self.booted[hostname] = record
         if not isinstance(user_data, str):
             record.error = "no user data: no agent config"
+            self.booted[hostname] = record
             return record
         try:
             doc = parse_cloud_config(user_data)
             await asyncio.to_thread(self._install, record, doc)
-        except MalformedUserData as err:
+        except (MalformedUserData, UnicodeDecodeError, OSError) as err:
+            why = str(err) if isinstance(err, MalformedUserData) else type(err).__name__
             record.gave_up = True
-            record.error = f"malformed user data: {err}"
-            logger.warning("%s (%s) booted with malformed user data: %s", hostname, system_id, err)
+            record.error = f"malformed user data: {why}"
+            logger.warning("%s (%s) booted with malformed user data: %s", hostname, system_id, why)
         else:
             logger.info("%s (%s) booted from its user data", hostname, system_id)
+        self.booted[hostname] = record
         return record
 
     def _install(self, record: BootRecord, doc: Mapping[str, Any]) -> None:
@@ -483,8 +482,11 @@ class FirstBootSimulator:
         unit = record.root / AGENT_UNIT_PATH.lstrip("/")
         if not unit.is_file():
             raise MalformedUserData(f"write_files has no {AGENT_UNIT_PATH}")
-        argv, env, restart_s = parse_unit(unit.read_text())
+        argv, env, restart_s, no_restart = parse_unit(unit.read_text())
+        if PurePosixPath(argv[0]).name != AGENT_EXECUTABLE:
+            raise MalformedUserData(f"the agent unit runs {argv[0]}, not {AGENT_EXECUTABLE}")
         record.unit_argv, record.unit_env = tuple(argv), tuple(env.items())
+        record.no_restart_codes = no_restart
         record.restart_delay_s = min(restart_s, self.max_restart_delay_s)
         if self.machines_dir not in record.machine_dir.parents:
             raise MalformedUserData("machine directory escapes the machines directory")
@@ -494,6 +496,15 @@ class FirstBootSimulator:
             link = address_link / record.address
             link.unlink(missing_ok=True)
             link.symlink_to(record.machine_dir)
+
+    def _unlink_address(self, record: BootRecord) -> None:
+        """SSH to a machine that is no longer deployed at its address finds nothing there."""
+        if record.address is None or record.machine_dir is None:
+            return
+        link = self.machines_dir / "by-address" / record.address
+        with contextlib.suppress(OSError):
+            if link.is_symlink() and Path(os.readlink(link)) == record.machine_dir:
+                link.unlink()
 
     def _held_record(self, record: BootRecord) -> bool:
         return record.hostname in self._held or (
@@ -518,7 +529,8 @@ class FirstBootSimulator:
             record.held = True
             record.error = "held: the agent cannot reach the API"
             return
-        record.held = False
+        if record.held:
+            record.held, record.error = False, None
         marker = record.machine_dir / RESTART_MARKER if record.machine_dir else None
         if marker is not None and marker.exists():
             marker.unlink()
@@ -531,6 +543,9 @@ class FirstBootSimulator:
             record._process = None
             record.error = f"agent exited {process.returncode}"
             record._next_start = time.monotonic() + record.restart_delay_s
+            if process.returncode in record.no_restart_codes:
+                record._next_start = float("inf")  # stays failed until a config push
+                record.error += " (not restarted: RestartPreventExitStatus)"
             logger.info("%s: the agent exited %d", record.hostname, process.returncode)
         if record._process is None and time.monotonic() >= record._next_start:
             await self._start_agent(record)
@@ -753,7 +768,13 @@ class SimulatedHostSeeder:
         if self.first_boot is not None:
             if login.address in self._unreachable:
                 self._connect(login)
-            await self.first_boot.agent_config_pushed(login.address, agent_toml)
+            try:
+                await self.first_boot.agent_config_pushed(login.address, agent_toml)
+            except MalformedUserData as err:
+                raise ClassifiedError(
+                    f"SSH to {login.address}: {err}",
+                    failure_class=FailureClass.POST_DEPLOY_CONNECTIVITY_FAILURE,
+                ) from None
         else:
             machine = self._connect(login)
             push_agent_config(machine / "root", agent_toml)
