@@ -511,3 +511,31 @@ async def test_a_cancel_that_lands_with_a_host_task_result_still_stops_the_job(
     assert "gpu_scrub" not in agent.maintenance.calls, "the stage after the cancel never ran"
     assert not agent.maintenance.inner.is_draining(), "compensation undrained the agent"
     assert await _node_status(rig, node_id) == "offline"
+
+
+@pytest.mark.maas_scenario(MACHINES)
+async def test_an_agent_without_the_maintenance_tasks_is_agent_capability_missing(
+    decommission: DecommissionRig,
+) -> None:
+    """An agent older than the control plane (it registers only the allocation tasks) fails the
+    first host task at once, classified, instead of retrying into a connectivity failure."""
+    from agent.host_activities import HostActivities
+    from core.task_queues import node_task_queue
+    from sim.config import SimHostConfig
+    from sim.host import SimulatedHost
+
+    node_id = await decommission.maas_node("fail-c", "10.176.18.12")
+    await decommission.onboarding.first_boot.stop_agent("fail-c")
+    old = HostActivities(SimulatedHost(node_id, config=SimHostConfig()), node_id=node_id)
+    async with Worker(
+        decommission.client, task_queue=node_task_queue(node_id), activities=old.activities()
+    ):
+        job = await decommission.start(node_id, "soft_reset")
+        row = await decommission.wait_status(job, "failed_manual_intervention", timeout=20)
+        await record_history(decommission.handle(job), "decommission", "agent_capability_missing")
+    assert row.current_stage == "drain_node"
+    assert row.error_code == "agent_capability_missing"
+    assert row.failure_class == "site_capability_missing"
+    assert row.recommended_action == "resume"
+    drains = [t.status for t in await _tasks(decommission, node_id, "node.drain")]
+    assert drains == ["failed"]

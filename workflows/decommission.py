@@ -96,6 +96,11 @@ with workflow.unsafe.imports_passed_through():
         checkpoint_for,
         outcome_for,
     )
+    from workflows.host_task_errors import (
+        AGENT_CAPABILITY_MISSING,
+        agent_capability_missing,
+        host_task_non_retryable,
+    )
     from workflows.lifecycle_contract import STOP_BEFORE_NEXT_STAGE_PATCH, check_operator_action
     from workflows.lifecycle_job import (
         RUNNING_JOB_STATUSES,
@@ -357,7 +362,9 @@ class NodeDecommissionWorkflow(OperatorControlledJob[Stage, OperatorAction, Deco
                     initial_interval=timedelta(seconds=1),
                     maximum_interval=timedelta(seconds=30),
                     maximum_attempts=max(1, policy.node_task_attempts),
-                    non_retryable_error_types=[e.value for e in NON_RETRYABLE_MAINTENANCE_ERRORS],
+                    non_retryable_error_types=host_task_non_retryable(
+                        e.value for e in NON_RETRYABLE_MAINTENANCE_ERRORS
+                    ),
                 ),
             )
         except ActivityError as err:
@@ -411,6 +418,14 @@ class NodeDecommissionWorkflow(OperatorControlledJob[Stage, OperatorAction, Deco
                 FailureClass.INPUT_CONFIG_ERROR.value,
                 "storage_scope_unsupported" if kind == NODE_STORAGE_CLEANUP else "unsupported",
                 cause.message,
+                {"kind": kind},
+            )
+        if (missing := agent_capability_missing(err, kind)) is not None:
+            return StageFailure(
+                stage,
+                FailureClass.SITE_CAPABILITY_MISSING.value,
+                AGENT_CAPABILITY_MISSING,
+                missing,
                 {"kind": kind},
             )
         message = cause.message if isinstance(cause, ApplicationError) else str(cause or err)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from core.failures import FailureClass
 from schema.states import NodeStatus
 from workflows.decommission_contract import OperatorAction, Stage
+from workflows.host_task_errors import AGENT_CAPABILITY_MISSING
 from workflows.onboarding_contract import JobStatus
 
 
@@ -108,6 +109,12 @@ _BY_CODE: dict[str, Outcome] = {
         OperatorAction.RESUME,
         "the node agent is unreachable while MAAS still holds the machine deployed: nothing "
         "was released; bring the agent back and resume, or cancel",
+    ),
+    # The node's agent does not register the task (older than the control plane): not retried.
+    AGENT_CAPABILITY_MISSING: Outcome(
+        _MANUAL,
+        OperatorAction.RESUME,
+        "the node's agent does not offer this host task; upgrade the agent, then resume",
     ),
     "host_task_failed": Outcome(
         _MANUAL, OperatorAction.RESUME, "the host task kept failing; inspect the node, then resume"
