@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
 import tempfile
 import time
 import uuid
@@ -29,7 +30,6 @@ from temporalio.client import Client, WorkflowHandle
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.worker import Worker, WorkerConfig
 
-from activities.onboarding.host_access import HostAccess
 from core import search_attributes as sa
 from core.config import Settings
 from core.secret_paths import (
@@ -48,7 +48,8 @@ from schema.models import (
     NodeOnboardingEvent,
 )
 from schema.states import SkuShape
-from sim.first_boot import FirstBootSimulator, SimulatedBmc, SimulatedHostSeeder
+from sim.first_boot import FirstBootSimulator, SimulatedHostSeeder
+from sim.host_access import simulated_host_access
 from tests.factories import REGION, create_sku
 from tests.lifecycle_support import eventually
 from tests.workflow_probes import terminate_quietly, update_admitted
@@ -372,8 +373,14 @@ def control_plane_worker_config(
     """control_plane_worker's arguments, for a test that splits them over two workers."""
     from worker import worker_config
 
-    host_access = HostAccess(
-        bmc=SimulatedBmc(maas_sim.base_url, maas_sim.control_token), seeder=rig.seeder
+    # The worker's real BMC path (ipmitool) with the simulator's ipmitool, as under bin/stack.
+    host_access = simulated_host_access(
+        {
+            **os.environ,
+            "GPUCLOUD_SIM_MAAS_URL": maas_sim.base_url,
+            "GPUCLOUD_SIM_MAAS_CONTROL_TOKEN": maas_sim.control_token,
+        },
+        seeder=rig.seeder,
     )
     return worker_config(
         client, rig.settings, engine, secret_store=secret_store, host_access=host_access

@@ -460,7 +460,7 @@ def test_host_access_from_env_picks_real_or_simulated() -> None:
         HostAccessConfigError,
         host_access_from_env,
     )
-    from sim.first_boot import SimulatedBmc, SimulatedHostSeeder
+    from sim.first_boot import SimulatedHostSeeder
 
     real = host_access_from_env({})
     assert isinstance(real.bmc, IpmitoolBmc)
@@ -472,7 +472,8 @@ def test_host_access_from_env_picks_real_or_simulated() -> None:
         "GPUCLOUD_SIM_MAAS_URL": "http://127.0.0.1:5240/MAAS",
         "GPUCLOUD_SIM_MAAS_CONTROL_TOKEN": "control-token-value",
     })  # fmt: skip
-    assert isinstance(simulated.bmc, SimulatedBmc)
+    # The simulator's BMCs are reached through the real ipmitool path, its own binary.
+    assert isinstance(simulated.bmc, IpmitoolBmc)
     assert isinstance(simulated.seeder, SimulatedHostSeeder)
 
     with pytest.raises(HostAccessConfigError) as err:
