@@ -571,18 +571,8 @@ class FileMaintenanceBackend:
         )
 
     def _mount_points(self) -> list[str] | None:
-        try:
-            text = self.root.read_text(self.config.mounts_file)
-        except (OSError, ValueError):
-            return None
-        if text is None:
-            return None
-        points = []
-        for line in text.splitlines():
-            columns = line.split()
-            if len(columns) >= 2:
-                points.append(_unescape_mount(columns[1]))
-        return points
+        table = self._mount_table()
+        return None if table is None else [point for point, _ in table]
 
     # ------------------------------------------------------------------ validate_clean
 

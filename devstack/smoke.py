@@ -103,6 +103,19 @@ def _onboard_demo_node(
     onboarding = _expect(response, 200, 201)
     path = f"/api/v1/admin/onboardings/{onboarding['onboarding_id']}"
     step(f"GET {path} until completed")
+    job = _poll_job(http, admin, path, "onboarding", step, timeout)
+    return str(job["node_id"])
+
+
+def _poll_job(
+    http: httpx.Client,
+    admin: dict[str, str],
+    path: str,
+    what: str,
+    step: Callable[[str], None],
+    timeout: float,
+) -> dict[str, Any]:
+    """A lifecycle job (onboarding, decommission) until it settles; SmokeFailed if it fails."""
     deadline = time.monotonic() + timeout
     last = None
     while True:
@@ -112,13 +125,13 @@ def _onboard_demo_node(
             step(f"    {where}")
             last = where
         if job["status"] in ONBOARD_SETTLED_OK:
-            return str(job["node_id"])
+            return job
         if job["status"] in ONBOARD_FAILED:
             raise SmokeFailed(
-                f"onboarding ended {job['status']}: {job['error_code']} {job['error_message']}"
+                f"{what} ended {job['status']}: {job.get('error_code')} {job.get('error_message')}"
             )
         if time.monotonic() > deadline:
-            raise SmokeFailed(f"onboarding still {where} after {timeout:.0f}s")
+            raise SmokeFailed(f"{what} still {where} after {timeout:.0f}s")
         time.sleep(1.0)
 
 
@@ -148,24 +161,7 @@ def _decommission_demo_node(
             202,
         )
         path = f"/api/v1/admin/decommissions/{job['decommission_id']}"
-        deadline = time.monotonic() + timeout
-        last = None
-        while True:
-            row: dict[str, Any] = _expect(http.get(path, headers=admin), 200)
-            where = f"{row['status']} at {row['current_stage']}"
-            if where != last:
-                step(f"    {where}")
-                last = where
-            if row["status"] in ONBOARD_SETTLED_OK:
-                break
-            if row["status"] in ONBOARD_FAILED:
-                raise SmokeFailed(
-                    f"{body['mode']} ended {row['status']}: {row.get('error_code')} "
-                    f"{row.get('error_message')}"
-                )
-            if time.monotonic() > deadline:
-                raise SmokeFailed(f"{body['mode']} still {where} after {timeout:.0f}s")
-            time.sleep(1.0)
+        _poll_job(http, admin, path, body["mode"], step, timeout)
 
 
 def run_smoke(
