@@ -41,6 +41,8 @@ def start_worker(rig: OnboardingRig, vault: Any) -> subprocess.Popen[bytes]:
         "GPUCLOUD_HOST_ACCESS": "simulated",
         "GPUCLOUD_SIM_MAAS_URL": rig.maas_sim.base_url,
         "GPUCLOUD_SIM_MAAS_CONTROL_TOKEN": rig.maas_sim.control_token,
+        # SSH to a deployed host is a write to the machine's disk the rig's first boot keeps.
+        "GPUCLOUD_SIM_MACHINES_DIR": str(rig.first_boot.machines_dir),
     }
     return subprocess.Popen(
         [sys.executable, "-m", "worker"],
