@@ -4,7 +4,8 @@ table in file-name order, later files winning. A drop-in can set host facts the 
 cannot know (the uplink NIC, the libvirt URI, a GPU driver policy) without touching the file
 cloud-init owns.
 
-`HostRoot` is where the agent's host lives: "/" on a node. Every absolute path the agent reads or
+The host root (an `agent.backends.system_root.SystemRoot`) is where the agent's host lives: "/"
+on a node. Every absolute path the agent reads or
 writes on its host (this config, its state dir, the account files, /proc, /sys, image and seed
 directories) is resolved under it; the MAAS simulator's machines run the same agent under a
 per-machine directory (GPUCLOUD_AGENT_ROOT), as a containerised agent would with the host
@@ -15,9 +16,10 @@ from __future__ import annotations
 
 import os
 import tomllib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from agent.backends.system_root import SystemRoot
 
 ROOT_ENV = "GPUCLOUD_AGENT_ROOT"
 DROP_IN_DIR = "agent.d"
@@ -27,25 +29,15 @@ class ConfigError(ValueError):
     """The agent config cannot be used. The message names files and keys, never values."""
 
 
-@dataclass(frozen=True)
-class HostRoot:
-    path: Path
+def host_root_from_env(value: str | None = None) -> SystemRoot:
+    """The agent's host root: GPUCLOUD_AGENT_ROOT, else "/"."""
+    raw = value if value is not None else os.environ.get(ROOT_ENV, "")
+    return SystemRoot(raw or "/")
 
-    @classmethod
-    def from_env(cls, value: str | None = None) -> HostRoot:
-        raw = value if value is not None else os.environ.get(ROOT_ENV, "")
-        return cls(Path(raw or "/").resolve())
 
-    @property
-    def is_real_root(self) -> bool:
-        return self.path == Path("/")
-
-    def __call__(self, absolute: str | Path) -> Path:
-        """The host path `absolute` ("/etc/gpucloud/agent.toml") under this root."""
-        text = str(absolute)
-        if not text.startswith("/"):
-            raise ConfigError(f"{text!r} must be an absolute path")
-        return self.path / text.lstrip("/") if not self.is_real_root else Path(text)
+def gpu_sysfs(data: dict[str, Any], root: SystemRoot) -> Path:
+    """Where the host's PCI devices are read: `[gpu] sysfs` (default /sys) under the root."""
+    return root.host_path(str(table(data, "gpu").get("sysfs", "/sys")))
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

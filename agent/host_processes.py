@@ -2,7 +2,7 @@
 sessions when bare-metal access is revoked, and reload/restart systemd units after the
 hardware-sync re-seed.
 
-Under a host root other than "/" (a MAAS-simulator machine, agent/config_file.HostRoot) nothing
+Under a host root other than "/" (a MAAS-simulator machine, GPUCLOUD_AGENT_ROOT) nothing
 outside that root may be touched: sessions are counted from its proc/ but no signal is sent, and
 no systemd call is made (the units are only written).
 """

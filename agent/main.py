@@ -32,7 +32,8 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
-from agent.config_file import ConfigError, HostRoot, read_agent_config
+from agent.backends.system_root import SystemRoot
+from agent.config_file import ConfigError, gpu_sysfs, host_root_from_env, read_agent_config
 from agent.enrollment import DEFAULT_CONFIG_PATH, AgentConfig, EnrollmentError, ensure_enrolled
 from agent.heartbeat import DEFAULT_INTERVAL_SECONDS, probe_local_gpus, run_heartbeats
 from agent.node_worker import NodeServices, build_node_worker, run_until_signalled
@@ -56,7 +57,7 @@ class BackendContext:
     """What a backend factory gets: the merged agent config, the host root and the node."""
 
     config: dict[str, Any]
-    root: HostRoot
+    root: SystemRoot
     node_id: str
     hostname: str
 
@@ -79,7 +80,7 @@ def make_services(kind: str, context: BackendContext) -> NodeServices:
     raise ConfigError(f"unknown backend {kind!r}; choose one of {', '.join(backend_names())}")
 
 
-def payload_key(config: dict[str, Any], root: HostRoot, *, dev: bool) -> str:
+def payload_key(config: dict[str, Any], root: SystemRoot, *, dev: bool) -> str:
     """The payload codec key (base64): the environment's, else the config's key file; the
     development key only with --dev."""
     if os.environ.get(CODEC_KEY_ENV):
@@ -87,7 +88,7 @@ def payload_key(config: dict[str, Any], root: HostRoot, *, dev: bool) -> str:
     key_file = config.get("payload_key_file")
     if isinstance(key_file, str) and key_file:
         try:
-            return root(key_file).read_text().strip()
+            return root.host_path(key_file).read_text().strip()
         except OSError as err:
             raise ConfigError(f"cannot read payload_key_file: {err.strerror}") from None
     if dev:
@@ -133,8 +134,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 async def run(args: argparse.Namespace, settings: Settings) -> None:
-    root = HostRoot.from_env()
-    config_path = root(args.config)
+    root = host_root_from_env()
+    config_path = root.host_path(str(args.config))
     config = read_agent_config(config_path) if config_path.exists() or args.node_id is None else {}
     settings = dataclasses.replace(settings, codec_key_b64=payload_key(config, root, dev=args.dev))
     _ = settings.codec_key  # a malformed key fails here, before enrollment spends the token
@@ -142,7 +143,9 @@ async def run(args: argparse.Namespace, settings: Settings) -> None:
         node_id = str(args.node_id)
     else:
         agent_config = AgentConfig.from_data(config, source=config_path)
-        agent_config = dataclasses.replace(agent_config, state_dir=root(agent_config.state_dir))
+        agent_config = dataclasses.replace(
+            agent_config, state_dir=root.host_path(str(agent_config.state_dir))
+        )
         identity = await ensure_enrolled(agent_config, agent_version=AGENT_VERSION)
         node_id = identity.node_id
         settings = dataclasses.replace(
@@ -162,7 +165,7 @@ async def run(args: argparse.Namespace, settings: Settings) -> None:
         worker.task_queue,
     )
     stop = asyncio.Event()
-    sysfs = root(str(config.get("gpu", {}).get("sysfs", "/sys")))
+    sysfs = gpu_sysfs(config, root)
     heartbeats = asyncio.create_task(
         run_heartbeats(
             client,

@@ -15,7 +15,8 @@ import tempfile
 from pathlib import Path
 
 from agent.backends.from_config import node_services_from_config
-from agent.config_file import HostRoot, read_agent_config
+from agent.backends.system_root import SystemRoot
+from agent.config_file import read_agent_config
 from agent.main import BackendContext
 from agent.maintenance import MaintenanceBackend
 from agent.node_worker import NodeServices
@@ -27,7 +28,7 @@ from sim.machine_image import Machine, build_machine
 def machine_services(machine: Machine, *, hostname: str | None = None) -> NodeServices:
     """The production node services on `machine`'s disk, configured by its image's drop-in."""
     config = read_agent_config(machine.root / "etc/gpucloud/agent.d/50-machine.toml")
-    return node_services_from_config(config, HostRoot(machine.root), hostname=hostname)
+    return node_services_from_config(config, SystemRoot(machine.root), hostname=hostname)
 
 
 def machine_maintenance(directory: Path, *, key: str | None = None) -> MaintenanceBackend:
@@ -44,20 +45,19 @@ def simulated_services(
 
 
 def simulated_node_services(context: BackendContext) -> NodeServices:
-    """Entry point `simulated`: the agent's host root is the machine (GPUCLOUD_AGENT_ROOT); on
-    the real root a throwaway machine is made instead, so no maintenance task ever touches this
-    computer's own files."""
+    """Entry point `simulated`: allocation tasks on a SimulatedHost, maintenance by the
+    production backend on the agent's host root (GPUCLOUD_AGENT_ROOT: a simulated machine's
+    disk). On the real root a throwaway machine is made instead, so no maintenance task ever
+    touches this computer's own files."""
     if context.root.is_real_root:
         directory = Path(tempfile.mkdtemp(prefix=f"gpucloud-sim-{context.node_id[:8]}-"))
         machine = build_machine(directory, address=context.hostname, machine_key=context.node_id)
+        maintenance = machine_services(machine).maintenance
     else:
-        machine = build_machine(
-            context.root.path.parent, address=context.hostname, machine_key=context.node_id
-        )
-    _, services = simulated_services(
-        context.node_id,
-        machine,
-        hostname=context.hostname,
-        config=SimHostConfig.from_env(context.node_id),
+        maintenance = node_services_from_config(
+            context.config, context.root, hostname=context.hostname
+        ).maintenance
+    host = SimulatedHost(
+        context.node_id, hostname=context.hostname, config=SimHostConfig.from_env(context.node_id)
     )
-    return services
+    return NodeServices(host=host, maintenance=maintenance)

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from agent.backends.from_config import BackendConfigError, node_services_from_config
+from agent.backends.from_config import node_services_from_config
 from agent.backends.libvirt_slice import LibvirtSliceBackend
-from agent.config_file import HostRoot, read_agent_config
+from agent.backends.system_root import SystemRoot
+from agent.config_file import ConfigError, read_agent_config
 from agent.main import EXIT_CONFIG
 from sim.machine_image import build_machine
 from tests.test_agent_host import baremetal_spec
@@ -51,7 +52,7 @@ def test_drop_ins_override_agent_toml_table_by_table(tmp_path: Path) -> None:
 
 
 def test_defaults_are_a_real_node_and_both_shapes_are_served(tmp_path: Path) -> None:
-    services = node_services_from_config({}, HostRoot(Path("/")), hostname="n1.example")
+    services = node_services_from_config({}, SystemRoot(Path("/")), hostname="n1.example")
     slices = services.host.slice  # type: ignore[attr-defined]
     assert isinstance(slices, LibvirtSliceBackend)
     assert slices.uri == "qemu:///system"
@@ -61,13 +62,17 @@ def test_defaults_are_a_real_node_and_both_shapes_are_served(tmp_path: Path) -> 
 def test_bare_metal_runs_on_the_host_root(tmp_path: Path) -> None:
     machine = build_machine(tmp_path / "m", address="10.9.0.5")
     data = read_agent_config(machine.root / "etc/gpucloud/agent.d/50-machine.toml")
-    services = node_services_from_config(data, HostRoot(machine.root))
-    outcome = services.host.provision_baremetal_user(baremetal_spec("n1"), _Progress())
+    services = node_services_from_config(data, SystemRoot(machine.root))
+    spec = baremetal_spec("n1")
+    outcome = services.host.provision_baremetal_user(spec, _Progress())
     assert outcome.connect_host == "10.9.0.5"
-    assert (
-        "tenant" in (machine.root / "etc/passwd").read_text()
-        or (machine.root / "etc/passwd").read_text().count("\n") > 1
-    )
+    # The account is a real entry of the machine's passwd, in the tenant uid range, with the
+    # tenant's key installed in its home on that disk.
+    entries = [line.split(":") for line in (machine.root / "etc/passwd").read_text().splitlines()]
+    (tenant,) = [e for e in entries if e[0] == "tenant"]
+    assert 20000 <= int(tenant[2]) <= 29999
+    keys = machine.root / tenant[5].lstrip("/") / ".ssh/authorized_keys"
+    assert spec.ssh_public_keys[0] in keys.read_text()
 
 
 @pytest.mark.parametrize(
@@ -81,9 +86,9 @@ def test_bare_metal_runs_on_the_host_root(tmp_path: Path) -> None:
     ],
 )
 def test_bad_backend_config_is_refused_clearly(tmp_path: Path, body: str, complaint: str) -> None:
-    with pytest.raises(BackendConfigError) as err:
+    with pytest.raises(ConfigError) as err:
         node_services_from_config(
-            read_agent_config(write_config(tmp_path, body)), HostRoot(tmp_path)
+            read_agent_config(write_config(tmp_path, body)), SystemRoot(tmp_path)
         )
     assert complaint in str(err.value)
 

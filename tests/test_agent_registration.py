@@ -67,13 +67,13 @@ def test_the_production_backend_is_the_default_and_the_simulator_a_plugin() -> N
 
 
 def test_the_simulated_plugin_builds_the_same_services(tmp_path: Path) -> None:
-    from agent.config_file import HostRoot
+    from agent.backends.system_root import SystemRoot
     from agent.main import BackendContext
 
     machine_root = tmp_path / "m" / "root"
     machine_root.mkdir(parents=True)
     node = "00000000-0000-0000-0000-000000000002"
     services = make_services(
-        "simulated", BackendContext({}, HostRoot(machine_root), node, "sim-host")
+        "simulated", BackendContext({}, SystemRoot(machine_root), node, "sim-host")
     )
     assert set(contract.TASK_SUMMARIES) <= registered(services)

@@ -28,7 +28,6 @@ from activities.onboarding.ssh_seeder import SshHostSeeder
 HOST_ACCESS_ENV = "GPUCLOUD_HOST_ACCESS"
 SIM_MAAS_URL_ENV = "GPUCLOUD_SIM_MAAS_URL"
 SIM_MAAS_CONTROL_TOKEN_ENV = "GPUCLOUD_SIM_MAAS_CONTROL_TOKEN"  # noqa: S105 - a variable name
-SIM_MACHINES_DIR_ENV = "GPUCLOUD_SIM_MACHINES_DIR"
 # Host access other than the real one comes from a plugin (the simulator's: sim/host_access.py).
 HOST_ACCESS_ENTRY_POINTS = "gpucloud.host_access"
 REAL = "real"

@@ -48,7 +48,7 @@ from agent.backends.readiness import (
     SshPortProbe,
 )
 from agent.backends.system_root import SystemRoot
-from agent.config_file import ConfigError, HostRoot, table
+from agent.config_file import ConfigError, gpu_sysfs, table
 from agent.gpu_health import DEFAULT_EXPECTED_DRIVERS, SysfsGpuHealthCheck
 from agent.gpu_tools import (
     NvidiaSmi,
@@ -60,9 +60,6 @@ from agent.host_processes import ProcSessionTerminator, SystemctlUnits
 from agent.maintenance import FileMaintenanceBackend, MaintenanceConfig
 from agent.network.slice_networks import SliceNetworks
 from agent.node_worker import NodeServices
-
-# Kept for callers that caught the old name.
-BackendConfigError = ConfigError
 
 READINESS = ("guest-agent", "ssh", "fixed")
 NVIDIA_SMI = "/usr/bin/nvidia-smi"
@@ -82,25 +79,24 @@ def _readiness(section: dict[str, Any]) -> ReadinessProbe:
     raise ConfigError(f"[libvirt] readiness must be one of {', '.join(READINESS)}")
 
 
-def slice_backend_from_config(data: dict[str, Any], root: HostRoot) -> LibvirtSliceBackend:
+def slice_backend_from_config(data: dict[str, Any], root: SystemRoot) -> LibvirtSliceBackend:
     section = table(data, "libvirt")
     images = section.get("images", {})
     if not isinstance(images, dict) or not all(isinstance(v, str) for v in images.values()):
         raise ConfigError("[libvirt.images] maps image names to sha256 strings")
     gpu = table(data, "gpu")
-    sysfs = root(str(gpu.get("sysfs", "/sys")))
     drivers = gpu.get("expected_drivers", list(DEFAULT_EXPECTED_DRIVERS))
     if not isinstance(drivers, list) or not all(isinstance(d, str) for d in drivers):
         raise ConfigError("[gpu] expected_drivers is a list of driver names")
     return LibvirtSliceBackend(
         str(section.get("uri", "qemu:///system")),
-        image_dir=root(section.get("image_dir", "/var/lib/gpucloud/images")),
+        image_dir=root.host_path(str(section.get("image_dir", "/var/lib/gpucloud/images"))),
         image_catalog={str(k): v.lower() for k, v in images.items()},
-        seed_dir=root(section.get("seed_dir", "/var/lib/gpucloud/seeds")),
-        state_dir=root(section.get("state_dir", "/var/lib/gpucloud/vms")),
+        seed_dir=root.host_path(str(section.get("seed_dir", "/var/lib/gpucloud/seeds"))),
+        state_dir=root.host_path(str(section.get("state_dir", "/var/lib/gpucloud/vms"))),
         readiness=_readiness(section),
         gpu_health=(
-            SysfsGpuHealthCheck(sysfs, expected_drivers=drivers)
+            SysfsGpuHealthCheck(gpu_sysfs(data, root), expected_drivers=drivers)
             if section.get("check_gpu_health", True)
             else None
         ),
@@ -121,27 +117,26 @@ def _user_config(data: dict[str, Any]) -> UserAccountConfig:
 
 
 def node_services_from_config(
-    data: dict[str, Any], root: HostRoot, *, hostname: str | None = None
+    data: dict[str, Any], root: SystemRoot, *, hostname: str | None = None
 ) -> NodeServices:
     """The node's services on its host root, from the merged agent config."""
     host = table(data, "host")
     connect_host = str(host.get("connect_host") or hostname or socket.getfqdn())
-    system_root = SystemRoot(root.path)
     users = _user_config(data)
     gpu = table(data, "gpu")
-    sysfs = root(str(gpu.get("sysfs", "/sys")))
+    sysfs = gpu_sysfs(data, root)
     allow_unverified = bool(gpu.get("allow_unverified", False))
-    smi = NvidiaSmi(root(str(gpu.get("nvidia_smi", NVIDIA_SMI))))
+    smi = NvidiaSmi(root.host_path(str(gpu.get("nvidia_smi", NVIDIA_SMI))))
     scrubber = NvidiaSmiScrubber(smi, sysfs_root=sysfs, allow_unverified=allow_unverified)
     baremetal = FileBaremetalUserBackend(
-        system_root,
+        root,
         connect_host=connect_host,
-        sessions=ProcSessionTerminator(system_root, kill=root.is_real_root),
+        sessions=ProcSessionTerminator(root, kill=root.is_real_root),
         scrubber=scrubber,
         config=users,
     )
     maintenance = FileMaintenanceBackend(
-        system_root,
+        root,
         scrubber=scrubber,
         # NVML reads the driver of the machine the process runs on: only on the real root.
         gpu_probe=(

@@ -48,6 +48,12 @@ class SystemRoot:
     def __repr__(self) -> str:
         return f"SystemRoot({str(self.path)!r})"
 
+    @property
+    def is_real_root(self) -> bool:
+        """This machine's own "/": the only root where processes, services and the GPU driver
+        the agent reaches (signals, systemctl, NVML) belong to the host it serves."""
+        return self.path == Path("/")
+
     # ------------------------------------------------------------------ paths
 
     @staticmethod
