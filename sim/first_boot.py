@@ -65,6 +65,7 @@ import httpx
 from activities.onboarding.host_access import BmcLogin, SshLogin
 from agent.config_file import ROOT_ENV
 from agent.enrollment import DEFAULT_CONFIG_PATH, DEFAULT_STATE_DIR
+from agent.maintenance import HwSyncConfig, render_hw_sync_service, render_hw_sync_timer
 from core.failures import ClassifiedError, FailureClass
 from sim.machine_image import build_machine
 
@@ -512,16 +513,27 @@ class FirstBootSimulator:
         )
 
     def _agent_argv(self, record: BootRecord) -> list[str]:
-        executable, *args = record.unit_argv
-        if PurePosixPath(executable).name != AGENT_EXECUTABLE:
-            raise MalformedUserData(f"the agent unit runs {executable}, not {AGENT_EXECUTABLE}")
-        return [*self.agent_command, *args]
+        """The unit's ExecStart with this environment's agent as /usr/bin/gpucloud-agent (the
+        unit was checked to run gpucloud-agent when the machine booted)."""
+        return [*self.agent_command, *record.unit_argv[1:]]
+
+    async def _take_restart(self, record: BootRecord) -> None:
+        """`systemctl restart gpucloud-agent` that an SSH push asked for (the restart marker in
+        the machine's directory): the agent stops now and starts again with the new config."""
+        marker = record.machine_dir / RESTART_MARKER if record.machine_dir else None
+        if marker is None or not marker.exists():
+            return
+        marker.unlink()
+        record.config_pushes += 1
+        await self._stop_agent(record)
+        record._next_start = 0.0
 
     async def _supervise(self, record: BootRecord) -> None:
         """systemd's part: keep the unit's command running (Restart=always, RestartSec), pick
         up a restart an SSH push asked for, and notice enrollment (the identity file)."""
         if not record.unit_argv or record.root is None or record.stopped:
             return
+        await self._take_restart(record)
         if self._held_record(record):
             if not record.held:
                 logger.info("%s is held: its agent cannot reach the API", record.hostname)
@@ -531,12 +543,6 @@ class FirstBootSimulator:
             return
         if record.held:
             record.held, record.error = False, None
-        marker = record.machine_dir / RESTART_MARKER if record.machine_dir else None
-        if marker is not None and marker.exists():
-            marker.unlink()
-            record.config_pushes += 1
-            await self._stop_agent(record)
-            record._next_start = 0.0
         process = record._process
         if process is not None and process.returncode is not None:
             record.agent_exit_codes.append(process.returncode)
@@ -592,24 +598,13 @@ class FirstBootSimulator:
                 process.kill()
             await process.wait()
 
-    async def agent_config_pushed(self, address: str, agent_toml: str) -> BootRecord:
-        """A new agent.toml was written on the host at `address` and the agent restarted
-        (`SimulatedHostSeeder.push_agent_config`). Raises ClassifiedError
-        (post_deploy_connectivity_failure) when no deployed host is at `address`,
-        MalformedUserData for a bad config."""
-        parse_agent_toml(agent_toml)
-        machine = await self._deployed_machine_at(address)
+    async def restart_requested(self, address: str) -> None:
+        """An SSH push left a restart marker on the machine at `address`: act on it now rather
+        than at the next poll (the same marker `python -m sim.first_boot` picks up)."""
         async with self._lock:
-            record = await self._record_for(machine)
-            if record.root is None or not record.root.is_dir():
-                raise MalformedUserData("the machine has no disk to write to")
-            push_agent_config(record.root, agent_toml)
-            record.config_pushes += 1
-            record.gave_up, record.error = False, None
-            await self._stop_agent(record)
-            record._next_start = 0.0
-            await self._supervise(record)
-            return record
+            for record in self._boots.values():
+                if record.address == address:
+                    await self._supervise(record)
 
     async def _deployed_machine_at(self, address: str) -> dict[str, Any]:
         machine = self.machine_at(address)
@@ -628,14 +623,15 @@ class FirstBootSimulator:
         return await self._deployed_machine_at(address)
 
 
-def push_agent_config(root: Path, agent_toml: str) -> None:
-    """What `ssh host 'cat > /etc/gpucloud/agent.toml'` does on the machine's disk."""
-    path = root / AGENT_CONFIG_PATH.lstrip("/")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(agent_toml)
-    tmp.chmod(0o600)
-    tmp.replace(path)
+def write_host_file(root: Path, path: str, content: str, mode: int) -> None:
+    """What the SSH seeder's root script does on the machine's disk: write a temporary file
+    with its mode, then rename it into place."""
+    target = root / path.lstrip("/")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp")
+    tmp.write_text(content)
+    tmp.chmod(mode)
+    tmp.replace(target)
 
 
 # ---------------------------------------------------------------------- BMC and SSH stand-ins
@@ -738,9 +734,18 @@ class SimulatedHostSeeder:
             )
         return machine
 
+    async def _machine(self, login: SshLogin) -> Path:
+        """The disk of the deployed machine at the login's address (ClassifiedError else)."""
+        self._connect(login)  # an address made unreachable fails first, as SSH would
+        if self.first_boot is not None:
+            await self.first_boot.host_at(login.address)
+        return self._connect(login)
+
     async def seed_hardware_sync(
         self, login: SshLogin, *, creds_yaml: str, interval_minutes: int
     ) -> None:
+        """The files the real seeder writes (activities/onboarding/ssh_seeder.py), on the disk;
+        systemd's restart of the units has nothing to run here."""
         low, high = INTERVAL_RANGE_MINUTES
         if not low <= interval_minutes <= high:
             raise ClassifiedError(
@@ -752,12 +757,16 @@ class SimulatedHostSeeder:
                 "the MAAS machine credentials are empty",
                 failure_class=FailureClass.INPUT_CONFIG_ERROR,
             )
-        if self.first_boot is not None:
-            await self.first_boot.host_at(login.address)
-        self._connect(login)
+        root = await self._machine(login) / "root"
+        cfg = HwSyncConfig()
+        write_host_file(root, cfg.credentials, creds_yaml, 0o600)
+        write_host_file(root, cfg.service_unit, render_hw_sync_service(cfg), 0o644)
+        write_host_file(root, cfg.timer_unit, render_hw_sync_timer(cfg, interval_minutes), 0o644)
         self.seeds.append((login.address, interval_minutes))
 
     async def push_agent_config(self, login: SshLogin, *, agent_toml: str) -> None:
+        """agent.toml rewritten on the disk, then `systemctl restart gpucloud-agent`: a restart
+        marker the simulator acts on (at once when it runs in this process)."""
         try:
             parse_agent_toml(agent_toml)
         except MalformedUserData as err:
@@ -765,20 +774,11 @@ class SimulatedHostSeeder:
                 f"the agent config is invalid: {err}",
                 failure_class=FailureClass.INPUT_CONFIG_ERROR,
             ) from None
+        machine = await self._machine(login)
+        write_host_file(machine / "root", AGENT_CONFIG_PATH, agent_toml, 0o600)
+        (machine / RESTART_MARKER).touch()
         if self.first_boot is not None:
-            if login.address in self._unreachable:
-                self._connect(login)
-            try:
-                await self.first_boot.agent_config_pushed(login.address, agent_toml)
-            except MalformedUserData as err:
-                raise ClassifiedError(
-                    f"SSH to {login.address}: {err}",
-                    failure_class=FailureClass.POST_DEPLOY_CONNECTIVITY_FAILURE,
-                ) from None
-        else:
-            machine = self._connect(login)
-            push_agent_config(machine / "root", agent_toml)
-            (machine / RESTART_MARKER).touch()
+            await self.first_boot.restart_requested(login.address)
         self.agent_config_pushes += 1
         logger.info("agent config pushed to %s; its agent restarts", login.address)
 

@@ -60,7 +60,7 @@ gpus = json.loads({gpus!r})
 args = sys.argv[1:]
 if any(a.startswith("--query-gpu=") for a in args):
     for bus in gpus:
-        print(f"{{bus.upper()}}, 0")
+        print(f"0000{{bus.upper()}}, 0")  # nvidia-smi's bus ids: 8-digit domain
 elif any(a.startswith("--query-compute-apps=") for a in args):
     pass
 else:

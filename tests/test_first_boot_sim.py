@@ -550,6 +550,11 @@ async def test_simulated_seeder_reaches_only_deployed_hosts_and_pushes_enroll(
         refused, login = await refused_boot(maas_sim, gateway, fb, "node-a")
         await seeder.seed_hardware_sync(login, creds_yaml="x: 1\n", interval_minutes=15)
         assert seeder.seeds == [(login.address, 15)]
+        # What the real seeder writes over SSH is on the machine's disk.
+        creds = on_disk(refused, "/etc/maas/maas-machine-creds.yml")
+        assert (creds.read_text(), mode(creds)) == ("x: 1\n", 0o600)
+        timer = on_disk(refused, "/etc/systemd/system/maas_hardware_sync.timer")
+        assert "OnUnitActiveSec=15min" in timer.read_text()
 
         # ... a held agent does not enroll with a pushed token either ...
         fresh = gateway.agent_toml(await gateway.issue(node.id))
