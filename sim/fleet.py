@@ -142,20 +142,23 @@ class LibvirtTestHosts:
         hardware = self.hardware.get(node.node_id)
         if hardware is None:
             raise LookupError(f"node {node.node_id} is not in the database")
+        # One disk per node: the tenant accounts the bare-metal backend writes are the ones
+        # validate_clean and storage_cleanup look at.
+        machine = build_machine(
+            self.state_dir.resolve() / node.node_id / "machine",
+            address=node.hostname or node.node_id,
+            gpus=hardware.gpus,
+            machine_key=node.node_id,
+        )
         host = build_libvirt_test_host(
             node.node_id,
             hardware.gpus,
             self.state_dir,
             numa_layout=hardware.numa_layout,
             images=[hardware.image],
+            system_root=machine.root,
         )
         self.hosts[node.node_id] = host
-        machine = build_machine(
-            host.directory / "machine",
-            address=node.hostname or node.node_id,
-            gpus=hardware.gpus,
-            machine_key=node.node_id,
-        )
         return NodeServices(host=host.backend, maintenance=machine_services(machine).maintenance)
 
     def close(self) -> None:

@@ -278,8 +278,11 @@ def build_libvirt_test_host(
     images: Iterable[str] = (),
     poll_interval_s: float = 0.05,
     shutdown_timeout_s: float = 5.0,
+    system_root: Path | None = None,
 ) -> LibvirtTestHost:
-    """Write the node's files under `state_dir/<node_id>/` and build its backend (connected)."""
+    """Write the node's files under `state_dir/<node_id>/` and build its backend (connected).
+    `system_root`: the node's "/" when it has one already (a simulated machine's disk, so its
+    tenant accounts and its maintenance tasks share it); default `<node dir>/root`."""
     directory = Path(state_dir).resolve() / node_id
     directory.mkdir(parents=True, exist_ok=True)
     cells = numa_cells(numa_layout, gpus)
@@ -287,7 +290,7 @@ def build_libvirt_test_host(
     xml_path = directory / "host.xml"
     xml_path.write_text(xml_text)
     catalog = write_images(directory / "images", [*DEFAULT_IMAGES, *images])
-    root = prepare_system_root(directory / "root")
+    root = prepare_system_root(system_root or directory / "root")
     address = guest_address(node_id)
 
     libvirt.registerErrorHandler(_quiet_libvirt, None)
