@@ -99,8 +99,12 @@ RELEASABLE = frozenset(
 RELEASE_IN_PROGRESS = frozenset({S.RELEASING, S.DISK_ERASING})
 # MAAS event types, as the region names them: a deployment (which puts an OS, and then tenant
 # data, on the disks) begins with the first; an erase that completed logs the second.
+# MAAS's event log (../shared/maas-api-notes.md "Events"): the deployment start, and the status
+# change that leaves Disk erasing after a successful wipe ("Disk erasing → Releasing → Ready";
+# a failed wipe goes to "Failed disk erasing" instead).
 MAAS_DEPLOYMENT_EVENT = "User starting deployment"
-MAAS_DISKS_ERASED_EVENT = "Disks erased"
+MAAS_STATUS_CHANGE_EVENT = "Node changed status"
+MAAS_ERASE_FINISHED = "From 'Disk erasing' to 'Releasing'"
 
 
 @dataclass
@@ -156,11 +160,12 @@ def observe_machine(state: DecommissionState, machine: Machine) -> None:
 
 async def disks_erased_since_deployment(maas: MaasClient, system_id: str) -> bool:
     """Whether MAAS's event log shows the machine's disks erased since it was last deployed:
-    reading newest first, "Disks erased" comes before the deployment start. A Ready machine
-    does not say whether a release erased it; only its event log does. Not found in the last
-    events: not seen, so not erased."""
+    reading newest first, the status change out of Disk erasing into Releasing comes before the
+    deployment start. A Ready machine does not say whether a release erased it; only its event
+    log does (the status changes are DEBUG events). Not found in the last events: not seen, so
+    not erased."""
     for event in await maas.query_events(system_id=system_id, level="DEBUG", limit=200):
-        if event.type == MAAS_DISKS_ERASED_EVENT:
+        if event.type == MAAS_STATUS_CHANGE_EVENT and event.description == MAAS_ERASE_FINISHED:
             return True
         if event.type == MAAS_DEPLOYMENT_EVENT:
             return False
