@@ -40,6 +40,7 @@ from gateway.sshkeys import parse_public_key
 from schema.models import Allocation, ApiToken, Project, SshKey
 from schema.states import AllocationStatus, SkuShape, TokenRole
 from tests.factories import BAREMETAL_SKU, REGION, SLICE_SKU, create_node
+from tests.lifecycle_support import Tenant
 
 TEMPORAL_UI_ORIGIN = "http://localhost:8233"
 _UNSET: Any = object()
@@ -347,3 +348,23 @@ def token_row(
             return row
 
     return load
+
+
+@pytest.fixture
+async def tenant(api: ApiFactory, make_project: Any, make_token: Any) -> Tenant:
+    """A tenant's API client for a fresh project with one registered SSH key (the lifecycle
+    tests' tenant; a module may define its own `tenant` instead)."""
+    project = await make_project()
+    client = await api(token=await make_token("tenant", project))
+    public_key = ed25519_public_key("alice@laptop")
+    response = await client.post(
+        "/api/v1/ssh-keys", json={"name": "alice", "public_key": public_key}
+    )
+    assert response.status_code == 201, response.text
+    return Tenant(client, project.id, response.json()["id"], public_key)
+
+
+@pytest.fixture
+async def admin(api: ApiFactory, make_token: Any) -> httpx.AsyncClient:
+    """An admin's API client."""
+    return await api(token=await make_token("admin"))

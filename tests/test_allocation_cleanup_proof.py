@@ -33,7 +33,6 @@ from agent.host_activities import HostActivities
 from core.task_queues import node_task_queue
 from schema.models import DomainEvent, GpuSlot, Node, NodeTask
 from sim.host import SimulatedHost
-from tests.gateway_fixtures import ed25519_public_key
 from tests.histories import record_history
 from tests.lifecycle_support import (
     Tenant,
@@ -52,23 +51,6 @@ from workflows.allocation_contract import (
 )
 
 pytestmark = pytest.mark.usefixtures("control_plane")
-
-
-@pytest.fixture
-async def tenant(api: Any, make_project: Any, make_token: Any) -> Tenant:
-    project = await make_project()
-    client = await api(token=await make_token("tenant", project))
-    public_key = ed25519_public_key("alice@laptop")
-    response = await client.post(
-        "/api/v1/ssh-keys", json={"name": "alice", "public_key": public_key}
-    )
-    assert response.status_code == 201, response.text
-    return Tenant(client, project.id, response.json()["id"], public_key)
-
-
-@pytest.fixture
-async def admin(api: Any, make_token: Any) -> Any:
-    return await api(token=await make_token("admin"))
 
 
 async def allocate(tenant: Tenant, body: dict[str, Any]) -> str:

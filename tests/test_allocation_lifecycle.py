@@ -25,7 +25,6 @@ from core.build_id import BUILD_IDS
 from gateway.allocations import allocation_id_for
 from schema.models import Allocation, AuditEntry, NodeTask
 from tests.factories import SLICE_SKU
-from tests.gateway_fixtures import ed25519_public_key
 from tests.histories import record_history
 from tests.lifecycle_support import (
     Tenant,
@@ -41,23 +40,6 @@ from tests.lifecycle_support import (
 from workflows.allocation_contract import allocation_workflow_id
 
 pytestmark = pytest.mark.usefixtures("control_plane")
-
-
-@pytest.fixture
-async def tenant(api: Any, make_project: Any, make_token: Any) -> Tenant:
-    project = await make_project()
-    client = await api(token=await make_token("tenant", project))
-    public_key = ed25519_public_key("alice@laptop")
-    response = await client.post(
-        "/api/v1/ssh-keys", json={"name": "alice", "public_key": public_key}
-    )
-    assert response.status_code == 201, response.text
-    return Tenant(client, project.id, response.json()["id"], public_key)
-
-
-@pytest.fixture
-async def admin(api: Any, make_token: Any) -> Any:
-    return await api(token=await make_token("admin"))
 
 
 async def allocate(tenant: Tenant, body: dict[str, Any], key: str | None = None) -> dict[str, Any]:

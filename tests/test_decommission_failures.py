@@ -302,18 +302,6 @@ async def test_machine_deleted_out_of_band_is_adopted_by_an_operator(
 # --------------------------------------------------------------------------- allocations
 
 
-@pytest.fixture
-async def tenant(api: Any, make_project: Any, make_token: Any) -> Tenant:
-    from tests.gateway_fixtures import ed25519_public_key
-
-    project = await make_project()
-    client = await api(token=await make_token("tenant", project))
-    public_key = ed25519_public_key("bob@laptop")
-    response = await client.post("/api/v1/ssh-keys", json={"name": "bob", "public_key": public_key})
-    assert response.status_code == 201, response.text
-    return Tenant(client, project.id, response.json()["id"], public_key)
-
-
 async def _allocate_baremetal(rig: DecommissionRig, tenant: Tenant) -> tuple[str, str]:
     await create_sku(rig.sessions, BAREMETAL_SKU, shape=SkuShape.BAREMETAL, allowed=(8,))
     node = await create_node(rig.sessions, sku=BAREMETAL_SKU)

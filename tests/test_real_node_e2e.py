@@ -96,7 +96,7 @@ async def test_the_real_agent_serves_a_node_from_onboarding_to_deletion(
     assert active["node_id"] == node_id
     assert active["connect_host"] == first.address  # the deployed address MAAS gave it
     passwd = (first.root / "etc/passwd").read_text()
-    tenant_users = [line for line in passwd.splitlines() if line.split(":")[2] >= "20000"]
+    tenant_users = [line for line in passwd.splitlines() if int(line.split(":")[2]) >= 20000]
     assert len(tenant_users) == 1, passwd
     released = await tenant.post(f"/api/v1/allocations/{allocation_id}/release")
     assert released.status_code == 202
