@@ -273,6 +273,11 @@ class NvidiaSmi:
             apps.append(SmiProcess(normalize_pci_address(bus), number, _number(used)))
         return apps
 
+    def gpus_and_compute_apps(self) -> tuple[list[SmiGpu], list[SmiProcess]]:
+        """Both queries, the second only when there is a GPU to hold memory on."""
+        gpus = self.gpus()
+        return gpus, self.compute_apps() if gpus else []
+
     def _query(self, query: str, *, columns: int) -> list[list[str]]:
         name = self.binary.name
         if not self.binary.is_file():
@@ -329,8 +334,7 @@ class NvidiaSmiMemoryProbe:
 
     def usage(self) -> list[GpuMemoryUse]:
         try:
-            gpus = self.tool.gpus()
-            apps = self.tool.compute_apps() if gpus else []
+            gpus, apps = self.tool.gpus_and_compute_apps()
         except GpuToolUnavailable as err:
             return [GpuMemoryUse("all", 0, 0, unverified=str(err))]
         result = [
@@ -372,8 +376,7 @@ class NvidiaSmiScrubber:
 
     def scrub_each(self) -> list[GpuScrubOutcome]:
         try:
-            gpus = self.tool.gpus()
-            apps = self.tool.compute_apps() if gpus else []
+            gpus, apps = self.tool.gpus_and_compute_apps()
         except GpuToolUnavailable as err:
             return [GpuScrubOutcome(gpu="all", scrubbed=False, message=unverified(str(err)))]
         outcomes = []
