@@ -94,7 +94,7 @@ async def test_worker_killed_mid_batch_restarts_without_duplicate_deploys(
                 process.send_signal(signal.SIGTERM)
                 process.wait(timeout=30)
 
-    assert summary.succeeded == len(HOSTS), summary.details
+    assert summary.succeeded == len(HOSTS), [d for d in summary.details if d.status != "completed"]
     assert summary.max_in_flight <= 4
     counters = await rig.maas_sim.counters()
     for job in jobs:

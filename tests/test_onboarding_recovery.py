@@ -119,6 +119,7 @@ async def test_retry_stage_reruns_only_the_wait_and_resume_reseeds_first(
 @pytest.mark.maas_scenario(SCENARIO)
 async def test_late_enrollment_is_adopted(onboarding: OnboardingRig) -> None:
     onboarding.first_boot.hold("r-late")  # the agent cannot reach the API
+    await onboarding.set_policy(enrollment_timeout_seconds=4)  # it will not enroll: fail fast
     job = await onboarding.start("r-late", "10.176.18.13")
     row = await onboarding.wait_status(job, "failed_manual_intervention", timeout=90)
     assert (row.failure_class, row.error_code) == ("agent_enrollment_failure", "failed_enrollment")
