@@ -87,6 +87,13 @@ class HostActivities:
             max_workers=max_concurrent, thread_name_prefix=f"host-{node_id or 'agent'}"
         )
         self._cancel_grace_seconds = cancel_grace_seconds
+        # Tenant host tasks whose backend call is in flight (node.drain reports it). Changed
+        # only on the event loop; read from maintenance threads, where an int read is atomic.
+        self._running = 0
+
+    def running(self) -> int:
+        """How many tenant host tasks this node runs now (agent.maintenance.RunningTaskCounter)."""
+        return self._running
 
     def activities(self) -> list[Callable[..., Any]]:
         return [
@@ -146,6 +153,9 @@ class HostActivities:
         )
 
     # ------------------------------------------------------------------ shared flow
+
+    def _task_finished(self) -> None:
+        self._running -= 1
 
     def _refuse_if_draining(self) -> None:
         if self._is_draining is not None and self._is_draining():
@@ -234,7 +244,10 @@ class HostActivities:
             "task %s (%s, allocation %s): attempt %d", task_id, name, allocation_id, attempt
         )
         heartbeats = asyncio.create_task(self._heartbeat_loop(progress))
+        self._running += 1
         work = loop.run_in_executor(self._executor, call, progress)
+        # Counted until the backend thread is done, not until this coroutine gives up on it.
+        work.add_done_callback(lambda _: self._task_finished())
         # Whatever happens to this coroutine, the thread's outcome is consumed (no "exception was
         # never retrieved" noise when it finishes after a cancellation).
         work.add_done_callback(lambda f: f.cancelled() or f.exception())

@@ -398,7 +398,12 @@ class MaintenanceBackend(Protocol):
 
     def validate_clean(self, spec: NodeMaintenanceInput, progress: Progress) -> ValidateOutcome: ...
 
-    def drain(self, spec: NodeMaintenanceInput, progress: Progress) -> DrainOutcome: ...
+    def drain(
+        self,
+        spec: NodeMaintenanceInput,
+        progress: Progress,
+        tasks: RunningTaskCounter | None = None,
+    ) -> DrainOutcome: ...
 
     def undrain(self, spec: NodeMaintenanceInput, progress: Progress) -> DrainOutcome: ...
 
@@ -433,7 +438,6 @@ class FileMaintenanceBackend:
         scrubber: NodeGpuScrubber,
         gpu_probe: GpuMemoryProbe | None = None,
         processes: ProcessLister | None = None,
-        tasks: RunningTaskCounter | None = None,
         units: UnitManager | None = None,
         config: MaintenanceConfig | None = None,
         allow_unverified_gpu: bool = False,
@@ -443,7 +447,6 @@ class FileMaintenanceBackend:
         self._scrubber = scrubber
         self._gpu_probe = gpu_probe
         self._processes = processes or ProcProcessLister(self.root)
-        self._tasks = tasks
         self._units = units
         self.allow_unverified_gpu = allow_unverified_gpu
 
@@ -749,7 +752,12 @@ class FileMaintenanceBackend:
 
     # ------------------------------------------------------------------ drain
 
-    def drain(self, spec: NodeMaintenanceInput, progress: Progress) -> DrainOutcome:
+    def drain(
+        self,
+        spec: NodeMaintenanceInput,
+        progress: Progress,
+        tasks: RunningTaskCounter | None = None,
+    ) -> DrainOutcome:
         mark_phase, count_phase = DRAIN_PHASES
         files = self.config.agent_files
         progress(mark_phase, PhaseStatus.STARTED)
@@ -768,7 +776,7 @@ class FileMaintenanceBackend:
             ) from None
         progress(mark_phase, PhaseStatus.SUCCEEDED, "already draining" if already else "")
         progress(count_phase, PhaseStatus.STARTED)
-        running = self._tasks.running() if self._tasks is not None else 0
+        running = tasks.running() if tasks is not None else 0
         progress(count_phase, PhaseStatus.SUCCEEDED, f"{running} running")
         return DrainOutcome(draining=True, already_draining=already, running_tasks=running)
 
@@ -965,9 +973,13 @@ class MaintenanceActivities:
         node_id: str | None = None,
         executor: Executor | None = None,
         cancel_grace_seconds: float = 10.0,
+        tasks: RunningTaskCounter | None = None,
     ) -> None:
         self._backend = backend
         self._node_id = node_id
+        # The node's in-flight tenant host tasks, which node.drain reports (agent.node_worker
+        # passes the node's HostActivities: the only place that knows what runs).
+        self._tasks = tasks
         self._executor = executor or ThreadPoolExecutor(
             max_workers=4, thread_name_prefix=f"maint-{node_id or 'agent'}"
         )
@@ -1024,7 +1036,9 @@ class MaintenanceActivities:
 
     @activity.defn(name=NODE_DRAIN)
     async def drain(self, spec: NodeMaintenanceInput) -> DrainResult:
-        return await self._drain_marker(NODE_DRAIN, spec, self._backend.drain)
+        return await self._drain_marker(
+            NODE_DRAIN, spec, lambda s, p: self._backend.drain(s, p, self._tasks)
+        )
 
     @activity.defn(name=NODE_UNDRAIN)
     async def undrain(self, spec: NodeMaintenanceInput) -> DrainResult:

@@ -51,7 +51,7 @@ def node_activities(
         max_concurrent=max_concurrent,
         is_draining=services.maintenance.is_draining,
     )
-    maintenance = MaintenanceActivities(services.maintenance, node_id=node)
+    maintenance = MaintenanceActivities(services.maintenance, node_id=node, tasks=host)
     return [*host.activities(), *maintenance.activities()]
 
 

@@ -45,6 +45,7 @@ from agent.maintenance import (
     HwSyncOutcome,
     MaintenanceConfig,
     ProcessInfo,
+    RunningTaskCounter,
     StorageOutcome,
     UninstallOutcome,
     ValidateOutcome,
@@ -137,9 +138,14 @@ class FaultyMaintenance:
         self._enter("validate_clean", progress)
         return self.inner.validate_clean(spec, progress)
 
-    def drain(self, spec: NodeMaintenanceInput, progress: Progress) -> DrainOutcome:
+    def drain(
+        self,
+        spec: NodeMaintenanceInput,
+        progress: Progress,
+        tasks: RunningTaskCounter | None = None,
+    ) -> DrainOutcome:
         self._enter("drain", progress)
-        return self.inner.drain(spec, progress)
+        return self.inner.drain(spec, progress, tasks)
 
     def undrain(self, spec: NodeMaintenanceInput, progress: Progress) -> DrainOutcome:
         self._enter("undrain", progress)

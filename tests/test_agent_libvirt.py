@@ -244,6 +244,55 @@ def test_non_gpu_pci_device_is_vfio_error(host: Host) -> None:
     assert err.value.error_type == HostErrorType.VFIO_ERROR
 
 
+class RefusingStart:
+    """The host's libvirt connection, except that starting a domain fails as libvirtd reports it
+    on a host whose VFIO setup is wrong (or for another reason)."""
+
+    def __init__(self, conn: Any, message: str) -> None:
+        self._conn, self._message = conn, message
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+    def lookupByName(self, name: str) -> Any:
+        domain, message = self._conn.lookupByName(name), self._message
+
+        class Domain:
+            def __getattr__(self, attr: str) -> Any:
+                return getattr(domain, attr)
+
+            def create(self) -> int:
+                raise libvirt.libvirtError(message)
+
+        return Domain()
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "internal error: qemu unexpectedly closed the monitor: vfio 0000:9a:00.0: group 30 is not"
+        " viable",
+        "unable to open /dev/vfio/30: Permission denied",
+        "internal error: Failed to bind PCI device '0000:9a:00.0' to vfio-pci",
+        "operation failed: IOMMU not found",
+    ],
+)
+def test_a_start_refused_by_the_hosts_vfio_setup_is_vfio_error(host: Host, message: str) -> None:
+    backend = host.new_backend(connection=RefusingStart(host.conn, message))
+    progress = RecordingProgress()
+    with pytest.raises(HostError) as err:
+        backend.provision_slice_vm(provision_spec(), progress)
+    assert err.value.error_type == HostErrorType.VFIO_ERROR
+    assert "vm_started" not in progress.succeeded()
+
+
+def test_another_start_failure_stays_a_libvirt_error(host: Host) -> None:
+    """Not VFIO: the libvirt error itself, which the activity retries (then provisioning_error)."""
+    backend = host.new_backend(connection=RefusingStart(host.conn, "cannot allocate memory"))
+    with pytest.raises(libvirt.libvirtError):
+        backend.provision_slice_vm(provision_spec(), RecordingProgress())
+
+
 def test_gpu_held_by_another_domain_is_lease_conflict(host: Host) -> None:
     host.backend.provision_slice_vm(provision_spec("first"), RecordingProgress())
     with pytest.raises(HostError) as err:

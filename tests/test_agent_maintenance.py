@@ -599,9 +599,9 @@ def test_drain_writes_a_marker_once_and_counts_tasks(tmp_path: Path) -> None:
         def running(self) -> int:
             return 2
 
-    b = backend(root, tasks=Two())
+    b = backend(root)
     assert not b.is_draining()
-    first = b.drain(spec(), RecordingProgress())
+    first = b.drain(spec(), RecordingProgress(), Two())
     assert first.draining
     assert not first.already_draining
     assert first.running_tasks == 2

@@ -52,6 +52,10 @@ logger = logging.getLogger("agent.backends.libvirt_slice")
 _SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _USERNAME = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
 _GPU_CLASS_PREFIX = "0x03"  # PCI base class 0x03: display controller
+# What libvirt/QEMU say when starting a domain with a passthrough GPU fails because of the host's
+# VFIO setup (no IOMMU, group not viable, /dev/vfio not openable, vfio-pci bind refused): an
+# operator fixes the host, a retry would fail the same way.
+_VFIO_FAILURE = re.compile(r"vfio|iommu", re.IGNORECASE)
 
 
 def _quiet_libvirt(_ctx: object, _err: object) -> None:
@@ -216,7 +220,10 @@ class LibvirtSliceBackend:
             domain = self._require_domain(spec.allocation_id)
             if domain.isActive():
                 return "already running"
-            domain.create()
+            try:
+                domain.create()
+            except libvirt.libvirtError as err:
+                raise _start_failure(err) from None
             return "started"
 
         def reach_guest() -> str:
@@ -517,6 +524,15 @@ def _phase(progress: Progress, name: str, work: Callable[[], str]) -> bool:
         return False
     progress(name, PhaseStatus.SUCCEEDED, message)
     return True
+
+
+def _start_failure(err: libvirt.libvirtError) -> Exception:
+    """A domain that libvirt refused to start: vfio_error when the host's VFIO setup is why
+    (non-retryable), else the libvirt error itself (retried, then provisioning_error)."""
+    message = err.get_error_message() or str(err)
+    if _VFIO_FAILURE.search(message):
+        return HostError(HostErrorType.VFIO_ERROR, f"the host refused the GPU: {message[:300]}")
+    return err
 
 
 def _check_ids(allocation_id: str, username: str | None) -> None:
