@@ -526,10 +526,10 @@ def _phase(progress: Progress, name: str, work: Callable[[], str]) -> bool:
     return True
 
 
-def _start_failure(err: libvirt.libvirtError) -> Exception:
+def _start_failure(err: Exception) -> Exception:
     """A domain that libvirt refused to start: vfio_error when the host's VFIO setup is why
     (non-retryable), else the libvirt error itself (retried, then provisioning_error)."""
-    message = err.get_error_message() or str(err)
+    message = str(err)
     if _VFIO_FAILURE.search(message):
         return HostError(HostErrorType.VFIO_ERROR, f"the host refused the GPU: {message[:300]}")
     return err
