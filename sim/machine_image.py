@@ -11,7 +11,9 @@
               hypervisor (libvirt's test driver on host.xml), its guests' fixed address and the
               tenant-facing address; var/lib/gpucloud/images holds base images whose sha256 are
               the demo catalog's stand-in digests
-  host.xml    the libvirt test-driver host with the machine's CPUs, NUMA cells and GPUs
+  host.xml    the libvirt test-driver host with the machine's CPUs, NUMA cells and GPUs (each
+              GPU's NUMA node the one its sysfs entry names; the test driver builds no NUMA
+              cells from a custom file, so the slice backend reads the file's <topology> block)
 
 Nothing here is agent code: it is the machine the agent finds. The agent itself is the
 production one (agent/backends/from_config.py) reading this root.
@@ -96,7 +98,8 @@ def _write_sysfs(root: Path, gpus: Sequence[GpuPlacement]) -> None:
         path.mkdir(exist_ok=True)
         (path / "vendor").write_text(f"{NVIDIA_VENDOR}\n")
         (path / "device").write_text(f"{GPU_PRODUCT[0]}\n")
-        (path / "class").write_text(f"{GPU_CLASS}00\n")
+        # 24 bits, as the kernel writes it: class, subclass, programming interface.
+        (path / "class").write_text(f"{GPU_CLASS}\n")
         (path / "numa_node").write_text(f"{gpu.numa_node}\n")
         header = vendor.to_bytes(2, "little") + device.to_bytes(2, "little")
         (path / "config").write_bytes(header + bytes(252))

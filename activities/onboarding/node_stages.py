@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
+from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.dialects.postgresql import insert
@@ -54,6 +56,7 @@ from activities.onboarding.stage_runtime import (
 )
 from core.failures import ClassifiedError, FailureClass
 from schema.models import (
+    GpuSlot,
     MaasRoceAssignment,
     MaasSite,
     MaasSitePolicy,
@@ -330,6 +333,14 @@ class NodeStageActivities(StageActivitiesBase):
                 ttl_seconds=site.policy.enrollment_token_ttl_seconds,
             )
             issued_at = await session.scalar(select(func.clock_timestamp()))
+            # A fresh OS: what the node's GPUs are is unknown until this deployment's agent
+            # reports them. The enrollment stage waits for that report (inventory_matches set
+            # again by its first heartbeat), so a reimage never activates on the last OS's one.
+            await session.execute(
+                update(Node)
+                .where(Node.id == node_id)
+                .values(gpu_inventory=[], inventory_matches=None, updated_at=func.now())
+            )
         spec = await self._cloud_init_spec(run, enrollment_token=token)
         rendered = render_cloud_init(spec)
         del token, spec
@@ -489,36 +500,134 @@ class NodeStageActivities(StageActivitiesBase):
 
     @activity.defn(name="onboarding.wait_for_agent_enrollment")
     async def wait_for_agent_enrollment(self, input: StageInput) -> StageResult:
+        """The node's agent enrolled since the deploy AND reported its GPU inventory (its first
+        heartbeat, right after enrolling): only then is the node active, with GPU slots made
+        from that inventory. An enrolled agent that never reports fails like a missing
+        enrollment (failed_enrollment: the workflow pushes a fresh token, which restarts it)."""
         async with self.stage(input, Stage.WAIT_FOR_AGENT_ENROLLMENT) as run:
             site = run.site
             node_id = uuid.UUID(input.onboarding.node_id)
+            seen = {"enrolled": False, "inventory_reported": False}
 
-            async def enrolled() -> bool | None:
-                return True if await self._enrolled(node_id, input.state) else None
+            async def reported() -> bool | None:
+                enrolled, inventory = await self._enrollment(node_id, input.state)
+                seen.update(enrolled=enrolled, inventory_reported=inventory is not None)
+                return True if enrolled and inventory is not None else None
 
-            if await poll_until(site, site.policy.enrollment_timeout_seconds, enrolled) is None:
+            found = await poll_until(
+                site, site.policy.enrollment_timeout_seconds, reported, progress=lambda: seen
+            )
+            if found is None:
                 raise timeout_error(
                     "enrollment",
-                    "the node agent did not enroll in time",
+                    "the node agent enrolled but did not report its GPU inventory in time"
+                    if seen["enrolled"]
+                    else "the node agent did not enroll in time",
                     attempt=input.state.enrollment_attempts + 1,
+                    **seen,
                 )
-            await self._activate(run)
-            run.done(input.state, "agent enrolled; node active", node_id=str(node_id))
+            activation = await self._activate(run)
+            run.done(
+                input.state,
+                f"agent enrolled; {activation.describe()}; node active",
+                node_id=str(node_id),
+                gpus=activation.gpus,
+                slots_created=activation.slots_created,
+            )
         assert run.result is not None
         return run.result
 
     async def _enrolled(self, node_id: uuid.UUID, state: OnboardState) -> bool:
+        return (await self._enrollment(node_id, state))[0]
+
+    async def _enrollment(
+        self, node_id: uuid.UUID, state: OnboardState
+    ) -> tuple[bool, list[dict[str, Any]] | None]:
+        """(enrolled since the deploy, the GPU inventory its agent reported or None)."""
         since = dt.datetime.fromisoformat(state.deployed_since) if state.deployed_since else None
         async with self.deps.sessions() as session:
-            enrolled_at = await session.scalar(select(Node.enrolled_at).where(Node.id == node_id))
-        return enrolled_at is not None and (since is None or enrolled_at >= since)
+            row = (
+                await session.execute(
+                    select(Node.enrolled_at, Node.gpu_inventory, Node.inventory_matches).where(
+                        Node.id == node_id
+                    )
+                )
+            ).first()
+        if row is None:
+            return False, None
+        enrolled_at, inventory, matches = row
+        enrolled = enrolled_at is not None and (since is None or enrolled_at >= since)
+        return enrolled, _reported(inventory, matches)
 
-    async def _activate(self, run: StageRun) -> None:
-        """enrolling → active (the onboarding workflow owns this transition, seed 004 §3.3)
-        and the node's MAAS binding, in one transaction."""
+    async def _activate(self, run: StageRun) -> _Activation:
+        """enrolling → active (the onboarding workflow owns this transition, seed 004 §3.3),
+        the node's MAAS binding, and its GPU slots from the inventory its agent reported, in
+        one transaction. The node row is locked first, so a heartbeat cannot change the
+        inventory between the check and the slots made from it."""
         state, site = run.input.state, run.site
         node_id = uuid.UUID(run.input.onboarding.node_id)
         async with self.deps.sessions() as session, session.begin():
+            node = (
+                await session.execute(
+                    select(Node.gpu_inventory, Node.inventory_matches, Node.numa_layout)
+                    .where(Node.id == node_id)
+                    .with_for_update()
+                )
+            ).first()
+            inventory = _reported(*node[:2]) if node is not None else None
+            if node is None or inventory is None:
+                raise StageError(
+                    FailureClass.AGENT_ENROLLMENT_FAILURE,
+                    "no_gpu_inventory",
+                    "the node agent has not reported its GPU inventory",
+                )
+            gpus = [_inventory_gpu(g) for g in inventory]
+            if len(gpus) != site.gpu_count:
+                # Never a silently smaller (or larger) node: placement would offer GPUs the
+                # hardware does not have. The node stays enrolling, out of placement.
+                raise StageError(
+                    FailureClass.HARDWARE_MISMATCH,
+                    "gpu_count_mismatch",
+                    f"the node agent reports {len(gpus)} GPU(s); SKU {site.sku_id} has "
+                    f"{site.gpu_count}",
+                    details={
+                        "reported": len(gpus),
+                        "expected": site.gpu_count,
+                        "pci_addresses": [pci for pci, _ in gpus][:16],
+                    },
+                    non_retryable=True,
+                )
+            has_slots = await session.scalar(
+                select(func.count()).select_from(GpuSlot).where(GpuSlot.node_id == node_id)
+            )
+            node_values: dict[str, Any] = {"updated_at": func.now()}
+            if not has_slots:
+                # Index = the agent's order (PCI bus order, as NVML enumerates). A reimaged node
+                # keeps the slots it has: the heartbeats flag any change of hardware.
+                await session.execute(
+                    insert(GpuSlot),
+                    [
+                        {
+                            "id": uuid.uuid4(),
+                            "node_id": node_id,
+                            "gpu_index": index,
+                            "numa_node": numa,
+                            "pci_address": pci,
+                        }
+                        for index, (pci, numa) in enumerate(gpus)
+                    ],
+                )
+                node_values["inventory_matches"] = True  # the slots are that inventory
+            if not node[2]:
+                # What the inventory tells of the NUMA layout: each NUMA node's GPUs (CPUs and
+                # memory per node are not reported; the hypervisor reads those from the host).
+                per_numa: dict[int, int] = {}
+                for _, numa in gpus:
+                    per_numa[numa] = per_numa.get(numa, 0) + 1
+                node_values["numa_layout"] = [
+                    {"numa_node": numa, "gpus": count} for numa, count in sorted(per_numa.items())
+                ]
+            await session.execute(update(Node).where(Node.id == node_id).values(**node_values))
             await session.execute(
                 update(Node)
                 .where(Node.id == node_id, Node.status == NodeStatus.ENROLLING)
@@ -536,6 +645,7 @@ class NodeStageActivities(StageActivitiesBase):
                 .values(node_id=node_id, **binding)
                 .on_conflict_do_update(index_elements=[NodeMaasState.node_id], set_=binding)
             )
+        return _Activation(gpus=len(gpus), slots_created=not has_slots)
 
     @activity.defn(name="onboarding.refresh_enrollment_token")
     async def refresh_enrollment_token(self, input: StageInput) -> StageResult:
@@ -600,8 +710,8 @@ class NodeStageActivities(StageActivitiesBase):
     async def activate_adopted(self, input: StageInput) -> StageResult:
         """Adopt a late success: the agent enrolled after the workflow gave up (§4.13)."""
         async with self.stage(input, Stage.WAIT_FOR_AGENT_ENROLLMENT) as run:
-            await self._activate(run)
-            run.done(input.state, "late enrollment adopted; node active")
+            activation = await self._activate(run)
+            run.done(input.state, f"late enrollment adopted; {activation.describe()}; node active")
         assert run.result is not None
         return run.result
 
@@ -696,6 +806,33 @@ class NodeStageActivities(StageActivitiesBase):
     async def record_progress(self, record: ProgressRecord) -> None:
         async with self.deps.sessions() as session, session.begin():
             await read_model.record_progress(session, record)
+
+
+@dataclass(frozen=True)
+class _Activation:
+    gpus: int
+    slots_created: bool
+
+    def describe(self) -> str:
+        if self.slots_created:
+            return f"{self.gpus} GPU slot(s) from its inventory"
+        return f"{self.gpus} GPU(s) reported; the node keeps its slots"
+
+
+def _reported(inventory: Any, matches: bool | None) -> list[dict[str, Any]] | None:
+    """The inventory the agent reported, or None if none was reported since the last deploy
+    (record_heartbeat sets inventory_matches with every reported inventory, even an empty one;
+    the deploy clears it)."""
+    if matches is None or not isinstance(inventory, list):
+        return None
+    return [g for g in inventory if isinstance(g, dict)]
+
+
+def _inventory_gpu(gpu: dict[str, Any]) -> tuple[str, int]:
+    """(PCI address, NUMA node) of one reported GPU. A GPU the kernel gives no NUMA affinity
+    (-1, single-socket hosts) counts as on node 0: a slot's NUMA node is never unknown."""
+    numa = gpu.get("numa_node")
+    return str(gpu.get("pci_address", "")).lower(), numa if isinstance(numa, int) else 0
 
 
 async def _expire_unused_tokens(session: AsyncSession, node_id: uuid.UUID) -> None:
