@@ -24,6 +24,8 @@ from temporalio.client import Client
 
 from activities.maas.client import MaasClient
 from activities.maas.errors import MaasAuthError, MaasError
+from contracts.maas_reconciler import WORKFLOW_NAME as RECONCILER_WORKFLOW
+from contracts.maas_reconciler import ReconcileInput, reconciler_schedule_id
 from core.config import Settings
 from core.schedules import periodic_schedule, put_schedule
 from core.secret_paths import (
@@ -67,8 +69,6 @@ from schema.models import (
     MaasSitePolicy,
     MaasSiteProfile,
 )
-from workflows.maas_reconciler_contract import WORKFLOW_NAME as RECONCILER_WORKFLOW
-from workflows.maas_reconciler_contract import ReconcileInput, reconciler_schedule_id
 
 # The credentials check must answer an operator promptly, whatever MAAS is doing.
 MAAS_CHECK_TIMEOUT_SECONDS = 5.0

@@ -25,7 +25,6 @@ from typing import Any
 
 from pyroute2.netlink.exceptions import NetlinkError
 
-from agent.contract import HostErrorType
 from agent.network.errors import (
     InvalidNetworkSpec,
     MissingInterface,
@@ -41,6 +40,7 @@ from agent.network.netns import (
     validate_ifname,
     vlan_id_of,
 )
+from contracts.host_tasks import HostErrorType
 
 TAG_PREFIX = "gpucloud:alloc:"
 MAX_TAPS = 100

@@ -17,6 +17,7 @@ from litestar.params import FromPath, JSONBody
 from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from contracts.states import SlotStatus
 from gateway import audit
 from gateway.auth import Principal, admin_guard
 from gateway.controllers.common import errors
@@ -24,7 +25,6 @@ from gateway.errors import Conflict, NotFound
 from gateway.schemas import Reason
 from gateway.schemas import Request as RequestBody
 from schema.models import GpuSlot, Node
-from schema.states import SlotStatus
 
 AnyRequest = Request[Any, Any, Any]
 

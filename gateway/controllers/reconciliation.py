@@ -16,6 +16,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 from temporalio.client import Client
 
+from contracts.maas_reconciler import reconciler_schedule_id
 from gateway import audit
 from gateway.auth import Principal, admin_guard
 from gateway.controllers.common import errors
@@ -24,7 +25,6 @@ from gateway.schemas import Reason
 from gateway.schemas import Request as RequestBody
 from gateway.temporal import TemporalOps
 from schema.models import MaasSite, MaasSitePolicy, Node, NodeMaasState
-from workflows.maas_reconciler_contract import reconciler_schedule_id
 
 
 class ReconciliationStatus(msgspec.Struct, kw_only=True):
