@@ -15,6 +15,7 @@ from temporalio.client import Client
 from temporalio.worker import Worker, WorkerConfig
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
+from activities.admin_operations import AdminOperationActivities
 from activities.allocations import AllocationActivities
 from activities.billing.metering import BillingActivities
 from activities.decommission.reimage import ReimageActivities
@@ -38,6 +39,7 @@ from core.schedules import ensure_schedule, periodic_schedule
 from core.secrets import SecretStore, VaultSecretStore
 from core.temporal import connect
 from schema.db import create_engine, session_factory
+from workflows.admin_operation import AdminOperationWorkflow
 from workflows.allocation import AllocationWorkflow
 from workflows.billing_meter import SCHEDULE_ID as BILLING_SCHEDULE_ID
 from workflows.billing_meter import BillingMeterWorkflow
@@ -62,6 +64,7 @@ WORKFLOWS = [
     MaasNodeOnboardWorkflow,
     MaasNodeBatchOnboardWorkflow,
     NodeDecommissionWorkflow,
+    AdminOperationWorkflow,
 ]
 
 # Workflow modules stay sandboxed; every other module (our contracts, the SDK, the standard
@@ -107,6 +110,7 @@ def worker_config(
     stripe_api = dependencies.get("stripe_api") or StripeApi(secret_store, payment_settings)
     payments = PaymentActivities(sessions, stripe_api, payment_settings)
     allocations = AllocationActivities(engine)
+    admin_operations = AdminOperationActivities(sessions, secret_store)
     presence = NodePresenceActivities(sessions)
     maas_reconcile = MaasReconcileActivities(sessions, secret_store)
     liveness = NodeLivenessActivities(sessions)
@@ -200,6 +204,7 @@ def worker_config(
             reimage.decommission_ensure_hardware_sync_configured,
             reimage.decommission_wait_for_hardware_sync_healthy,
             reimage.decommission_wait_for_agent_enrollment,
+            *admin_operations.activities(),
         ],
         # Workflow activations are short CPU bursts under the GIL: a few threads beat many (a
         # hundred threads mostly trade the GIL back and forth on a 2-core machine).

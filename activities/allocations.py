@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import asyncpg
-from sqlalchemy import func, insert, select, update
+from sqlalchemy import and_, delete, exists, func, insert, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from temporalio import activity
@@ -27,9 +27,10 @@ from activities import placement_sql
 from activities.billing.usage import close_usage, open_usage
 from activities.node_lifecycle import transition_node
 from activities.node_task_log import record_task_outcome
-from activities.placement_sql import PlacementRequest, SkuSizing
+from activities.placement_sql import DEFAULT_SLICE_VLAN_POOL, PlacementRequest, SkuSizing
 from contracts.allocation import (
     BALANCE_DEPLETED,
+    NETWORK_POOL_EXHAUSTED,
     PROVISION_CLEANUP_UNCONFIRMED,
     SKU_UNAVAILABLE,
 )
@@ -69,6 +70,7 @@ from schema.models import (
     DomainEvent,
     GpuSlot,
     NodeTask,
+    ProjectSliceVlan,
     Sku,
     SshKey,
 )
@@ -81,6 +83,9 @@ MAX_MESSAGE = 500
 SLICE_CANDIDATES = 128
 # Who moves a node into quarantine after a failed provision (node.status_changed's actor).
 NODE_ACTOR = "allocation"
+# The allocation event a failed provision records when its cleanup was not proven: such an
+# allocation may still have a VM on its project's VLAN, so the VLAN stays with the project.
+CLEANUP_UNCONFIRMED_EVENT = "cleanup_unconfirmed"
 
 
 class PlacementContention(Exception):
@@ -100,10 +105,18 @@ def username_for(allocation_id: str) -> str:
 
 
 class AllocationActivities:
-    def __init__(self, engine: AsyncEngine, *, placement_deadline_seconds: float = 20) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        *,
+        placement_deadline_seconds: float = 20,
+        default_slice_vlan_pool: tuple[int, int] = DEFAULT_SLICE_VLAN_POOL,
+    ) -> None:
         self._engine = engine  # placement's plain SQL (schema.db.driver_connection)
         self._sessions = session_factory(engine)  # the transitions, through the ORM
         self._placement_deadline = placement_deadline_seconds
+        # The VLAN ids of a region without a slice_vlan_pools row.
+        self._default_slice_vlan_pool = default_slice_vlan_pool
 
     # ------------------------------------------------------------------ placement
 
@@ -129,7 +142,7 @@ class AllocationActivities:
                 if existing is not None:
                     return existing
             except ApplicationError as rejected:
-                if rejected.type == SKU_UNAVAILABLE:
+                if rejected.type in (SKU_UNAVAILABLE, NETWORK_POOL_EXHAUSTED):
                     # An earlier run may have taken the last capacity for this very allocation.
                     existing = await self._existing_placement(input)
                     if existing is not None:
@@ -166,9 +179,20 @@ class AllocationActivities:
         if baremetal:
             placed = await placement_sql.place_baremetal(pg, request)
         else:
-            placed = await placement_sql.place_slice(pg, request, candidates=SLICE_CANDIDATES)
+            placed = await placement_sql.place_slice(
+                pg,
+                request,
+                candidates=SLICE_CANDIDATES,
+                default_vlan_pool=self._default_slice_vlan_pool,
+            )
         if not placed.written:
-            if placed.any_room:
+            if placed.vlan_pool_exhausted:
+                raise _reject(
+                    NETWORK_POOL_EXHAUSTED,
+                    f"no slice network VLAN is free in {input.region}; "
+                    "release slice allocations of other projects or widen the region's pool",
+                )
+            if placed.any_room or placed.vlan_contended:
                 raise PlacementContention()  # rank again
             if baremetal:
                 raise _reject(SKU_UNAVAILABLE, f"no {input.sku} node is free in {input.region}")
@@ -186,6 +210,7 @@ class AllocationActivities:
             reservation,
             offer.sizing,
             offer.ssh_public_keys,
+            placed.vlan_id,
         )
         return Placement(reservation=reservation, plan=plan)
 
@@ -235,6 +260,17 @@ class AllocationActivities:
                     .order_by(SshKey.created_at)
                 )
             ).all()
+            # The placement took it with the reservation, and the allocation being live keeps it.
+            vlan_id = (
+                await session.scalar(
+                    select(ProjectSliceVlan.vlan_id).where(
+                        ProjectSliceVlan.region == allocation.region,
+                        ProjectSliceVlan.project_id == allocation.project_id,
+                    )
+                )
+                if allocation.shape == SkuShape.GPU_SLICE
+                else None
+            )
         assert sku is not None
         assert allocation.node_id is not None
         reservation = Reservation(
@@ -249,7 +285,9 @@ class AllocationActivities:
             created_at=allocation.created_at.isoformat(),
         )
         sizing = SkuSizing(sku.vcpus_per_gpu, sku.memory_mb_per_gpu, sku.image, sku.image_sha256)
-        plan = _provision_plan(input.provision_task_id, kind, reservation, sizing, list(keys))
+        plan = _provision_plan(
+            input.provision_task_id, kind, reservation, sizing, list(keys), vlan_id
+        )
         return Placement(reservation=reservation, plan=plan)
 
     @activity.defn(name="allocation.activate")
@@ -317,6 +355,9 @@ class AllocationActivities:
             else:
                 await _quarantine_unconfirmed_cleanup(session, allocation, input.cleanup_error)
             await _free_claims(session, allocation_id)
+            # Last: it locks the project's VLAN row after the node rows _free_claims touched,
+            # in the order placement takes them.
+            await _return_slice_vlan(session, allocation)
 
     # ------------------------------------------------------------------ release
 
@@ -386,7 +427,7 @@ class AllocationActivities:
             await close_usage(session, allocation_id)
             if succeeded:
                 assert result is not None
-                await _transition(
+                allocation = await _transition(
                     session,
                     allocation_id,
                     AllocationStatus.RELEASED,
@@ -400,6 +441,7 @@ class AllocationActivities:
                     {g.pci_address: g.reason for g in result.unhealthy_gpus},
                 )
                 await _free_claims(session, allocation_id)
+                await _return_slice_vlan(session, allocation)  # last, as in fail_provisioning
             else:
                 await _transition(
                     session,
@@ -441,6 +483,7 @@ def _provision_plan(
     reservation: Reservation,
     sku: SkuSizing,
     ssh_public_keys: list[str],
+    vlan_id: int | None,
 ) -> ProvisionPlan:
     is_slice = reservation.shape == SkuShape.GPU_SLICE
     spec = HostProvisionInput(
@@ -455,6 +498,7 @@ def _provision_plan(
         memory_mb=sku.memory_mb_per_gpu * reservation.gpu_count if is_slice else 0,
         image=sku.image if is_slice else "",
         image_sha256=sku.image_sha256 if is_slice else "",
+        vlan_id=vlan_id if is_slice else None,
     )
     return ProvisionPlan(task_id=task_id, task_kind=kind, spec=spec)
 
@@ -617,7 +661,7 @@ async def _quarantine_unconfirmed_cleanup(
             reason=f"{reason}: allocation {allocation.id}",
         )
         details["node_status"] = moved.current.value if moved.current else None
-    await _record(session, allocation.id, "cleanup_unconfirmed", reason=reason, details=details)
+    await _record(session, allocation.id, CLEANUP_UNCONFIRMED_EVENT, reason=reason, details=details)
     await session.execute(
         insert(DomainEvent).values(
             type=f"node.{reason}",
@@ -663,4 +707,59 @@ async def _queue_task(
             workflow_id=workflow_id,
         )
         .on_conflict_do_nothing(index_elements=[NodeTask.id])
+    )
+
+
+async def _return_slice_vlan(session: AsyncSession, allocation: Allocation) -> None:
+    """Give the project's slice VLAN in the allocation's region back to the pool when nothing of
+    the project there can still be on it: no slice allocation of the project in the region that
+    is not released, and no failed one whose cleanup was not proven (its VM may live on). Safe
+    against a concurrent placement of the project (activities/placement_sql.py, _SLICE_VLAN):
+    the row is locked before anything is counted, and a placement that read it has committed by
+    the time the lock is granted; one that comes later waits, then finds the row gone and takes
+    a new vid."""
+    if allocation.shape != SkuShape.GPU_SLICE:
+        return
+    mine = and_(
+        ProjectSliceVlan.region == allocation.region,
+        ProjectSliceVlan.project_id == allocation.project_id,
+    )
+    vlan_id = await session.scalar(select(ProjectSliceVlan.vlan_id).where(mine).with_for_update())
+    if vlan_id is None:
+        return  # placed before VLANs were assigned, or already returned (a retried activity)
+    # A statement of its own, after the lock: its snapshot includes every placement that held
+    # the row before us.
+    still_on_it = await session.scalar(
+        select(
+            exists().where(
+                Allocation.project_id == allocation.project_id,
+                Allocation.region == allocation.region,
+                Allocation.shape == SkuShape.GPU_SLICE,
+                or_(
+                    Allocation.status.not_in([AllocationStatus.RELEASED, AllocationStatus.FAILED]),
+                    and_(
+                        Allocation.status == AllocationStatus.FAILED,
+                        exists().where(
+                            AllocationEvent.allocation_id == Allocation.id,
+                            AllocationEvent.event == CLEANUP_UNCONFIRMED_EVENT,
+                        ),
+                    ),
+                ),
+            )
+        )
+    )
+    if still_on_it:
+        return
+    await session.execute(delete(ProjectSliceVlan).where(mine))
+    await session.execute(
+        insert(DomainEvent).values(
+            type="project.slice_vlan_released",
+            subject_type="project",
+            subject_id=str(allocation.project_id),
+            payload={
+                "region": allocation.region,
+                "vlan_id": vlan_id,
+                "allocation_id": str(allocation.id),
+            },
+        )
     )

@@ -1,6 +1,7 @@
 """The SQL of placement, the hot spot of every POST /allocations: what is offered, then one
 statement that ranks the nodes, locks the best one nobody else holds and its slots, picks the
-slots (seed 000: NUMA-fit, then best-fit) and writes the whole reservation.
+slots (seed 000: NUMA-fit, then best-fit), takes a slice's project VLAN and writes the whole
+reservation.
 
 Written against the asyncpg connection directly, in plain SQL, because this path runs once per
 POST and SQLAlchemy's statement building, compilation and ORM bookkeeping cost more CPU than the
@@ -33,6 +34,9 @@ from contracts.states import (
 
 # A whole-node claim overlaps every GPU index on the node.
 WHOLE_NODE_FOOTPRINT = (0, 2**31 - 1)
+# The VLAN ids of a region that has no slice_vlan_pools row: clear of VLAN 1 (the usual native
+# VLAN) and of the low ids sites tend to keep for infrastructure.
+DEFAULT_SLICE_VLAN_POOL = (1000, 3999)
 
 
 @dataclass(frozen=True)
@@ -151,6 +155,46 @@ SELECT (SELECT id FROM node), (SELECT created_at FROM allocation),
        CASE WHEN (SELECT id FROM node) IS NULL THEN EXISTS ({_FREE_NODES}) ELSE true END
 """
 
+# The VLAN of the project's slice network in the region, taken by the same statement that
+# reserves the slots, only once they fit (`fits`), so a placement that writes nothing assigns
+# nothing. The project's row, when it has one, is read FOR KEY SHARE: placements
+# of one project share it, while the release of the project's last allocation locks it FOR UPDATE
+# before it counts what is left and deletes it (activities/allocations.py, _return_slice_vlan),
+# so a VLAN is never returned while a placement is using it. Without a row, the lowest vid of the
+# region's pool (its slice_vlan_pools row, else `$13..$14`) that no project holds is inserted;
+# the unique constraints decide between concurrent first placements: ON CONFLICT DO NOTHING
+# waits for the other insert and yields nothing, so the loser writes nothing and ranks again
+# (free_vid set, vlan empty), and no free vid at all is the pool being exhausted. Bare metal
+# gets no VLAN: a whole node has no neighbours on its host bridge.
+_SLICE_VLAN = """
+held_vlan AS (
+  SELECT v.vlan_id FROM project_slice_vlans v
+  WHERE v.region = $1 AND v.project_id = $5::uuid AND (SELECT ok FROM fits)
+  FOR KEY SHARE
+), pool AS (
+  SELECT coalesce(p.first_vid, $13::int) AS first_vid, coalesce(p.last_vid, $14::int) AS last_vid
+  FROM (SELECT 1) AS one LEFT JOIN slice_vlan_pools p ON p.region = $1
+), free_vid AS (
+  SELECT s.vid FROM pool, generate_series(pool.first_vid, pool.last_vid) AS s(vid)
+  WHERE (SELECT ok FROM fits) AND NOT EXISTS (SELECT 1 FROM held_vlan)
+    AND NOT EXISTS (SELECT 1 FROM project_slice_vlans v WHERE v.region = $1 AND v.vlan_id = s.vid)
+  ORDER BY s.vid
+  LIMIT 1
+), new_vlan AS (
+  INSERT INTO project_slice_vlans (region, project_id, vlan_id, assigned_at)
+  SELECT $1::text, $5::uuid, vid, clock_timestamp() FROM free_vid
+  ON CONFLICT DO NOTHING
+  RETURNING vlan_id
+), vlan_assigned AS (
+  INSERT INTO domain_events (type, subject_type, subject_id, payload)
+  SELECT 'project.slice_vlan_assigned', 'project', $5::uuid::text,
+         jsonb_build_object('region', $1::text, 'vlan_id', vlan_id, 'allocation_id',
+                            $4::uuid::text)
+  FROM new_vlan
+), vlan AS (
+  SELECT vlan_id FROM held_vlan UNION ALL SELECT vlan_id FROM new_vlan
+)"""
+
 # Slices: nodes where one NUMA node fits the request rank first, then best-fit (fewest free GPUs
 # that still fit), so big requests keep finding room. The ranking reads each node's free-GPU
 # counters (kept by triggers on gpu_slots), one row per node, not every free slot of the region.
@@ -160,7 +204,8 @@ SELECT (SELECT id FROM node), (SELECT created_at FROM allocation),
 # are locked and counted. They come from one NUMA node when one fits (the one with the fewest
 # free slots that fits, best-fit again), else from the NUMA nodes with the most free slots first.
 # If fewer slots than asked could be locked (a release in flight holds some), nothing is written
-# and it ranks again.
+# and it ranks again. With the slots, the project's slice VLAN (`_SLICE_VLAN`): no VLAN, nothing
+# written.
 _PLACE_SLICE = f"""
 WITH best AS (
   SELECT n.id, n.free_gpus_one_numa >= $3 AS numa_fit, n.free_gpus
@@ -191,8 +236,10 @@ WITH best AS (
   FROM slots s JOIN numa USING (numa_node)
 ), chosen AS (
   SELECT * FROM ordered WHERE pick <= $3
-), placed AS (
-  SELECT id AS node_id FROM node WHERE (SELECT count(*) FROM chosen) = $3
+), fits AS (
+  SELECT (SELECT count(*) FROM chosen) = $3 AS ok
+), {_SLICE_VLAN}, placed AS (
+  SELECT id AS node_id FROM node WHERE (SELECT ok FROM fits) AND EXISTS (SELECT 1 FROM vlan)
 ), details AS (
   SELECT jsonb_build_object(
            'claim', 'gpu_slots',
@@ -215,7 +262,8 @@ SELECT (SELECT id FROM node), (SELECT created_at FROM allocation),
        ARRAY(SELECT id FROM chosen ORDER BY pick),
        ARRAY(SELECT gpu_index FROM chosen ORDER BY pick),
        ARRAY(SELECT numa_node FROM chosen ORDER BY pick),
-       ARRAY(SELECT pci_address FROM chosen ORDER BY pick)
+       ARRAY(SELECT pci_address FROM chosen ORDER BY pick),
+       (SELECT ok FROM fits), (SELECT vlan_id FROM vlan), (SELECT vid FROM free_vid)
 """
 
 
@@ -238,6 +286,21 @@ class Placed:
     created_at: dt.datetime | None
     any_room: bool
     slots: list[ReservedSlot] = field(default_factory=list)
+    # Slices only. `fits`: the node it locked had the slots. `vlan_id`: the project's VLAN in
+    # the region (held or assigned now). `free_vid`: the vid a first placement tried to take; set
+    # with no `vlan_id`, a concurrent first placement took it (rank again); neither set while
+    # `fits`, the region's pool is exhausted.
+    fits: bool = False
+    vlan_id: int | None = None
+    free_vid: int | None = None
+
+    @property
+    def vlan_pool_exhausted(self) -> bool:
+        return self.fits and self.vlan_id is None and self.free_vid is None
+
+    @property
+    def vlan_contended(self) -> bool:
+        return self.fits and self.vlan_id is None and self.free_vid is not None
 
     @property
     def written(self) -> bool:
@@ -284,11 +347,24 @@ async def place_baremetal(pg: asyncpg.Connection, request: PlacementRequest) -> 
 
 
 async def place_slice(
-    pg: asyncpg.Connection, request: PlacementRequest, *, candidates: int
+    pg: asyncpg.Connection,
+    request: PlacementRequest,
+    *,
+    candidates: int,
+    default_vlan_pool: tuple[int, int] = DEFAULT_SLICE_VLAN_POOL,
 ) -> Placed:
-    """Rank, lock the best free node and its slots, pick the slots and reserve them, in one
-    statement. Raises like place_baremetal."""
-    row = await pg.fetchrow(_PLACE_SLICE, *request.parameters(), candidates)
+    """Rank, lock the best free node and its slots, pick the slots, take the project's VLAN and
+    reserve them, in one statement. Raises like place_baremetal."""
+    first_vid, last_vid = default_vlan_pool
+    row = await pg.fetchrow(_PLACE_SLICE, *request.parameters(), candidates, first_vid, last_vid)
     assert row is not None
     slots = [ReservedSlot(*fields) for fields in zip(row[3], row[4], row[5], row[6], strict=True)]
-    return Placed(node_id=row[0], created_at=row[1], any_room=bool(row[2]), slots=slots)
+    return Placed(
+        node_id=row[0],
+        created_at=row[1],
+        any_room=bool(row[2]),
+        slots=slots,
+        fits=bool(row[7]),
+        vlan_id=row[8],
+        free_vid=row[9],
+    )

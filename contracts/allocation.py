@@ -23,7 +23,9 @@ SSH_KEY_NOT_FOUND = "ssh_key_not_found"
 BALANCE_DEPLETED = "balance_depleted"
 IDEMPOTENCY_KEY_REUSED = "idempotency_key_reused"
 NOT_RELEASABLE = "allocation_not_releasable"
-REJECTION_TYPES = (SKU_UNAVAILABLE, SSH_KEY_NOT_FOUND, BALANCE_DEPLETED)
+# The region's slice VLAN pool has no vid left for a project that holds none.
+NETWORK_POOL_EXHAUSTED = "network_pool_exhausted"
+REJECTION_TYPES = (SKU_UNAVAILABLE, SSH_KEY_NOT_FOUND, BALANCE_DEPLETED, NETWORK_POOL_EXHAUSTED)
 
 # Provisioning failure reasons beyond the host's own error types.
 NODE_UNREACHABLE = "node_unreachable"

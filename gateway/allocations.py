@@ -37,6 +37,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from contracts.allocation import (
     BALANCE_DEPLETED,
     IDEMPOTENCY_KEY_REUSED,
+    NETWORK_POOL_EXHAUSTED,
     NOT_RELEASABLE,
     REJECTED,
     RELEASE_UPDATE,
@@ -88,6 +89,7 @@ _REJECTIONS: dict[str, tuple[int, str]] = {
     SKU_UNAVAILABLE: (409, "no capacity for this SKU in this region right now"),
     SSH_KEY_NOT_FOUND: (422, "an SSH key in the request does not belong to this project"),
     BALANCE_DEPLETED: (402, "the project's balance is depleted; add credit to allocate"),
+    NETWORK_POOL_EXHAUSTED: (409, "no slice network VLAN is free in this region right now"),
     IDEMPOTENCY_KEY_REUSED: (
         422,
         "this X-Idempotency-Key was already used with a different request body",

@@ -1,14 +1,19 @@
 """MAAS site use cases behind the admin controller (seed 003 §3.4, §3.5).
 
-Secrets go to Vault only, after MAAS accepted the token; the database keeps their paths. No
-response, log line, audit row or exception message carries a secret value. Network calls
-(MAAS, Vault) never run inside an open database transaction that holds locks for long: rows are
-read, the calls are made, then the change is written and committed with its audit row.
+Sites, their policy and profiles are plain configuration (no secret, no call outside Temporal):
+the gateway writes them in one short transaction with their audit row. Everything that talks to
+MAAS or Vault (credentials, probe, BMC credential overrides) and the RoCE assignments run in the
+worker through AdminOperationWorkflow (gateway.admin_operations): the gateway validates the
+request and reads what it needs to answer 404/422 as before, then waits for the workflow's
+answer. Secrets go to Vault only, after MAAS accepted the token; the database keeps their paths.
+No response, log line, audit row or exception message carries a secret value.
 """
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
+import json
 import re
 import uuid
 from collections.abc import Sequence
@@ -17,25 +22,47 @@ from typing import Any
 
 import msgspec
 import sqlalchemy.exc
-from sqlalchemy import func, select, text
-from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from temporalio.client import Client
 
-from activities.maas.client import MaasClient
-from activities.maas.errors import MaasAuthError, MaasError
+from contracts.admin_operation import (
+    MAAS_TOKEN_REJECTED,
+    MAAS_UNREACHABLE,
+    POWER_OVERRIDE_CREATE,
+    POWER_OVERRIDE_DELETE,
+    POWER_OVERRIDE_UPDATE,
+    ROCE_DELETE,
+    ROCE_UPSERT,
+    SITE_CREDENTIALS_WRITE,
+    SITE_PROBE,
+    PowerOverrideCreateInput,
+    PowerOverrideDeleteInput,
+    PowerOverrideState,
+    PowerOverrideUpdateInput,
+    PowerSecret,
+    RoceDeleteInput,
+    RoceItem,
+    RoceUpsertInput,
+    RoceUpsertResult,
+    SiteCredentialsInput,
+    SiteCredentialsResult,
+    SiteProbeInput,
+    SiteProbeResult,
+    admin_operation_workflow_id,
+)
 from contracts.maas_reconciler import WORKFLOW_NAME as RECONCILER_WORKFLOW
 from contracts.maas_reconciler import ReconcileInput, reconciler_schedule_id
 from core.config import Settings
 from core.schedules import periodic_schedule, put_schedule
 from core.secret_paths import (
-    power_override_path,
     site_api_token_path,
     site_default_power_path,
     site_deploy_password_path,
 )
-from core.secrets import SecretStore
+from core.timestamps import parse_iso
 from gateway import audit
+from gateway.admin_operations import actor, request_discriminator, run_admin_operation
 from gateway.auth import Principal
 from gateway.errors import ApiError, Conflict, NotFound, Unprocessable
 from gateway.identity import constraint_name
@@ -70,27 +97,8 @@ from schema.models import (
     MaasSiteProfile,
 )
 
-# The credentials check must answer an operator promptly, whatever MAAS is doing.
-MAAS_CHECK_TIMEOUT_SECONDS = 5.0
 _MAC = re.compile(r"^[0-9a-f]{2}(:[0-9a-f]{2}){5}$")
 _HOSTNAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$")
-
-
-def _maas_rejection(err: MaasError, *, status_code: int) -> ApiError:
-    """MAAS said no or did not answer: a typed answer that names the failure class."""
-    if isinstance(err, MaasAuthError):
-        return ApiError(
-            "MAAS rejected the API key",
-            code="maas_token_rejected",
-            status_code=status_code,
-            details={"failure_class": err.failure_class.value},
-        )
-    return ApiError(
-        "MAAS did not answer (unreachable, timed out or failing)",
-        code="maas_unreachable",
-        status_code=status_code,
-        details={"failure_class": err.failure_class.value},
-    )
 
 
 # --- views ----------------------------------------------------------------------------------
@@ -502,92 +510,78 @@ async def patch_profile(
 
 
 # --- credentials and probe ------------------------------------------------------------------
+# MAAS and Vault are called by the worker (AdminOperationWorkflow): the gateway reads the site
+# (404 as before), then runs the operation and waits for its answer.
 
 
 async def set_credentials(
     db: AsyncSession,
-    secrets: SecretStore,
+    temporal: TemporalOps,
+    task_queue: str,
     principal: Principal,
     site_id: uuid.UUID,
     body: SiteCredentials,
     reason: str | None,
 ) -> CredentialsWritten:
-    site, _ = await load_site(db, site_id)
-    base_url, token_path = site.api_base_url, site.api_token_vault_path
-    power_path, deploy_path = site.default_power_creds_vault_path, site.deploy_password_vault_path
-    await db.rollback()  # no transaction stays open across MAAS and Vault calls
-
-    try:
-        async with MaasClient(
-            base_url, body.maas_api_key, timeout=MAAS_CHECK_TIMEOUT_SECONDS, max_attempts=1
-        ) as maas:
-            version = await maas.version()
-    except ValueError:
-        raise Unprocessable(
-            "maas_api_key must be '<consumer_key>:<token_key>:<token_secret>'",
-            code="maas_api_key_malformed",
-        ) from None
-    except MaasError as err:
-        raise _maas_rejection(err, status_code=422) from None
-
-    writes: list[tuple[str, dict[str, str]]] = [(token_path, {"token": body.maas_api_key})]
-    if body.power is not None:
-        writes.append((power_path, {"user": body.power.user, "pass": body.power.password}))
-    if body.deploy_password is not None:
-        writes.append((deploy_path, {"password": body.deploy_password}))
-    for path, value in writes:
-        await secrets.write(path, value)
-
-    site, _ = await load_site(db, site_id)
-    site.credentials_updated_at = func.now()
-    site.maas_version = version.version
-    site.updated_at = func.now()
-    written = [path for path, _ in writes]
-    audit.record_by(
-        db,
-        principal,
-        action="maas_site.credentials_write",
-        target_type="maas_site",
-        target_id=str(site_id),
-        reason=reason,
-        details={"written_paths": written, "maas_version": version.version},
+    """The worker validates the key against MAAS, writes the secrets to Vault (putting the
+    previous ones back if a write or the commit fails) and commits the site row and its audit
+    row. The secrets travel only in the encrypted workflow payload; the workflow id is this
+    request's own, so a concurrent change with other secrets is never answered with this one."""
+    await load_site(db, site_id)
+    await db.close()  # no connection held across the Temporal call
+    result = await run_admin_operation(
+        temporal,
+        task_queue,
+        SITE_CREDENTIALS_WRITE,
+        SiteCredentialsInput(
+            actor=actor(principal, reason),
+            site_id=str(site_id),
+            maas_api_key=body.maas_api_key,
+            power=(
+                PowerSecret(user=body.power.user, password=body.power.password)
+                if body.power is not None
+                else None
+            ),
+            deploy_password=body.deploy_password,
+        ),
+        workflow_id=admin_operation_workflow_id(
+            SITE_CREDENTIALS_WRITE, f"{site_id}-{request_discriminator()}"
+        ),
+        result_type=SiteCredentialsResult,
     )
-    await db.commit()
-    return CredentialsWritten(site_id=site_id, maas_version=version.version, written_paths=written)
+    return CredentialsWritten(
+        site_id=uuid.UUID(result.site_id),
+        maas_version=result.maas_version,
+        written_paths=result.written_paths,
+    )
 
 
-async def probe(db: AsyncSession, secrets: SecretStore, site_id: uuid.UUID) -> ProbeResult:
-    site, _ = await load_site(db, site_id)
-    base_url, token_path = site.api_base_url, site.api_token_vault_path
-    await db.rollback()
-    secret = await secrets.read(token_path)  # read now: a rotated token is used at once
-    if not secret or not secret.get("token"):
-        raise Conflict(
-            "this site has no MAAS credentials yet (POST …/credentials)",
-            code="credentials_missing",
-        )
-    try:
-        async with MaasClient(
-            base_url, secret["token"], timeout=MAAS_CHECK_TIMEOUT_SECONDS
-        ) as maas:
-            version = await maas.version()
-            racks = await maas.rack_controllers()
-    except ValueError:
-        raise Conflict(
-            "the stored MAAS API key is malformed; write new credentials",
-            code="credentials_invalid",
-        ) from None
-    except MaasError as err:
-        raise _maas_rejection(err, status_code=502) from None
+async def probe(
+    db: AsyncSession, temporal: TemporalOps, task_queue: str, site_id: uuid.UUID
+) -> ProbeResult:
+    """The worker reads the token from Vault now (a rotated token is used at once) and asks
+    MAAS; MAAS trouble is 502 here (the stored key stopped working), 422 on a credentials
+    write."""
+    await load_site(db, site_id)
+    await db.close()
+    result = await run_admin_operation(
+        temporal,
+        task_queue,
+        SITE_PROBE,
+        SiteProbeInput(site_id=str(site_id)),
+        workflow_id=admin_operation_workflow_id(SITE_PROBE, f"{site_id}-{request_discriminator()}"),
+        result_type=SiteProbeResult,
+        statuses={MAAS_TOKEN_REJECTED: 502, MAAS_UNREACHABLE: 502},
+    )
     return ProbeResult(
-        site_id=site_id,
+        site_id=uuid.UUID(result.site_id),
         reachable=True,
-        maas_version=version.version,
-        subversion=version.subversion,
-        capabilities=sorted(version.capabilities),
+        maas_version=result.maas_version,
+        subversion=result.subversion,
+        capabilities=result.capabilities,
         rack_controllers=[
             RackControllerView(system_id=r.system_id, hostname=r.hostname, version=r.version)
-            for r in racks
+            for r in result.rack_controllers
         ],
     )
 
@@ -595,8 +589,9 @@ async def probe(db: AsyncSession, secrets: SecretStore, site_id: uuid.UUID) -> P
 # --- RoCE assignments -----------------------------------------------------------------------
 
 
-def _check_roce(body: RoceBulk) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
+def _check_roce(body: RoceBulk) -> list[RoceItem]:
+    """The items, each CIDR normalised; 422 for a bad one or a repeated hostname + interface."""
+    rows: list[RoceItem] = []
     seen: set[tuple[str, str]] = set()
     for index, item in enumerate(body.items):
         try:
@@ -617,47 +612,57 @@ def _check_roce(body: RoceBulk) -> list[dict[str, Any]]:
                 details={"index": index},
             )
         seen.add(key)
-        rows.append(
-            {
-                "id": uuid.uuid4(),
-                "hostname": item.hostname,
-                "interface": item.interface,
-                "ipv4_cidr": cidr,
-            }
-        )
+        rows.append(RoceItem(hostname=item.hostname, interface=item.interface, ipv4_cidr=cidr))
     return rows
 
 
 async def upsert_roce(
-    db: AsyncSession, principal: Principal, site_id: uuid.UUID, body: RoceBulk, reason: str | None
+    db: AsyncSession,
+    temporal: TemporalOps,
+    task_queue: str,
+    principal: Principal,
+    site_id: uuid.UUID,
+    body: RoceBulk,
+    reason: str | None,
 ) -> RoceUpserted:
+    """Validated here; upserted and audited by the worker. The workflow id is the site and a
+    digest of the validated items: an identical request racing this one gets this answer."""
     await load_site(db, site_id)
-    rows = _check_roce(body)
-    for row in rows:
-        row["site_id"] = site_id
-    insert = pg_insert(MaasRoceAssignment).values(rows)
-    upsert = insert.on_conflict_do_update(
-        constraint="roce_assignment_once",
-        set_={"ipv4_cidr": insert.excluded.ipv4_cidr, "updated_at": func.now()},
-        where=MaasRoceAssignment.ipv4_cidr != insert.excluded.ipv4_cidr,
-    ).returning(text("(xmax = 0) AS inserted"))
-    # xmax = 0 marks a freshly inserted row; rows whose value did not change are not returned.
-    results = (await db.execute(upsert)).all()
-    created = sum(1 for (inserted,) in results if inserted)
-    updated = len(results) - created
-    unchanged = len(rows) - len(results)
-    if results:
-        audit.record_by(
-            db,
-            principal,
-            action="maas_site.roce_upsert",
-            target_type="maas_site",
-            target_id=str(site_id),
-            reason=reason,
-            details={"created": created, "updated": updated, "unchanged": unchanged},
-        )
-    await db.commit()
-    return RoceUpserted(created=created, updated=updated, unchanged=unchanged)
+    items = _check_roce(body)
+    await db.close()
+    digest = hashlib.sha256(
+        json.dumps([[i.hostname, i.interface, i.ipv4_cidr] for i in items]).encode()
+    ).hexdigest()[:32]
+    result = await run_admin_operation(
+        temporal,
+        task_queue,
+        ROCE_UPSERT,
+        RoceUpsertInput(actor=actor(principal, reason), site_id=str(site_id), items=items),
+        workflow_id=admin_operation_workflow_id(ROCE_UPSERT, f"{site_id}-{digest}"),
+        result_type=RoceUpsertResult,
+    )
+    return RoceUpserted(created=result.created, updated=result.updated, unchanged=result.unchanged)
+
+
+async def delete_roce(
+    temporal: TemporalOps,
+    task_queue: str,
+    principal: Principal,
+    site_id: uuid.UUID,
+    assignment_id: uuid.UUID,
+    reason: str | None,
+) -> None:
+    """Deleted and audited by the worker; 404 for another site's or no assignment."""
+    await run_admin_operation(
+        temporal,
+        task_queue,
+        ROCE_DELETE,
+        RoceDeleteInput(
+            actor=actor(principal, reason), site_id=str(site_id), assignment_id=str(assignment_id)
+        ),
+        workflow_id=admin_operation_workflow_id(ROCE_DELETE, f"{site_id}-{assignment_id}"),
+        result_type=type(None),
+    )
 
 
 # --- power credential overrides -------------------------------------------------------------
@@ -680,48 +685,55 @@ def normalise_selector(selector_type: str, value: str) -> str:
     return value.lower()
 
 
+def _override_view(state: PowerOverrideState) -> PowerOverrideView:
+    created_at, updated_at = parse_iso(state.created_at), parse_iso(state.updated_at)
+    assert created_at is not None
+    assert updated_at is not None
+    return PowerOverrideView(
+        id=uuid.UUID(state.id),
+        site_id=uuid.UUID(state.site_id),
+        selector_type=state.selector_type,
+        selector_value=state.selector_value,
+        vault_path=state.vault_path,
+        status=state.status,
+        created_at=created_at,
+        updated_at=updated_at,
+    )
+
+
 async def create_override(
     db: AsyncSession,
-    secrets: SecretStore,
+    temporal: TemporalOps,
+    task_queue: str,
     principal: Principal,
     site_id: uuid.UUID,
     body: PowerOverrideCreate,
     reason: str | None,
 ) -> PowerOverrideView:
+    """Validated here; the worker inserts the row, writes the secret to Vault and commits with
+    the audit row (a failed write leaves nothing). 409 `override_exists` for a selector that
+    already has one."""
     await load_site(db, site_id)
+    selector_value = normalise_selector(body.selector_type, body.selector_value)
+    await db.close()
     override_id = uuid.uuid4()
-    row = MaasPowerCredentialOverride(
-        id=override_id,
-        site_id=site_id,
-        selector_type=body.selector_type,
-        selector_value=normalise_selector(body.selector_type, body.selector_value),
-        vault_path=power_override_path(site_id, override_id),
-        status="active",
+    state = await run_admin_operation(
+        temporal,
+        task_queue,
+        POWER_OVERRIDE_CREATE,
+        PowerOverrideCreateInput(
+            actor=actor(principal, reason),
+            site_id=str(site_id),
+            override_id=str(override_id),
+            selector_type=body.selector_type,
+            selector_value=selector_value,
+            user=body.user,
+            password=body.password,
+        ),
+        workflow_id=admin_operation_workflow_id(POWER_OVERRIDE_CREATE, str(override_id)),
+        result_type=PowerOverrideState,
     )
-    db.add(row)
-    try:
-        await db.flush()
-    except sqlalchemy.exc.IntegrityError as err:
-        if constraint_name(err) == "power_override_once":
-            raise Conflict(
-                "an override for this selector already exists", code="override_exists"
-            ) from err
-        raise
-    # The row is not committed until the secret is in Vault: a failed write leaves nothing.
-    await secrets.write(row.vault_path, {"user": body.user, "pass": body.password})
-    audit.record_by(
-        db,
-        principal,
-        action="maas_site.power_override_create",
-        target_type="maas_power_override",
-        target_id=str(override_id),
-        reason=reason,
-        expected_state="active",
-        details={"site_id": str(site_id), "selector_type": row.selector_type},
-    )
-    await db.commit()
-    await db.refresh(row)
-    return override_view(row)
+    return _override_view(state)
 
 
 async def load_override(
@@ -735,62 +747,59 @@ async def load_override(
 
 async def patch_override(
     db: AsyncSession,
-    secrets: SecretStore,
+    temporal: TemporalOps,
+    task_queue: str,
     principal: Principal,
     site_id: uuid.UUID,
     override_id: uuid.UUID,
     body: PowerOverridePatch,
     reason: str | None,
 ) -> PowerOverrideView:
-    row = await load_override(db, site_id, override_id)
+    """Rotation (a Vault write) and/or status change, by the worker, audited."""
+    await load_override(db, site_id, override_id)
     if (body.user is None) != (body.password is None):
         raise Unprocessable("rotate with both user and password", code="incomplete_credentials")
-    prior = row.status
-    rotated = False
-    if body.user is not None and body.password is not None:
-        rotated = True
-        await secrets.write(row.vault_path, {"user": body.user, "pass": body.password})
-    if body.status is not None:
-        row.status = body.status
-    row.updated_at = func.now()
-    audit.record_by(
-        db,
-        principal,
-        action="maas_site.power_override_update",
-        target_type="maas_power_override",
-        target_id=str(override_id),
-        reason=reason,
-        prior_state=prior,
-        expected_state=body.status or prior,
-        details={"rotated": rotated},
+    await db.close()
+    state = await run_admin_operation(
+        temporal,
+        task_queue,
+        POWER_OVERRIDE_UPDATE,
+        PowerOverrideUpdateInput(
+            actor=actor(principal, reason),
+            site_id=str(site_id),
+            override_id=str(override_id),
+            status=body.status,
+            user=body.user,
+            password=body.password,
+        ),
+        workflow_id=admin_operation_workflow_id(
+            POWER_OVERRIDE_UPDATE, f"{override_id}-{request_discriminator()}"
+        ),
+        result_type=PowerOverrideState,
     )
-    await db.commit()
-    await db.refresh(row)
-    return override_view(row)
+    return _override_view(state)
 
 
 async def delete_override(
     db: AsyncSession,
-    secrets: SecretStore,
+    temporal: TemporalOps,
+    task_queue: str,
     principal: Principal,
     site_id: uuid.UUID,
     override_id: uuid.UUID,
     reason: str | None,
 ) -> None:
-    row = await load_override(db, site_id, override_id)
-    path = row.vault_path
-    await db.delete(row)
-    audit.record_by(
-        db,
-        principal,
-        action="maas_site.power_override_delete",
-        target_type="maas_power_override",
-        target_id=str(override_id),
-        reason=reason,
-        prior_state=row.status,
-        expected_state="deleted",
-        details={"site_id": str(site_id)},
+    """The worker deletes the secret, then commits the row's removal with its audit row (a
+    failed delete leaves the override as it was)."""
+    await load_override(db, site_id, override_id)
+    await db.close()
+    await run_admin_operation(
+        temporal,
+        task_queue,
+        POWER_OVERRIDE_DELETE,
+        PowerOverrideDeleteInput(
+            actor=actor(principal, reason), site_id=str(site_id), override_id=str(override_id)
+        ),
+        workflow_id=admin_operation_workflow_id(POWER_OVERRIDE_DELETE, f"{site_id}-{override_id}"),
+        result_type=type(None),
     )
-    # Secret first, then the commit: a failed delete leaves the override as it was.
-    await secrets.delete(path)
-    await db.commit()

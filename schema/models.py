@@ -299,6 +299,40 @@ class AllocationEvent(Base):
     __table_args__ = (Index("allocation_events_allocation", "allocation_id", "id"),)
 
 
+class SliceVlanPool(Base):
+    """The VLAN ids slice networks of a region (the slice hosts' site) are drawn from: what the
+    site's switches trunk to the slice nodes' uplinks. A region without a row draws from the
+    placement's default range (activities/placement_sql.py DEFAULT_SLICE_VLAN_POOL)."""
+
+    __tablename__ = "slice_vlan_pools"
+    region: Mapped[str] = mapped_column(String(50), primary_key=True)
+    first_vid: Mapped[int] = mapped_column(Integer)
+    last_vid: Mapped[int] = mapped_column(Integer)
+    updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=NOW)
+    __table_args__ = (
+        CheckConstraint(
+            "1 <= first_vid AND first_vid <= last_vid AND last_vid <= 4094",
+            name="slice_vlan_pools_range",
+        ),
+    )
+
+
+class ProjectSliceVlan(Base):
+    """The VLAN a project's slice network holds in a region: assigned by the placement of its
+    first live slice allocation there (in the same statement), deleted with the release of its
+    last one. The unique constraints are what keep two projects off one VLAN."""
+
+    __tablename__ = "project_slice_vlans"
+    region: Mapped[str] = mapped_column(String(50), primary_key=True)
+    project_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("projects.id"), primary_key=True)
+    vlan_id: Mapped[int] = mapped_column(Integer)
+    assigned_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=CLOCK)
+    __table_args__ = (
+        CheckConstraint("vlan_id BETWEEN 1 AND 4094", name="project_slice_vlans_vid"),
+        UniqueConstraint("region", "vlan_id", name="project_slice_vlans_vid_once"),
+    )
+
+
 class NodeTask(Base):
     """One host call on a node's agent (a Temporal activity on `node-{id}`), mirrored for the
     timeline. Output is sanitised before it is stored."""

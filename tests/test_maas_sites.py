@@ -3,10 +3,12 @@ server (hvac over HTTP) and the MAAS simulator (a separate process over HTTP).""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -15,6 +17,7 @@ from sqlalchemy import select
 from activities.power_credentials import PowerCredentialsMissing, resolve_power_credentials
 from devstack.processes import free_port
 from schema.models import AuditEntry, MaasSite
+from tests.admin_operation_support import admin_operations_worker
 
 POWER_PASSWORD = "bmc-pa55-" + uuid.uuid4().hex
 DEPLOY_PASSWORD = "deploy-pa55-" + uuid.uuid4().hex
@@ -28,7 +31,23 @@ def vault_settings(settings: Any, vault_server: Any) -> Any:
 
 
 @pytest.fixture
-async def admin(api: Any, make_token: Any, vault_settings: Any) -> Any:
+async def start_admin_worker(
+    temporal_client: Any, db_engine: Any
+) -> AsyncIterator[Callable[[Any], Awaitable[None]]]:
+    """The worker that runs what calls MAAS or Vault (AdminOperationWorkflow), reading Vault as
+    the given settings say."""
+    async with contextlib.AsyncExitStack() as stack:
+
+        async def start(settings: Any) -> None:
+            worker = admin_operations_worker(temporal_client, settings, db_engine)
+            await stack.enter_async_context(worker)
+
+        yield start
+
+
+@pytest.fixture
+async def admin(api: Any, make_token: Any, vault_settings: Any, start_admin_worker: Any) -> Any:
+    await start_admin_worker(vault_settings)
     return await api(token=await make_token("admin"), settings=vault_settings)
 
 
@@ -357,11 +376,13 @@ async def test_site_owns_its_reconciler_schedule(
 
 
 async def test_vault_down_answers_503_and_writes_nothing(
-    api: Any, make_token: Any, settings: Any, maas_sim: Any, db_sessions: Any
-) -> None:
+    api: Any, make_token: Any, settings: Any, maas_sim: Any, db_sessions: Any,
+    start_admin_worker: Any,
+) -> None:  # fmt: skip
     down = dataclasses.replace(
         settings, vault_addr=f"http://127.0.0.1:{free_port()}", vault_token="t"
     )
+    await start_admin_worker(down)  # the worker, which writes Vault, finds it down
     admin = await api(token=await make_token("admin"), settings=down)
     site = await create_site(admin, maas_sim.base_url)
     response = await admin.post(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -12,13 +13,23 @@ from sqlalchemy import insert, select
 
 from contracts.maas_reconciler import reconciler_schedule_id
 from schema.models import AuditEntry, NodeMaasState
+from tests.admin_operation_support import admin_operations_worker
 from tests.factories import create_node, create_sku
 from tests.lifecycle_support import eventually
 from tests.test_maas_sites import create_site
 
 
 @pytest.fixture
-async def admin(api: Any, make_token: Any, settings: Any, vault_server: Any) -> Any:
+async def admin_worker(temporal_client: Any, settings: Any, db_engine: Any) -> AsyncIterator[None]:
+    """The worker that resolves drift (AdminOperationWorkflow)."""
+    async with admin_operations_worker(temporal_client, settings, db_engine):
+        yield
+
+
+@pytest.fixture
+async def admin(
+    api: Any, make_token: Any, settings: Any, vault_server: Any, admin_worker: None
+) -> Any:
     vault = dataclasses.replace(
         settings, vault_addr=vault_server.addr, vault_token=vault_server.token
     )

@@ -11,8 +11,8 @@ and its agent.d drop-ins). Every table is optional; the defaults are a real node
     state_dir = "/var/lib/gpucloud/vms"
     readiness = "guest-agent"            # "ssh", or "fixed" with fixed_address (a test driver)
     check_gpu_health = true              # config-space and driver check of every released GPU
-    bridge_per_allocation = true         # an isolated bridge per slice (agent/network)
-    uplink = "bond0"                     # tenant VLANs hang off it (optional)
+    bridge_per_allocation = true         # slice bridges of our own (agent/network)
+    uplink = "bond0"                     # the NIC tenant VLANs hang off (optional, see below)
 
     [libvirt.images]                     # name → expected sha256 (default: the task's sha256)
     "ubuntu-22.04-cuda-12.4" = "9f86d0…"
@@ -27,6 +27,12 @@ and its agent.d drop-ins). Every table is optional; the defaults are a real node
     nvidia_smi = "/usr/bin/nvidia-smi"   # the vendor tool, read-only queries only
     expected_drivers = ["vfio-pci", "nvidia"]  # a released GPU bound elsewhere is quarantined
     allow_unverified = false             # node policy: GPU state that cannot be verified passes
+
+Slice networks: the control plane gives each project a VLAN per region; the allocations of one
+project on this node share a bridge for that VLAN, joined to `uplink` through its VLAN
+sub-interface, so they share L2 with the project's VMs on the other nodes (the switch port of
+`uplink` must trunk the region's slice VLAN pool). Without `uplink` that bridge stays on this
+node; an allocation without a VLAN gets an isolated bridge of its own.
 
 Both allocation shapes are served: slices through libvirt (connected on first use, so a node
 without libvirtd still serves bare metal), bare metal through system accounts; node maintenance
@@ -58,6 +64,8 @@ from agent.gpu_tools import (
 )
 from agent.host_processes import ProcSessionTerminator, SystemctlUnits
 from agent.maintenance import FileMaintenanceBackend, MaintenanceConfig
+from agent.network.errors import InvalidNetworkSpec
+from agent.network.netns import validate_ifname
 from agent.network.slice_networks import SliceNetworks
 from agent.node_worker import NodeServices
 
@@ -77,6 +85,19 @@ def _readiness(section: dict[str, Any]) -> ReadinessProbe:
             raise ConfigError("[libvirt] readiness = 'fixed' needs fixed_address")
         return FixedAddressProbe(address)
     raise ConfigError(f"[libvirt] readiness must be one of {', '.join(READINESS)}")
+
+
+def _uplink(section: dict[str, Any]) -> str | None:
+    uplink = section.get("uplink")
+    if uplink is None:
+        return None
+    message = "[libvirt] uplink must be an interface name (1..15 characters, no '/' or spaces)"
+    if not isinstance(uplink, str):
+        raise ConfigError(message)
+    try:
+        return validate_ifname(uplink, "uplink")
+    except InvalidNetworkSpec:
+        raise ConfigError(message) from None
 
 
 def slice_backend_from_config(data: dict[str, Any], root: SystemRoot) -> LibvirtSliceBackend:
@@ -101,7 +122,7 @@ def slice_backend_from_config(data: dict[str, Any], root: SystemRoot) -> Libvirt
             else None
         ),
         networks=(
-            SliceNetworks(uplink=section.get("uplink"))
+            SliceNetworks(uplink=_uplink(section))
             if section.get("bridge_per_allocation", True)
             else None
         ),

@@ -1,6 +1,8 @@
 """Host networking for the node agent, through pyroute2 (netlink), never a shell.
 
-* `allocation_network`: per-allocation isolated network for slices (bridge, VLAN, taps).
+* `allocation_network`: slice networks: a per-allocation isolated bridge (with an optional VLAN
+  and taps), or an allocation's membership of its project's per-VLAN segment.
+* `slice_networks`: what the libvirt slice backend prepares and removes per allocation.
 * `roce`: RoCE phase-2 policy routing (address, table, routes and rule per interface).
 
 Every operation is declarative and idempotent and takes `netns` (None: the host's namespace).
@@ -10,10 +12,17 @@ from agent.network.allocation_network import (
     AllocationNetworkSpec,
     NetworkApplyResult,
     NetworkRemoveResult,
+    VlanSegmentMember,
     allocation_tag,
     apply_allocation_network,
     bridge_name,
+    join_vlan_segment,
+    prune_vlan_segments,
     remove_allocation_network,
+    segment_bridge_name,
+    segment_member_name,
+    segment_tag,
+    segment_vlan_name,
     tap_names,
     vlan_name,
 )
@@ -49,15 +58,22 @@ __all__ = [
     "RoceApplyResult",
     "RoceAssignment",
     "RoceRemoveResult",
+    "VlanSegmentMember",
     "allocation_tag",
     "apply_allocation_network",
     "apply_roce_policy",
     "bridge_name",
     "dump_state",
+    "join_vlan_segment",
+    "prune_vlan_segments",
     "remove_allocation_network",
     "remove_roce_policy",
     "roce_rule_priority",
     "roce_table_id",
+    "segment_bridge_name",
+    "segment_member_name",
+    "segment_tag",
+    "segment_vlan_name",
     "tap_names",
     "vlan_name",
 ]

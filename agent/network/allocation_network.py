@@ -1,4 +1,4 @@
-"""Per-allocation isolated network for slices: a bridge, an optional VLAN on the uplink, taps.
+"""Slice networks on a node: a per-allocation isolated bridge, or a per-VLAN shared segment.
 
 Declarative and idempotent: `apply_allocation_network(spec)` makes the namespace match the spec
 (creating what is missing, leaving what is right, deleting what an earlier apply of the same
@@ -7,8 +7,18 @@ carries the allocation's tag in its ifalias (`gpucloud:alloc:<allocation id>`), 
 `remove_allocation_network` deletes exactly those links (and, with the bridge, its addresses) and
 never anything else. A name that exists without our tag is a conflict, never adopted.
 
-Names are derived from the allocation id (sha256 prefix) and fit IFNAMSIZ:
-bridge `gcbr-<10 hex>`, VLAN `gcvl-<10 hex>`, taps `gtNN-<10 hex>` (see `tap_names`).
+A VLAN segment is what the allocations of one project on a node share (`join_vlan_segment`): one
+bridge per VLAN id, holding the VLAN's sub-interface of the node's uplink (so the project's
+allocations on other nodes are on the same L2 segment, and no other project's are), tagged
+`gpucloud:vlan:<vid>`. Each allocation on it keeps a member link (a persistent tap, tagged with
+the allocation, enslaved to the segment's bridge) from the moment it joins until it is removed,
+so the segment is known to be in use before its VM has a NIC on it. `prune_vlan_segments` deletes
+every segment nothing but its own uplink sub-interface is attached to; it re-derives that from
+the links alone, so it also finishes the work of a join or a prune that crashed half-way.
+
+Names fit IFNAMSIZ. From the allocation id (sha256 prefix): bridge `gcbr-<10 hex>`, VLAN
+`gcvl-<10 hex>`, taps `gtNN-<10 hex>` (see `tap_names`), segment member `gcsm-<10 hex>`. From the
+VLAN id: segment bridge `gcsbr-<vid>`, its uplink sub-interface `gcsvl-<vid>`.
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ from agent.network.netns import (
 from contracts.host_tasks import HostErrorType
 
 TAG_PREFIX = "gpucloud:alloc:"
+SEGMENT_TAG_PREFIX = "gpucloud:vlan:"
 MAX_TAPS = 100
 _ALLOCATION_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 _IFF_UP = 0x1
@@ -72,6 +83,29 @@ def bridge_name(allocation_id: str) -> str:
 
 def vlan_name(allocation_id: str) -> str:
     return f"gcvl-{_digest(_check_allocation_id(allocation_id))}"
+
+
+def _check_vlan_id(vlan_id: int) -> int:
+    if isinstance(vlan_id, bool) or not isinstance(vlan_id, int) or not 1 <= vlan_id <= 4094:
+        raise InvalidNetworkSpec(f"VLAN id must be 1..4094, got {vlan_id!r}")
+    return vlan_id
+
+
+def segment_tag(vlan_id: int) -> str:
+    """The ifalias of a VLAN segment's own links (its bridge and uplink sub-interface)."""
+    return f"{SEGMENT_TAG_PREFIX}{_check_vlan_id(vlan_id)}"
+
+
+def segment_bridge_name(vlan_id: int) -> str:
+    return f"gcsbr-{_check_vlan_id(vlan_id)}"
+
+
+def segment_vlan_name(vlan_id: int) -> str:
+    return f"gcsvl-{_check_vlan_id(vlan_id)}"
+
+
+def segment_member_name(allocation_id: str) -> str:
+    return f"gcsm-{_digest(_check_allocation_id(allocation_id))}"
 
 
 def tap_names(allocation_id: str, count: int) -> tuple[str, ...]:
@@ -384,4 +418,150 @@ def remove_allocation_network(
                     f"delete link {name!r}: {exc}", error_type=HostErrorType.RELEASE_ERROR
                 ) from exc
             deleted.append(f"link:{name}")
+    return NetworkRemoveResult(tuple(deleted))
+
+
+# ------------------------------------------------------------------ VLAN segments
+
+
+@dataclass(frozen=True)
+class VlanSegmentMember:
+    """An allocation on the VLAN segment of `vlan_id`; with `uplink`, the segment reaches the
+    other nodes through the uplink's sub-interface for that VLAN, without it the segment stays
+    on this node."""
+
+    allocation_id: str
+    vlan_id: int
+    uplink: str | None = None
+
+    @property
+    def tag(self) -> str:
+        return allocation_tag(self.allocation_id)
+
+    @property
+    def bridge(self) -> str:
+        return segment_bridge_name(self.vlan_id)
+
+    @property
+    def vlan(self) -> str | None:
+        return segment_vlan_name(self.vlan_id) if self.uplink is not None else None
+
+    @property
+    def member(self) -> str:
+        return segment_member_name(self.allocation_id)
+
+    def validate(self) -> None:
+        _check_allocation_id(self.allocation_id)
+        _check_vlan_id(self.vlan_id)
+        if self.uplink is not None:
+            validate_ifname(self.uplink, "uplink name")
+            if self.uplink in (self.bridge, self.vlan, self.member):
+                raise InvalidNetworkSpec(f"uplink {self.uplink!r} clashes with a segment link")
+
+
+def join_vlan_segment(spec: VlanSegmentMember, netns: str | None = None) -> NetworkApplyResult:
+    """Make the allocation a member of its VLAN's segment in `netns`, creating the segment (bridge,
+    then uplink sub-interface) if this is its first member, and answer what changed. Links an
+    earlier apply made for the allocation other than its member (an isolated bridge of its own)
+    are deleted first; a member on another VLAN's bridge moves to this one (the segment it left
+    is the caller's to prune). The caller serialises joins and prunes of one namespace
+    (agent/network/slice_networks.py): a prune between finding the bridge and adding the member
+    would delete the segment under it."""
+    spec.validate()
+    rec = _Recorder()
+    segment = segment_tag(spec.vlan_id)
+    bridge, member = spec.bridge, spec.member
+    with rtnl(netns) as ipr:
+        uplink_index: int | None = None
+        if spec.uplink is not None:
+            uplink_index = link_index(ipr, spec.uplink)
+            if uplink_index is None:
+                raise MissingInterface(spec.uplink, netns)
+
+        stale = [link for link in _tagged_links(ipr, spec.tag) if link.get("ifname") != member]
+        stale.sort(key=lambda link: link_kind(link) == "bridge")  # members before bridges
+        for link in stale:
+            _nl(f"delete stale link {link.get('ifname')!r}", ipr.link, "del", index=link["index"])
+            rec.deleted.append(f"link:{link.get('ifname')}")
+
+        bridge_index = _ensure_link(
+            ipr,
+            rec,
+            bridge,
+            segment,
+            "bridge",
+            lambda: _nl(f"create bridge {bridge!r}", ipr.link, "add", ifname=bridge, kind="bridge"),
+        )
+        _ensure_master_and_up(ipr, rec, bridge, bridge_index, None, bridge)
+
+        if spec.vlan is not None and uplink_index is not None:
+            vlan, vid, parent = spec.vlan, spec.vlan_id, uplink_index
+
+            def vlan_check(link: Any) -> str | None:
+                if vlan_id_of(link) != vid or link.get("link") != parent:
+                    return (
+                        f"has VLAN id {vlan_id_of(link)} on link index {link.get('link')}, "
+                        f"expected VLAN id {vid} on {spec.uplink!r}"
+                    )
+                return None
+
+            vlan_index = _ensure_link(
+                ipr,
+                rec,
+                vlan,
+                segment,
+                "vlan",
+                lambda: _nl(
+                    f"create VLAN {vlan!r}",
+                    ipr.link,
+                    "add",
+                    ifname=vlan,
+                    kind="vlan",
+                    link=parent,
+                    vlan_id=vid,
+                ),
+                vlan_check,
+            )
+            _ensure_master_and_up(ipr, rec, vlan, vlan_index, bridge_index, bridge)
+
+        member_index = _ensure_link(
+            ipr, rec, member, spec.tag, "tun", functools.partial(create_tap, member, netns)
+        )
+        _ensure_master_and_up(ipr, rec, member, member_index, bridge_index, bridge)
+    return rec.result()
+
+
+def prune_vlan_segments(netns: str | None = None) -> NetworkRemoveResult:
+    """Delete every VLAN segment in `netns` that nothing is attached to but its own uplink
+    sub-interface (no allocation's member, no VM's NIC), and the halves of segments a crash left
+    behind (a sub-interface whose bridge is gone). Segments in use are never touched."""
+    deleted: list[str] = []
+    with rtnl(netns) as ipr:
+        links = list(ipr.get_links())
+        segments: dict[str, list[Any]] = {}
+        for link in links:
+            alias = link.get("ifalias") or ""
+            if alias.startswith(SEGMENT_TAG_PREFIX):
+                segments.setdefault(alias, []).append(link)
+        for own in segments.values():
+            own_indexes = {int(link["index"]) for link in own}
+            bridges = [int(link["index"]) for link in own if link_kind(link) == "bridge"]
+            in_use = any(
+                link.get("master") in bridges and int(link["index"]) not in own_indexes
+                for link in links
+            )
+            if in_use:
+                continue
+            own.sort(key=lambda link: link_kind(link) == "bridge")  # sub-interface first
+            for link in own:
+                name = link.get("ifname")
+                try:
+                    ipr.link("del", index=link["index"])
+                except NetlinkError as exc:
+                    if exc.code == errno.ENODEV:  # gone meanwhile
+                        continue
+                    raise NetworkOperationFailed(
+                        f"delete link {name!r}: {exc}", error_type=HostErrorType.RELEASE_ERROR
+                    ) from exc
+                deleted.append(f"link:{name}")
     return NetworkRemoveResult(tuple(deleted))

@@ -1,17 +1,31 @@
-"""The per-allocation network a slice VM plugs into: an isolated bridge per allocation, joined to
-the node's uplink through a VLAN sub-interface when the control plane assigned the allocation a
-VLAN. The libvirt backend prepares it before defining the domain and removes it on release."""
+"""The network a slice VM plugs into. With a VLAN (the control plane assigns one per project and
+region), the VLAN's segment on this node: a bridge shared by the project's allocations here and
+joined to the node's uplink on that VLAN, so the project's VMs share one L2 segment across nodes
+and no other project's VMs are on it. Without one, an isolated bridge of the allocation's own.
+The libvirt backend prepares it before defining the domain and removes it on release.
+"""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 from agent.network.allocation_network import (
     AllocationNetworkSpec,
+    VlanSegmentMember,
     apply_allocation_network,
     bridge_name,
+    join_vlan_segment,
+    prune_vlan_segments,
     remove_allocation_network,
+    segment_bridge_name,
 )
+
+# Joins and prunes of a segment must not interleave: a prune that finds a fresh segment still
+# without its first member would delete it under the join. The agent is the one process that
+# changes slice networks on a node, and runs host tasks on threads, so a process-wide lock
+# serialises them; what a crash leaves half-done is re-derived from the links by the next call.
+_SEGMENTS = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -21,16 +35,22 @@ class SliceNetworks:
 
     def prepare(self, allocation_id: str, vlan_id: int | None) -> str:
         """Apply (idempotently) and answer the bridge the domain's NIC attaches to."""
-        with_vlan = self.uplink is not None and vlan_id is not None
-        apply_allocation_network(
-            AllocationNetworkSpec(
-                allocation_id,
-                uplink=self.uplink if with_vlan else None,
-                vlan_id=vlan_id if with_vlan else None,
-            ),
-            netns=self.netns,
-        )
-        return bridge_name(allocation_id)
+        with _SEGMENTS:
+            if vlan_id is None:
+                apply_allocation_network(AllocationNetworkSpec(allocation_id), netns=self.netns)
+                bridge = bridge_name(allocation_id)
+            else:
+                join_vlan_segment(
+                    VlanSegmentMember(allocation_id, vlan_id, uplink=self.uplink), netns=self.netns
+                )
+                bridge = segment_bridge_name(vlan_id)
+            # An earlier attempt may have joined another segment, and left it by now.
+            prune_vlan_segments(self.netns)
+        return bridge
 
     def remove(self, allocation_id: str) -> int:
-        return len(remove_allocation_network(allocation_id, netns=self.netns).deleted)
+        """Delete the allocation's links, then any segment it was the last one on."""
+        with _SEGMENTS:
+            removed = remove_allocation_network(allocation_id, netns=self.netns)
+            pruned = prune_vlan_segments(self.netns)
+        return len(removed.deleted) + len(pruned.deleted)

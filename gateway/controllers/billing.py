@@ -15,11 +15,17 @@ from litestar.params import FromPath, JSONBody
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from activities.billing.ledger import EntryKind, balance_minor, ensure_account, post_entry
-from gateway import audit
+from contracts.admin_operation import (
+    BILLING_CREDIT,
+    CreditInput,
+    CreditResult,
+    credit_workflow_id,
+)
+from gateway.admin_operations import actor, run_admin_operation
 from gateway.auth import Principal, admin_guard, tenant_guard
 from gateway.controllers.common import errors
 from gateway.errors import NotFound
+from gateway.runtime import Runtime
 from gateway.schemas import Reason
 from gateway.schemas import Request as RequestBody
 from schema.models import (
@@ -74,6 +80,16 @@ class CreditPosted(msgspec.Struct, kw_only=True):
     balance_minor: int
 
 
+async def _balance_minor(db: AsyncSession, project_id: uuid.UUID) -> int:
+    """The ledger's sum (a read; the ledger is written by the worker only)."""
+    total = await db.scalar(
+        select(func.coalesce(func.sum(LedgerEntry.amount_minor), 0)).where(
+            LedgerEntry.project_id == project_id
+        )
+    )
+    return int(total or 0)
+
+
 async def _balance(db: AsyncSession, project_id: uuid.UUID) -> Balance:
     account = await db.get(BillingAccount, project_id)
     if account is None:  # no usage and no payment yet: the defaults
@@ -87,7 +103,7 @@ async def _balance(db: AsyncSession, project_id: uuid.UUID) -> Balance:
     return Balance(
         project_id=project_id,
         currency=account.currency,
-        balance_minor=await balance_minor(db, project_id),
+        balance_minor=await _balance_minor(db, project_id),
         state=account.state,
         low_balance_threshold_minor=account.low_balance_threshold_minor,
         depleted_threshold_minor=account.depleted_threshold_minor,
@@ -169,29 +185,29 @@ class AdminBillingController(Controller):
         data: JSONBody[CreditCreate],
         db: NamedDependency[AsyncSession],
         principal: NamedDependency[Principal],
+        runtime: NamedDependency[Runtime],
         project_id: FromPath[uuid.UUID],
     ) -> CreditPosted:
+        # Posted by the worker (AdminOperationWorkflow, ledger key `admin:{project}:{key}`): a
+        # retry with the same key, even one racing the first, posts nothing more.
         if await db.get(Project, project_id) is None:
             raise NotFound("project not found")
-        await ensure_account(db, project_id)
-        entry_id, created = await post_entry(
-            db,
-            project_id=project_id,
-            amount_minor=data.amount_minor,
-            kind=EntryKind.ADMIN_CREDIT,
-            idempotency_key=f"admin:{project_id}:{data.idempotency_key}",
-            description=data.reason,
+        await db.close()  # no connection held across the Temporal call
+        posted = await run_admin_operation(
+            runtime.temporal,
+            runtime.settings.control_plane_task_queue,
+            BILLING_CREDIT,
+            CreditInput(
+                actor=actor(principal, data.reason),
+                project_id=str(project_id),
+                amount_minor=data.amount_minor,
+                idempotency_key=data.idempotency_key,
+            ),
+            workflow_id=credit_workflow_id(str(project_id), data.idempotency_key),
+            result_type=CreditResult,
         )
-        if created:
-            audit.record_by(
-                db,
-                principal,
-                action="billing.credit",
-                target_type="project",
-                target_id=str(project_id),
-                reason=data.reason,
-                details={"amount_minor": data.amount_minor, "entry_id": str(entry_id)},
-            )
-        balance = await balance_minor(db, project_id)
-        await db.commit()
-        return CreditPosted(entry_id=entry_id, created=created, balance_minor=balance)
+        return CreditPosted(
+            entry_id=uuid.UUID(posted.entry_id),
+            created=posted.created,
+            balance_minor=posted.balance_minor,
+        )

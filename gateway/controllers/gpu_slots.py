@@ -14,14 +14,21 @@ import msgspec
 from litestar import Controller, Request, get, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath, JSONBody
-from sqlalchemy import func, select, update
+from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from contracts.states import SlotStatus
-from gateway import audit
+from contracts.admin_operation import (
+    GPU_SLOT_RETURN,
+    GpuSlotReturnInput,
+    GpuSlotState,
+    admin_operation_workflow_id,
+)
+from core.timestamps import parse_iso
+from gateway.admin_operations import actor, run_admin_operation
 from gateway.auth import Principal, admin_guard
 from gateway.controllers.common import errors
-from gateway.errors import Conflict, NotFound
+from gateway.errors import NotFound
+from gateway.runtime import Runtime
 from gateway.schemas import Reason
 from gateway.schemas import Request as RequestBody
 from schema.models import GpuSlot, Node
@@ -90,43 +97,30 @@ class AdminGpuSlotsController(Controller):
     async def return_to_service(
         self,
         data: JSONBody[ReturnToService],
-        db: NamedDependency[AsyncSession],
         principal: NamedDependency[Principal],
+        runtime: NamedDependency[Runtime],
         node_id: FromPath[uuid.UUID],
         slot_id: FromPath[uuid.UUID],
     ) -> GpuSlotView:
-        slot = await db.get(GpuSlot, slot_id)
-        if slot is None or slot.node_id != node_id:
-            raise NotFound("GPU slot not found")
-        prior_reason = slot.quarantine_reason
-        returned = await db.scalar(
-            update(GpuSlot)
-            .where(
-                GpuSlot.id == slot_id,
-                GpuSlot.status == SlotStatus.DISABLED,
-                GpuSlot.quarantine_reason.is_not(None),
-            )
-            .values(
-                status=SlotStatus.FREE,
-                quarantine_reason=None,
-                quarantined_at=None,
-                updated_at=func.clock_timestamp(),
-            )
-            .returning(GpuSlot)
-            .execution_options(populate_existing=True)
+        # disabled → free by the worker (AdminOperationWorkflow), compare-and-set and audited:
+        # 404 for another node's or no slot, 409 `slot_not_quarantined`.
+        state = await run_admin_operation(
+            runtime.temporal,
+            runtime.settings.control_plane_task_queue,
+            GPU_SLOT_RETURN,
+            GpuSlotReturnInput(
+                actor=actor(principal, data.reason), node_id=str(node_id), slot_id=str(slot_id)
+            ),
+            workflow_id=admin_operation_workflow_id(GPU_SLOT_RETURN, f"{node_id}-{slot_id}"),
+            result_type=GpuSlotState,
         )
-        if returned is None:
-            raise Conflict("this GPU slot is not quarantined", code="slot_not_quarantined")
-        audit.record_by(
-            db,
-            principal,
-            action="gpu_slot.return_to_service",
-            target_type="gpu_slot",
-            target_id=str(slot_id),
-            reason=data.reason,
-            prior_state=SlotStatus.DISABLED.value,
-            expected_state=SlotStatus.FREE.value,
-            details={"node_id": str(node_id), "quarantine_reason": prior_reason},
+        return GpuSlotView(
+            id=uuid.UUID(state.id),
+            gpu_index=state.gpu_index,
+            numa_node=state.numa_node,
+            pci_address=state.pci_address,
+            status=state.status,
+            allocation_id=uuid.UUID(state.allocation_id) if state.allocation_id else None,
+            quarantine_reason=state.quarantine_reason,
+            quarantined_at=parse_iso(state.quarantined_at),
         )
-        await db.commit()
-        return _view(returned)

@@ -1,6 +1,7 @@
 """Admin routes for MAAS sites (seed 003 §3.4): sites and their policy, profiles (§3.7),
 credentials (validated against MAAS, written to Vault), probe, RoCE assignments and power
-credential overrides."""
+credential overrides. What calls MAAS or Vault, and the RoCE assignments, run in the worker
+(gateway.maas_sites, AdminOperationWorkflow)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,9 @@ from litestar.params import FromPath, JSONBody
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from core.secrets import SecretStore
-from gateway import audit, maas_sites
+from gateway import maas_sites
 from gateway.auth import Principal, admin_guard
 from gateway.controllers.common import audit_reason, errors
-from gateway.errors import NotFound
 from gateway.maas_schemas import (
     CredentialsWritten,
     PowerOverrideCreate,
@@ -143,13 +142,19 @@ class AdminMaasSitesController(Controller):
         self,
         data: JSONBody[SiteCredentials],
         db: NamedDependency[AsyncSession],
-        secrets: NamedDependency[SecretStore],
         principal: NamedDependency[Principal],
         request: AnyRequest,
         site_id: FromPath[uuid.UUID],
+        runtime: NamedDependency[Runtime],
     ) -> CredentialsWritten:
         return await maas_sites.set_credentials(
-            db, secrets, principal, site_id, data, audit_reason(request, data.reason)
+            db,
+            runtime.temporal,
+            runtime.settings.control_plane_task_queue,
+            principal,
+            site_id,
+            data,
+            audit_reason(request, data.reason),
         )
 
     @post(
@@ -161,10 +166,12 @@ class AdminMaasSitesController(Controller):
     async def probe(
         self,
         db: NamedDependency[AsyncSession],
-        secrets: NamedDependency[SecretStore],
         site_id: FromPath[uuid.UUID],
+        runtime: NamedDependency[Runtime],
     ) -> ProbeResult:
-        return await maas_sites.probe(db, secrets, site_id)
+        return await maas_sites.probe(
+            db, runtime.temporal, runtime.settings.control_plane_task_queue, site_id
+        )
 
     # --- profiles ---
 
@@ -243,9 +250,16 @@ class AdminMaasSitesController(Controller):
         principal: NamedDependency[Principal],
         request: AnyRequest,
         site_id: FromPath[uuid.UUID],
+        runtime: NamedDependency[Runtime],
     ) -> RoceUpserted:
         return await maas_sites.upsert_roce(
-            db, principal, site_id, data, audit_reason(request, data.reason)
+            db,
+            runtime.temporal,
+            runtime.settings.control_plane_task_queue,
+            principal,
+            site_id,
+            data,
+            audit_reason(request, data.reason),
         )
 
     @get("/{site_id:uuid}/roce-assignments", summary="List", responses=errors(403, 404))
@@ -268,26 +282,20 @@ class AdminMaasSitesController(Controller):
     )
     async def delete_roce(
         self,
-        db: NamedDependency[AsyncSession],
         principal: NamedDependency[Principal],
         request: AnyRequest,
         site_id: FromPath[uuid.UUID],
         assignment_id: FromPath[uuid.UUID],
+        runtime: NamedDependency[Runtime],
     ) -> Response[None]:
-        row = await db.get(MaasRoceAssignment, assignment_id)
-        if row is None or row.site_id != site_id:
-            raise NotFound("RoCE assignment not found")
-        await db.delete(row)
-        audit.record_by(
-            db,
+        await maas_sites.delete_roce(
+            runtime.temporal,
+            runtime.settings.control_plane_task_queue,
             principal,
-            action="maas_site.roce_delete",
-            target_type="maas_roce_assignment",
-            target_id=str(assignment_id),
-            reason=audit_reason(request),
-            details={"site_id": str(site_id), "hostname": row.hostname, "interface": row.interface},
+            site_id,
+            assignment_id,
+            audit_reason(request),
         )
-        await db.commit()
         return Response(None, status_code=204)
 
     # --- power credential overrides ---
@@ -302,13 +310,19 @@ class AdminMaasSitesController(Controller):
         self,
         data: JSONBody[PowerOverrideCreate],
         db: NamedDependency[AsyncSession],
-        secrets: NamedDependency[SecretStore],
         principal: NamedDependency[Principal],
         request: AnyRequest,
         site_id: FromPath[uuid.UUID],
+        runtime: NamedDependency[Runtime],
     ) -> PowerOverrideView:
         return await maas_sites.create_override(
-            db, secrets, principal, site_id, data, audit_reason(request, data.reason)
+            db,
+            runtime.temporal,
+            runtime.settings.control_plane_task_queue,
+            principal,
+            site_id,
+            data,
+            audit_reason(request, data.reason),
         )
 
     @get("/{site_id:uuid}/power-overrides", summary="List overrides", responses=errors(403, 404))
@@ -348,14 +362,21 @@ class AdminMaasSitesController(Controller):
         self,
         data: JSONBody[PowerOverridePatch],
         db: NamedDependency[AsyncSession],
-        secrets: NamedDependency[SecretStore],
         principal: NamedDependency[Principal],
         request: AnyRequest,
         site_id: FromPath[uuid.UUID],
         override_id: FromPath[uuid.UUID],
+        runtime: NamedDependency[Runtime],
     ) -> PowerOverrideView:
         return await maas_sites.patch_override(
-            db, secrets, principal, site_id, override_id, data, audit_reason(request, data.reason)
+            db,
+            runtime.temporal,
+            runtime.settings.control_plane_task_queue,
+            principal,
+            site_id,
+            override_id,
+            data,
+            audit_reason(request, data.reason),
         )
 
     @delete(
@@ -367,13 +388,19 @@ class AdminMaasSitesController(Controller):
     async def delete_override(
         self,
         db: NamedDependency[AsyncSession],
-        secrets: NamedDependency[SecretStore],
         principal: NamedDependency[Principal],
         request: AnyRequest,
         site_id: FromPath[uuid.UUID],
         override_id: FromPath[uuid.UUID],
+        runtime: NamedDependency[Runtime],
     ) -> Response[None]:
         await maas_sites.delete_override(
-            db, secrets, principal, site_id, override_id, audit_reason(request)
+            db,
+            runtime.temporal,
+            runtime.settings.control_plane_task_queue,
+            principal,
+            site_id,
+            override_id,
+            audit_reason(request),
         )
         return Response(None, status_code=204)

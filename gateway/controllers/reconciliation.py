@@ -12,15 +12,23 @@ import msgspec
 from litestar import Controller, get, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery, JSONBody
-from sqlalchemy import func, select, update
+from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from temporalio.client import Client
 
+from contracts.admin_operation import (
+    DRIFT_RESOLVE,
+    DriftResolveInput,
+    DriftState,
+    admin_operation_workflow_id,
+)
 from contracts.maas_reconciler import reconciler_schedule_id
-from gateway import audit
+from core.timestamps import parse_iso
+from gateway.admin_operations import actor, run_admin_operation
 from gateway.auth import Principal, admin_guard
 from gateway.controllers.common import errors
 from gateway.errors import Conflict, NotFound
+from gateway.runtime import Runtime
 from gateway.schemas import Reason
 from gateway.schemas import Request as RequestBody
 from gateway.temporal import TemporalOps
@@ -130,47 +138,30 @@ class AdminReconciliationController(Controller):
     async def resolve(
         self,
         data: JSONBody[ResolveDrift],
-        db: NamedDependency[AsyncSession],
         principal: NamedDependency[Principal],
+        runtime: NamedDependency[Runtime],
         node_id: FromPath[uuid.UUID],
     ) -> DriftView:
-        state = await db.get(NodeMaasState, node_id)
-        if state is None:
-            raise NotFound("node is not bound to a MAAS site")
-        rule = state.drift_rule
-        resolved = await db.scalar(
-            update(NodeMaasState)
-            .where(NodeMaasState.node_id == node_id, NodeMaasState.drift_detected)
-            .values(drift_detected=False, drift_resolved_at=func.clock_timestamp())
-            .returning(NodeMaasState)
-            .execution_options(populate_existing=True)
+        # Resolved by the worker (AdminOperationWorkflow), compare-and-set and audited: 404 for
+        # a node bound to no site, 409 `no_drift`.
+        resolved = await run_admin_operation(
+            runtime.temporal,
+            runtime.settings.control_plane_task_queue,
+            DRIFT_RESOLVE,
+            DriftResolveInput(actor=actor(principal, data.reason), node_id=str(node_id)),
+            workflow_id=admin_operation_workflow_id(DRIFT_RESOLVE, str(node_id)),
+            result_type=DriftState,
         )
-        if resolved is None:
-            raise Conflict("this node has no unresolved drift", code="no_drift")
-        audit.record_by(
-            db,
-            principal,
-            action="reconciliation.resolve_drift",
-            target_type="node",
-            target_id=str(node_id),
-            reason=data.reason,
-            prior_state="drift_detected",
-            expected_state="resolved",
-            details={"rule": rule},
-        )
-        await db.commit()
-        node = await db.get(Node, node_id)
-        assert node is not None
         return DriftView(
-            node_id=node_id,
-            hostname=node.hostname,
-            node_status=node.status,
-            site_id=resolved.site_id,
+            node_id=uuid.UUID(resolved.node_id),
+            hostname=resolved.hostname,
+            node_status=resolved.node_status,
+            site_id=uuid.UUID(resolved.site_id),
             maas_system_id=resolved.maas_system_id,
-            rule=resolved.drift_rule,
-            details=resolved.drift_details,
+            rule=resolved.rule,
+            details=resolved.details,
             last_maas_status=resolved.last_maas_status,
-            last_reconciled_at=resolved.last_reconciled_at,
+            last_reconciled_at=parse_iso(resolved.last_reconciled_at),
         )
 
     @post(
