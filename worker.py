@@ -17,22 +17,24 @@ from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxR
 
 from activities.admin_operations import AdminOperationActivities
 from activities.allocations import AllocationActivities
-from activities.billing.metering import BillingActivities, MeterInput
+from activities.billing.metering import BillingActivities
 from activities.decommission.reimage import ReimageActivities
 from activities.decommission.stages import DecommissionActivities, DecommissionDeps
 from activities.maas_reconcile import MaasReconcileActivities
-from activities.node_liveness import LivenessInput, NodeLivenessActivities
+from activities.node_liveness import NodeLivenessActivities
 from activities.node_presence import NodePresenceActivities
 from activities.onboarding.host_access import HostAccess
 from activities.onboarding.maas_stages import MaasStageActivities
 from activities.onboarding.node_stages import NodeStageActivities
 from activities.onboarding.stage_runtime import OnboardingDeps
 from activities.payments.activities import PaymentActivities
-from activities.payments.config import PaymentSettings
 from activities.payments.schedule import ensure_stripe_reconciliation_schedule
 from activities.payments.stripe_api import StripeApi
+from contracts.billing_meter import MeterInput
+from contracts.node_liveness import LivenessInput
 from core.config import Settings
 from core.gc_tuning import tune_for_service
+from core.payment_settings import PaymentSettings
 from core.schedules import ensure_schedule, periodic_schedule
 from core.secrets import SecretStore, VaultSecretStore
 from core.temporal import connect

@@ -1,4 +1,4 @@
-"""The admin operations AdminOperationWorkflow runs (workflows/admin_operation_contract.py): each
+"""The admin operations AdminOperationWorkflow runs (contracts/admin_operation.py): each
 a single-purpose activity that writes its change and the audit row in ONE transaction, and
 answers a refusal as a non-retryable ApplicationError whose type is the API's error code.
 
@@ -28,21 +28,7 @@ from temporalio.exceptions import ApplicationError
 from activities.billing.ledger import EntryKind, balance_minor, post_entry
 from activities.maas.client import MaasClient
 from activities.maas.errors import MaasAuthError, MaasError
-from core.failures import FailureClass
-from core.secret_paths import power_override_path
-from core.secrets import SecretStore, SecretStoreError
-from schema import audit
-from schema.models import (
-    GpuSlot,
-    MaasPowerCredentialOverride,
-    MaasRoceAssignment,
-    MaasSite,
-    Node,
-    NodeMaasState,
-    Project,
-)
-from schema.states import SlotStatus
-from workflows.admin_operation_contract import (
+from contracts.admin_operation import (
     BILLING_CREDIT,
     CREDENTIALS_INVALID,
     CREDENTIALS_MISSING,
@@ -84,6 +70,20 @@ from workflows.admin_operation_contract import (
     SiteProbeInput,
     SiteProbeResult,
     ledger_idempotency_key,
+)
+from contracts.states import SlotStatus
+from core.failures import FailureClass
+from core.secret_paths import power_override_path
+from core.secrets import SecretStore, SecretStoreError
+from schema import audit
+from schema.models import (
+    GpuSlot,
+    MaasPowerCredentialOverride,
+    MaasRoceAssignment,
+    MaasSite,
+    Node,
+    NodeMaasState,
+    Project,
 )
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,17 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities import placement_sql
-from activities.allocation_types import (
+from activities.billing.usage import close_usage, open_usage
+from activities.node_lifecycle import transition_node
+from activities.node_task_log import record_task_outcome
+from activities.placement_sql import DEFAULT_SLICE_VLAN_POOL, PlacementRequest, SkuSizing
+from contracts.allocation import (
+    BALANCE_DEPLETED,
+    NETWORK_POOL_EXHAUSTED,
+    PROVISION_CLEANUP_UNCONFIRMED,
+    SKU_UNAVAILABLE,
+)
+from contracts.allocation_activities import (
     ActivateInput,
     BeginReleaseInput,
     FailProvisioningInput,
@@ -35,17 +45,22 @@ from activities.allocation_types import (
     ReleasePlan,
     Reservation,
 )
-from activities.billing.usage import close_usage, open_usage
-from activities.node_lifecycle import transition_node
-from activities.node_task_log import record_task_outcome
-from activities.placement_sql import DEFAULT_SLICE_VLAN_POOL, PlacementRequest, SkuSizing
-from agent.contract import (
+from contracts.host_tasks import (
     BAREMETAL_DEPROVISION_USER,
     BAREMETAL_PROVISION_USER,
     SLICE_VM_PROVISION,
     SLICE_VM_RELEASE,
     GpuAssignment,
     HostProvisionInput,
+)
+from contracts.states import (
+    ALLOCATION_TRANSITIONS,
+    AllocationStatus,
+    ClaimStatus,
+    NodeStatus,
+    NodeTaskStatus,
+    SkuShape,
+    SlotStatus,
 )
 from schema.db import driver_connection, session_factory
 from schema.models import (
@@ -58,21 +73,6 @@ from schema.models import (
     ProjectSliceVlan,
     Sku,
     SshKey,
-)
-from schema.states import (
-    ALLOCATION_TRANSITIONS,
-    AllocationStatus,
-    ClaimStatus,
-    NodeStatus,
-    NodeTaskStatus,
-    SkuShape,
-    SlotStatus,
-)
-from workflows.allocation_contract import (
-    BALANCE_DEPLETED,
-    NETWORK_POOL_EXHAUSTED,
-    PROVISION_CLEANUP_UNCONFIRMED,
-    SKU_UNAVAILABLE,
 )
 
 CLOCK = func.clock_timestamp()

@@ -60,8 +60,13 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from urllib.parse import urlsplit
 
-from agent.enrollment import DEFAULT_CONFIG_PATH, DEFAULT_STATE_DIR
-from agent.maintenance import HwSyncConfig, render_hw_sync_service, render_hw_sync_timer
+from contracts.node_files import (
+    DEFAULT_CONFIG_PATH,
+    DEFAULT_STATE_DIR,
+    HwSyncConfig,
+    render_hw_sync_service,
+    render_hw_sync_timer,
+)
 
 CLOUD_INIT_FORMAT = "gpucloud-cloud-init/1"
 HEADER = "#cloud-config\n"

@@ -15,8 +15,8 @@ from enum import StrEnum
 from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from contracts.states import NodeStatus
 from schema.models import Node, NodeEnrollmentToken
-from schema.states import NodeStatus
 
 PREFIX = "gpe_"
 _TOKEN_RE = re.compile(r"^gpe_[A-Za-z0-9_-]{43}$")

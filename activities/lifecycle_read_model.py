@@ -6,15 +6,15 @@ domain events (seed 003 §4.2.1, §4.12, §5.7). Each job kind describes its tab
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
 from sqlalchemy import func, insert, update
 from sqlalchemy.ext.asyncio import AsyncSession
-from sqlalchemy.orm import InstrumentedAttribute
 
+from contracts.lifecycle import JobStatus
+from schema.lifecycle_tables import LifecycleTables
 from schema.models import DomainEvent
-from workflows.lifecycle_contract import JobStatus
 
 MAX_SNIPPET = 500  # a diagnostic snippet is bounded (§4.12)
 CLOSED = (JobStatus.COMPLETED, JobStatus.RECONCILED, JobStatus.CANCELLED)
@@ -44,12 +44,12 @@ class ProgressFields(Protocol):
 
 
 @dataclass(frozen=True)
-class JobTables:
-    job: Any  # the job model (NodeOnboarding, NodeDecommission)
-    job_id: InstrumentedAttribute[uuid.UUID]
-    event: Any  # its event model
-    event_job_column: str  # the event table's column naming the job
-    subject_type: str  # domain_events.subject_type
+class JobTables(LifecycleTables):
+    """A job kind's tables (schema.lifecycle_tables) with the writes every job kind shares."""
+
+    @classmethod
+    def of(cls, tables: LifecycleTables) -> JobTables:
+        return cls(**{f.name: getattr(tables, f.name) for f in fields(LifecycleTables)})
 
     async def update_job(
         self, session: AsyncSession, job_id: uuid.UUID, values: dict[str, Any]

@@ -54,10 +54,10 @@ from temporalio import activity
 from activities.maas.client import MaasClient
 from activities.maas.errors import MaasError
 from activities.maas.types import Machine, MachineStatus, PowerState
+from contracts.maas_reconciler import ReconcileInput, ReconcileResult
+from contracts.states import NodeStatus, node_transition_allowed
 from core.secrets import SecretStore
 from schema.models import MaasSite, Node, NodeMaasState
-from schema.states import NodeStatus, node_transition_allowed
-from workflows.maas_reconciler_contract import ReconcileInput, ReconcileResult
 
 log = logging.getLogger(__name__)
 

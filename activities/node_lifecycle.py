@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from contracts.states import NODE_TRANSITIONS, NodeStatus, node_transition_allowed
 from schema.models import DomainEvent, Node
-from schema.states import NODE_TRANSITIONS, NodeStatus, node_transition_allowed
 
 
 class TransitionNotAllowed(ValueError):

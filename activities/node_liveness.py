@@ -8,25 +8,14 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
-from dataclasses import dataclass, field
 
 from sqlalchemy import ColumnElement, func, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from temporalio import activity
 
+from contracts.node_liveness import LivenessInput, LivenessResult
+from contracts.states import NodeStatus
 from schema.models import Node
-from schema.states import NodeStatus
-
-
-@dataclass
-class LivenessInput:
-    offline_after_seconds: float = 300.0
-
-
-@dataclass
-class LivenessResult:
-    went_offline: list[str] = field(default_factory=list)
-    came_back: list[str] = field(default_factory=list)
 
 
 async def bring_back_online(

@@ -15,9 +15,9 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from temporalio import activity
 
 from activities.node_liveness import bring_back_online
+from contracts.node_presence import RecordHeartbeatInput
+from contracts.states import NodeStatus
 from schema.models import GpuSlot, Node
-from schema.states import NodeStatus
-from workflows.node_presence_contract import RecordHeartbeatInput
 
 
 class NodePresenceActivities:

@@ -13,7 +13,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from activities.lifecycle_read_model import bounded
-from agent.contract import HostPhase
+from contracts.host_tasks import HostPhase
 from core.timestamps import parse_iso
 from schema.models import NodeTask, NodeTaskEvent
 

@@ -7,7 +7,7 @@ Written against the asyncpg connection directly, in plain SQL, because this path
 POST and SQLAlchemy's statement building, compilation and ORM bookkeeping cost more CPU than the
 queries themselves; asyncpg also keeps each statement prepared per connection. Everything else
 in the control plane uses SQLAlchemy. The tables are those of schema/models.py. Only the state
-names of schema/states.py are interpolated into these strings; every value is a `$n` parameter.
+names of contracts/states.py are interpolated into these strings; every value is a `$n` parameter.
 
 Each placement is two round trips, both outside any explicit transaction: the offer (a read), and
 one statement that locks and writes. A single statement is atomic on its own, its locks last
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import asyncpg
 
-from schema.states import (
+from contracts.states import (
     AllocationStatus,
     ClaimKind,
     ClaimStatus,

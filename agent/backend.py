@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
 
-from agent.contract import HostErrorType, HostProvisionInput, HostReleaseInput, UnhealthyGpu
+from contracts.host_tasks import HostErrorType, HostProvisionInput, HostReleaseInput, UnhealthyGpu
 
 # Phase names, in the order each activity runs them (seed 002 timeline).
 SLICE_PROVISION_PHASES = (

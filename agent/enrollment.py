@@ -25,9 +25,8 @@ from typing import Any
 import httpx
 
 from agent.config_file import ConfigError, read_agent_config
+from contracts.node_files import DEFAULT_STATE_DIR
 
-DEFAULT_CONFIG_PATH = Path("/etc/gpucloud/agent.toml")
-DEFAULT_STATE_DIR = Path("/var/lib/gpucloud-agent")
 ENROLL_PATH = "/api/v1/internal/agent/enroll"
 
 

@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.contract import GpuScrubOutcome
 from agent.gpu_health import bound_driver
 from agent.inventory import (
     DEFAULT_SYSFS_ROOT,
@@ -45,6 +44,7 @@ from agent.inventory import (
     normalize_pci_address,
     probe_sysfs,
 )
+from contracts.host_tasks import GpuScrubOutcome
 
 UNVERIFIED_PREFIX = "unverified: "
 ALLOWED_UNVERIFIED_PREFIX = "unverified (allowed by node policy): "

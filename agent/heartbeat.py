@@ -14,7 +14,7 @@ from pathlib import Path
 from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
 
-from workflows.node_presence_contract import (
+from contracts.node_presence import (
     HEARTBEAT_SIGNAL,
     WORKFLOW_NAME,
     Heartbeat,

@@ -1,4 +1,4 @@
-"""The node agent's Temporal activities (contract names in agent/contract.py).
+"""The node agent's Temporal activities (contract names in contracts/host_tasks.py).
 
 Each activity validates its spec, runs the blocking backend call on a thread pool and, while it
 runs, heartbeats the phase list so far (a list of HostPhase: what the gateway's timeline decodes
@@ -33,7 +33,8 @@ from agent.backend import (
     ReleaseOutcome,
     RevokeOutcome,
 )
-from agent.contract import (
+from agent.progress import TaskProgress, utc_now_iso
+from contracts.host_tasks import (
     BAREMETAL_DEPROVISION_USER,
     BAREMETAL_PROVISION_USER,
     BAREMETAL_REVOKE_USER,
@@ -47,7 +48,6 @@ from agent.contract import (
     HostReleaseResult,
     HostRevokeResult,
 )
-from agent.progress import TaskProgress, utc_now_iso
 
 logger = logging.getLogger("agent.host")
 

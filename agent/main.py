@@ -34,9 +34,10 @@ from typing import Any
 
 from agent.backends.system_root import SystemRoot
 from agent.config_file import ConfigError, gpu_sysfs, host_root_from_env, read_agent_config
-from agent.enrollment import DEFAULT_CONFIG_PATH, AgentConfig, EnrollmentError, ensure_enrolled
+from agent.enrollment import AgentConfig, EnrollmentError, ensure_enrolled
 from agent.heartbeat import DEFAULT_INTERVAL_SECONDS, probe_local_gpus, run_heartbeats
 from agent.node_worker import NodeServices, build_node_worker, run_until_signalled
+from contracts.node_files import DEFAULT_CONFIG_PATH
 from core.config import DEV_CODEC_KEY_B64, Settings
 from core.temporal import connect
 

@@ -66,7 +66,14 @@ from temporalio.exceptions import ApplicationError
 from agent.backend import HostCancelled, HostError, PhaseStatus, Progress
 from agent.backends.baremetal_users import GpuScrubber, UserAccountConfig
 from agent.backends.system_root import SystemRoot, UnsafePath
-from agent.contract import (
+
+# GpuMemoryUse and NvmlGpuMemoryProbe live with the other vendor tools; importable from here too.
+from agent.gpu_tools import GpuMemoryUse as GpuMemoryUse
+from agent.gpu_tools import GpuQueryFailed, GpuToolUnavailable, is_unverified, unverified
+from agent.gpu_tools import NvmlGpuMemoryProbe as NvmlGpuMemoryProbe
+from agent.host_activities import heartbeat_interval_seconds
+from agent.progress import TaskProgress, utc_now_iso
+from contracts.host_tasks import (
     NODE_DRAIN,
     NODE_GPU_SCRUB,
     NODE_HW_SYNC_RESEED,
@@ -92,13 +99,8 @@ from agent.contract import (
     UninstallResult,
     ValidateCleanResult,
 )
-
-# GpuMemoryUse and NvmlGpuMemoryProbe live with the other vendor tools; importable from here too.
-from agent.gpu_tools import GpuMemoryUse as GpuMemoryUse
-from agent.gpu_tools import GpuQueryFailed, GpuToolUnavailable, is_unverified, unverified
-from agent.gpu_tools import NvmlGpuMemoryProbe as NvmlGpuMemoryProbe
-from agent.host_activities import heartbeat_interval_seconds
-from agent.progress import TaskProgress, utc_now_iso
+from contracts.node_files import HwSyncConfig, render_hw_sync_service, render_hw_sync_timer
+from core.redaction import MAX_MESSAGE_CHARS, redact
 
 logger = logging.getLogger("agent.maintenance")
 
@@ -121,25 +123,10 @@ CHECK_TENANT_PROCESSES = "tenant_processes"
 CHECK_TENANT_MOUNTS = "tenant_mounts"
 CHECK_GPU_MEMORY = "gpu_memory"
 
-MAX_MESSAGE_CHARS = 240
 _MAX_NAMES = 5
 _INTERVAL_RANGE = (1, 1440)
 
 # --------------------------------------------------------------------------- sanitising
-
-_REDACTED = "[redacted]"
-_SECRET_PATTERNS = (
-    re.compile(r"-----BEGIN [A-Z0-9 ]+-----.*?(-----END [A-Z0-9 ]+-----|$)", re.S),
-    re.compile(
-        r"\b(ssh-(rsa|dss|ed25519)|ecdsa-sha2-\S+|sk-\S+@openssh\.com)\s+[A-Za-z0-9+/=]{16,}"
-    ),
-    re.compile(
-        r"(?i)\b(password|passwd|secret|token|api[_-]?key|credentials?|authorization)"
-        r"(\s*[=:]\s*|\s+)(bearer\s+)?\S+"
-    ),
-    re.compile(r"[A-Za-z0-9+/_-]{32,}={0,2}"),  # long base64 / hex blobs
-)
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
 
 def sanitise(text: str, *, root: SystemRoot | None = None, limit: int = MAX_MESSAGE_CHARS) -> str:
@@ -148,12 +135,7 @@ def sanitise(text: str, *, root: SystemRoot | None = None, limit: int = MAX_MESS
     truncated to `limit` characters."""
     if root is not None and str(root.path) != "/":
         text = text.replace(str(root.path), "")
-    for pattern in _SECRET_PATTERNS:
-        text = pattern.sub(_REDACTED, text)
-    text = _CONTROL.sub(" ", text).strip()
-    if len(text) > limit:
-        text = text[: limit - 1] + "…"
-    return text
+    return redact(text, limit=limit)
 
 
 _T = TypeVar("_T")
@@ -312,17 +294,6 @@ class AgentFiles:
     @property
     def drain_marker(self) -> str:
         return f"{self.state_dir.rstrip('/')}/draining"
-
-
-@dataclass(frozen=True)
-class HwSyncConfig:
-    service_unit: str = "/etc/systemd/system/maas_hardware_sync.service"
-    timer_unit: str = "/etc/systemd/system/maas_hardware_sync.timer"
-    credentials: str = "/etc/maas/maas-machine-creds.yml"
-    # Agent config (never task input): what the service runs.
-    exec_start: str = (
-        "/usr/bin/maas-run-scripts report-results --config /etc/maas/maas-machine-creds.yml"
-    )
 
 
 @dataclass(frozen=True)
@@ -905,37 +876,6 @@ class FileMaintenanceBackend:
             credentials_present=present,
             restarted=restarted,
         )
-
-
-def render_hw_sync_service(cfg: HwSyncConfig) -> str:
-    return (
-        "# Managed by gpucloud-agent (node.hw_sync_reseed); changes are overwritten.\n"
-        "[Unit]\n"
-        "Description=MAAS hardware sync\n"
-        "Wants=network-online.target\n"
-        "After=network-online.target\n"
-        f"ConditionPathExists={cfg.credentials}\n"
-        "\n"
-        "[Service]\n"
-        "Type=oneshot\n"
-        f"ExecStart={cfg.exec_start}\n"
-    )
-
-
-def render_hw_sync_timer(cfg: HwSyncConfig, interval_minutes: int) -> str:
-    return (
-        "# Managed by gpucloud-agent (node.hw_sync_reseed); changes are overwritten.\n"
-        "[Unit]\n"
-        "Description=MAAS hardware sync timer\n"
-        "\n"
-        "[Timer]\n"
-        "OnBootSec=1min\n"
-        f"OnUnitActiveSec={int(interval_minutes)}min\n"
-        f"Unit={PurePosixPath(cfg.service_unit).name}\n"
-        "\n"
-        "[Install]\n"
-        "WantedBy=timers.target\n"
-    )
 
 
 def _strictly_below(path: str, base: str) -> bool:

@@ -11,7 +11,7 @@ import threading
 from datetime import UTC, datetime
 
 from agent.backend import HostCancelled, PhaseStatus
-from agent.contract import HostPhase
+from contracts.host_tasks import HostPhase
 
 logger = logging.getLogger("agent.host")
 

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import re
 
-from agent.contract import SHAPE_BAREMETAL, SHAPE_GPU_SLICE, HostProvisionInput, HostReleaseInput
+from contracts.host_tasks import (
+    SHAPE_BAREMETAL,
+    SHAPE_GPU_SLICE,
+    HostProvisionInput,
+    HostReleaseInput,
+)
 
 # POSIX-portable user names, as useradd accepts them by default.
 _USERNAME = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")

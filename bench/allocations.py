@@ -37,11 +37,11 @@ from bench.stack import (
     machine_speed_seconds,
     private_state_dir,
 )
+from contracts.allocation import allocation_workflow_id
 from devstack.processes import Child, python_entry
 from devstack.up import REPO_ROOT, Stack
 from schema.db import create_engine, session_factory
 from sim.demo_fleet import build_fleet, seed_fleet
-from workflows.allocation_contract import allocation_workflow_id
 
 THROUGHPUT_REGION = "bench-a"
 LATENCY_REGION = "bench-b"

@@ -28,12 +28,12 @@ import httpx
 from sqlalchemy import text
 
 from bench.stack import bench_stack_options, cpu_seconds, private_state_dir
+from contracts.onboarding import BatchSummary, batch_workflow_id
 from core.config import Settings
 from core.temporal import connect
 from devstack.up import Stack
 from schema.db import create_engine
 from sim.demo_fleet import BAREMETAL_SKU
-from workflows.onboarding_contract import BatchSummary, batch_workflow_id
 
 SETTLED = {"completed", "reconciled", "cancelled", "failed_retryable", "failed_manual_intervention"}
 

@@ -20,9 +20,9 @@ import uuid
 
 from sqlalchemy import insert, text
 
-from activities.allocation_types import PlaceInput
 from activities.allocations import AllocationActivities
 from bench.stack import cpu_seconds, private_postgres
+from contracts.allocation_activities import PlaceInput
 from schema.db import create_engine, session_factory
 from schema.migrate import upgrade
 from schema.models import Project

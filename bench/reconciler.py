@@ -31,11 +31,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from activities.maas_reconcile import MaasReconcileActivities
 from bench.stack import private_postgres
+from contracts.maas_reconciler import ReconcileInput
 from devstack.processes import free_port
 from schema.db import create_engine, session_factory
 from schema.migrate import upgrade
 from schema.models import MaasSite, Node, NodeMaasState
-from workflows.maas_reconciler_contract import ReconcileInput
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SUBNET = {

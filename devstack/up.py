@@ -243,10 +243,10 @@ async def seed(database_url: str, tokens_file: Path) -> dict[str, str]:
     """Idempotent: demo catalog and fleet, project `demo`, and an admin and a tenant token that
     are reused across restarts while they are still valid in the database."""
     from activities.billing.ledger import EntryKind, post_entry
+    from contracts.states import TokenRole
     from gateway import identity, tokens
     from schema.db import create_engine, session_factory
     from schema.models import ApiToken, Project
-    from schema.states import TokenRole
     from sim.demo_fleet import seed_demo_fleet
 
     saved = _load_json(tokens_file)
@@ -305,7 +305,7 @@ async def seed(database_url: str, tokens_file: Path) -> dict[str, str]:
 async def seed_stripe_secrets(o: StackOptions) -> None:
     """stripe-mock accepts any test key; the webhook secret is made once and kept in Vault (read
     it there to sign test webhooks). Nothing is overwritten on restart."""
-    from activities.payments.config import STRIPE_API_KEY_PATH, STRIPE_WEBHOOK_SECRET_PATH
+    from core.payment_settings import STRIPE_API_KEY_PATH, STRIPE_WEBHOOK_SECRET_PATH
     from core.secrets import VaultSecretStore
 
     store = VaultSecretStore(o.vault_addr, token_file=o.vault_token_file)
@@ -394,8 +394,8 @@ async def _has_pollers(client: Client, namespace: str, queue: str, kind: int) ->
 async def _nodes_offline(engine: AsyncEngine, node_ids: list[uuid.UUID]) -> int:
     """How many of these nodes are offline (a restarted stack's nodes went offline while it was
     down, and are active again once their agents' first heartbeats are recorded)."""
+    from contracts.states import NodeStatus
     from schema.models import Node
-    from schema.states import NodeStatus
 
     async with engine.connect() as connection:
         offline = await connection.scalar(

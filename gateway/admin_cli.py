@@ -17,6 +17,7 @@ import sys
 
 from sqlalchemy import select
 
+from contracts.states import TokenRole
 from core.config import Settings
 from gateway import identity
 from gateway.audit import CLI_ACTOR
@@ -24,7 +25,6 @@ from gateway.errors import ApiError, is_database_unavailable
 from gateway.schemas import NAME_MAX_CHARS, NAME_PATTERN
 from schema.db import create_engine, session_factory
 from schema.models import Project
-from schema.states import TokenRole
 
 _NAME = re.compile(NAME_PATTERN)
 

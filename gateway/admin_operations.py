@@ -19,17 +19,7 @@ from temporalio.client import Client, WorkflowFailureError
 from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 from temporalio.exceptions import ApplicationError
 
-from gateway.auth import Principal
-from gateway.errors import (
-    ApiError,
-    Conflict,
-    DatabaseUnavailable,
-    NotFound,
-    SecretStoreUnavailable,
-    Unprocessable,
-)
-from gateway.temporal import TemporalOps
-from workflows.admin_operation_contract import (
+from contracts.admin_operation import (
     CREDENTIALS_INVALID,
     CREDENTIALS_MISSING,
     DATABASE_UNAVAILABLE,
@@ -45,6 +35,16 @@ from workflows.admin_operation_contract import (
     Actor,
     AdminOperationInput,
 )
+from gateway.auth import Principal
+from gateway.errors import (
+    ApiError,
+    Conflict,
+    DatabaseUnavailable,
+    NotFound,
+    SecretStoreUnavailable,
+    Unprocessable,
+)
+from gateway.temporal import TemporalOps
 
 T = TypeVar("T")
 

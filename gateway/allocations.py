@@ -34,7 +34,27 @@ from temporalio.common import (
 from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
-from activities.allocation_types import Reservation
+from contracts.allocation import (
+    BALANCE_DEPLETED,
+    IDEMPOTENCY_KEY_REUSED,
+    NETWORK_POOL_EXHAUSTED,
+    NOT_RELEASABLE,
+    REJECTED,
+    RELEASE_UPDATE,
+    RESERVE_UPDATE,
+    SKU_UNAVAILABLE,
+    SSH_KEY_NOT_FOUND,
+    STATUS_AT_START,
+    WORKFLOW_NAME,
+    AllocationInput,
+    AllocationPolicy,
+    AllocationResult,
+    ReleaseAccepted,
+    ReleaseRequest,
+    allocation_workflow_id,
+)
+from contracts.allocation_activities import Reservation
+from contracts.states import AllocationStatus, ReleaseActor
 from core import search_attributes
 from core.build_id import build_ids_at_start
 from core.config import Settings
@@ -59,26 +79,6 @@ from gateway.schemas import (
 from gateway.temporal import TemporalOps
 from schema.db import driver_connection
 from schema.models import Allocation
-from schema.states import AllocationStatus, ReleaseActor
-from workflows.allocation_contract import (
-    BALANCE_DEPLETED,
-    IDEMPOTENCY_KEY_REUSED,
-    NETWORK_POOL_EXHAUSTED,
-    NOT_RELEASABLE,
-    REJECTED,
-    RELEASE_UPDATE,
-    RESERVE_UPDATE,
-    SKU_UNAVAILABLE,
-    SSH_KEY_NOT_FOUND,
-    STATUS_AT_START,
-    WORKFLOW_NAME,
-    AllocationInput,
-    AllocationPolicy,
-    AllocationResult,
-    ReleaseAccepted,
-    ReleaseRequest,
-    allocation_workflow_id,
-)
 
 # Fixed forever: allocation ids derived from idempotency keys must not change between releases.
 ALLOCATION_ID_NAMESPACE = uuid.UUID("6f3c1f0e-5b7a-4d0c-9a61-2f8e9d4b7c15")

@@ -16,11 +16,11 @@ from litestar import Request
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 
+from contracts.states import TokenRole
 from gateway import codec_session, tokens
 from gateway.errors import ApiError, Forbidden, Unauthenticated
 from gateway.runtime import get_runtime
 from schema.db import driver_connection
-from schema.states import TokenRole
 
 _PRINCIPAL_KEY = "principal"
 

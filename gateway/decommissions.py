@@ -34,7 +34,19 @@ from temporalio.client import Client
 from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
 from temporalio.exceptions import WorkflowAlreadyStartedError
 
-from activities.decommission.read_model import DECOMMISSION
+from contracts.decommission import (
+    STAGES_BY_MODE,
+    WORKFLOW_NAME,
+    DecommissionInput,
+    DecommissionPolicy,
+    Erase,
+    Mode,
+    OperatorAction,
+    StorageScope,
+    decommission_workflow_id,
+)
+from contracts.onboarding import LIVE_JOB_STATUSES, JobStatus
+from contracts.states import AllocationStatus, NodeStatus
 from core import search_attributes
 from core.config import Settings
 from gateway import audit
@@ -58,20 +70,8 @@ from gateway.lifecycle_jobs import (
 from gateway.pagination import newest_first_page
 from gateway.schemas import Reason, Request
 from gateway.temporal import TemporalOps
+from schema.lifecycle_tables import DECOMMISSION_TABLES
 from schema.models import Allocation, Node, NodeDecommission, NodeDecommissionEvent, NodeMaasState
-from schema.states import AllocationStatus, NodeStatus
-from workflows.decommission_contract import (
-    STAGES_BY_MODE,
-    WORKFLOW_NAME,
-    DecommissionInput,
-    DecommissionPolicy,
-    Erase,
-    Mode,
-    OperatorAction,
-    StorageScope,
-    decommission_workflow_id,
-)
-from workflows.onboarding_contract import LIVE_JOB_STATUSES, JobStatus
 
 log = logging.getLogger("gateway.decommissions")
 _LIVE = [s.value for s in LIVE_JOB_STATUSES]
@@ -578,7 +578,7 @@ async def load(db: AsyncSession, decommission_id: uuid.UUID) -> NodeDecommission
 async def detail(db: AsyncSession, decommission_id: uuid.UUID) -> DecommissionDetail:
     row = await load(db, decommission_id)
     return DecommissionDetail(
-        **_fields(row), events=await recent_events(db, DECOMMISSION, decommission_id)
+        **_fields(row), events=await recent_events(db, DECOMMISSION_TABLES, decommission_id)
     )
 
 

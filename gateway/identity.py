@@ -9,10 +9,10 @@ import sqlalchemy.exc
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from contracts.states import TokenRole
 from gateway import audit, tokens
 from gateway.errors import Conflict
 from schema.models import ApiToken, Project
-from schema.states import TokenRole
 
 
 class ProjectExists(Conflict):

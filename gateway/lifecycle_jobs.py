@@ -1,7 +1,7 @@
 """What the gateway does alike for every node lifecycle job (onboarding, decommission): show its
 recent stage events, and send an operator action to the job's workflow as its `operator_action`
 update, map the workflow's answer to HTTP and audit it (seed 003 §4.9, §4.12). The job modules
-describe their job (`LifecycleJob`, `JobTables`) and shape their own answers.
+describe their job (`LifecycleJob`, `LifecycleTables`) and shape their own answers.
 
 Idempotency: the update id is derived from the request (the idempotency key when given, else
 the job's version and the reason), so Temporal answers a repeated request with the first
@@ -22,17 +22,17 @@ from temporalio.client import Client, WorkflowUpdateFailedError
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
-from activities.lifecycle_read_model import JobTables
-from gateway import audit
-from gateway.auth import Principal
-from gateway.errors import ApiError, Conflict, InvalidRequest
-from gateway.temporal import TemporalOps
-from workflows.lifecycle_contract import (
+from contracts.lifecycle import (
     ACTION_NOT_ALLOWED,
     OPERATOR_ACTION_UPDATE,
     ActionResult,
     OperatorRequest,
 )
+from gateway import audit
+from gateway.auth import Principal
+from gateway.errors import ApiError, Conflict, InvalidRequest
+from gateway.temporal import TemporalOps
+from schema.lifecycle_tables import LifecycleTables
 
 EVENTS_SHOWN = 50  # a job's detail shows its newest stage events
 
@@ -48,7 +48,7 @@ class JobEventView(msgspec.Struct, kw_only=True):
 
 
 async def recent_events(
-    db: AsyncSession, tables: JobTables, job_id: uuid.UUID
+    db: AsyncSession, tables: LifecycleTables, job_id: uuid.UUID
 ) -> list[JobEventView]:
     """The job's newest stage events, newest first."""
     event = tables.event

@@ -26,6 +26,33 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from temporalio.client import Client
 
+from contracts.admin_operation import (
+    MAAS_TOKEN_REJECTED,
+    MAAS_UNREACHABLE,
+    POWER_OVERRIDE_CREATE,
+    POWER_OVERRIDE_DELETE,
+    POWER_OVERRIDE_UPDATE,
+    ROCE_DELETE,
+    ROCE_UPSERT,
+    SITE_CREDENTIALS_WRITE,
+    SITE_PROBE,
+    PowerOverrideCreateInput,
+    PowerOverrideDeleteInput,
+    PowerOverrideState,
+    PowerOverrideUpdateInput,
+    PowerSecret,
+    RoceDeleteInput,
+    RoceItem,
+    RoceUpsertInput,
+    RoceUpsertResult,
+    SiteCredentialsInput,
+    SiteCredentialsResult,
+    SiteProbeInput,
+    SiteProbeResult,
+    admin_operation_workflow_id,
+)
+from contracts.maas_reconciler import WORKFLOW_NAME as RECONCILER_WORKFLOW
+from contracts.maas_reconciler import ReconcileInput, reconciler_schedule_id
 from core.config import Settings
 from core.schedules import periodic_schedule, put_schedule
 from core.secret_paths import (
@@ -69,33 +96,6 @@ from schema.models import (
     MaasSitePolicy,
     MaasSiteProfile,
 )
-from workflows.admin_operation_contract import (
-    MAAS_TOKEN_REJECTED,
-    MAAS_UNREACHABLE,
-    POWER_OVERRIDE_CREATE,
-    POWER_OVERRIDE_DELETE,
-    POWER_OVERRIDE_UPDATE,
-    ROCE_DELETE,
-    ROCE_UPSERT,
-    SITE_CREDENTIALS_WRITE,
-    SITE_PROBE,
-    PowerOverrideCreateInput,
-    PowerOverrideDeleteInput,
-    PowerOverrideState,
-    PowerOverrideUpdateInput,
-    PowerSecret,
-    RoceDeleteInput,
-    RoceItem,
-    RoceUpsertInput,
-    RoceUpsertResult,
-    SiteCredentialsInput,
-    SiteCredentialsResult,
-    SiteProbeInput,
-    SiteProbeResult,
-    admin_operation_workflow_id,
-)
-from workflows.maas_reconciler_contract import WORKFLOW_NAME as RECONCILER_WORKFLOW
-from workflows.maas_reconciler_contract import ReconcileInput, reconciler_schedule_id
 
 _MAC = re.compile(r"^[0-9a-f]{2}(:[0-9a-f]{2}){5}$")
 _HOSTNAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$")

@@ -32,7 +32,20 @@ from temporalio.client import Client
 from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
 from temporalio.exceptions import WorkflowAlreadyStartedError
 
-from activities.onboarding.read_model import ONBOARDING
+from contracts.onboarding import (
+    BATCH_WORKFLOW_NAME,
+    LIVE_JOB_STATUSES,
+    WORKFLOW_NAME,
+    BatchInput,
+    BatchNode,
+    JobStatus,
+    OnboardInput,
+    OperatorAction,
+    Stage,
+    batch_workflow_id,
+    onboarding_workflow_id,
+)
+from contracts.states import NodeStatus
 from core import search_attributes
 from core.config import Settings
 from gateway import audit
@@ -70,6 +83,7 @@ from gateway.onboarding_schemas import (
 )
 from gateway.pagination import newest_first_page
 from gateway.temporal import TemporalOps
+from schema.lifecycle_tables import ONBOARDING_TABLES
 from schema.models import (
     MaasSite,
     MaasSitePolicy,
@@ -78,20 +92,6 @@ from schema.models import (
     NodeOnboarding,
     NodeOnboardingEvent,
     Sku,
-)
-from schema.states import NodeStatus
-from workflows.onboarding_contract import (
-    BATCH_WORKFLOW_NAME,
-    LIVE_JOB_STATUSES,
-    WORKFLOW_NAME,
-    BatchInput,
-    BatchNode,
-    JobStatus,
-    OnboardInput,
-    OperatorAction,
-    Stage,
-    batch_workflow_id,
-    onboarding_workflow_id,
 )
 
 log = logging.getLogger("gateway.onboardings")
@@ -725,7 +725,7 @@ async def load(db: AsyncSession, onboarding_id: uuid.UUID) -> NodeOnboarding:
 async def detail(db: AsyncSession, onboarding_id: uuid.UUID) -> OnboardingDetail:
     row = await load(db, onboarding_id)
     return OnboardingDetail(
-        **_fields(row), events=await recent_events(db, ONBOARDING, onboarding_id)
+        **_fields(row), events=await recent_events(db, ONBOARDING_TABLES, onboarding_id)
     )
 
 

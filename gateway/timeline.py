@@ -23,7 +23,8 @@ from temporalio.api.common.v1 import Payload
 from temporalio.client import Client, WorkflowExecutionDescription
 from temporalio.service import RPCError
 
-from agent.contract import TASK_SUMMARIES, HostPhase
+from contracts.host_tasks import TASK_SUMMARIES, HostPhase
+from contracts.states import AllocationStatus, NodeTaskStatus
 from core.timestamps import parse_iso
 from gateway.allocations import get_row
 from gateway.errors import TemporalUnavailable
@@ -36,7 +37,6 @@ from gateway.schemas import (
 )
 from gateway.temporal import TemporalOps
 from schema.models import Allocation, AllocationEvent, NodeTask, NodeTaskEvent
-from schema.states import AllocationStatus, NodeTaskStatus
 
 log = logging.getLogger("gateway.timeline")
 

@@ -13,8 +13,8 @@ import uuid
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from contracts.states import TokenRole
 from schema.models import ApiToken
-from schema.states import TokenRole
 
 PREFIX = "gpc_"
 DISPLAY_PREFIX_CHARS = 8

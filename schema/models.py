@@ -24,7 +24,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY, INET, INT4RANGE, JSONB, UUID
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from schema.states import (
+from contracts.states import (
     AllocationStatus,
     ClaimKind,
     ClaimStatus,

@@ -21,8 +21,8 @@ from typing import Any
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from contracts.states import NodeStatus, SkuShape, SlotStatus
 from schema.models import GpuSlot, Node, Sku
-from schema.states import NodeStatus, SkuShape, SlotStatus
 
 FLEET_NAMESPACE = uuid.UUID("6f1d2c7e-3b9a-5e44-9a51-0c6c9d1e7a20")
 DEMO_REGION = "us-east-1"

@@ -24,7 +24,7 @@ from agent.backend import (
     SLICE_PROVISION_PHASES,
     SLICE_RELEASE_PHASES,
 )
-from agent.contract import (
+from contracts.host_tasks import (
     BAREMETAL_DEPROVISION_USER,
     BAREMETAL_PROVISION_USER,
     SLICE_VM_PROVISION,

@@ -64,8 +64,13 @@ import httpx
 
 from activities.onboarding.host_access import BmcLogin, SshLogin
 from agent.config_file import ROOT_ENV
-from agent.enrollment import DEFAULT_CONFIG_PATH, DEFAULT_STATE_DIR
-from agent.maintenance import HwSyncConfig, render_hw_sync_service, render_hw_sync_timer
+from contracts.node_files import (
+    DEFAULT_CONFIG_PATH,
+    DEFAULT_STATE_DIR,
+    HwSyncConfig,
+    render_hw_sync_service,
+    render_hw_sync_timer,
+)
 from core.failures import ClassifiedError, FailureClass
 from sim.machine_image import build_machine
 

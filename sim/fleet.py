@@ -39,11 +39,11 @@ from temporalio.worker import Worker
 from agent.backend import HostBackend
 from agent.heartbeat import DEFAULT_INTERVAL_SECONDS, run_heartbeats
 from agent.node_worker import NodeServices, build_node_worker, stop_on_signals
+from contracts.states import NodeStatus
 from core.config import Settings
 from core.temporal import connect
 from schema.db import create_engine, session_factory
 from schema.models import GpuSlot, Node, Sku
-from schema.states import NodeStatus
 from sim.config import SimHostConfig
 from sim.faults import FaultSpec
 from sim.host import SimulatedHost

@@ -25,7 +25,7 @@ from agent.backend import (
     ReleaseOutcome,
     RevokeOutcome,
 )
-from agent.contract import (
+from contracts.host_tasks import (
     BAREMETAL_DEPROVISION_USER,
     BAREMETAL_PROVISION_USER,
     BAREMETAL_REVOKE_USER,

@@ -16,17 +16,17 @@ from temporalio.client import Client, WorkflowHandle
 from temporalio.worker import Worker
 
 from activities.admin_operations import AdminOperationActivities
+from contracts.admin_operation import (
+    WORKFLOW_ID_PREFIX,
+    WORKFLOW_NAME,
+    admin_operation_workflow_id,
+)
 from core.config import Settings
 from core.secrets import SecretStore, VaultSecretStore
 from schema.db import session_factory
 from tests.histories import record_history
 from tests.lifecycle_support import eventually
 from workflows.admin_operation import AdminOperationWorkflow
-from workflows.admin_operation_contract import (
-    WORKFLOW_ID_PREFIX,
-    WORKFLOW_NAME,
-    admin_operation_workflow_id,
-)
 
 HISTORY_DIR = "admin_operation"
 

@@ -31,13 +31,6 @@ from temporalio.worker import Worker
 
 from agent.backend import HostCancelled, HostError, Progress
 from agent.backends.baremetal_users import UserAccountConfig
-from agent.contract import (
-    GpuScrubOutcome,
-    HostErrorType,
-    HwSyncReseedInput,
-    NodeMaintenanceInput,
-    StorageCleanupInput,
-)
 from agent.maintenance import (
     DrainOutcome,
     FileMaintenanceBackend,
@@ -51,15 +44,7 @@ from agent.maintenance import (
     ValidateOutcome,
 )
 from agent.node_worker import NodeServices, build_node_worker
-from core import search_attributes as sa
-from schema.models import Node, NodeDecommission, NodeDecommissionEvent
-from schema.states import NodeStatus
-from sim.config import SimHostConfig
-from sim.host import SimulatedHost
-from tests.factories import create_node
-from tests.onboarding_fixtures import ONBOARD_SKU, OnboardingRig, operator_action
-from tests.workflow_probes import terminate_quietly
-from workflows.decommission_contract import (
+from contracts.decommission import (
     STAGES_BY_MODE,
     WORKFLOW_NAME,
     ActionResult,
@@ -69,6 +54,21 @@ from workflows.decommission_contract import (
     Mode,
     decommission_workflow_id,
 )
+from contracts.host_tasks import (
+    GpuScrubOutcome,
+    HostErrorType,
+    HwSyncReseedInput,
+    NodeMaintenanceInput,
+    StorageCleanupInput,
+)
+from contracts.states import NodeStatus
+from core import search_attributes as sa
+from schema.models import Node, NodeDecommission, NodeDecommissionEvent
+from sim.config import SimHostConfig
+from sim.host import SimulatedHost
+from tests.factories import create_node
+from tests.onboarding_fixtures import ONBOARD_SKU, OnboardingRig, operator_action
+from tests.workflow_probes import terminate_quietly
 
 TENANT_UID = 20000
 PASSWD = "root:x:0:0:root:/root:/bin/bash\nubuntu:x:1000:1000::/home/ubuntu:/bin/bash\n"

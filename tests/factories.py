@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from sqlalchemy import insert
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from contracts.states import NodeStatus, SkuShape
 from schema.models import GpuSlot, Node, Project, Sku
-from schema.states import NodeStatus, SkuShape
 
 REGION = "test-region-1"
 SLICE_SKU = "h100.slice"

@@ -32,13 +32,13 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from temporalio.client import Client
 
+from contracts.states import AllocationStatus, SkuShape, TokenRole
 from core.config import Settings
 from gateway import tokens
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.sshkeys import parse_public_key
 from schema.models import Allocation, ApiToken, Project, SshKey
-from schema.states import AllocationStatus, SkuShape, TokenRole
 from tests.factories import BAREMETAL_SKU, REGION, SLICE_SKU, create_node
 from tests.lifecycle_support import Tenant
 

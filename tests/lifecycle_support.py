@@ -14,8 +14,8 @@ import httpx
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from contracts.states import SkuShape
 from schema.models import AllocationEvent, AllocationResourceClaim, GpuSlot
-from schema.states import SkuShape
 from tests.factories import BAREMETAL_SKU, REGION, SLICE_SKU, FleetNode, create_node, create_sku
 
 T = TypeVar("T")

@@ -30,6 +30,21 @@ from temporalio.client import Client, WorkflowHandle
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.worker import Worker, WorkerConfig
 
+from contracts.onboarding import (
+    BATCH_WORKFLOW_NAME,
+    OPERATOR_ACTION_UPDATE,
+    WORKFLOW_NAME,
+    ActionResult,
+    BatchInput,
+    BatchNode,
+    BatchSummary,
+    OnboardInput,
+    OnboardResult,
+    OperatorRequest,
+    batch_workflow_id,
+    onboarding_workflow_id,
+)
+from contracts.states import SkuShape
 from core import search_attributes as sa
 from core.config import Settings
 from core.secret_paths import (
@@ -47,26 +62,11 @@ from schema.models import (
     NodeOnboarding,
     NodeOnboardingEvent,
 )
-from schema.states import SkuShape
 from sim.first_boot import FirstBootSimulator, SimulatedHostSeeder
 from sim.host_access import simulated_host_access
 from tests.factories import REGION, create_sku
 from tests.lifecycle_support import eventually
 from tests.workflow_probes import terminate_quietly, update_admitted
-from workflows.onboarding_contract import (
-    BATCH_WORKFLOW_NAME,
-    OPERATOR_ACTION_UPDATE,
-    WORKFLOW_NAME,
-    ActionResult,
-    BatchInput,
-    BatchNode,
-    BatchSummary,
-    OnboardInput,
-    OnboardResult,
-    OperatorRequest,
-    batch_workflow_id,
-    onboarding_workflow_id,
-)
 
 ONBOARD_SKU = "mi300x.192g.8gpu"
 DEPLOY_PASSWORD = "hunter2-deploy"

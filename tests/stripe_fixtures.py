@@ -31,13 +31,13 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio.client import Client
 
-from activities.payments.config import (
+from activities.payments.stripe_api import StripeApi
+from core.config import Settings
+from core.payment_settings import (
     STRIPE_API_KEY_PATH,
     STRIPE_WEBHOOK_SECRET_PATH,
     PaymentSettings,
 )
-from activities.payments.stripe_api import StripeApi
-from core.config import Settings
 from core.secrets import VaultSecretStore
 from devstack.processes import free_port
 from devstack.stripe_mock import stripe_mock_argv, write_fixtures

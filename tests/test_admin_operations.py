@@ -24,15 +24,7 @@ from sqlalchemy import func, select, update
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 
-from core.codec import ENCODING, AesGcmPayloadCodec
-from core.secrets import SecretStore, SecretStoreUnavailable
-from schema.models import AuditEntry, GpuSlot, LedgerEntry, MaasSite, NodeMaasState
-from schema.states import SlotStatus
-from tests.admin_operation_support import admin_operations_worker, nth_run, record
-from tests.conftest import TEST_CODEC_KEY
-from tests.factories import create_node, create_sku
-from tests.test_maas_sites import create_site
-from workflows.admin_operation_contract import (
+from contracts.admin_operation import (
     BILLING_CREDIT,
     DRIFT_RESOLVE,
     GPU_SLOT_RETURN,
@@ -59,6 +51,14 @@ from workflows.admin_operation_contract import (
     admin_operation_workflow_id,
     credit_workflow_id,
 )
+from contracts.states import SlotStatus
+from core.codec import ENCODING, AesGcmPayloadCodec
+from core.secrets import SecretStore, SecretStoreUnavailable
+from schema.models import AuditEntry, GpuSlot, LedgerEntry, MaasSite, NodeMaasState
+from tests.admin_operation_support import admin_operations_worker, nth_run, record
+from tests.conftest import TEST_CODEC_KEY
+from tests.factories import create_node, create_sku
+from tests.test_maas_sites import create_site
 
 BMC_PASSWORD = "bmc-" + uuid.uuid4().hex
 DEPLOY_PASSWORD = "deploy-" + uuid.uuid4().hex

@@ -7,8 +7,8 @@ import re
 from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from contracts.states import NodeStatus
 from schema.models import GpuSlot, Node, Sku
-from schema.states import NodeStatus
 from sim.demo_fleet import (
     BAREMETAL_SKU,
     DEMO_REGION,

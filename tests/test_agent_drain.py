@@ -13,7 +13,9 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
 from agent.backend import Progress, ProvisionOutcome
-from agent.contract import (
+from agent.host_activities import HostActivities
+from agent.node_worker import NodeServices, node_activities
+from contracts.host_tasks import (
     BAREMETAL_PROVISION_USER,
     NODE_DRAIN,
     NODE_UNDRAIN,
@@ -21,8 +23,6 @@ from agent.contract import (
     HostProvisionInput,
     NodeMaintenanceInput,
 )
-from agent.host_activities import HostActivities
-from agent.node_worker import NodeServices, node_activities
 from sim.config import SimHostConfig
 from sim.host import SimulatedHost
 from sim.node_services import machine_maintenance

@@ -18,7 +18,6 @@ import pytest
 
 from agent.backend import PhaseStatus
 from agent.backends.baremetal_users import UserAccountConfig
-from agent.contract import GpuScrubOutcome, NodeMaintenanceInput
 from agent.gpu_tools import (
     GpuMemoryUse,
     GpuQueryFailed,
@@ -36,6 +35,7 @@ from agent.maintenance import (
     MaintenanceConfig,
     ProcessInfo,
 )
+from contracts.host_tasks import GpuScrubOutcome, NodeMaintenanceInput
 from tests.test_agent_gpu_health import FakeSysfs
 
 GPU_A = "0000:18:00.0"

@@ -28,7 +28,7 @@ from agent.backend import (
 from agent.backends import FixedAddressProbe
 from agent.backends.domain_xml import parse_domain, parse_numa_topology
 from agent.backends.libvirt_slice import LibvirtSliceBackend
-from agent.contract import GpuAssignment, HostErrorType, HostProvisionInput, HostReleaseInput
+from contracts.host_tasks import GpuAssignment, HostErrorType, HostProvisionInput, HostReleaseInput
 
 HOST_XML = Path(__file__).parent / "data" / "libvirt" / "host.xml"
 IMAGE = "ubuntu-22.04-cuda.img"

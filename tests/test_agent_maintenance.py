@@ -21,23 +21,6 @@ from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 from agent.backend import HostError, PhaseStatus
 from agent.backends.baremetal_users import UserAccountConfig
 from agent.backends.system_root import SystemRoot
-from agent.contract import (
-    NODE_DRAIN,
-    NODE_GPU_SCRUB,
-    NODE_HW_SYNC_RESEED,
-    NODE_STORAGE_CLEANUP,
-    NODE_UNINSTALL,
-    NODE_VALIDATE_CLEAN,
-    NON_RETRYABLE_MAINTENANCE_ERRORS,
-    TASK_SUMMARIES,
-    GpuScrubOutcome,
-    HostErrorType,
-    HwSyncReseedInput,
-    NodeMaintenanceInput,
-    StorageCleanupInput,
-    StorageCleanupResult,
-    ValidateCleanResult,
-)
 from agent.gpu_tools import GpuQueryFailed, GpuToolUnavailable, unverified
 from agent.maintenance import (
     CHECK_GPU_MEMORY,
@@ -54,6 +37,23 @@ from agent.maintenance import (
     sanitise,
 )
 from agent.node_worker import NodeServices, build_node_worker
+from contracts.host_tasks import (
+    NODE_DRAIN,
+    NODE_GPU_SCRUB,
+    NODE_HW_SYNC_RESEED,
+    NODE_STORAGE_CLEANUP,
+    NODE_UNINSTALL,
+    NODE_VALIDATE_CLEAN,
+    NON_RETRYABLE_MAINTENANCE_ERRORS,
+    TASK_SUMMARIES,
+    GpuScrubOutcome,
+    HostErrorType,
+    HwSyncReseedInput,
+    NodeMaintenanceInput,
+    StorageCleanupInput,
+    StorageCleanupResult,
+    ValidateCleanResult,
+)
 from core.task_queues import node_task_queue
 
 MY_UID = os.getuid()

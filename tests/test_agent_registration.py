@@ -2,9 +2,9 @@
 
 The scheduled set is derived two ways, so neither a new workflow path nor a new contract name can
 slip past: from the recorded workflow histories CI replays (every activity scheduled on a `node-`
-queue, in every recorded path) and from the host-task names of agent/contract.py. The registered
-set is what `agent.node_worker.node_activities` gives the production agent, the simulated fleet
-and the tests alike.
+queue, in every recorded path) and from the host-task names of contracts/host_tasks.py. The
+registered set is what `agent.node_worker.node_activities` gives the production agent, the
+simulated fleet and the tests alike.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 
 from temporalio import activity
 
-from agent import contract
 from agent.main import backend_names, make_services
 from agent.node_worker import NodeServices, node_activities
+from contracts import host_tasks as contract
 from sim.config import SimHostConfig
 from sim.host import SimulatedHost
 from sim.node_services import machine_maintenance

@@ -11,7 +11,7 @@ from temporalio import workflow
 from temporalio.worker import Worker
 
 from agent.backend import BAREMETAL_REVOKE_PHASES
-from agent.contract import (
+from contracts.host_tasks import (
     BAREMETAL_PROVISION_USER,
     BAREMETAL_REVOKE_USER,
     HostProvisionInput,

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from agent.backend import HostCancelled, HostError, PhaseStatus
-from agent.contract import (
+from contracts.host_tasks import (
     BAREMETAL_PROVISION_USER,
     SLICE_VM_PROVISION,
     SLICE_VM_RELEASE,

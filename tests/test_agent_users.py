@@ -20,7 +20,7 @@ from agent.backend import (
 )
 from agent.backends.baremetal_users import FileBaremetalUserBackend, UserAccountConfig
 from agent.backends.system_root import SystemRoot
-from agent.contract import HostErrorType, HostProvisionInput, HostReleaseInput
+from contracts.host_tasks import HostErrorType, HostProvisionInput, HostReleaseInput
 
 AS_ROOT = os.geteuid() == 0
 KEY_A = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKeyMaterialAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA alice@a"

@@ -21,7 +21,13 @@ from temporalio.client import Client
 from temporalio.worker import Worker
 
 from agent.backend import PhaseStatus
-from agent.contract import (
+from agent.host_activities import HostActivities
+from contracts.allocation import (
+    AGENT_CAPABILITY_MISSING,
+    PROVISION_CLEANUP_UNCONFIRMED,
+    allocation_workflow_id,
+)
+from contracts.host_tasks import (
     BAREMETAL_DEPROVISION_USER,
     BAREMETAL_PROVISION_USER,
     SLICE_VM_PROVISION,
@@ -29,7 +35,6 @@ from agent.contract import (
     HostErrorType,
     HostReleaseInput,
 )
-from agent.host_activities import HostActivities
 from core.task_queues import node_task_queue
 from schema.models import DomainEvent, GpuSlot, Node, NodeTask
 from sim.host import SimulatedHost
@@ -43,11 +48,6 @@ from tests.lifecycle_support import (
     reserved_slots,
     slice_request,
     wait_status,
-)
-from workflows.allocation_contract import (
-    AGENT_CAPABILITY_MISSING,
-    PROVISION_CLEANUP_UNCONFIRMED,
-    allocation_workflow_id,
 )
 
 pytestmark = pytest.mark.usefixtures("control_plane")

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
-from agent.contract import SLICE_VM_PROVISION
+from contracts.host_tasks import SLICE_VM_PROVISION
 from core.config import Settings
 from sim.config import SimHostConfig
 from sim.host import SimulatedHost

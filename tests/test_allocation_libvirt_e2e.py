@@ -18,8 +18,8 @@ from sqlalchemy import insert, select
 from agent.backends import FixedAddressProbe
 from agent.backends.domain_xml import parse_domain, parse_numa_topology
 from agent.backends.libvirt_slice import LibvirtSliceBackend
+from contracts.states import NodeStatus
 from schema.models import GpuSlot, Node
-from schema.states import NodeStatus
 from tests.factories import REGION, SLICE_SKU, create_sku
 from tests.gateway_fixtures import ed25519_public_key
 from tests.lifecycle_support import slice_request, wait_status

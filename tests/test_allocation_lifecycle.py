@@ -13,7 +13,8 @@ from sqlalchemy import select
 from temporalio.client import Client, Interceptor, OutboundInterceptor
 from temporalio.service import RPCError, RPCStatusCode
 
-from agent.contract import (
+from contracts.allocation import allocation_workflow_id
+from contracts.host_tasks import (
     BAREMETAL_DEPROVISION_USER,
     BAREMETAL_PROVISION_USER,
     SLICE_VM_PROVISION,
@@ -37,7 +38,6 @@ from tests.lifecycle_support import (
     slice_request,
     wait_status,
 )
-from workflows.allocation_contract import allocation_workflow_id
 
 pytestmark = pytest.mark.usefixtures("control_plane")
 

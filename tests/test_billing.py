@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
-from activities.billing.metering import BillingActivities, MeterInput, cumulative_charge
-from agent.contract import SLICE_VM_RELEASE, HostErrorType
+from activities.billing.metering import BillingActivities, cumulative_charge
+from contracts.billing_meter import MeterInput
+from contracts.host_tasks import SLICE_VM_RELEASE, HostErrorType
 from schema.models import BillingEvent, LedgerEntry, UsageRecord
 from tests.histories import record_history
 from tests.lifecycle_support import create_fleet, slice_request, wait_status

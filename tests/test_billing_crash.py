@@ -12,9 +12,10 @@ from typing import Any
 
 from sqlalchemy import func, insert, select
 
-from activities.billing.metering import MeterInput, cumulative_charge
+from activities.billing.metering import cumulative_charge
+from contracts.billing_meter import MeterInput
+from contracts.states import AllocationStatus, SkuShape
 from schema.models import Allocation, LedgerEntry, UsageRecord
-from schema.states import AllocationStatus, SkuShape
 from tests.factories import REGION, SLICE_SKU, create_node, create_project, create_sku
 from tests.test_allocation_crash import start_worker_process
 from workflows.billing_meter import BillingMeterWorkflow

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
+from contracts.states import NodeStatus
 from schema.models import AuditEntry, NodeDecommission
-from schema.states import NodeStatus
 from tests.decommission_fixtures import DecommissionRig
 
 

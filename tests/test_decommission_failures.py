@@ -19,9 +19,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio.client import Client
 from temporalio.worker import Worker
 
-from agent.contract import BAREMETAL_DEPROVISION_USER, NODE_STORAGE_CLEANUP, HostErrorType
+from contracts.allocation import allocation_workflow_id
+from contracts.host_tasks import BAREMETAL_DEPROVISION_USER, NODE_STORAGE_CLEANUP, HostErrorType
+from contracts.states import SkuShape
 from schema.models import Allocation, DomainEvent, Node, NodeDriftEvent, NodeMaasState, NodeTask
-from schema.states import SkuShape
 from tests.decommission_fixtures import DecommissionRig
 from tests.factories import BAREMETAL_SKU, create_node, create_sku
 from tests.histories import record_history
@@ -29,7 +30,6 @@ from tests.lifecycle_support import Tenant, baremetal_request, eventually, wait_
 from tests.maas_fixtures import sim_machine, sim_scenario
 from tests.onboarding_fixtures import OnboardingRig, control_plane_worker, operator_action_admitted
 from tests.workflow_probes import activity_completed
-from workflows.allocation_contract import allocation_workflow_id
 
 MACHINES = sim_scenario(
     sim_machine("fail-a", "10.176.18.10"),

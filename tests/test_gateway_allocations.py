@@ -10,13 +10,13 @@ import uuid
 import pytest
 from temporalio.service import RPCError, RPCStatusCode
 
+from contracts.allocation import allocation_workflow_id
+from contracts.states import AllocationStatus
 from gateway.allocations import allocation_id_for, request_fingerprint
 from gateway.schemas import AllocationCreate
 from schema.models import Allocation
-from schema.states import AllocationStatus
 from tests.factories import REGION, SLICE_SKU
 from tests.test_gateway_auth import assert_error
-from workflows.allocation_contract import allocation_workflow_id
 
 DETAIL_FIELDS = {
     "allocation_id", "project_id", "status", "sku", "region", "shape", "gpu_count", "node_id",

@@ -8,11 +8,11 @@ import uuid
 
 import pytest
 
+from contracts.allocation import allocation_workflow_id
+from contracts.states import AllocationStatus
 from schema.models import ApiToken, AuditEntry, Project
-from schema.states import AllocationStatus
 from tests.factories import REGION, SLICE_SKU, create_node, create_sku
 from tests.gateway_fixtures import bearer, ed25519_public_key
-from workflows.allocation_contract import allocation_workflow_id
 
 NIL = "00000000-0000-4000-8000-000000000000"
 

@@ -9,11 +9,11 @@ import uuid
 import pytest
 from temporalio.service import RPCError, RPCStatusCode
 
+from contracts.allocation import allocation_workflow_id
 from gateway.allocations import allocation_id_for
 from schema.models import Allocation, AuditEntry, Project, SshKey
 from tests.gateway_fixtures import bearer, ed25519_private_key, ed25519_public_key, rsa_public_key
 from tests.test_gateway_auth import assert_error
-from workflows.allocation_contract import allocation_workflow_id
 
 VALID_ALLOCATION = {"sku": "h100.slice", "gpus": 1, "region": "test-region-1", "ssh_key_ids": []}
 

@@ -15,9 +15,9 @@ from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
-from agent.contract import SLICE_VM_PROVISION, TASK_SUMMARIES, HostPhase
+from contracts.host_tasks import SLICE_VM_PROVISION, TASK_SUMMARIES, HostPhase
+from contracts.states import AllocationStatus, NodeTaskStatus
 from schema.models import AllocationEvent, NodeTask, NodeTaskEvent
-from schema.states import AllocationStatus, NodeTaskStatus
 from tests.test_gateway_auth import assert_error
 
 T0 = dt.datetime(2026, 4, 18, 1, 31, 57, tzinfo=dt.UTC)

@@ -8,8 +8,8 @@ import uuid
 
 import pytest
 
+from contracts.states import AllocationStatus, NodeTaskStatus
 from schema.models import Allocation, AuditEntry, NodeTask
-from schema.states import AllocationStatus, NodeTaskStatus
 from tests.gateway_fixtures import bearer, ed25519_public_key
 from tests.test_gateway_auth import assert_error
 

@@ -15,13 +15,13 @@ from temporalio.client import Client, WorkflowHandle
 
 from activities.maas.types import Machine, MachineStatus, PowerState
 from activities.maas_reconcile import Binding, decide
+from contracts.maas_reconciler import ReconcileInput, ReconcileResult
 from core.config import Settings
 from core.secret_paths import site_api_token_path
 from schema.models import MaasSite, Node, NodeDriftEvent, NodeMaasState
 from tests.histories import record_history
 from tests.maas_fixtures import sim_machine, sim_scenario
 from workflows.maas_reconciler import MaasSiteReconcilerWorkflow
-from workflows.maas_reconciler_contract import ReconcileInput, ReconcileResult
 
 # node name -> initial node status; every machine starts Deployed (powered on, with an IP).
 NODES = {

@@ -354,7 +354,7 @@ async def test_power_credentials_resolve_in_override_order_and_rotate(
 async def test_site_owns_its_reconciler_schedule(
     admin: Any, maas_sim: Any, temporal_client: Any
 ) -> None:
-    from workflows.maas_reconciler_contract import reconciler_schedule_id
+    from contracts.maas_reconciler import reconciler_schedule_id
 
     site = await create_site(admin, maas_sim.base_url)
     handle = temporal_client.get_schedule_handle(reconciler_schedule_id(site["id"]))

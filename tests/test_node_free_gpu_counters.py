@@ -13,11 +13,11 @@ from alembic import command
 from sqlalchemy import delete, select, text, update
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
+from contracts.states import SlotStatus
 from devstack.postgres import PostgresCluster
 from schema.db import create_engine
 from schema.migrate import alembic_config, upgrade
 from schema.models import GpuSlot, Node
-from schema.states import SlotStatus
 from tests.factories import create_node
 
 Sessions = async_sessionmaker[AsyncSession]

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from sqlalchemy import update
 
-from activities.node_liveness import LivenessInput
 from agent.heartbeat import send_heartbeat
+from contracts.node_liveness import LivenessInput
 from schema.models import Node
 from tests.histories import record_history
 from tests.lifecycle_support import create_fleet, eventually, slice_request

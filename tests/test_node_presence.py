@@ -11,15 +11,15 @@ import pytest
 from sqlalchemy import select
 
 from agent.heartbeat import run_heartbeats, send_heartbeat
-from schema.models import GpuSlot, Node
-from tests.factories import create_node, create_sku
-from tests.histories import record_history
-from tests.lifecycle_support import eventually
-from workflows.node_presence_contract import (
+from contracts.node_presence import (
     PresenceView,
     ReportedGpu,
     node_presence_workflow_id,
 )
+from schema.models import GpuSlot, Node
+from tests.factories import create_node, create_sku
+from tests.histories import record_history
+from tests.lifecycle_support import eventually
 
 pytestmark = pytest.mark.usefixtures("control_plane")
 

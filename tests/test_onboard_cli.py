@@ -16,12 +16,12 @@ import pytest
 import uvicorn
 from sqlalchemy import select, update
 
+from contracts.states import SkuShape
 from devstack.processes import free_port
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.onboard_cli import CliError, CsvNode, main, read_csv
 from schema.models import NodeOnboarding
-from schema.states import SkuShape
 from tests.factories import create_sku
 from tests.gateway_fixtures import TEMPORAL_UI_ORIGIN
 

@@ -21,14 +21,7 @@ from sqlalchemy import select, update
 from temporalio.client import WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
-from core import search_attributes
-from schema.models import AuditEntry, Node, NodeOnboarding, NodeOnboardingEvent
-from schema.states import NodeStatus, SkuShape
-from tests.factories import create_node, create_sku
-from tests.maas_fixtures import sim_machine, sim_scenario
-from tests.onboarding_fixtures import ONBOARD_SKU, Job
-from tests.test_gateway_auth import assert_error
-from workflows.onboarding_contract import (
+from contracts.onboarding import (
     WORKFLOW_NAME,
     BatchInput,
     OnboardInput,
@@ -36,6 +29,13 @@ from workflows.onboarding_contract import (
     batch_workflow_id,
     onboarding_workflow_id,
 )
+from contracts.states import NodeStatus, SkuShape
+from core import search_attributes
+from schema.models import AuditEntry, Node, NodeOnboarding, NodeOnboardingEvent
+from tests.factories import create_node, create_sku
+from tests.maas_fixtures import sim_machine, sim_scenario
+from tests.onboarding_fixtures import ONBOARD_SKU, Job
+from tests.test_gateway_auth import assert_error
 
 REGION = "us-east-1"
 SKU = "h100.8x.baremetal"

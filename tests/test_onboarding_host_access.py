@@ -28,7 +28,7 @@ import pytest
 from activities.onboarding.host_access import BmcLogin, SshLogin
 from activities.onboarding.ipmi import IpmitoolBmc
 from activities.onboarding.ssh_seeder import SshHostSeeder
-from agent.maintenance import HwSyncConfig, render_hw_sync_service, render_hw_sync_timer
+from contracts.node_files import HwSyncConfig, render_hw_sync_service, render_hw_sync_timer
 from core.failures import ClassifiedError, FailureClass
 from devstack.processes import free_port
 

@@ -11,11 +11,11 @@ import pytest
 from temporalio.api.common.v1 import Payload
 from temporalio.converter import DataConverter
 
-from activities.allocation_types import Placement, ProvisionPlan, Reservation
-from agent.contract import GpuAssignment, HostProvisionInput
+from contracts.allocation import AllocationInput, AllocationPolicy
+from contracts.allocation_activities import Placement, ProvisionPlan, Reservation
+from contracts.host_tasks import GpuAssignment, HostProvisionInput
+from contracts.states import ReleaseActor
 from core.payload_json import PayloadConverter
-from schema.states import ReleaseActor
-from workflows.allocation_contract import AllocationInput, AllocationPolicy
 
 SDK = DataConverter.default.payload_converter
 OURS = PayloadConverter()

@@ -17,18 +17,18 @@ from temporalio.client import Client
 
 from activities.billing.ledger import balance_minor
 from activities.payments.schedule import ensure_stripe_reconciliation_schedule
+from contracts.payment_session import payment_session_workflow_id
+from contracts.stripe_reconciliation import (
+    WORKFLOW_NAME as RECONCILIATION,
+)
+from contracts.stripe_reconciliation import (
+    ReconciliationInput,
+    ReconciliationResult,
+)
 from schema.models import LedgerEntry, PaymentSession, StripeWebhookEvent
 from tests.histories import record_history
 from tests.lifecycle_support import eventually
 from tests.stripe_fixtures import PAID_AMOUNT, PaymentsFactory, PaymentsPlane, checkout_event
-from workflows.payment_session_contract import payment_session_workflow_id
-from workflows.stripe_reconciliation_contract import (
-    WORKFLOW_NAME as RECONCILIATION,
-)
-from workflows.stripe_reconciliation_contract import (
-    ReconciliationInput,
-    ReconciliationResult,
-)
 
 Sessions = async_sessionmaker[AsyncSession]
 

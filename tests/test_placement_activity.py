@@ -14,9 +14,10 @@ from sqlalchemy.dialects.postgresql import Range
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from temporalio.exceptions import ApplicationError
 
-from activities.allocation_types import PlaceInput
 from activities.allocations import AllocationActivities
-from agent.contract import BAREMETAL_PROVISION_USER, SLICE_VM_PROVISION
+from contracts.allocation_activities import PlaceInput
+from contracts.host_tasks import BAREMETAL_PROVISION_USER, SLICE_VM_PROVISION
+from contracts.states import AllocationStatus, ClaimKind, SlotStatus
 from schema.models import (
     Allocation,
     AllocationEvent,
@@ -27,7 +28,6 @@ from schema.models import (
     NodeTask,
     Sku,
 )
-from schema.states import AllocationStatus, ClaimKind, SlotStatus
 from tests.factories import BAREMETAL_SKU, REGION, SLICE_SKU, create_project
 from tests.lifecycle_support import create_fleet
 

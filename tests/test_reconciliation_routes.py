@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 from sqlalchemy import insert, select
 
+from contracts.maas_reconciler import reconciler_schedule_id
 from schema.models import AuditEntry, NodeMaasState
 from tests.admin_operation_support import admin_operations_worker
 from tests.factories import create_node, create_sku
 from tests.lifecycle_support import eventually
 from tests.test_maas_sites import create_site
-from workflows.maas_reconciler_contract import reconciler_schedule_id
 
 
 @pytest.fixture

@@ -17,9 +17,9 @@ from sqlalchemy import select
 from agent.backend import HostError, ProvisionOutcome, ReleaseOutcome
 from agent.backends.composite import NodeHostBackend
 from agent.backends.domain_xml import parse_domain, parse_numa_topology, parse_pci_nodedev
-from agent.contract import HostErrorType, HostProvisionInput, HostReleaseInput
+from contracts.host_tasks import HostErrorType, HostProvisionInput, HostReleaseInput
+from contracts.states import SkuShape
 from schema.models import GpuSlot
-from schema.states import SkuShape
 from sim.demo_fleet import Fleet, NodeSpec, build_node, image_sha256_for, seed_fleet
 from sim.fleet import AgentNode, LibvirtTestHosts
 from sim.libvirt_hosts import (

@@ -39,8 +39,8 @@ from agent.network import (
     segment_vlan_name,
 )
 from agent.network.slice_networks import SliceNetworks
+from contracts.states import NodeStatus
 from schema.models import GpuSlot, Node, ProjectSliceVlan
-from schema.states import NodeStatus
 from tests.factories import REGION, SLICE_SKU, create_sku
 from tests.gateway_fixtures import ed25519_public_key
 from tests.lifecycle_support import slice_request, wait_status

@@ -15,13 +15,19 @@ from sqlalchemy import func, insert, select
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from temporalio.exceptions import ApplicationError
 
-from activities.allocation_types import PlaceInput
 from activities.allocations import AllocationActivities
 from activities.placement_sql import DEFAULT_SLICE_VLAN_POOL
 from agent.backend import Progress, ProvisionOutcome
-from agent.contract import SLICE_VM_PROVISION, SLICE_VM_RELEASE, HostErrorType, HostProvisionInput
+from contracts.allocation import NETWORK_POOL_EXHAUSTED
+from contracts.allocation_activities import PlaceInput
+from contracts.host_tasks import (
+    SLICE_VM_PROVISION,
+    SLICE_VM_RELEASE,
+    HostErrorType,
+    HostProvisionInput,
+)
+from contracts.states import SlotStatus
 from schema.models import Allocation, DomainEvent, GpuSlot, ProjectSliceVlan, SliceVlanPool
-from schema.states import SlotStatus
 from sim.config import SimHostConfig
 from sim.host import SimulatedHost
 from tests.factories import REGION, SLICE_SKU, create_project
@@ -32,7 +38,6 @@ from tests.lifecycle_support import (
     slice_request,
     wait_status,
 )
-from workflows.allocation_contract import NETWORK_POOL_EXHAUSTED
 
 Sessions = async_sessionmaker[AsyncSession]
 

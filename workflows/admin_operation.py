@@ -18,7 +18,7 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.admin_operation_contract import (
+    from contracts.admin_operation import (
         OPERATIONS,
         RETRYABLE_ERRORS,
         UNKNOWN_OPERATION,

@@ -22,29 +22,7 @@ from temporalio.exceptions import (
 )
 
 with workflow.unsafe.imports_passed_through():
-    from activities.allocation_types import (
-        ActivateInput,
-        BeginReleaseInput,
-        FailProvisioningInput,
-        FinishReleaseInput,
-        PlaceInput,
-        Placement,
-        ProvisionPlan,
-        ReleasePlan,
-        Reservation,
-    )
-    from agent.contract import (
-        NON_RETRYABLE_HOST_ERRORS,
-        HostErrorType,
-        HostProvisionResult,
-        HostReleaseInput,
-        HostReleaseResult,
-        UnhealthyGpu,
-    )
-    from core import search_attributes as sa
-    from core.task_queues import node_task_queue
-    from schema.states import AllocationStatus, ReleaseActor
-    from workflows.allocation_contract import (
+    from contracts.allocation import (
         AGENT_CAPABILITY_MISSING,
         HOST_TIMEOUT,
         IDEMPOTENCY_KEY_REUSED,
@@ -64,7 +42,29 @@ with workflow.unsafe.imports_passed_through():
         ReleaseAccepted,
         ReleaseRequest,
     )
-    from workflows.host_task_errors import agent_capability_missing, host_task_non_retryable
+    from contracts.allocation_activities import (
+        ActivateInput,
+        BeginReleaseInput,
+        FailProvisioningInput,
+        FinishReleaseInput,
+        PlaceInput,
+        Placement,
+        ProvisionPlan,
+        ReleasePlan,
+        Reservation,
+    )
+    from contracts.host_task_errors import agent_capability_missing, host_task_non_retryable
+    from contracts.host_tasks import (
+        NON_RETRYABLE_HOST_ERRORS,
+        HostErrorType,
+        HostProvisionResult,
+        HostReleaseInput,
+        HostReleaseResult,
+        UnhealthyGpu,
+    )
+    from contracts.states import AllocationStatus, ReleaseActor
+    from core import search_attributes as sa
+    from core.task_queues import node_task_queue
 
 _LOCAL = timedelta(seconds=30)
 _DB_RETRY = RetryPolicy(initial_interval=timedelta(milliseconds=200), maximum_attempts=20)

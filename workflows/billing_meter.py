@@ -11,7 +11,7 @@ from temporalio import workflow
 from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
-    from activities.billing.metering import (
+    from contracts.billing_meter import (
         BillingForceReleaseInput,
         BillingForceReleaseResult,
         MeterInput,

@@ -2,7 +2,7 @@
 (soft_reset, reimage, full_decommission, storage_cleanup) with the job-state model of seed 004
 §5 and the failure and recovery model of §5.8.
 
-The mode's stages (workflows/decommission_contract.py STAGES_BY_MODE) run in order. Control-plane
+The mode's stages (contracts/decommission.py STAGES_BY_MODE) run in order. Control-plane
 stages are activities on the control-plane queue (activities/decommission/); host work runs on
 the node's own queue `node-{node_id}` as the agent's maintenance activities (node.drain,
 node.storage_cleanup, node.gpu_scrub, node.validate_clean, node.uninstall) with a
@@ -42,29 +42,7 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError, TimeoutType
 
 with workflow.unsafe.imports_passed_through():
-    from agent.contract import (
-        NODE_DRAIN,
-        NODE_GPU_SCRUB,
-        NODE_STORAGE_CLEANUP,
-        NODE_UNDRAIN,
-        NODE_UNINSTALL,
-        NODE_VALIDATE_CLEAN,
-        NON_RETRYABLE_MAINTENANCE_ERRORS,
-        STORAGE_SCOPE_LOCAL_SCRATCH,
-        STORAGE_SCOPE_WEKA,
-        DrainResult,
-        GpuScrubResult,
-        HostErrorType,
-        NodeMaintenanceInput,
-        StorageCleanupInput,
-        StorageCleanupResult,
-        UninstallResult,
-        ValidateCleanResult,
-    )
-    from core import search_attributes as sa
-    from core.failures import FailureClass
-    from core.task_queues import node_task_queue
-    from workflows.decommission_contract import (
+    from contracts.decommission import (
         OPERATOR_ACTION_UPDATE,
         PROGRESS_QUERY,
         STAGES_BY_MODE,
@@ -88,6 +66,35 @@ with workflow.unsafe.imports_passed_through():
         StageResult,
         StorageScope,
     )
+    from contracts.host_task_errors import (
+        AGENT_CAPABILITY_MISSING,
+        agent_capability_missing,
+        host_task_non_retryable,
+    )
+    from contracts.host_tasks import (
+        NODE_DRAIN,
+        NODE_GPU_SCRUB,
+        NODE_STORAGE_CLEANUP,
+        NODE_UNDRAIN,
+        NODE_UNINSTALL,
+        NODE_VALIDATE_CLEAN,
+        NON_RETRYABLE_MAINTENANCE_ERRORS,
+        STORAGE_SCOPE_LOCAL_SCRATCH,
+        STORAGE_SCOPE_WEKA,
+        DrainResult,
+        GpuScrubResult,
+        HostErrorType,
+        NodeMaintenanceInput,
+        StorageCleanupInput,
+        StorageCleanupResult,
+        UninstallResult,
+        ValidateCleanResult,
+    )
+    from contracts.lifecycle import STOP_BEFORE_NEXT_STAGE_PATCH, check_operator_action
+    from contracts.onboarding import JobStatus, SiteConfig
+    from core import search_attributes as sa
+    from core.failures import FailureClass
+    from core.task_queues import node_task_queue
     from workflows.decommission_policy import (
         ADOPTABLE_NODE_STATUSES,
         ALLOWED_ACTIONS,
@@ -96,12 +103,6 @@ with workflow.unsafe.imports_passed_through():
         checkpoint_for,
         outcome_for,
     )
-    from workflows.host_task_errors import (
-        AGENT_CAPABILITY_MISSING,
-        agent_capability_missing,
-        host_task_non_retryable,
-    )
-    from workflows.lifecycle_contract import STOP_BEFORE_NEXT_STAGE_PATCH, check_operator_action
     from workflows.lifecycle_job import (
         RUNNING_JOB_STATUSES,
         OperatorControlledJob,
@@ -110,7 +111,6 @@ with workflow.unsafe.imports_passed_through():
         is_standing_action,
         stage_failure_from,
     )
-    from workflows.onboarding_contract import JobStatus, SiteConfig
 
 QUICK = timedelta(minutes=2)
 LOCAL = timedelta(seconds=30)

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from contracts.decommission import OperatorAction, Stage
+from contracts.host_task_errors import AGENT_CAPABILITY_MISSING
+from contracts.onboarding import JobStatus
+from contracts.states import NodeStatus
 from core.failures import FailureClass
-from schema.states import NodeStatus
-from workflows.decommission_contract import OperatorAction, Stage
-from workflows.host_task_errors import AGENT_CAPABILITY_MISSING
-from workflows.onboarding_contract import JobStatus
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """What the node lifecycle jobs' workflows (onboarding, decommission) do the same way, so the two
 cannot drift apart: how a stage's activity failure becomes the job's failure, what an operator's
 freeze records, and how the operator-action update takes an action. The vocabulary (job states,
-payloads, the admission rule) is in workflows/lifecycle_contract.py; this is workflow-side
+payloads, the admission rule) is in contracts/lifecycle.py; this is workflow-side
 behaviour, imported through the sandbox like a contract (it holds no per-run state)."""
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from typing import Any, Generic, TypeVar
 from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError
 
-from core.failures import FailureClass
-from workflows.lifecycle_contract import (
+from contracts.lifecycle import (
     ADOPT_ACTION,
     CANCEL_ACTION,
     FREEZE_ACTION,
@@ -22,6 +21,7 @@ from workflows.lifecycle_contract import (
     JobStatus,
     OperatorRequest,
 )
+from core.failures import FailureClass
 
 StageT = TypeVar("StageT", bound=StrEnum)
 ActionT = TypeVar("ActionT", bound=StrEnum)

@@ -11,7 +11,7 @@ from temporalio import workflow
 from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.maas_reconciler_contract import WORKFLOW_NAME, ReconcileInput, ReconcileResult
+    from contracts.maas_reconciler import WORKFLOW_NAME, ReconcileInput, ReconcileResult
 
 ACTIVITY_NAME = "maas.reconcile_site"
 

@@ -9,7 +9,7 @@ from temporalio import workflow
 from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
-    from activities.node_liveness import LivenessInput, LivenessResult
+    from contracts.node_liveness import LivenessInput, LivenessResult
 
 WORKFLOW_NAME = "NodeLivenessWorkflow"
 SCHEDULE_ID = "node-liveness"

@@ -12,7 +12,7 @@ from temporalio import workflow
 from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.node_presence_contract import (
+    from contracts.node_presence import (
         HEARTBEAT_SIGNAL,
         HEARTBEATS_PER_RUN,
         WORKFLOW_NAME,

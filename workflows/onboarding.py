@@ -2,7 +2,7 @@
 
 The stages of §4.3 run in order as activities (activities/onboarding/); each is status-aware, so
 re-entering from any point converges. The workflow owns the job state (§4.8): a stage failure
-that its retry policy cannot cure is classified (workflows/onboarding_policy.py) into
+that its retry policy cannot cure is classified (contracts/onboarding_policy.py) into
 failed_retryable or failed_manual_intervention with a recommended action, and the workflow then
 *waits* for an operator action instead of closing, so every recovery of §4.9 is an update on the
 same workflow and the same history:
@@ -35,17 +35,8 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
-    from core import search_attributes as sa
-    from core.failures import FailureClass
-    from workflows.lifecycle_contract import STOP_BEFORE_NEXT_STAGE_PATCH, check_operator_action
-    from workflows.lifecycle_job import (
-        OperatorControlledJob,
-        StageFailure,
-        StoppedBeforeNextStep,
-        is_standing_action,
-        stage_failure_from,
-    )
-    from workflows.onboarding_contract import (
+    from contracts.lifecycle import STOP_BEFORE_NEXT_STAGE_PATCH, check_operator_action
+    from contracts.onboarding import (
         CHILD_SETTLED_SIGNAL,
         DEPLOY_STAGES,
         FAILED_JOB_STATUSES,
@@ -71,7 +62,16 @@ with workflow.unsafe.imports_passed_through():
         StageInput,
         StageResult,
     )
-    from workflows.onboarding_policy import ALLOWED_ACTIONS, checkpoint_for, outcome_for
+    from contracts.onboarding_policy import ALLOWED_ACTIONS, checkpoint_for, outcome_for
+    from core import search_attributes as sa
+    from core.failures import FailureClass
+    from workflows.lifecycle_job import (
+        OperatorControlledJob,
+        StageFailure,
+        StoppedBeforeNextStep,
+        is_standing_action,
+        stage_failure_from,
+    )
 
 QUICK_TIMEOUT = timedelta(minutes=2)
 ENROLLMENT_ATTEMPTS = 2  # §4.6: regenerate the token once, then fail

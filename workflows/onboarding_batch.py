@@ -18,8 +18,7 @@ from temporalio.exceptions import ChildWorkflowError
 from temporalio.workflow import ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
-    from core import search_attributes as sa
-    from workflows.onboarding_contract import (
+    from contracts.onboarding import (
         BATCH_WORKFLOW_NAME,
         CHILD_SETTLED_SIGNAL,
         PROGRESS_QUERY,
@@ -33,6 +32,7 @@ with workflow.unsafe.imports_passed_through():
         OnboardResult,
         onboarding_workflow_id,
     )
+    from core import search_attributes as sa
 
 SUCCEEDED = frozenset({JobStatus.COMPLETED.value, JobStatus.RECONCILED.value})
 

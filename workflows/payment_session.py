@@ -17,7 +17,7 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.payment_session_contract import (
+    from contracts.payment_session import (
         CHECKOUT_UPDATE,
         COMPLETED_SIGNAL,
         CREDIT_FAILED,

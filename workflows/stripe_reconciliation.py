@@ -14,14 +14,14 @@ from temporalio import workflow
 from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.payment_session_contract import (
+    from contracts.payment_session import (
         COMPLETED_SIGNAL,
         CheckoutCompletion,
         ExpireInput,
         SettleResult,
         payment_session_workflow_id,
     )
-    from workflows.stripe_reconciliation_contract import (
+    from contracts.stripe_reconciliation import (
         WORKFLOW_NAME,
         ReconciliationInput,
         ReconciliationResult,

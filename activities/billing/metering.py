@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
-from dataclasses import dataclass, field
 
 from sqlalchemy import func, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -24,14 +23,20 @@ from temporalio.client import Client, WorkflowUpdateFailedError
 from temporalio.service import RPCError
 
 from activities.billing.ledger import EntryKind, balance_minor, post_entry
-from schema.models import Allocation, BillingAccount, BillingEvent, UsageRecord
-from schema.states import AllocationStatus, ReleaseActor
-from workflows.allocation_contract import (
+from contracts.allocation import (
     RELEASE_UPDATE,
     ReleaseAccepted,
     ReleaseRequest,
     allocation_workflow_id,
 )
+from contracts.billing_meter import (
+    BillingForceReleaseInput,
+    BillingForceReleaseResult,
+    MeterInput,
+    MeterResult,
+)
+from contracts.states import AllocationStatus, ReleaseActor
+from schema.models import Allocation, BillingAccount, BillingEvent, UsageRecord
 
 WINDOW_SECONDS = 60
 _US_PER_HOUR = 3_600_000_000
@@ -39,33 +44,6 @@ _US_PER_HOUR = 3_600_000_000
 MAX_WINDOWS_PER_RUN = 24 * 60
 # Allocations that would keep consuming a depleted account.
 _BILLABLE = (AllocationStatus.REQUESTED, AllocationStatus.PROVISIONING, AllocationStatus.ACTIVE)
-
-
-@dataclass
-class MeterInput:
-    # Bill windows that ended by this instant (ISO-8601); None: now, by the database's clock.
-    until: str | None = None
-
-
-@dataclass
-class MeterResult:
-    debits_posted: int = 0
-    charged_minor: int = 0
-    records_billed: int = 0
-    state_changes: list[str] = field(default_factory=list)
-    allocations_to_release: list[str] = field(default_factory=list)
-
-
-@dataclass
-class BillingForceReleaseInput:
-    allocation_ids: list[str]
-    reason: str = "billing account depleted"
-
-
-@dataclass
-class BillingForceReleaseResult:
-    requested: list[str] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)
 
 
 def cumulative_charge(price_per_gpu_hour_minor: int, gpus: int, elapsed: dt.timedelta) -> int:

@@ -17,22 +17,15 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from activities.lifecycle_read_model import JobTables
 from activities.node_task_log import record_task_outcome
-from agent.contract import HostPhase
+from contracts.decommission import DecommissionState, NodeTaskRecord, ProgressRecord
+from contracts.host_tasks import HostPhase
+from contracts.states import NodeTaskStatus
+from schema.lifecycle_tables import DECOMMISSION_TABLES
 from schema.models import (
-    NodeDecommission,
-    NodeDecommissionEvent,
     NodeTask,
 )
-from schema.states import NodeTaskStatus
-from workflows.decommission_contract import DecommissionState, NodeTaskRecord, ProgressRecord
 
-DECOMMISSION = JobTables(
-    job=NodeDecommission,
-    job_id=NodeDecommission.decommission_id,
-    event=NodeDecommissionEvent,
-    event_job_column="decommission_id",
-    subject_type="node_decommission",
-)
+DECOMMISSION = JobTables.of(DECOMMISSION_TABLES)
 add_event = DECOMMISSION.add_event
 stage_started = DECOMMISSION.stage_started
 

@@ -35,11 +35,11 @@ from activities.onboarding.maas_stages import MaasStageActivities
 from activities.onboarding.node_stages import NodeStageActivities
 from activities.onboarding.stage_errors import StageError, as_application_error, error_code_of
 from activities.onboarding.stage_runtime import StageRun
+from contracts import onboarding as ob
+from contracts.decommission import EventStatus, StageInput, StageResult
 from core.failures import ClassifiedError, FailureClass
 from core.secrets import SecretStoreError
 from schema.models import MaasSiteProfile
-from workflows import onboarding_contract as ob
-from workflows.decommission_contract import EventStatus, StageInput, StageResult
 
 
 def onboard_input(input: StageInput, stage_attempt: int = 1) -> ob.StageInput:

@@ -34,6 +34,25 @@ from activities.maas.types import EraseMode, Machine, MachineStatus, PowerState
 from activities.node_lifecycle import transition_node, transition_path
 from activities.onboarding.host_access import HostAccess
 from activities.onboarding.stage_errors import StageError, as_application_error, error_code_of
+from contracts.allocation import (
+    RELEASE_UPDATE,
+    ReleaseAccepted,
+    ReleaseRequest,
+    allocation_workflow_id,
+)
+from contracts.decommission import (
+    DecommissionState,
+    Erase,
+    EventStatus,
+    Mode,
+    NodeTaskRecord,
+    Observation,
+    ProgressRecord,
+    Stage,
+    StageInput,
+    StageResult,
+)
+from contracts.states import AllocationStatus, NodeStatus, NodeTaskStatus, ReleaseActor
 from core.failures import ClassifiedError, FailureClass
 from core.secret_paths import node_secret_paths
 from core.secrets import SecretStore, SecretStoreError
@@ -47,25 +66,6 @@ from schema.models import (
     NodeMaasState,
     NodeOnboarding,
     NodeTask,
-)
-from schema.states import AllocationStatus, NodeStatus, NodeTaskStatus, ReleaseActor
-from workflows.allocation_contract import (
-    RELEASE_UPDATE,
-    ReleaseAccepted,
-    ReleaseRequest,
-    allocation_workflow_id,
-)
-from workflows.decommission_contract import (
-    DecommissionState,
-    Erase,
-    EventStatus,
-    Mode,
-    NodeTaskRecord,
-    Observation,
-    ProgressRecord,
-    Stage,
-    StageInput,
-    StageResult,
 )
 
 S = MachineStatus

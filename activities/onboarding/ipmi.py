@@ -31,8 +31,8 @@ import signal
 from collections.abc import Mapping
 
 from activities.onboarding.host_access import BmcLogin
-from agent.maintenance import sanitise
 from core.failures import ClassifiedError, FailureClass
+from core.redaction import redact
 
 logger = logging.getLogger("activities.onboarding.ipmi")
 
@@ -170,4 +170,4 @@ def _safe(text: str, login: BmcLogin) -> str:
     """ipmitool's stderr, fit for Temporal history: the password removed even if a BMC echoed
     it, secret-looking text redacted, one line, truncated."""
     text = text.replace(login.password, "[redacted]")
-    return sanitise(" ".join(text.split()), limit=MAX_STDERR_CHARS)
+    return redact(" ".join(text.split()), limit=MAX_STDERR_CHARS)

@@ -41,15 +41,15 @@ from activities.onboarding.stage_runtime import (
     timeout_error,
 )
 from activities.power_credentials import PowerCredentialsMissing, resolve_power_credentials
-from core.failures import FailureClass
-from schema.models import MaasRoceAssignment
-from workflows.onboarding_contract import (
+from contracts.onboarding import (
     OnboardState,
     SiteConfig,
     Stage,
     StageInput,
     StageResult,
 )
+from core.failures import FailureClass
+from schema.models import MaasRoceAssignment
 
 S = MachineStatus
 BOSS_PATTERN = re.compile(r"boss|boot optimi[sz]ed|m\.2", re.IGNORECASE)

@@ -54,6 +54,17 @@ from activities.onboarding.stage_runtime import (
     poll_until,
     timeout_error,
 )
+from contracts.onboarding import (
+    NodeObservation,
+    OnboardState,
+    ProgressRecord,
+    SiteConfig,
+    SitePolicyView,
+    Stage,
+    StageInput,
+    StageResult,
+)
+from contracts.states import NodeStatus
 from core.failures import ClassifiedError, FailureClass
 from schema.models import (
     GpuSlot,
@@ -66,17 +77,6 @@ from schema.models import (
     NodeMaasState,
     NodeOnboarding,
     Sku,
-)
-from schema.states import NodeStatus
-from workflows.onboarding_contract import (
-    NodeObservation,
-    OnboardState,
-    ProgressRecord,
-    SiteConfig,
-    SitePolicyView,
-    Stage,
-    StageInput,
-    StageResult,
 )
 
 S = MachineStatus

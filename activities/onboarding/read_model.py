@@ -13,16 +13,10 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from activities.lifecycle_read_model import JobTables
-from schema.models import NodeOnboarding, NodeOnboardingEvent
-from workflows.onboarding_contract import OnboardState, ProgressRecord
+from contracts.onboarding import OnboardState, ProgressRecord
+from schema.lifecycle_tables import ONBOARDING_TABLES
 
-ONBOARDING = JobTables(
-    job=NodeOnboarding,
-    job_id=NodeOnboarding.onboarding_id,
-    event=NodeOnboardingEvent,
-    event_job_column="onboarding_id",
-    subject_type="node_onboarding",
-)
+ONBOARDING = JobTables.of(ONBOARDING_TABLES)
 add_event = ONBOARDING.add_event
 stage_started = ONBOARDING.stage_started
 

@@ -55,8 +55,9 @@ import asyncssh
 
 from activities.cloud_init import AGENT_CONFIG_PATH, AGENT_UNIT
 from activities.onboarding.host_access import SshLogin
-from agent.maintenance import HwSyncConfig, render_hw_sync_service, render_hw_sync_timer, sanitise
+from contracts.node_files import HwSyncConfig, render_hw_sync_service, render_hw_sync_timer
 from core.failures import ClassifiedError, FailureClass
+from core.redaction import redact
 
 logger = logging.getLogger("activities.onboarding.ssh_seeder")
 
@@ -288,7 +289,7 @@ class _Session:
         if isinstance(text, bytes):
             text = text.decode(errors="replace")
         text = text.replace(self._login.password, "[redacted]")
-        return sanitise(" ".join(text.split()), limit=MAX_REMOTE_OUTPUT_CHARS)
+        return redact(" ".join(text.split()), limit=MAX_REMOTE_OUTPUT_CHARS)
 
     def _missing_tool(self, what: str, result: asyncssh.SSHCompletedProcess) -> ClassifiedError:
         return ClassifiedError(

@@ -29,9 +29,7 @@ from activities.maas.types import Machine
 from activities.onboarding import read_model
 from activities.onboarding.host_access import HostAccess
 from activities.onboarding.stage_errors import StageError, as_application_error, error_code_of
-from core.failures import ClassifiedError, FailureClass
-from core.secrets import SecretStore, SecretStoreError
-from workflows.onboarding_contract import (
+from contracts.onboarding import (
     EventStatus,
     Observed,
     OnboardState,
@@ -40,7 +38,9 @@ from workflows.onboarding_contract import (
     StageInput,
     StageResult,
 )
-from workflows.onboarding_policy import TIMEOUTS
+from contracts.onboarding_policy import TIMEOUTS
+from core.failures import ClassifiedError, FailureClass
+from core.secrets import SecretStore, SecretStoreError
 
 T = TypeVar("T")
 MAAS_TIMEOUT_SECONDS = 30.0

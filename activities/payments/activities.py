@@ -20,10 +20,8 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.billing.ledger import EntryKind, post_entry
-from activities.payments.config import PaymentSettings
 from activities.payments.stripe_api import StripeApi, StripeCheckoutSession, StripeNotConfigured
-from schema.models import PaymentSession
-from workflows.payment_session_contract import (
+from contracts.payment_session import (
     AMOUNT_MISMATCH,
     CURRENCY_MISMATCH,
     STRIPE_ERROR,
@@ -36,11 +34,13 @@ from workflows.payment_session_contract import (
     ledger_idempotency_key,
     stripe_idempotency_key,
 )
-from workflows.stripe_reconciliation_contract import (
+from contracts.stripe_reconciliation import (
     PaidSession,
     ReconciliationInput,
     ReconciliationScan,
 )
+from core.payment_settings import PaymentSettings
+from schema.models import PaymentSession
 
 log = logging.getLogger(__name__)
 CLOCK = func.clock_timestamp()

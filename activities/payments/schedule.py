@@ -6,12 +6,12 @@ from datetime import timedelta
 
 from temporalio.client import Client
 
-from core.schedules import ensure_schedule, periodic_schedule
-from workflows.stripe_reconciliation_contract import (
+from contracts.stripe_reconciliation import (
     SCHEDULE_ID,
     WORKFLOW_NAME,
     ReconciliationInput,
 )
+from core.schedules import ensure_schedule, periodic_schedule
 
 
 async def ensure_stripe_reconciliation_schedule(

@@ -11,7 +11,7 @@ from typing import Any
 
 import stripe
 
-from activities.payments.config import STRIPE_API_KEY_PATH, PaymentSettings
+from core.payment_settings import STRIPE_API_KEY_PATH, PaymentSettings
 from core.secrets import SecretStore
 
 

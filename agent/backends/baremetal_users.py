@@ -49,7 +49,7 @@ from agent.backend import (
 )
 from agent.backend import RevokeOutcome as HostRevokeOutcome
 from agent.backends.system_root import SystemRoot
-from agent.contract import HostErrorType, HostProvisionInput, HostReleaseInput
+from contracts.host_tasks import HostErrorType, HostProvisionInput, HostReleaseInput
 
 logger = logging.getLogger("agent.backends.baremetal_users")
 

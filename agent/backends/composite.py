@@ -16,7 +16,7 @@ from agent.backend import (
     ReleaseOutcome,
     RevokeOutcome,
 )
-from agent.contract import HostErrorType, HostProvisionInput, HostReleaseInput
+from contracts.host_tasks import HostErrorType, HostProvisionInput, HostReleaseInput
 
 
 class NodeHostBackend:

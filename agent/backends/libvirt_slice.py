@@ -44,9 +44,9 @@ from agent.backend import (
 from agent.backends import cloud_init_seed, domain_xml
 from agent.backends.images import ImageMismatch, ImageMissing, ImageStore
 from agent.backends.readiness import NotReady, ReadinessProbe
-from agent.contract import HostErrorType, HostProvisionInput, HostReleaseInput, UnhealthyGpu
 from agent.gpu_health import GpuHealthCheck
 from agent.network.slice_networks import SliceNetworks
+from contracts.host_tasks import HostErrorType, HostProvisionInput, HostReleaseInput, UnhealthyGpu
 
 logger = logging.getLogger("agent.backends.libvirt_slice")
 

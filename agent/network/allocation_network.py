@@ -35,7 +35,6 @@ from typing import Any
 
 from pyroute2.netlink.exceptions import NetlinkError
 
-from agent.contract import HostErrorType
 from agent.network.errors import (
     InvalidNetworkSpec,
     MissingInterface,
@@ -51,6 +50,7 @@ from agent.network.netns import (
     validate_ifname,
     vlan_id_of,
 )
+from contracts.host_tasks import HostErrorType
 
 TAG_PREFIX = "gpucloud:alloc:"
 SEGMENT_TAG_PREFIX = "gpucloud:vlan:"

@@ -8,7 +8,7 @@ belongs to something else is `lease_conflict`.
 from __future__ import annotations
 
 from agent.backend import HostError
-from agent.contract import HostErrorType
+from contracts.host_tasks import HostErrorType
 
 
 class NetworkError(HostError):

@@ -27,7 +27,6 @@ from typing import Any
 
 from pyroute2.netlink.exceptions import NetlinkError
 
-from agent.contract import HostErrorType
 from agent.network.errors import (
     InvalidNetworkSpec,
     MissingInterface,
@@ -35,6 +34,7 @@ from agent.network.errors import (
     NetworkOperationFailed,
 )
 from agent.network.netns import link_index, rtnl, validate_ifname
+from contracts.host_tasks import HostErrorType
 
 ROCE_PROTO = 210  # rtm_protocol / FRA_PROTOCOL marking what this module made
 ROCE_TABLE_BASE = 20000

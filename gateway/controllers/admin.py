@@ -13,6 +13,7 @@ from litestar.params import FromPath, FromQuery, JSONBody, QueryParameter
 from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from contracts.states import TokenRole
 from gateway import allocations, audit, identity, timeline
 from gateway.auth import Principal, admin_guard
 from gateway.controllers.common import audit_reason, errors
@@ -36,7 +37,6 @@ from gateway.schemas import (
 )
 from gateway.temporal import TemporalOps
 from schema.models import ApiToken, AuditEntry, Project
-from schema.states import TokenRole
 
 AnyRequest = Request[Any, Any, Any]
 

@@ -15,6 +15,12 @@ from litestar.params import FromPath, JSONBody
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from contracts.admin_operation import (
+    BILLING_CREDIT,
+    CreditInput,
+    CreditResult,
+    credit_workflow_id,
+)
 from gateway.admin_operations import actor, run_admin_operation
 from gateway.auth import Principal, admin_guard, tenant_guard
 from gateway.controllers.common import errors
@@ -29,12 +35,6 @@ from schema.models import (
     LedgerEntry,
     Project,
     UsageRecord,
-)
-from workflows.admin_operation_contract import (
-    BILLING_CREDIT,
-    CreditInput,
-    CreditResult,
-    credit_workflow_id,
 )
 
 

@@ -11,6 +11,7 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery, JSONBody, QueryParameter
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from contracts.decommission import OperatorAction
 from gateway import decommissions
 from gateway.auth import Principal, admin_guard
 from gateway.controllers.common import errors
@@ -26,7 +27,6 @@ from gateway.decommissions import (
 from gateway.errors import NotFound
 from gateway.runtime import Runtime
 from gateway.temporal import TemporalOps
-from workflows.decommission_contract import OperatorAction
 
 _START_NOTES = (
     " 201 {decommission_id, node_id, mode, status: started, workflow_id}; the same request while "

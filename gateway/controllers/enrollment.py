@@ -20,6 +20,7 @@ from activities.enrollment_tokens import (
     issue_enrollment_token,
     redeem_enrollment_token,
 )
+from contracts.states import NodeStatus
 from core.task_queues import node_task_queue
 from gateway import audit
 from gateway.auth import Principal, admin_guard
@@ -29,7 +30,6 @@ from gateway.runtime import Runtime
 from gateway.schemas import Reason
 from gateway.schemas import Request as RequestBody
 from schema.models import Node
-from schema.states import NodeStatus
 
 AnyRequest = Request[Any, Any, Any]
 

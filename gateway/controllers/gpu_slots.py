@@ -17,6 +17,12 @@ from litestar.params import FromPath, JSONBody
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from contracts.admin_operation import (
+    GPU_SLOT_RETURN,
+    GpuSlotReturnInput,
+    GpuSlotState,
+    admin_operation_workflow_id,
+)
 from core.timestamps import parse_iso
 from gateway.admin_operations import actor, run_admin_operation
 from gateway.auth import Principal, admin_guard
@@ -26,12 +32,6 @@ from gateway.runtime import Runtime
 from gateway.schemas import Reason
 from gateway.schemas import Request as RequestBody
 from schema.models import GpuSlot, Node
-from workflows.admin_operation_contract import (
-    GPU_SLOT_RETURN,
-    GpuSlotReturnInput,
-    GpuSlotState,
-    admin_operation_workflow_id,
-)
 
 AnyRequest = Request[Any, Any, Any]
 

@@ -11,6 +11,7 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery, HeaderParameter, JSONBody, QueryParameter
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from contracts.onboarding import OperatorAction
 from gateway import onboardings
 from gateway.allocations import IDEMPOTENCY_HEADER
 from gateway.auth import Principal, admin_guard
@@ -28,7 +29,6 @@ from gateway.onboarding_schemas import (
 )
 from gateway.runtime import Runtime
 from gateway.temporal import TemporalOps
-from workflows.onboarding_contract import OperatorAction
 
 IdempotencyKey = Annotated[str | None, HeaderParameter(name=IDEMPOTENCY_HEADER, required=False)]
 

@@ -28,17 +28,7 @@ from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
-from activities.payments.config import STRIPE_WEBHOOK_SECRET_PATH, PaymentSettings
-from core.secrets import SecretStore
-from core.timestamps import parse_iso
-from gateway.allocations import IDEMPOTENCY_HEADER, validate_idempotency_key
-from gateway.auth import Principal, admin_guard, tenant_guard
-from gateway.controllers.common import errors
-from gateway.errors import ApiError, InvalidRequest, ServiceUnavailable, Unprocessable
-from gateway.runtime import Runtime
-from gateway.temporal import TemporalOps
-from schema.models import PaymentSession, StripeWebhookEvent
-from workflows.payment_session_contract import (
+from contracts.payment_session import (
     CHECKOUT_UPDATE,
     COMPLETED_SIGNAL,
     IDEMPOTENCY_KEY_REUSED,
@@ -50,6 +40,16 @@ from workflows.payment_session_contract import (
     SettleResult,
     payment_session_workflow_id,
 )
+from core.payment_settings import STRIPE_WEBHOOK_SECRET_PATH, PaymentSettings
+from core.secrets import SecretStore
+from core.timestamps import parse_iso
+from gateway.allocations import IDEMPOTENCY_HEADER, validate_idempotency_key
+from gateway.auth import Principal, admin_guard, tenant_guard
+from gateway.controllers.common import errors
+from gateway.errors import ApiError, InvalidRequest, ServiceUnavailable, Unprocessable
+from gateway.runtime import Runtime
+from gateway.temporal import TemporalOps
+from schema.models import PaymentSession, StripeWebhookEvent
 
 # Fixed forever: payment session ids derived from idempotency keys must not change.
 PAYMENT_SESSION_ID_NAMESPACE = uuid.UUID("0d3e2a57-9b4c-4f1e-8a2d-7c6b5e4f3a21")

@@ -16,6 +16,13 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from temporalio.client import Client
 
+from contracts.admin_operation import (
+    DRIFT_RESOLVE,
+    DriftResolveInput,
+    DriftState,
+    admin_operation_workflow_id,
+)
+from contracts.maas_reconciler import reconciler_schedule_id
 from core.timestamps import parse_iso
 from gateway.admin_operations import actor, run_admin_operation
 from gateway.auth import Principal, admin_guard
@@ -26,13 +33,6 @@ from gateway.schemas import Reason
 from gateway.schemas import Request as RequestBody
 from gateway.temporal import TemporalOps
 from schema.models import MaasSite, MaasSitePolicy, Node, NodeMaasState
-from workflows.admin_operation_contract import (
-    DRIFT_RESOLVE,
-    DriftResolveInput,
-    DriftState,
-    admin_operation_workflow_id,
-)
-from workflows.maas_reconciler_contract import reconciler_schedule_id
 
 
 class ReconciliationStatus(msgspec.Struct, kw_only=True):

@@ -17,32 +17,32 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from workflows.lifecycle_contract import (
+from contracts.lifecycle import (
     ADOPT_ACTION,
     CANCEL_ACTION,
     FREEZE_ACTION,
     RESUME_ACTION,
     RETRY_STAGE_ACTION,
 )
-from workflows.lifecycle_contract import (
+from contracts.lifecycle import (
     FAILED_JOB_STATUSES as FAILED_JOB_STATUSES,
 )
-from workflows.lifecycle_contract import (
+from contracts.lifecycle import (
     LIVE_JOB_STATUSES as LIVE_JOB_STATUSES,
 )
-from workflows.lifecycle_contract import (
+from contracts.lifecycle import (
     OPERATOR_ACTION_UPDATE as OPERATOR_ACTION_UPDATE,
 )
-from workflows.lifecycle_contract import (
+from contracts.lifecycle import (
     PROGRESS_QUERY as PROGRESS_QUERY,
 )
-from workflows.lifecycle_contract import (
+from contracts.lifecycle import (
     TERMINAL_JOB_STATUSES as TERMINAL_JOB_STATUSES,
 )
-from workflows.lifecycle_contract import ActionResult as ActionResult
-from workflows.lifecycle_contract import EventStatus as EventStatus
-from workflows.lifecycle_contract import JobStatus as JobStatus
-from workflows.lifecycle_contract import OperatorRequest as OperatorRequest
+from contracts.lifecycle import ActionResult as ActionResult
+from contracts.lifecycle import EventStatus as EventStatus
+from contracts.lifecycle import JobStatus as JobStatus
+from contracts.lifecycle import OperatorRequest as OperatorRequest
 
 WORKFLOW_NAME = "MaasNodeOnboardWorkflow"
 BATCH_WORKFLOW_NAME = "MaasNodeBatchOnboardWorkflow"

@@ -9,8 +9,8 @@ every workflow run."""
 
 from dataclasses import dataclass, field
 
-from schema.states import AllocationStatus
-from workflows.host_task_errors import AGENT_CAPABILITY_MISSING as AGENT_CAPABILITY_MISSING
+from contracts.host_task_errors import AGENT_CAPABILITY_MISSING as AGENT_CAPABILITY_MISSING
+from contracts.states import AllocationStatus
 
 WORKFLOW_NAME = "AllocationWorkflow"
 RESERVE_UPDATE = "reserve"
@@ -32,7 +32,7 @@ NODE_UNREACHABLE = "node_unreachable"
 HOST_TIMEOUT = "host_timeout"
 PROVISIONING_ERROR = "provisioning_error"
 # AGENT_CAPABILITY_MISSING (imported above, defined with the other host-task failures in
-# workflows/host_task_errors.py): the node's agent does not offer the host task.
+# contracts/host_task_errors.py): the node's agent does not offer the host task.
 
 # The quarantine reason of the GPU slots (slices) or the node (bare metal) a failed provision
 # held when the host did not prove its cleanup: they are not placed again until an operator

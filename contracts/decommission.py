@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from workflows.lifecycle_contract import (
+from contracts.lifecycle import (
     ADOPT_ACTION,
     CANCEL_ACTION,
     FREEZE_ACTION,
@@ -26,13 +26,13 @@ from workflows.lifecycle_contract import (
 )
 
 # Seed 004 §5.1: decommission uses the same job-state model and operator-action update.
-from workflows.lifecycle_contract import OPERATOR_ACTION_UPDATE as OPERATOR_ACTION_UPDATE
-from workflows.lifecycle_contract import PROGRESS_QUERY as PROGRESS_QUERY
-from workflows.lifecycle_contract import ActionResult as ActionResult
-from workflows.lifecycle_contract import EventStatus as EventStatus
-from workflows.lifecycle_contract import JobStatus as JobStatus
-from workflows.lifecycle_contract import OperatorRequest as OperatorRequest
-from workflows.onboarding_contract import OnboardState, SiteConfig
+from contracts.lifecycle import OPERATOR_ACTION_UPDATE as OPERATOR_ACTION_UPDATE
+from contracts.lifecycle import PROGRESS_QUERY as PROGRESS_QUERY
+from contracts.lifecycle import ActionResult as ActionResult
+from contracts.lifecycle import EventStatus as EventStatus
+from contracts.lifecycle import JobStatus as JobStatus
+from contracts.lifecycle import OperatorRequest as OperatorRequest
+from contracts.onboarding import OnboardState, SiteConfig
 
 WORKFLOW_NAME = "NodeDecommissionWorkflow"
 

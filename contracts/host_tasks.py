@@ -2,7 +2,7 @@
 the `node_tasks.kind` shown on the timeline), typed inputs and results, progress phases, and the
 error types a host reports. Workflows import this module; agents implement it."""
 
-# Annotations here are evaluated on purpose: see workflows/allocation_contract.py.
+# Annotations here are evaluated on purpose: see contracts/allocation.py.
 
 from dataclasses import dataclass, field
 from enum import StrEnum

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from contracts.onboarding import JobStatus, OperatorAction, Stage
 from core.failures import FailureClass
-from workflows.onboarding_contract import JobStatus, OperatorAction, Stage
 
 
 @dataclass(frozen=True)

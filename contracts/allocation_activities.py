@@ -1,10 +1,10 @@
 """Inputs and results of the allocation activities (control-plane side, PostgreSQL)."""
 
-# Annotations here are evaluated on purpose: see workflows/allocation_contract.py.
+# Annotations here are evaluated on purpose: see contracts/allocation.py.
 
 from dataclasses import dataclass, field
 
-from agent.contract import (
+from contracts.host_tasks import (
     GpuAssignment,
     HostProvisionInput,
     HostProvisionResult,
