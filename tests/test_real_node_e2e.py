@@ -27,8 +27,8 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
+from contracts.states import SkuShape
 from schema.models import GpuSlot, Node, NodeTask
-from schema.states import SkuShape
 from sim.first_boot import BootRecord
 from sim.libvirt_hosts import guest_address
 from sim.machine_image import default_gpus
