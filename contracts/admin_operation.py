@@ -81,10 +81,12 @@ def ledger_idempotency_key(project_id: str, idempotency_key: str) -> str:
     return f"admin:{project_id}:{idempotency_key}"
 
 
-def credit_workflow_id(project_id: str, idempotency_key: str) -> str:
-    """Keys are free text: the id carries a uuid5 of the ledger key, not the key itself."""
-    key = ledger_idempotency_key(project_id, idempotency_key)
-    return admin_operation_workflow_id(BILLING_CREDIT, str(uuid.uuid5(_CREDIT_ID_NAMESPACE, key)))
+def credit_key(project_id: str, idempotency_key: str) -> str:
+    """A credit's workflow key. Idempotency keys are free text: the workflow id carries a uuid5
+    of the ledger key, not the key itself."""
+    return str(
+        uuid.uuid5(_CREDIT_ID_NAMESPACE, ledger_idempotency_key(project_id, idempotency_key))
+    )
 
 
 @dataclass

@@ -34,6 +34,7 @@ from contracts.admin_operation import (
     WORKFLOW_NAME,
     Actor,
     AdminOperationInput,
+    admin_operation_workflow_id,
 )
 from gateway.auth import Principal
 from gateway.errors import (
@@ -76,9 +77,10 @@ def actor(principal: Principal, reason: str | None) -> Actor:
     )
 
 
-def request_discriminator() -> str:
-    """For an operation whose request carries secrets: this request's own id."""
-    return str(uuid.uuid4())
+def per_request(scope: object) -> str:
+    """The key of an operation whose request carries secrets: this request's own, so a
+    concurrent change with other secrets never receives another request's answer."""
+    return f"{scope}-{uuid.uuid4()}"
 
 
 def _api_error(
@@ -116,12 +118,14 @@ async def run_admin_operation(
     operation: str,
     request: Any,
     *,
-    workflow_id: str,
+    key: str,
     result_type: type[T],
     statuses: Mapping[str, int] | None = None,
 ) -> T:
-    """Run `operation` with `request` as workflow `workflow_id` and return its result, or raise
-    the ApiError its refusal maps to."""
+    """Run `operation` with `request` and return its result, or raise the ApiError its refusal
+    maps to. `key` names what the operation acts on: a retried request with the same key joins
+    the same workflow (admin_operation_workflow_id)."""
+    workflow_id = admin_operation_workflow_id(operation, key)
 
     async def call(client: Client) -> T:
         result: T = await client.execute_workflow(

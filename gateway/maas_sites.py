@@ -49,7 +49,6 @@ from contracts.admin_operation import (
     SiteCredentialsResult,
     SiteProbeInput,
     SiteProbeResult,
-    admin_operation_workflow_id,
 )
 from contracts.maas_reconciler import WORKFLOW_NAME as RECONCILER_WORKFLOW
 from contracts.maas_reconciler import ReconcileInput, reconciler_schedule_id
@@ -62,7 +61,7 @@ from core.secret_paths import (
 )
 from core.timestamps import parse_iso
 from gateway import audit
-from gateway.admin_operations import actor, request_discriminator, run_admin_operation
+from gateway.admin_operations import actor, per_request, run_admin_operation
 from gateway.auth import Principal
 from gateway.errors import ApiError, Conflict, NotFound, Unprocessable
 from gateway.identity import constraint_name
@@ -544,9 +543,7 @@ async def set_credentials(
             ),
             deploy_password=body.deploy_password,
         ),
-        workflow_id=admin_operation_workflow_id(
-            SITE_CREDENTIALS_WRITE, f"{site_id}-{request_discriminator()}"
-        ),
+        key=per_request(site_id),
         result_type=SiteCredentialsResult,
     )
     return CredentialsWritten(
@@ -569,7 +566,7 @@ async def probe(
         task_queue,
         SITE_PROBE,
         SiteProbeInput(site_id=str(site_id)),
-        workflow_id=admin_operation_workflow_id(SITE_PROBE, f"{site_id}-{request_discriminator()}"),
+        key=per_request(site_id),
         result_type=SiteProbeResult,
         statuses={MAAS_TOKEN_REJECTED: 502, MAAS_UNREACHABLE: 502},
     )
@@ -638,7 +635,7 @@ async def upsert_roce(
         task_queue,
         ROCE_UPSERT,
         RoceUpsertInput(actor=actor(principal, reason), site_id=str(site_id), items=items),
-        workflow_id=admin_operation_workflow_id(ROCE_UPSERT, f"{site_id}-{digest}"),
+        key=f"{site_id}-{digest}",
         result_type=RoceUpsertResult,
     )
     return RoceUpserted(created=result.created, updated=result.updated, unchanged=result.unchanged)
@@ -660,7 +657,7 @@ async def delete_roce(
         RoceDeleteInput(
             actor=actor(principal, reason), site_id=str(site_id), assignment_id=str(assignment_id)
         ),
-        workflow_id=admin_operation_workflow_id(ROCE_DELETE, f"{site_id}-{assignment_id}"),
+        key=f"{site_id}-{assignment_id}",
         result_type=type(None),
     )
 
@@ -730,7 +727,7 @@ async def create_override(
             user=body.user,
             password=body.password,
         ),
-        workflow_id=admin_operation_workflow_id(POWER_OVERRIDE_CREATE, str(override_id)),
+        key=str(override_id),
         result_type=PowerOverrideState,
     )
     return _override_view(state)
@@ -772,9 +769,7 @@ async def patch_override(
             user=body.user,
             password=body.password,
         ),
-        workflow_id=admin_operation_workflow_id(
-            POWER_OVERRIDE_UPDATE, f"{override_id}-{request_discriminator()}"
-        ),
+        key=per_request(override_id),
         result_type=PowerOverrideState,
     )
     return _override_view(state)
@@ -800,6 +795,6 @@ async def delete_override(
         PowerOverrideDeleteInput(
             actor=actor(principal, reason), site_id=str(site_id), override_id=str(override_id)
         ),
-        workflow_id=admin_operation_workflow_id(POWER_OVERRIDE_DELETE, f"{site_id}-{override_id}"),
+        key=f"{site_id}-{override_id}",
         result_type=type(None),
     )

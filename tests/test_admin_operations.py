@@ -49,7 +49,7 @@ from contracts.admin_operation import (
     SiteCredentialsInput,
     SiteProbeInput,
     admin_operation_workflow_id,
-    credit_workflow_id,
+    credit_key,
 )
 from contracts.states import SlotStatus
 from core.codec import ENCODING, AesGcmPayloadCodec
@@ -130,7 +130,9 @@ async def test_a_credit_retried_with_the_same_key_posts_once_even_when_requests_
     assert len(answers) == 1, answers
     (entry_id, balance), = answers  # fmt: skip
     assert balance == 1500
-    workflow_id = credit_workflow_id(str(project.id), "topup-7")
+    workflow_id = admin_operation_workflow_id(
+        BILLING_CREDIT, credit_key(str(project.id), "topup-7")
+    )
     first = temporal_client.get_workflow_handle(workflow_id)
     await record(first, "billing_credit")
 

@@ -19,7 +19,7 @@ from contracts.admin_operation import (
     BILLING_CREDIT,
     CreditInput,
     CreditResult,
-    credit_workflow_id,
+    credit_key,
 )
 from gateway.admin_operations import actor, run_admin_operation
 from gateway.auth import Principal, admin_guard, tenant_guard
@@ -203,7 +203,7 @@ class AdminBillingController(Controller):
                 amount_minor=data.amount_minor,
                 idempotency_key=data.idempotency_key,
             ),
-            workflow_id=credit_workflow_id(str(project_id), data.idempotency_key),
+            key=credit_key(str(project_id), data.idempotency_key),
             result_type=CreditResult,
         )
         return CreditPosted(

@@ -21,7 +21,6 @@ from contracts.admin_operation import (
     GPU_SLOT_RETURN,
     GpuSlotReturnInput,
     GpuSlotState,
-    admin_operation_workflow_id,
 )
 from core.timestamps import parse_iso
 from gateway.admin_operations import actor, run_admin_operation
@@ -111,7 +110,7 @@ class AdminGpuSlotsController(Controller):
             GpuSlotReturnInput(
                 actor=actor(principal, data.reason), node_id=str(node_id), slot_id=str(slot_id)
             ),
-            workflow_id=admin_operation_workflow_id(GPU_SLOT_RETURN, f"{node_id}-{slot_id}"),
+            key=f"{node_id}-{slot_id}",
             result_type=GpuSlotState,
         )
         return GpuSlotView(

@@ -20,7 +20,6 @@ from contracts.admin_operation import (
     DRIFT_RESOLVE,
     DriftResolveInput,
     DriftState,
-    admin_operation_workflow_id,
 )
 from contracts.maas_reconciler import reconciler_schedule_id
 from core.timestamps import parse_iso
@@ -149,7 +148,7 @@ class AdminReconciliationController(Controller):
             runtime.settings.control_plane_task_queue,
             DRIFT_RESOLVE,
             DriftResolveInput(actor=actor(principal, data.reason), node_id=str(node_id)),
-            workflow_id=admin_operation_workflow_id(DRIFT_RESOLVE, str(node_id)),
+            key=str(node_id),
             result_type=DriftState,
         )
         return DriftView(
