@@ -5,7 +5,7 @@ under `state_dir` (e.g. .state/libvirt-hosts/<node id>/):
 
   host.xml      a test-driver host (test:///abs/path/host.xml): CPUs and memory per NUMA cell, a
                 `<topology><cells>` block (the test driver builds no NUMA cells from a custom file,
-                so the backend is handed this block as its numa_topology), and one NVIDIA PCI node
+                so the slice backend reads this block instead), and one NVIDIA PCI node
                 device (vendor 0x10de, class 0x030200, its own IOMMU group) per GPU
   images/       a tiny base image per catalog name; its content is chosen so that its sha256 is
                 the demo catalog's stand-in digest (sim.demo_fleet.image_sha256_for)
@@ -34,7 +34,7 @@ import libvirt
 
 from agent.backends.baremetal_users import FileBaremetalUserBackend
 from agent.backends.composite import NodeHostBackend
-from agent.backends.domain_xml import PciAddress, parse_numa_topology
+from agent.backends.domain_xml import PciAddress
 from agent.backends.libvirt_slice import LibvirtSliceBackend
 from agent.backends.readiness import FixedAddressProbe
 from agent.backends.system_root import SystemRoot
@@ -304,7 +304,6 @@ def build_libvirt_test_host(
         state_dir=directory / "state",
         readiness=FixedAddressProbe(address),
         default_image=DEFAULT_IMAGE,
-        numa_topology=parse_numa_topology(xml_text),
         connection=connection,
         shutdown_timeout_s=shutdown_timeout_s,
         poll_interval_s=poll_interval_s,

@@ -86,7 +86,6 @@ def make_backend(
         "seed_dir": root / "seeds",
         "state_dir": root / "state",
         "readiness": probe,
-        "numa_topology": parse_numa_topology(HOST_XML.read_text()),
         "connection": conn,
         "shutdown_timeout_s": 5,
         "poll_interval_s": 0.05,

@@ -12,7 +12,6 @@ import libvirt
 import pytest
 
 from agent.backends import FixedAddressProbe
-from agent.backends.domain_xml import parse_numa_topology
 from agent.backends.libvirt_slice import LibvirtSliceBackend
 from agent.network.allocation_network import bridge_name
 from agent.network.slice_networks import SliceNetworks
@@ -50,7 +49,6 @@ def backend(tmp_path: Path, ns: str) -> Iterator[tuple[LibvirtSliceBackend, Any]
             seed_dir=tmp_path / "seeds",
             state_dir=tmp_path / "state",
             readiness=FixedAddressProbe("10.20.0.5"),
-            numa_topology=parse_numa_topology(HOST_XML.read_text()),
             connection=conn,
             poll_interval_s=0.05,
             networks=SliceNetworks(netns=ns),

@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy import insert, select
 
 from agent.backends import FixedAddressProbe
-from agent.backends.domain_xml import parse_domain, parse_numa_topology
+from agent.backends.domain_xml import parse_domain
 from agent.backends.libvirt_slice import LibvirtSliceBackend
 from contracts.states import NodeStatus
 from schema.models import GpuSlot, Node
@@ -59,7 +59,6 @@ def libvirt_host(tmp_path: Path) -> Iterator[tuple[Any, LibvirtSliceBackend]]:
         seed_dir=tmp_path / "seeds",
         state_dir=tmp_path / "state",
         readiness=FixedAddressProbe("10.20.0.5"),
-        numa_topology=parse_numa_topology(HOST_XML.read_text()),
         connection=conn,
         shutdown_timeout_s=5,
         poll_interval_s=0.05,

@@ -26,7 +26,6 @@ from pyroute2 import IPRoute
 from sqlalchemy import insert, select
 
 from agent.backends import FixedAddressProbe
-from agent.backends.domain_xml import parse_numa_topology
 from agent.backends.libvirt_slice import LibvirtSliceBackend
 from agent.network import (
     InvalidNetworkSpec,
@@ -283,7 +282,6 @@ class LibvirtNode:
             seed_dir=tmp_path / "seeds",
             state_dir=tmp_path / "state",
             readiness=FixedAddressProbe("10.20.0.5"),
-            numa_topology=parse_numa_topology(HOST_XML.read_text()),
             connection=self.conn,
             shutdown_timeout_s=5,
             poll_interval_s=0.05,

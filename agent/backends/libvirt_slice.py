@@ -78,7 +78,6 @@ class LibvirtSliceBackend:
         default_vcpus: int = 4,
         default_memory_mb: int = 16384,
         network: str = "default",
-        numa_topology: Mapping[int, Sequence[int]] | None = None,
         shutdown_timeout_s: float = 60.0,
         readiness_timeout_s: float = 600.0,
         driver_timeout_s: float = 300.0,
@@ -93,7 +92,6 @@ class LibvirtSliceBackend:
         seed_dir: where NoCloud seeds are written (one 0700 directory per allocation).
         state_dir: the backend's own per-allocation state (GPU lease files).
         disk_dir: per-allocation disks (overlays); defaults to `state_dir/disks`.
-        numa_topology: NUMA cell -> host CPUs; default: read from the host's capabilities.
         connection: an open libvirt connection to use instead of opening `uri`.
         networks: per-allocation bridges (agent/network); None keeps the libvirt `network`.
         gpu_health: checks each released GPU (agent.gpu_health.SysfsGpuHealthCheck on a real
@@ -114,9 +112,6 @@ class LibvirtSliceBackend:
         self.default_vcpus = default_vcpus
         self.default_memory_mb = default_memory_mb
         self.network = network
-        self._numa_topology = (
-            {int(k): tuple(v) for k, v in numa_topology.items()} if numa_topology else None
-        )
         self.shutdown_timeout_s = shutdown_timeout_s
         self.readiness_timeout_s = readiness_timeout_s
         self.driver_timeout_s = driver_timeout_s
@@ -147,8 +142,7 @@ class LibvirtSliceBackend:
         return str(self.conn.getType()).lower() == "test"
 
     def numa_topology(self) -> dict[int, tuple[int, ...]]:
-        if self._numa_topology is not None:
-            return dict(self._numa_topology)
+        """NUMA cell -> host CPUs, as the hypervisor reports them."""
         cells = domain_xml.parse_numa_topology(self.conn.getCapabilities())
         if not cells and self.is_test_driver:
             cells = self._test_host_topology()
