@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -621,9 +622,7 @@ class NodeStageActivities(StageActivitiesBase):
             if not node[2]:
                 # What the inventory tells of the NUMA layout: each NUMA node's GPUs (CPUs and
                 # memory per node are not reported; the hypervisor reads those from the host).
-                per_numa: dict[int, int] = {}
-                for _, numa in gpus:
-                    per_numa[numa] = per_numa.get(numa, 0) + 1
+                per_numa = Counter(numa for _, numa in gpus)
                 node_values["numa_layout"] = [
                     {"numa_node": numa, "gpus": count} for numa, count in sorted(per_numa.items())
                 ]
