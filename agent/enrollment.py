@@ -71,6 +71,8 @@ class AgentIdentity:
     temporal_address: str
     temporal_namespace: str
     task_queue: str
+    # Empty in an identity stored before the gateway answered it: the agent's own setting then.
+    control_plane_task_queue: str = ""
 
 
 def identity_path(state_dir: Path) -> Path:
@@ -135,6 +137,7 @@ async def ensure_enrolled(
         temporal_address=str(body["temporal_address"]),
         temporal_namespace=str(body["temporal_namespace"]),
         task_queue=str(body["task_queue"]),
+        control_plane_task_queue=str(body.get("control_plane_task_queue") or ""),
     )
     store_identity(config.state_dir, identity)
     return identity

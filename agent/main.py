@@ -153,6 +153,8 @@ async def run(args: argparse.Namespace, settings: Settings) -> None:
             settings,
             temporal_address=identity.temporal_address,
             temporal_namespace=identity.temporal_namespace,
+            control_plane_task_queue=identity.control_plane_task_queue
+            or settings.control_plane_task_queue,
         )
     hostname = args.hostname or socket.gethostname()
     services = make_services(args.backend, BackendContext(config, root, node_id, hostname))

@@ -323,12 +323,9 @@ async def onboarding_rig(
         maas_sim.control_token,
         machines_dir=Path(tempfile.mkdtemp(prefix="gpucloud-machines-")),
         poll_interval=0.05,
-        # The agents heartbeat (with their GPU inventory, which onboarding waits for) to this
-        # test's control-plane queue, as a site's agents are configured with theirs.
-        agent_env={
-            "GPUCLOUD_AGENT_HEARTBEAT_S": "2",
-            "GPUCLOUD_TASK_QUEUE": settings.control_plane_task_queue,
-        },
+        # The agents learn this test's control-plane queue (where their heartbeats, with the GPU
+        # inventory onboarding waits for, go) from the gateway's enrollment answer.
+        agent_env={"GPUCLOUD_AGENT_HEARTBEAT_S": "2"},
         max_restart_delay_s=0.5,
     )
     seeder = SimulatedHostSeeder(first_boot=first_boot)

@@ -47,6 +47,7 @@ async def test_agent_enrolls_once_and_keeps_its_identity(
     assert identity.node_id == str(node.id)
     assert identity.task_queue == f"node-{node.id}"
     assert identity.temporal_address == settings.temporal_address
+    assert identity.control_plane_task_queue == settings.control_plane_task_queue
     stored = tmp_path / "state" / "identity.json"
     assert stat.S_IMODE(stored.stat().st_mode) == 0o600
     assert token not in stored.read_text()

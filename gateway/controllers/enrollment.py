@@ -58,6 +58,9 @@ class Enrolled(msgspec.Struct, kw_only=True):
     temporal_address: str
     temporal_namespace: str
     task_queue: str
+    # Where the agent's heartbeats go (the control plane's worker queue): the agent knows the
+    # site only from this answer, like the Temporal address.
+    control_plane_task_queue: str
 
 
 _REDEEM_ERRORS = {
@@ -144,4 +147,5 @@ class AgentEnrollmentController(Controller):
             temporal_address=settings.temporal_address,
             temporal_namespace=settings.temporal_namespace,
             task_queue=node_task_queue(redemption.node_id),
+            control_plane_task_queue=settings.control_plane_task_queue,
         )
