@@ -94,7 +94,14 @@ async def test_worker_killed_mid_batch_restarts_without_duplicate_deploys(
                 process.send_signal(signal.SIGTERM)
                 process.wait(timeout=30)
 
-    assert summary.succeeded == len(HOSTS), [d for d in summary.details if d.status != "completed"]
+    failed = [d for d in summary.details if d.status != "completed"]
+    why = [
+        (d.hostname, (await rig.row(j)).error_message)
+        for d in failed
+        for j in jobs
+        if j.hostname == d.hostname
+    ]
+    assert summary.succeeded == len(HOSTS), (failed, why)
     assert summary.max_in_flight <= 4
     counters = await rig.maas_sim.counters()
     for job in jobs:

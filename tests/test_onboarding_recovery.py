@@ -35,6 +35,11 @@ SCENARIO = sim_scenario(
     sim_machine("r-clean", "10.176.18.15", faults=[{"kind": "hw_sync_never_healthy"}]),
     sim_machine("r-gone", "10.176.18.16", boss=False),
     sim_machine("r-race", "10.176.18.17", timings={"deploying": 3_000}),
+    sim_machine(
+        "r-lost",
+        "10.176.18.18",
+        faults=[{"kind": "http_error", "op": "machine.deploy", "times": 1, "applied": True}],
+    ),
 )
 
 
@@ -279,3 +284,37 @@ async def test_a_cancel_that_lands_with_a_stage_completion_stops_before_the_next
     assert stages[-1] == ("deploy_via_maas", "compensated")
     assert [n.status for n in await _nodes_named(rig, "r-race")] == ["quarantined"]
     assert (await rig.maas_sim.machine(row.maas_system_id))["status_name"] == "Deployed"
+
+
+@pytest.mark.maas_scenario(SCENARIO)
+async def test_a_deploy_whose_answer_was_lost_counts_the_enrollment_of_its_agent(
+    onboarding_without_worker: OnboardingRig,
+    temporal_client: Client,
+    db_engine: AsyncEngine,
+    secret_store: Any,
+    maas_sim: Any,
+) -> None:
+    """MAAS took the deploy but its answer was lost (a 5xx after applying): the stage's retry
+    finds the machine deploying or deployed and adopts it. The agent of that deploy may have
+    enrolled before the retry ran (here: the worker is away meanwhile); its enrollment counts,
+    since it came after the deploy was issued, and the node becomes active."""
+    rig = onboarding_without_worker
+    config = control_plane_worker_config(rig, temporal_client, db_engine, secret_store, maas_sim)
+
+    async def deploy_applied() -> bool:
+        row = await rig.row(job)
+        if row.maas_system_id is None:
+            return False
+        machines = (await maas_sim.counters())["machines"]
+        return bool(machines.get(row.maas_system_id, {}).get("machine.deploy"))
+
+    async with Worker(**config):
+        job = await rig.start("r-lost", "10.176.18.18")
+        await eventually(deploy_applied, timeout=60, interval=0.02)
+    await rig.first_boot.wait_for("r-lost", enrolled=True, timeout=60)  # before the retry
+    async with Worker(**config):
+        row = await rig.wait_status(job, "completed", timeout=90)
+    assert row.status == "completed"
+    assert (await maas_sim.counters())["machines"][row.maas_system_id]["machine.deploy"] == 1
+    stages = [(e.stage, e.status) for e in await rig.events(job)]
+    assert ("deploy_via_maas", "skipped") in stages  # adopted, not deployed twice

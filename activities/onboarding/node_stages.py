@@ -301,7 +301,8 @@ class NodeStageActivities(StageActivitiesBase):
             state = observe(input.state, machine)
             if machine.status in (S.DEPLOYING, S.DEPLOYED):
                 if state.deployed_since is None:
-                    state.deployed_since = await self._db_now()
+                    node_id = uuid.UUID(input.onboarding.node_id)
+                    state.deployed_since = await self._deploy_issued_at(node_id)
                 run.skipped(state, f"already {machine.status.label}; adopted")
             elif machine.status == S.FAILED_DEPLOYMENT:
                 raise StageError(
@@ -357,11 +358,19 @@ class NodeStageActivities(StageActivitiesBase):
         state.deploy_attempts += 1
         run.done(observe(state, machine), "deploy issued", cloud_init_version=rendered.version)
 
-    async def _db_now(self) -> str:
+    async def _deploy_issued_at(self, node_id: uuid.UUID) -> str:
+        """When the deploy MAAS is running was issued, for a retried stage that finds it already
+        under way (its first attempt died after asking MAAS): the node's newest enrollment
+        token, the one that deploy's cloud-init carries. Not now: the agent of that deploy may
+        have enrolled already, and an enrollment before `deployed_since` does not count."""
         async with self.deps.sessions() as session:
-            now = await session.scalar(select(func.clock_timestamp()))
-        assert isinstance(now, dt.datetime)
-        return now.isoformat()
+            issued = await session.scalar(
+                select(
+                    func.coalesce(func.max(NodeEnrollmentToken.created_at), func.clock_timestamp())
+                ).where(NodeEnrollmentToken.node_id == node_id)
+            )
+        assert isinstance(issued, dt.datetime)
+        return issued.isoformat()
 
     # ------------------------------------------------------------------ hardware sync
 
