@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import TypedDict, Unpack
+from typing import Any, TypedDict, Unpack
 
 import uvloop
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from temporalio.client import Client
 from temporalio.worker import Worker, WorkerConfig
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
@@ -20,6 +21,8 @@ from activities.allocations import AllocationActivities
 from activities.billing.metering import BillingActivities
 from activities.decommission.reimage import ReimageActivities
 from activities.decommission.stages import DecommissionActivities, DecommissionDeps
+from activities.enrollment_tokens import EnrollmentActivities
+from activities.lifecycle_submissions import LifecycleSubmissionActivities
 from activities.maas_reconcile import MaasReconcileActivities
 from activities.node_liveness import NodeLivenessActivities
 from activities.node_presence import NodePresenceActivities
@@ -30,6 +33,7 @@ from activities.onboarding.stage_runtime import OnboardingDeps
 from activities.payments.activities import PaymentActivities
 from activities.payments.schedule import ensure_stripe_reconciliation_schedule
 from activities.payments.stripe_api import StripeApi
+from activities.payments.webhook_events import StripeWebhookActivities
 from contracts.billing_meter import MeterInput
 from contracts.node_liveness import LivenessInput
 from core.config import Settings
@@ -96,6 +100,19 @@ def build_worker(
     return Worker(**worker_config(client, settings, engine, **dependencies))
 
 
+def operation_activities(
+    sessions: async_sessionmaker[AsyncSession], secret_store: SecretStore, client: Client
+) -> list[Callable[..., Any]]:
+    """Every operation AdminOperationWorkflow runs (contracts.admin_operation.OPERATIONS): the
+    admin API's, and the other writes the gateway hands to the worker."""
+    return [
+        *AdminOperationActivities(sessions, secret_store).activities(),
+        *EnrollmentActivities(sessions).activities(),
+        *LifecycleSubmissionActivities(sessions, client).activities(),
+        *StripeWebhookActivities(sessions, client).activities(),
+    ]
+
+
 def worker_config(
     client: Client,
     settings: Settings,
@@ -110,7 +127,6 @@ def worker_config(
     stripe_api = dependencies.get("stripe_api") or StripeApi(secret_store, payment_settings)
     payments = PaymentActivities(sessions, stripe_api, payment_settings)
     allocations = AllocationActivities(engine)
-    admin_operations = AdminOperationActivities(sessions, secret_store)
     presence = NodePresenceActivities(sessions)
     maas_reconcile = MaasReconcileActivities(sessions, secret_store)
     liveness = NodeLivenessActivities(sessions)
@@ -204,7 +220,7 @@ def worker_config(
             reimage.decommission_ensure_hardware_sync_configured,
             reimage.decommission_wait_for_hardware_sync_healthy,
             reimage.decommission_wait_for_agent_enrollment,
-            *admin_operations.activities(),
+            *operation_activities(sessions, secret_store, client),
         ],
         # Workflow activations are short CPU bursts under the GIL: a few threads beat many (a
         # hundred threads mostly trade the GIL back and forth on a 2-core machine).

@@ -1,9 +1,10 @@
-"""The AdminOperationWorkflow contract: an admin mutation the gateway used to write itself (a
-manual credit, a slot returned to service, a drift resolved, a MAAS site's credentials, RoCE
-assignments, BMC credential overrides) runs in the worker as one workflow running one
-single-purpose activity, named by the operation, that does the write and its audit row in one
-database transaction. Kept apart from the workflow so the gateway and the activities import no
-workflow code.
+"""The AdminOperationWorkflow contract: a mutation the gateway used to write itself (a manual
+credit, a slot returned to service, a drift resolved, a MAAS site's credentials, RoCE
+assignments, BMC credential overrides; and, outside the admin API, an onboarding or decommission
+submission's job rows, an agent's enrollment and a Stripe webhook event) runs in the worker as
+one workflow running one single-purpose activity, named by the operation, that does the write
+and its audit row in one database transaction. Kept apart from the workflow so the gateway and
+the activities import no workflow code.
 
 Workflow ids say what the operation is about, so that Temporal deduplicates a retried request
 (id conflict policy USE_EXISTING: a request that arrives while the first runs gets the first's
@@ -38,6 +39,13 @@ ROCE_DELETE = "admin.roce_delete"
 POWER_OVERRIDE_CREATE = "admin.power_override_create"
 POWER_OVERRIDE_UPDATE = "admin.power_override_update"
 POWER_OVERRIDE_DELETE = "admin.power_override_delete"
+# Mutations of other requests the gateway answers, run the same way (their types live beside
+# their lifecycle: contracts.enrollment, .lifecycle_submissions, .payment_session).
+ENROLLMENT_ISSUE_TOKEN = "enrollment.issue_token"  # noqa: S105 - an operation name
+ENROLLMENT_REDEEM_TOKEN = "enrollment.redeem_token"  # noqa: S105 - an operation name
+ONBOARDING_SUBMIT = "onboarding.submit"
+DECOMMISSION_SUBMIT = "decommission.submit"
+STRIPE_WEBHOOK_EVENT = "payments.stripe_webhook_event"
 OPERATIONS = (
     BILLING_CREDIT,
     GPU_SLOT_RETURN,
@@ -49,6 +57,11 @@ OPERATIONS = (
     POWER_OVERRIDE_CREATE,
     POWER_OVERRIDE_UPDATE,
     POWER_OVERRIDE_DELETE,
+    ENROLLMENT_ISSUE_TOKEN,
+    ENROLLMENT_REDEEM_TOKEN,
+    ONBOARDING_SUBMIT,
+    DECOMMISSION_SUBMIT,
+    STRIPE_WEBHOOK_EVENT,
 )
 
 # Error types (the ApplicationError type, also the API's error code the gateway answers with).
@@ -58,6 +71,7 @@ NO_DRIFT = "no_drift"
 OVERRIDE_EXISTS = "override_exists"
 MAAS_API_KEY_MALFORMED = "maas_api_key_malformed"
 MAAS_TOKEN_REJECTED = "maas_token_rejected"  # noqa: S105 - an error code
+MAAS_TOKEN_NOT_ADMIN = "maas_token_not_admin"  # noqa: S105 - an error code
 MAAS_UNREACHABLE = "maas_unreachable"
 CREDENTIALS_MISSING = "credentials_missing"
 CREDENTIALS_INVALID = "credentials_invalid"

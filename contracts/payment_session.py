@@ -125,3 +125,21 @@ class PaymentSessionView:
     status: str
     stripe_checkout_session_id: str | None
     failure_reason: str | None
+
+
+@dataclass
+class WebhookEventInput:
+    """A Stripe event whose signature the gateway verified, as much of it as its handling needs
+    (AdminOperationWorkflow operation STRIPE_WEBHOOK_EVENT, keyed by the event id)."""
+
+    event_id: str
+    event_type: str
+    stripe_checkout_session_id: str | None = None
+    paid: bool = False
+    amount_total: int = 0
+    currency: str | None = None
+
+
+@dataclass
+class WebhookEventResult:
+    duplicate: bool  # already processed: this delivery changed nothing

@@ -6,9 +6,10 @@ erase on soft_reset, an unknown storage scope, remove_maas_record outside full_d
 the node (404; 410 once deleted: a deleted identity is never reused; 409 when its state does not
 allow the mode), and the live job for the node (one at a time, a partial unique index backs it):
 the same request again answers the live job (200: a rerun never conflicts with the action
-already in progress), a different one is 409 decommission_in_progress. Then the pending row is
-inserted and committed, the workflow started, and the audit row written; if Temporal does not
-take the workflow the row is deleted again and the answer is 503, so nothing is left behind.
+already in progress), a different one is 409 decommission_in_progress. Then the worker writes
+the pending row and starts the workflow (the DECOMMISSION_SUBMIT operation) and the gateway
+writes the audit row; if Temporal does not take the workflow the worker withdraws the row again,
+and a 503 leaves nothing behind.
 
 Operator actions (retry, resume, adopt, cancel, mark-manual-intervention) are the workflow's
 `operator_action` update, audited with actor, role, reason, prior state and stage, requested
@@ -26,17 +27,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-import sqlalchemy.exc
-from sqlalchemy import delete, exists, select
+from sqlalchemy import exists, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.sql.elements import ColumnElement
-from temporalio.client import Client
-from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
-from temporalio.exceptions import WorkflowAlreadyStartedError
 
+from contracts.admin_operation import DECOMMISSION_SUBMIT
 from contracts.decommission import (
-    STAGES_BY_MODE,
-    WORKFLOW_NAME,
     DecommissionInput,
     DecommissionPolicy,
     Erase,
@@ -45,11 +41,12 @@ from contracts.decommission import (
     StorageScope,
     decommission_workflow_id,
 )
+from contracts.lifecycle_submissions import DecommissionRecorded, DecommissionSubmission
 from contracts.onboarding import LIVE_JOB_STATUSES, JobStatus
 from contracts.states import AllocationStatus, NodeStatus
-from core import search_attributes
 from core.config import Settings
 from gateway import audit
+from gateway.admin_operations import run_admin_operation
 from gateway.auth import Principal
 from gateway.errors import (
     ApiError,
@@ -59,7 +56,6 @@ from gateway.errors import (
     unknown_query_value,
     unprocessable,
 )
-from gateway.identity import constraint_name
 from gateway.lifecycle_jobs import (
     JobEventView,
     LifecycleJob,
@@ -71,7 +67,7 @@ from gateway.pagination import newest_first_page
 from gateway.schemas import Reason, Request
 from gateway.temporal import TemporalOps
 from schema.lifecycle_tables import DECOMMISSION_TABLES
-from schema.models import Allocation, Node, NodeDecommission, NodeDecommissionEvent, NodeMaasState
+from schema.models import Allocation, Node, NodeDecommission, NodeMaasState
 
 log = logging.getLogger("gateway.decommissions")
 _LIVE = [s.value for s in LIVE_JOB_STATUSES]
@@ -401,38 +397,10 @@ async def start(
                 "force_release_allocations",
                 code="node_has_allocations",
             )
-    prior_node_status = node.status
+    prior_node_status, hostname = node.status, node.hostname
+    await db.close()  # never hold a database connection across a Temporal call
     decommission_id = uuid.uuid4()
     workflow_id = decommission_workflow_id(str(decommission_id))
-    row = NodeDecommission(
-        decommission_id=decommission_id,
-        node_id=node_id,
-        hostname=node.hostname,
-        mode=plan.mode.value,
-        erase=plan.erase.value,
-        storage_cleanup=plan.scope.value,
-        remove_maas_record=plan.remove_maas_record,
-        force_release_allocations=plan.force_release_allocations,
-        reason=plan.reason,
-        status=JobStatus.PENDING.value,
-        current_stage=STAGES_BY_MODE[plan.mode][0].value,
-        requested_by=principal.name,
-        requested_by_token_id=principal.token_id,
-        workflow_id=workflow_id,
-    )
-    db.add(row)
-    try:
-        await db.flush()
-    except sqlalchemy.exc.IntegrityError as err:
-        if constraint_name(err) != "node_decommissions_live_node":
-            raise
-        await db.rollback()
-        raise Conflict(
-            "another decommission of this node was submitted at the same time",
-            code="decommission_in_progress",
-        ) from err
-    await db.commit()
-
     arg = DecommissionInput(
         decommission_id=str(decommission_id),
         node_id=str(node_id),
@@ -445,7 +413,24 @@ async def start(
         requested_by=principal.name,
         policy=policy_from(settings),
     )
-    await _start_or_undo(db, temporal, settings, arg, workflow_id, decommission_id)
+    # The worker writes the pending row and starts the workflow, together.
+    submitted = await run_admin_operation(
+        temporal,
+        settings.control_plane_task_queue,
+        DECOMMISSION_SUBMIT,
+        DecommissionSubmission(
+            start=arg,
+            hostname=hostname,
+            requested_by_token_id=str(principal.token_id) if principal.token_id else None,
+        ),
+        key=str(decommission_id),
+        result_type=DecommissionRecorded,
+    )
+    if not submitted.recorded:
+        raise Conflict(
+            "another decommission of this node was submitted at the same time",
+            code="decommission_in_progress",
+        )
     audit.record_by(
         db,
         principal,
@@ -467,68 +452,21 @@ async def start(
         },
     )
     await db.commit()
-    return Started(_created(row, replayed=False), replayed=False)
+    return Started(
+        DecommissionCreated(
+            decommission_id=decommission_id,
+            node_id=node_id,
+            mode=plan.mode.value,
+            status="started",
+            workflow_id=workflow_id,
+            replayed=False,
+        ),
+        replayed=False,
+    )
 
 
 def _expected_node_state(mode: Mode) -> str:
     return "deleted" if mode == Mode.FULL_DECOMMISSION else "active"
-
-
-async def _start_or_undo(
-    db: AsyncSession,
-    temporal: TemporalOps,
-    settings: Settings,
-    arg: DecommissionInput,
-    workflow_id: str,
-    decommission_id: uuid.UUID,
-) -> None:
-    async def call(client: Client) -> None:
-        await client.start_workflow(
-            WORKFLOW_NAME,
-            arg,
-            id=workflow_id,
-            task_queue=settings.control_plane_task_queue,
-            id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
-            search_attributes=TypedSearchAttributes(
-                [
-                    SearchAttributePair(search_attributes.NODE_ID, arg.node_id),
-                    SearchAttributePair(
-                        search_attributes.LIFECYCLE_STATUS, JobStatus.PENDING.value
-                    ),
-                    SearchAttributePair(
-                        search_attributes.CURRENT_STAGE,
-                        STAGES_BY_MODE[Mode(arg.mode)][0].value,
-                    ),
-                ]
-            ),
-            rpc_timeout=temporal.rpc_timeout,
-        )
-
-    try:
-        await temporal.update(call)
-    except WorkflowAlreadyStartedError:
-        log.info("workflow %s was already started; answering as started", workflow_id)
-    except Exception:
-        await db.rollback()
-        moved = await db.scalar(
-            select(
-                exists().where(
-                    NodeDecommission.decommission_id == decommission_id,
-                    NodeDecommission.status != JobStatus.PENDING.value,
-                )
-            )
-        )
-        events = await db.scalar(
-            select(exists().where(NodeDecommissionEvent.decommission_id == decommission_id))
-        )
-        if not moved and not events:
-            await db.execute(
-                delete(NodeDecommission).where(NodeDecommission.decommission_id == decommission_id)
-            )
-            await db.commit()
-            raise
-        await db.rollback()
-        log.warning("workflow %s answered late but runs; keeping its row", workflow_id)
 
 
 # --- reads -------------------------------------------------------------------------------------

@@ -22,15 +22,6 @@ class ProjectExists(Conflict):
         super().__init__("a project with this name already exists")
 
 
-def constraint_name(err: sqlalchemy.exc.IntegrityError) -> str | None:
-    """The violated constraint, from asyncpg's error under SQLAlchemy's wrapper."""
-    for candidate in (err.orig, getattr(err.orig, "__cause__", None)):
-        name = getattr(candidate, "constraint_name", None)
-        if isinstance(name, str):
-            return name
-    return None
-
-
 async def create_project(
     session: AsyncSession,
     name: str,

@@ -64,7 +64,6 @@ from gateway import audit
 from gateway.admin_operations import actor, per_request, run_admin_operation
 from gateway.auth import Principal
 from gateway.errors import ApiError, Conflict, NotFound, Unprocessable
-from gateway.identity import constraint_name
 from gateway.maas_schemas import (
     DEFAULT_PROFILE_NAME,
     CredentialsWritten,
@@ -88,6 +87,7 @@ from gateway.maas_schemas import (
     SiteView,
 )
 from gateway.temporal import TemporalOps
+from schema.constraints import constraint_name
 from schema.models import (
     MaasPowerCredentialOverride,
     MaasRoceAssignment,

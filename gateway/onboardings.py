@@ -1,11 +1,11 @@
 """MAAS onboarding use cases behind the admin controller (seed 003 §4.1, §4.2, §4.15).
 
-Submitting writes the `node_onboardings` rows (status `pending`) and commits, then starts
-`MaasNodeOnboardWorkflow` (single) or `MaasNodeBatchOnboardWorkflow` (batch; it starts the
-children itself), then writes the audit entry (the audit log is append-only, so it is written
-once the submission stands). If Temporal does not take the workflow, the rows are deleted again,
-so a 503 leaves nothing behind. After that the workflow owns the rows; the gateway only reads
-them.
+Submitting is the worker's ONBOARDING_SUBMIT operation (contracts/lifecycle_submissions.py): it
+writes the `node_onboardings` rows (status `pending`) and starts `MaasNodeOnboardWorkflow`
+(single) or `MaasNodeBatchOnboardWorkflow` (batch; it starts the children itself), together;
+then the gateway writes the audit entry (the audit log is append-only, so it is written once the
+submission stands). If Temporal does not take the workflow, the worker withdraws the rows again,
+so a 503 leaves nothing behind. The gateway never writes the rows; it reads them.
 
 Operator actions are the workflow's `operator_action` update. Its validator refuses an action
 the job state does not allow (409 `action_not_allowed`); the update id is derived from the
@@ -25,30 +25,27 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-import sqlalchemy.exc
-from sqlalchemy import delete, exists, func, select
+from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
-from temporalio.client import Client
-from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
-from temporalio.exceptions import WorkflowAlreadyStartedError
 
+from contracts.admin_operation import ONBOARDING_SUBMIT
+from contracts.lifecycle_submissions import (
+    HostnameConflict,
+    OnboardingRecorded,
+    OnboardingRow,
+    OnboardingSubmission,
+)
 from contracts.onboarding import (
-    BATCH_WORKFLOW_NAME,
     LIVE_JOB_STATUSES,
-    WORKFLOW_NAME,
-    BatchInput,
-    BatchNode,
     JobStatus,
-    OnboardInput,
     OperatorAction,
     Stage,
     batch_workflow_id,
     onboarding_workflow_id,
 )
-from contracts.states import NodeStatus
-from core import search_attributes
 from core.config import Settings
 from gateway import audit
+from gateway.admin_operations import per_request, run_admin_operation
 from gateway.allocations import validate_idempotency_key
 from gateway.auth import Principal
 from gateway.errors import (
@@ -59,7 +56,6 @@ from gateway.errors import (
     unknown_query_value,
     unprocessable,
 )
-from gateway.identity import constraint_name
 from gateway.lifecycle_jobs import (
     LifecycleJob,
     checked_reason,
@@ -88,11 +84,10 @@ from schema.models import (
     MaasSite,
     MaasSitePolicy,
     MaasSiteProfile,
-    Node,
     NodeOnboarding,
-    NodeOnboardingEvent,
     Sku,
 )
+from schema.onboarding_conflicts import ONBOARDING_IN_PROGRESS
 
 log = logging.getLogger("gateway.onboardings")
 T = TypeVar("T")
@@ -161,48 +156,24 @@ async def check_target(
 # --- conflicts ---------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Live:
-    hostname: str
-    code: str  # onboarding_in_progress | node_exists
-    ref: uuid.UUID  # the live onboarding, or the node
-
-    def as_dict(self) -> dict[str, str]:
-        key = "onboarding_id" if self.code == "onboarding_in_progress" else "node_id"
-        return {"hostname": self.hostname, "code": self.code, key: str(self.ref)}
+def _conflict_dict(conflict: HostnameConflict) -> dict[str, str]:
+    key = "onboarding_id" if conflict.code == ONBOARDING_IN_PROGRESS else "node_id"
+    return {"hostname": conflict.hostname, "code": conflict.code, key: conflict.ref}
 
 
-async def live_conflicts(
-    db: AsyncSession, site_id: uuid.UUID, hostnames: Sequence[str]
-) -> list[Live]:
-    """Live onboardings of these hostnames at this site, then live nodes that have them."""
-    onboardings = await db.execute(
-        select(NodeOnboarding.hostname, NodeOnboarding.onboarding_id).where(
-            NodeOnboarding.site_id == site_id,
-            NodeOnboarding.hostname.in_(hostnames),
-            NodeOnboarding.status.in_(_LIVE),
+def conflict_error(conflicts: Sequence[HostnameConflict], *, batch: bool) -> Conflict:
+    if not conflicts:  # the other submission has already ended: a retry may succeed
+        return Conflict(
+            "another onboarding of this hostname was submitted at the same time; retry",
+            code=ONBOARDING_IN_PROGRESS,
         )
-    )
-    found = [Live(h, "onboarding_in_progress", i) for h, i in onboardings]
-    busy = {c.hostname for c in found}
-    nodes = await db.execute(
-        select(Node.hostname, Node.id).where(
-            Node.hostname.in_(hostnames), Node.status != NodeStatus.DELETED.value
-        )
-    )
-    found += [Live(h, "node_exists", i) for h, i in nodes if h not in busy]
-    order = {h: n for n, h in enumerate(hostnames)}
-    return sorted(found, key=lambda c: order.get(c.hostname, 0))
-
-
-def conflict_error(conflicts: Sequence[Live], *, batch: bool) -> Conflict:
     if not batch:
-        (first,) = conflicts[:1]
-        if first.code == "onboarding_in_progress":
+        first = conflicts[0]
+        if first.code == ONBOARDING_IN_PROGRESS:
             message = f"{first.hostname} is already being onboarded at this site ({first.ref})"
         else:
             message = f"a node named {first.hostname} already exists ({first.ref})"
-        return Conflict(message, code=first.code, details=first.as_dict())
+        return Conflict(message, code=first.code, details=_conflict_dict(first))
     codes = {c.code for c in conflicts}
     code = next(iter(codes)) if len(codes) == 1 else "batch_conflict"
     hostnames = [c.hostname for c in conflicts]
@@ -210,7 +181,7 @@ def conflict_error(conflicts: Sequence[Live], *, batch: bool) -> Conflict:
         f"{len(hostnames)} hostname(s) are already onboarding or exist as nodes; nothing was "
         "submitted",
         code=code,
-        details={"hostnames": hostnames, "conflicts": [c.as_dict() for c in conflicts]},
+        details={"hostnames": hostnames, "conflicts": [_conflict_dict(c) for c in conflicts]},
     )
 
 
@@ -221,13 +192,6 @@ def _derived(*parts: str) -> uuid.UUID:
     return uuid.uuid5(ONBOARDING_ID_NAMESPACE, ":".join(parts))
 
 
-async def _lock_key(db: AsyncSession, key: str) -> None:
-    """Requests with the same key run one at a time (until this transaction ends)."""
-    await db.execute(
-        select(func.pg_advisory_xact_lock(func.hashtextextended(f"onboarding-idem:{key}", 0)))
-    )
-
-
 def _key_reused() -> Unprocessable:
     return Unprocessable(
         "this X-Idempotency-Key was already used with a different request body",
@@ -235,94 +199,31 @@ def _key_reused() -> Unprocessable:
     )
 
 
-async def _rows_for_key(db: AsyncSession, key: str) -> list[NodeOnboarding]:
-    return list(
-        await db.scalars(select(NodeOnboarding).where(NodeOnboarding.idempotency_key == key))
-    )
+# --- submitting -------------------------------------------------------------------------------
 
 
-# --- starting workflows and undoing a submission ---------------------------------------------
-
-
-async def _start(
+async def _submit(
     temporal: TemporalOps,
-    workflow: str,
-    arg: Any,
-    *,
-    workflow_id: str,
     settings: Settings,
-    attributes: Sequence[SearchAttributePair[str]],
-) -> None:
-    async def start(client: Client) -> None:
-        await client.start_workflow(
-            workflow,
-            arg,
-            id=workflow_id,
-            task_queue=settings.control_plane_task_queue,
-            id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
-            search_attributes=TypedSearchAttributes(list(attributes)),
-            rpc_timeout=temporal.rpc_timeout,
-        )
-
-    try:
-        await temporal.update(start)
-    except WorkflowAlreadyStartedError:
-        # Our own id (fresh, or derived from the idempotency key): an earlier attempt started it
-        # before Temporal stopped answering. It is the workflow this request asks for.
-        log.info("workflow %s was already started; answering as started", workflow_id)
-
-
-async def _undo(db: AsyncSession, ids: Sequence[uuid.UUID]) -> bool:
-    """Delete the submission's rows, unless the workflow evidently runs (a row
-    moved on or has events: the start did happen before Temporal stopped answering). True when
-    deleted."""
-    await db.rollback()
-    statuses = await db.scalars(
-        select(NodeOnboarding.status).where(NodeOnboarding.onboarding_id.in_(ids)).with_for_update()
+    site_id: uuid.UUID,
+    rows: list[OnboardingRow],
+    *,
+    batch_max_parallel: int | None = None,
+) -> OnboardingRecorded:
+    """The worker writes the rows and starts the workflow (or finds the key's earlier rows, or
+    the hostnames in the way). A request with a key runs under it: a concurrent retry joins the
+    same operation."""
+    key = rows[0].idempotency_key
+    return await run_admin_operation(
+        temporal,
+        settings.control_plane_task_queue,
+        ONBOARDING_SUBMIT,
+        OnboardingSubmission(
+            site_id=str(site_id), rows=rows, batch_max_parallel=batch_max_parallel
+        ),
+        key=str(_derived("submit", key)) if key is not None else per_request("onboarding"),
+        result_type=OnboardingRecorded,
     )
-    moved = any(s != JobStatus.PENDING.value for s in statuses)
-    has_events = await db.scalar(select(exists().where(NodeOnboardingEvent.onboarding_id.in_(ids))))
-    if moved or has_events:
-        await db.rollback()
-        return False
-    await db.execute(delete(NodeOnboarding).where(NodeOnboarding.onboarding_id.in_(ids)))
-    await db.commit()
-    return True
-
-
-async def _start_or_undo(
-    db: AsyncSession,
-    temporal: TemporalOps,
-    workflow: str,
-    arg: Any,
-    *,
-    workflow_id: str,
-    settings: Settings,
-    attributes: Sequence[SearchAttributePair[str]],
-    ids: Sequence[uuid.UUID],
-) -> None:
-    try:
-        await _start(
-            temporal,
-            workflow,
-            arg,
-            workflow_id=workflow_id,
-            settings=settings,
-            attributes=attributes,
-        )
-    except Exception:
-        try:
-            undone = await _undo(db, ids)
-        except Exception as undo_err:  # the database went too: the rows stay pending, say so
-            log.warning(
-                "could not undo onboarding rows %s after a failed start (%s)",
-                [str(i) for i in ids],
-                type(undo_err).__name__,
-            )
-            raise
-        if undone:
-            raise
-        log.warning("workflow %s answered late but runs; keeping its rows", workflow_id)
 
 
 def _row(
@@ -337,44 +238,21 @@ def _row(
     ipmi_ip: str,
     principal: Principal,
     key: str | None,
-) -> NodeOnboarding:
-    return NodeOnboarding(
-        onboarding_id=onboarding_id,
-        batch_id=batch_id,
-        node_id=node_id,
-        site_id=site_id,
-        profile_id=profile_id,
+) -> OnboardingRow:
+    return OnboardingRow(
+        onboarding_id=str(onboarding_id),
+        batch_id=str(batch_id) if batch_id is not None else None,
+        node_id=str(node_id),
+        site_id=str(site_id),
+        profile_id=str(profile_id),
         sku_id=sku_id,
         hostname=hostname,
         ipmi_ip=ipmi_ip,
         requested_by=principal.name,
         current_stage=_FIRST_STAGE,
-        current_attempt=0,
-        status=JobStatus.PENDING.value,
         workflow_id=onboarding_workflow_id(str(onboarding_id)),
         idempotency_key=key,
     )
-
-
-async def _insert(db: AsyncSession, rows: Sequence[NodeOnboarding], site_id: uuid.UUID) -> None:
-    """Flush the rows; a live onboarding of one of their hostnames that appeared since the check
-    (the partial unique index) is the same 409 as one found by the check."""
-    db.add_all(rows)
-    try:
-        await db.flush()
-    except sqlalchemy.exc.IntegrityError as err:
-        if constraint_name(err) != "node_onboardings_live_hostname":
-            raise
-        await db.rollback()
-        hostnames = [r.hostname for r in rows]
-        conflicts = await live_conflicts(db, site_id, hostnames)
-        if not conflicts:  # the other submission has already ended: a retry may succeed
-            raise Conflict(
-                "another onboarding of this hostname was submitted at the same time; retry",
-                code="onboarding_in_progress",
-                details={"hostnames": hostnames},
-            ) from err
-        raise conflict_error(conflicts, batch=rows[0].batch_id is not None) from err
 
 
 # --- create ------------------------------------------------------------------------------------
@@ -401,32 +279,10 @@ async def create(
     target = await check_target(db, body.site_id, body.profile_id, body.sku_id, errors)
     if errors or target is None:
         raise unprocessable(errors)
-
-    if key is not None:
-        await _lock_key(db, key)
-        previous = await _rows_for_key(db, key)
-        if previous:
-            row = previous[0]
-            same = (
-                len(previous) == 1
-                and row.batch_id is None
-                and (row.site_id, row.profile_id, row.sku_id, row.hostname, str(row.ipmi_ip))
-                == (body.site_id, body.profile_id, body.sku_id, hostname, ipmi_ip)
-            )
-            assert row.node_id is not None
-            answer = _created(row.onboarding_id, row.node_id)
-            await db.rollback()  # ends the key's lock (and expires the rows)
-            if not same:
-                raise _key_reused()
-            return Outcome(answer, replayed=True)
-
-    conflicts = await live_conflicts(db, body.site_id, [hostname])
-    if conflicts:
-        raise conflict_error(conflicts, batch=False)
+    await db.close()  # never hold a database connection across a Temporal call
 
     onboarding_id = _derived("single", key) if key is not None else uuid.uuid4()
     node_id = _derived("node", str(onboarding_id)) if key is not None else uuid.uuid4()
-    workflow_id = onboarding_workflow_id(str(onboarding_id))
     row = _row(
         onboarding_id=onboarding_id,
         node_id=node_id,
@@ -439,34 +295,24 @@ async def create(
         principal=principal,
         key=key,
     )
-    await _insert(db, [row], body.site_id)
-    await db.commit()  # also ends the key's lock: the row now answers a retry
+    recorded = await _submit(temporal, settings, body.site_id, [row])
+    if not recorded.rows:
+        raise conflict_error(recorded.conflicts, batch=False)
+    if recorded.replayed:
+        (earlier,) = recorded.rows if len(recorded.rows) == 1 else (None,)
+        same = (
+            earlier is not None
+            and earlier.batch_id is None
+            and (earlier.site_id, earlier.profile_id, earlier.sku_id, earlier.hostname)
+            == (row.site_id, row.profile_id, row.sku_id, row.hostname)
+            and earlier.ipmi_ip == row.ipmi_ip
+        )
+        if not same or earlier is None:
+            raise _key_reused()
+        return Outcome(
+            _created(uuid.UUID(earlier.onboarding_id), uuid.UUID(earlier.node_id)), replayed=True
+        )
 
-    await _start_or_undo(
-        db,
-        temporal,
-        WORKFLOW_NAME,
-        OnboardInput(
-            onboarding_id=str(onboarding_id),
-            site_id=str(body.site_id),
-            profile_id=str(body.profile_id),
-            sku_id=body.sku_id,
-            hostname=hostname,
-            ipmi_ip=ipmi_ip,
-            node_id=str(node_id),
-            requested_by=principal.name,
-        ),
-        workflow_id=workflow_id,
-        settings=settings,
-        attributes=[
-            SearchAttributePair(search_attributes.SITE_ID, str(body.site_id)),
-            SearchAttributePair(search_attributes.HOSTNAME, hostname),
-            SearchAttributePair(search_attributes.LIFECYCLE_STATUS, JobStatus.PENDING.value),
-            SearchAttributePair(search_attributes.CURRENT_STAGE, _FIRST_STAGE),
-            SearchAttributePair(search_attributes.NODE_ID, str(node_id)),
-        ],
-        ids=[onboarding_id],
-    )
     audit.record_by(
         db,
         principal,
@@ -474,7 +320,7 @@ async def create(
         target_type="onboarding",
         target_id=str(onboarding_id),
         expected_state=JobStatus.PENDING.value,
-        workflow_ids=[workflow_id],
+        workflow_ids=[row.workflow_id],
         details={
             "site_id": str(body.site_id),
             "profile_id": str(body.profile_id),
@@ -548,43 +394,12 @@ async def create_batch(
     target = await check_target(db, body.site_id, body.profile_id, body.sku_id, errors)
     if errors or target is None:
         raise unprocessable(errors)
+    await db.close()  # never hold a database connection across a Temporal call
     hostnames = [h for h, _ in nodes]
-
-    if key is not None:
-        await _lock_key(db, key)
-        previous = await _rows_for_key(db, key)
-        if previous:
-            batch_ids = {r.batch_id for r in previous}
-            same = (
-                len(batch_ids) == 1
-                and None not in batch_ids
-                and {(r.hostname, str(r.ipmi_ip)) for r in previous} == set(nodes)
-                and len(previous) == len(nodes)
-                and all(
-                    (r.site_id, r.profile_id, r.sku_id)
-                    == (body.site_id, body.profile_id, body.sku_id)
-                    for r in previous
-                )
-            )
-            replay = None
-            if same:
-                by_host = {r.hostname: r for r in previous}
-                batch_id = previous[0].batch_id
-                assert batch_id is not None
-                replay = BatchCreated(
-                    batch_id=batch_id, onboardings=[_batch_item(by_host[h]) for h in hostnames]
-                )
-            await db.rollback()  # ends the key's lock (and expires the rows)
-            if replay is None:
-                raise _key_reused()
-            return Outcome(replay, replayed=True)
-
-    conflicts = await live_conflicts(db, body.site_id, hostnames)
-    if conflicts:
-        raise conflict_error(conflicts, batch=True)
+    max_parallel = target.policy.batch_max_parallel
 
     batch_id = _derived("batch", key) if key is not None else uuid.uuid4()
-    rows: list[NodeOnboarding] = []
+    rows: list[OnboardingRow] = []
     for hostname, ip in nodes:
         if key is not None:
             onboarding_id = _derived("batch", key, hostname)
@@ -605,41 +420,38 @@ async def create_batch(
                 key=key,
             )
         )
-    await _insert(db, rows, body.site_id)
-    workflow_id = batch_workflow_id(str(batch_id))
-    max_parallel = target.policy.batch_max_parallel
-    await db.commit()
-
-    await _start_or_undo(
-        db,
-        temporal,
-        BATCH_WORKFLOW_NAME,
-        BatchInput(
-            batch_id=str(batch_id),
-            site_id=str(body.site_id),
-            profile_id=str(body.profile_id),
-            sku_id=body.sku_id,
-            nodes=[
-                BatchNode(
-                    hostname=r.hostname,
-                    ipmi_ip=str(r.ipmi_ip),
-                    onboarding_id=str(r.onboarding_id),
-                    node_id=str(r.node_id),
-                )
-                for r in rows
-            ],
-            max_parallel=max_parallel,
-            requested_by=principal.name,
-        ),
-        workflow_id=workflow_id,
-        settings=settings,
-        attributes=[
-            SearchAttributePair(search_attributes.SITE_ID, str(body.site_id)),
-            SearchAttributePair(search_attributes.BATCH_ID, str(batch_id)),
-            SearchAttributePair(search_attributes.LIFECYCLE_STATUS, JobStatus.RUNNING.value),
-        ],
-        ids=[r.onboarding_id for r in rows],
+    recorded = await _submit(
+        temporal, settings, body.site_id, rows, batch_max_parallel=max_parallel
     )
+    if not recorded.rows:
+        raise conflict_error(recorded.conflicts, batch=True)
+    if recorded.replayed:
+        earlier = recorded.rows
+        batch_ids = {r.batch_id for r in earlier}
+        same = (
+            len(batch_ids) == 1
+            and None not in batch_ids
+            and {(r.hostname, r.ipmi_ip) for r in earlier} == set(nodes)
+            and len(earlier) == len(nodes)
+            and all(
+                (r.site_id, r.profile_id, r.sku_id) == (rows[0].site_id, rows[0].profile_id,
+                                                        rows[0].sku_id)
+                for r in earlier
+            )
+        )  # fmt: skip
+        if not same:
+            raise _key_reused()
+        by_host = {r.hostname: r for r in earlier}
+        in_order = [by_host[h] for h in hostnames]
+        earlier_batch = in_order[0].batch_id
+        assert earlier_batch is not None
+        return Outcome(
+            BatchCreated(
+                batch_id=uuid.UUID(earlier_batch), onboardings=[_batch_item(r) for r in in_order]
+            ),
+            replayed=True,
+        )
+
     audit.record_by(
         db,
         principal,
@@ -647,7 +459,7 @@ async def create_batch(
         target_type="onboarding_batch",
         target_id=str(batch_id),
         expected_state=JobStatus.RUNNING.value,
-        workflow_ids=[workflow_id],
+        workflow_ids=[batch_workflow_id(str(batch_id))],
         details={
             "site_id": str(body.site_id),
             "profile_id": str(body.profile_id),
@@ -664,10 +476,11 @@ async def create_batch(
     )
 
 
-def _batch_item(row: NodeOnboarding) -> BatchOnboarding:
-    assert row.node_id is not None
+def _batch_item(row: OnboardingRow) -> BatchOnboarding:
     return BatchOnboarding(
-        hostname=row.hostname, onboarding_id=row.onboarding_id, node_id=row.node_id
+        hostname=row.hostname,
+        onboarding_id=uuid.UUID(row.onboarding_id),
+        node_id=uuid.UUID(row.node_id),
     )
 
 

@@ -15,7 +15,6 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio.client import Client, WorkflowHandle
 from temporalio.worker import Worker
 
-from activities.admin_operations import AdminOperationActivities
 from contracts.admin_operation import (
     WORKFLOW_ID_PREFIX,
     WORKFLOW_NAME,
@@ -40,16 +39,17 @@ async def admin_operations_worker(
 ) -> AsyncIterator[Worker]:
     """The admin operations' part of the control-plane worker on settings' task queue, reading
     Vault as `settings` say (or through `secret_store`)."""
-    from worker import WORKFLOW_RUNNER
+    from worker import WORKFLOW_RUNNER, operation_activities
 
-    operations = AdminOperationActivities(
-        session_factory(engine), secret_store or VaultSecretStore.from_settings(settings)
-    )
     async with Worker(
         client,
         task_queue=settings.control_plane_task_queue,
         workflows=[AdminOperationWorkflow],
-        activities=operations.activities(),
+        activities=operation_activities(
+            session_factory(engine),
+            secret_store or VaultSecretStore.from_settings(settings),
+            client,
+        ),
         workflow_runner=WORKFLOW_RUNNER,
     ) as worker:
         yield worker

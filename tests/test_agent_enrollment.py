@@ -16,6 +16,9 @@ from sqlalchemy import text
 from agent.enrollment import AgentConfig, EnrollmentError, ensure_enrolled, load_identity
 from tests.factories import create_node, create_sku
 
+# The worker writes what the gateway asks for: token issue and redemption.
+pytestmark = pytest.mark.usefixtures("control_plane")
+
 
 @pytest.fixture
 async def node(db_sessions: Any) -> Any:

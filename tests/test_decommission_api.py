@@ -11,8 +11,10 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
+from contracts.admin_operation import DECOMMISSION_SUBMIT
 from contracts.states import NodeStatus
 from schema.models import AuditEntry, NodeDecommission
+from tests.admin_operation_support import nth_run, record
 from tests.decommission_fixtures import DecommissionRig
 
 
@@ -90,6 +92,10 @@ async def test_start_replay_conflict_read_act_and_audit(
     answer = created.json()
     assert answer["status"] == "started"
     job = decommission.track(answer["decommission_id"], node_id, "full_decommission")
+    settings = decommission.onboarding.settings
+    await record(
+        await nth_run(decommission.client, settings, DECOMMISSION_SUBMIT, 0), "submit_decommission"
+    )
 
     again = await admin.post(url, json=body)
     assert again.status_code == 200  # the same request: the live job, not a conflict

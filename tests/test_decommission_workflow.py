@@ -11,11 +11,9 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
-from activities.enrollment_tokens import (
-    RedeemFailure,
-    issue_enrollment_token,
-    redeem_enrollment_token,
-)
+from activities.enrollment_tokens import issue_enrollment_token, redeem_enrollment_token
+from contracts.enrollment import RedeemFailure
+from core.enrollment_token import hash_enrollment_token
 from schema.models import DomainEvent, Node, NodeEnrollmentToken, NodeMaasState, NodeTask
 from tests.decommission_fixtures import DecommissionRig
 from tests.histories import record_history
@@ -166,7 +164,7 @@ async def test_full_decommission_releases_erases_powers_off_and_deletes(
     async with decommission.sessions() as session, session.begin():
         _, token = await issue_enrollment_token(session, uuid.UUID(node_id), created_by="test")
     async with decommission.sessions() as session, session.begin():
-        redeemed = await redeem_enrollment_token(session, token)
+        redeemed = await redeem_enrollment_token(session, hash_enrollment_token(token))
     assert redeemed.failure == RedeemFailure.NODE_DELETED
     again = await decommission.maas_node("dec-a", "10.176.17.10")
     assert again != node_id

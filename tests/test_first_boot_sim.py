@@ -100,9 +100,10 @@ class Gateway:
 
 @pytest.fixture
 async def gateway(
-    settings: Settings, temporal_client: Client, make_token: Any
+    settings: Settings, temporal_client: Client, make_token: Any, control_plane: None
 ) -> AsyncIterator[Gateway]:
-    """The gateway app on a real port: the agents are processes, they enroll over HTTP."""
+    """The gateway app on a real port (and the worker that writes what it is asked: tokens,
+    enrollments): the agents are processes, they enroll over HTTP."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     settings = dataclasses.replace(settings, public_api_url=url)

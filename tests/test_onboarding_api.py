@@ -1,9 +1,10 @@
 """MAAS onboarding admin API (seed 003 §4.1, §4.2, §4.15) over real PostgreSQL and Temporal, and
 the site profile routes (§3.7) and onboarding policy knobs (§4.14).
 
-Most tests only submit: the workflow is started on the test's own task queue with no worker, so
-it stays queued and the tests check the API, the rows and what Temporal was asked to start,
-independent of onboarding behaviour. The operator-action mapping runs against a stand-in
+Most tests only submit: the worker's submission operation (AdminOperationWorkflow, the only
+workflow the test's worker knows) writes the rows and starts the workflow on the test's own task
+queue, where nothing runs it, so the tests check the API, the rows and what Temporal was asked
+to start, independent of onboarding behaviour. The operator-action mapping runs against a stand-in
 workflow of the same name (the contract's update, validator and errors); the few end-to-end
 tests at the bottom run the real MaasNodeOnboardWorkflow (the `onboarding` rig: MAAS and Vault
 simulators, the control-plane worker, a simulated first boot).
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -21,6 +23,7 @@ from sqlalchemy import select, update
 from temporalio.client import WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
+from contracts.admin_operation import ONBOARDING_SUBMIT
 from contracts.onboarding import (
     WORKFLOW_NAME,
     BatchInput,
@@ -32,6 +35,7 @@ from contracts.onboarding import (
 from contracts.states import NodeStatus, SkuShape
 from core import search_attributes
 from schema.models import AuditEntry, Node, NodeOnboarding, NodeOnboardingEvent
+from tests.admin_operation_support import admin_operations_worker, nth_run, record
 from tests.factories import create_node, create_sku
 from tests.maas_fixtures import sim_machine, sim_scenario
 from tests.onboarding_fixtures import ONBOARD_SKU, Job
@@ -56,8 +60,13 @@ ACTIONS = {
 
 
 @pytest.fixture
-async def admin(api: Any, make_token: Any) -> Any:
-    return await api(token=await make_token("admin"))
+async def admin(
+    api: Any, make_token: Any, temporal_client: Any, settings: Any, db_engine: Any
+) -> AsyncIterator[Any]:
+    """An admin's client, and the worker part that runs submissions (the lifecycle workflows
+    they start do not run: this worker knows only AdminOperationWorkflow)."""
+    async with admin_operations_worker(temporal_client, settings, db_engine):
+        yield await api(token=await make_token("admin"))
 
 
 @pytest.fixture
@@ -369,11 +378,17 @@ async def test_input_errors_are_422_field_errors(
     assert await rows(db_sessions) == []
 
 
-async def test_live_duplicates_are_409(admin: Any, sku: str, db_sessions: Any) -> None:
+async def test_live_duplicates_are_409(
+    admin: Any, sku: str, db_sessions: Any, temporal_client: Any, settings: Any
+) -> None:
     site = await make_site(admin)
     first = (await admin.post(ONBOARDINGS, json=single(site))).json()
     again = await admin.post(ONBOARDINGS, json=single(site, ipmi_ip="10.176.16.200"))
     body = assert_error(again, 409, "onboarding_in_progress")
+    await record(await nth_run(temporal_client, settings, ONBOARDING_SUBMIT, 0), "submit_single")
+    await record(
+        await nth_run(temporal_client, settings, ONBOARDING_SUBMIT, 1), "submit_hostname_in_use"
+    )
     assert body["error"]["details"]["onboarding_id"] == first["onboarding_id"]
     assert first["onboarding_id"] in body["error"]["message"]
 
@@ -460,6 +475,7 @@ async def test_batch_inserts_rows_and_starts_the_batch_workflow(
     response = await admin.post(f"{ONBOARDINGS}/batch", json=batch(site, nodes))
     assert response.status_code == 201, response.text
     body = response.json()
+    await record(await nth_run(temporal_client, settings, ONBOARDING_SUBMIT, 0), "submit_batch")
     assert [o["hostname"] for o in body["onboardings"]] == ["c07u43", "c07u44", "c07u45"]
 
     stored = await rows(db_sessions, batch_id=uuid.UUID(body["batch_id"]))

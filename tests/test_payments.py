@@ -17,6 +17,7 @@ from temporalio.client import Client
 
 from activities.billing.ledger import balance_minor
 from activities.payments.schedule import ensure_stripe_reconciliation_schedule
+from contracts.admin_operation import STRIPE_WEBHOOK_EVENT
 from contracts.payment_session import payment_session_workflow_id
 from contracts.stripe_reconciliation import (
     WORKFLOW_NAME as RECONCILIATION,
@@ -26,6 +27,7 @@ from contracts.stripe_reconciliation import (
     ReconciliationResult,
 )
 from schema.models import LedgerEntry, PaymentSession, StripeWebhookEvent
+from tests.admin_operation_support import nth_run, record
 from tests.histories import record_history
 from tests.lifecycle_support import eventually
 from tests.stripe_fixtures import PAID_AMOUNT, PaymentsFactory, PaymentsPlane, checkout_event
@@ -129,6 +131,8 @@ async def test_signed_webhook_credits_exactly_once(
     # Redelivery of the same event, and a second event for the same session: no effect.
     duplicate = await plane.deliver(event)
     assert duplicate.json() == {"received": True, "duplicate": True}
+    for n, name in ((0, "stripe_webhook_event"), (1, "stripe_webhook_event_duplicate")):
+        await record(await nth_run(plane.temporal, plane.settings, STRIPE_WEBHOOK_EVENT, n), name)
     other = await plane.deliver(checkout_event(created["stripe_checkout_session_id"], 4200))
     assert other.status_code == 200
     await _workflow_done(plane.temporal, session_id)

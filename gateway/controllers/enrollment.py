@@ -14,21 +14,30 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath, JSONBody
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from activities.enrollment_tokens import (
-    DEFAULT_TTL_SECONDS,
+from contracts.admin_operation import ENROLLMENT_ISSUE_TOKEN, ENROLLMENT_REDEEM_TOKEN
+from contracts.enrollment import (
+    Enrollment,
+    IssuedToken,
+    IssueTokenInput,
     RedeemFailure,
-    issue_enrollment_token,
-    redeem_enrollment_token,
+    RedeemTokenInput,
 )
 from contracts.states import NodeStatus
+from core.enrollment_token import (
+    DEFAULT_TTL_SECONDS,
+    hash_enrollment_token,
+    is_well_formed,
+    new_enrollment_token,
+)
 from core.task_queues import node_task_queue
-from gateway import audit
+from gateway.admin_operations import actor, per_request, run_admin_operation
 from gateway.auth import Principal, admin_guard
 from gateway.controllers.common import audit_reason, errors
 from gateway.errors import ApiError, NotFound
 from gateway.runtime import Runtime
 from gateway.schemas import Reason
 from gateway.schemas import Request as RequestBody
+from gateway.temporal import TemporalOps
 from schema.models import Node
 
 AnyRequest = Request[Any, Any, Any]
@@ -63,11 +72,12 @@ class Enrolled(msgspec.Struct, kw_only=True):
     control_plane_task_queue: str
 
 
-_REDEEM_ERRORS = {
-    RedeemFailure.INVALID: (401, "the enrollment token is not valid"),
-    RedeemFailure.EXPIRED: (401, "the enrollment token has expired; ask for a fresh one"),
-    RedeemFailure.USED: (401, "the enrollment token was already used"),
-    RedeemFailure.NODE_DELETED: (410, "this node was deleted and cannot enroll again"),
+# The answer to each refusal: the token is the agent's only credential, so a bad one is 401.
+_REDEEM_STATUSES = {
+    RedeemFailure.INVALID.value: 401,
+    RedeemFailure.EXPIRED.value: 401,
+    RedeemFailure.USED.value: 401,
+    RedeemFailure.NODE_DELETED.value: 410,
 }
 
 
@@ -80,12 +90,14 @@ class AdminNodeEnrollmentController(Controller):
         "/{node_id:uuid}/enrollment-tokens",
         status_code=201,
         summary="Issue a single-use enrollment token for a node's agent",
-        responses=errors(400, 403, 404, 413),
+        responses=errors(400, 403, 404, 410, 413),
     )
     async def issue(
         self,
         data: JSONBody[EnrollmentTokenCreate],
         db: NamedDependency[AsyncSession],
+        temporal: NamedDependency[TemporalOps],
+        runtime: NamedDependency[Runtime],
         principal: NamedDependency[Principal],
         request: AnyRequest,
         node_id: FromPath[uuid.UUID],
@@ -95,21 +107,28 @@ class AdminNodeEnrollmentController(Controller):
             raise NotFound("node not found")
         if node.status == NodeStatus.DELETED:
             raise ApiError("the node was deleted", code="node_deleted", status_code=410)
-        row, token = await issue_enrollment_token(
-            db, node_id, created_by=principal.name, ttl_seconds=data.ttl_seconds
+        await db.close()  # never hold a database connection across a Temporal call
+        # The plaintext stays here: the worker stores (and Temporal carries) its SHA-256 only.
+        token = new_enrollment_token()
+        issued = await run_admin_operation(
+            temporal,
+            runtime.settings.control_plane_task_queue,
+            ENROLLMENT_ISSUE_TOKEN,
+            IssueTokenInput(
+                actor=actor(principal, audit_reason(request, data.reason)),
+                node_id=str(node_id),
+                token_sha256=hash_enrollment_token(token),
+                ttl_seconds=data.ttl_seconds,
+            ),
+            key=per_request(node_id),
+            result_type=IssuedToken,
+            statuses=_REDEEM_STATUSES,
         )
-        audit.record_by(
-            db,
-            principal,
-            action="node.enrollment_token_issue",
-            target_type="node",
-            target_id=str(node_id),
-            reason=audit_reason(request, data.reason),
-            details={"token_id": str(row.id), "ttl_seconds": data.ttl_seconds},
-        )
-        await db.commit()
         return EnrollmentTokenIssued(
-            token_id=row.id, node_id=node_id, expires_at=row.expires_at, enrollment_token=token
+            token_id=uuid.UUID(issued.token_id),
+            node_id=node_id,
+            expires_at=dt.datetime.fromisoformat(issued.expires_at),
+            enrollment_token=token,
         )
 
 
@@ -128,24 +147,36 @@ class AgentEnrollmentController(Controller):
     async def enroll(
         self,
         data: JSONBody[EnrollRequest],
-        db: NamedDependency[AsyncSession],
+        temporal: NamedDependency[TemporalOps],
         runtime: NamedDependency[Runtime],
     ) -> Enrolled:
-        redemption = await redeem_enrollment_token(
-            db, data.enrollment_token, agent_version=data.agent_version
-        )
-        if redemption.failure is not None or redemption.node_id is None:
-            failure = redemption.failure or RedeemFailure.INVALID
-            status, message = _REDEEM_ERRORS[failure]
-            await db.rollback()
-            raise ApiError(message, code=failure.value, status_code=status)
-        await db.commit()
+        if not is_well_formed(data.enrollment_token):
+            raise ApiError(
+                "the enrollment token is not valid",
+                code=RedeemFailure.INVALID.value,
+                status_code=401,
+            )
         settings = runtime.settings
+        enrolled = await run_admin_operation(
+            temporal,
+            settings.control_plane_task_queue,
+            ENROLLMENT_REDEEM_TOKEN,
+            RedeemTokenInput(
+                token_sha256=hash_enrollment_token(data.enrollment_token),
+                agent_version=data.agent_version,
+            ),
+            # Each call redeems anew: a second call with a used token is refused, never
+            # answered with the first call's identity.
+            key=per_request("agent"),
+            result_type=Enrollment,
+            statuses=_REDEEM_STATUSES,
+        )
+        node_id = uuid.UUID(enrolled.node_id)
         return Enrolled(
-            node_id=redemption.node_id,
-            hostname=redemption.hostname,
+            node_id=node_id,
+            hostname=enrolled.hostname,
             temporal_address=settings.temporal_address,
             temporal_namespace=settings.temporal_namespace,
-            task_queue=node_task_queue(redemption.node_id),
+            task_queue=node_task_queue(node_id),
             control_plane_task_queue=settings.control_plane_task_queue,
         )

@@ -3,8 +3,9 @@ list of stuck sessions.
 
 Creation is update-with-start on PaymentSessionWorkflow `payment-session-{id}` (id = uuid5 of
 project and X-Idempotency-Key): its first activity creates the Checkout Session and records the
-row. The webhook route verifies Stripe-Signature, records the event id (a redelivery is a no-op)
-and signals the owning workflow; it never writes payment state itself.
+row. The webhook route verifies Stripe-Signature and hands the event to the worker, which
+records its id (a redelivery is a no-op) and signals the owning workflow; the gateway writes
+neither events nor payment state.
 """
 
 from __future__ import annotations
@@ -20,44 +21,41 @@ import stripe
 from litestar import Controller, Request, Response, get, post
 from litestar.di import NamedDependency
 from litestar.params import HeaderParameter, JSONBody, QueryParameter
-from sqlalchemy import func, or_, select, update
-from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy import func, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from temporalio.client import Client, WithStartWorkflowOperation, WorkflowUpdateFailedError
 from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 from temporalio.exceptions import ApplicationError
-from temporalio.service import RPCError, RPCStatusCode
 
+from contracts.admin_operation import STRIPE_WEBHOOK_EVENT
 from contracts.payment_session import (
     CHECKOUT_UPDATE,
-    COMPLETED_SIGNAL,
     IDEMPOTENCY_KEY_REUSED,
     STRIPE_ERROR,
     WORKFLOW_NAME,
-    CheckoutCompletion,
     CheckoutCreated,
     PaymentSessionInput,
     SettleResult,
+    WebhookEventInput,
+    WebhookEventResult,
     payment_session_workflow_id,
 )
 from core.payment_settings import STRIPE_WEBHOOK_SECRET_PATH, PaymentSettings
 from core.secrets import SecretStore
 from core.timestamps import parse_iso
+from gateway.admin_operations import run_admin_operation
 from gateway.allocations import IDEMPOTENCY_HEADER, validate_idempotency_key
 from gateway.auth import Principal, admin_guard, tenant_guard
 from gateway.controllers.common import errors
 from gateway.errors import ApiError, InvalidRequest, ServiceUnavailable, Unprocessable
 from gateway.runtime import Runtime
 from gateway.temporal import TemporalOps
-from schema.models import PaymentSession, StripeWebhookEvent
+from schema.models import PaymentSession
 
 # Fixed forever: payment session ids derived from idempotency keys must not change.
 PAYMENT_SESSION_ID_NAMESPACE = uuid.UUID("0d3e2a57-9b4c-4f1e-8a2d-7c6b5e4f3a21")
 MAX_AMOUNT_MINOR = 100_000_000  # 1,000,000.00 in a two-decimal currency
 SIGNATURE_HEADER = "Stripe-Signature"
-COMPLETION_EVENTS = frozenset(
-    {"checkout.session.completed", "checkout.session.async_payment_succeeded"}
-)
 
 Currency = Annotated[str, msgspec.Meta(pattern=r"^[a-z]{3}$")]
 
@@ -216,14 +214,16 @@ async def _webhook_secret(secrets: SecretStore) -> str:
 
 
 async def handle_webhook(
-    db: AsyncSession,
     temporal: TemporalOps,
     secrets: SecretStore,
+    task_queue: str,
     *,
     payload: bytes,
     signature: str | None,
     tolerance: int,
 ) -> WebhookAck:
+    """Verify the signature here (nothing unsigned reaches the worker); the worker records the
+    event and does what it says (activities/payments/webhook_events.py)."""
     secret = await _webhook_secret(secrets)
     try:
         event = stripe.Webhook.construct_event(payload, signature or "", secret, tolerance)
@@ -236,53 +236,24 @@ async def handle_webhook(
     raw: dict[str, Any] = event.to_dict()
     event_id, event_type = str(raw["id"]), str(raw.get("type", ""))
     obj: dict[str, Any] = (raw.get("data") or {}).get("object") or {}
-    checkout_id = obj.get("id") if event_type.startswith("checkout.session.") else None
-
-    await db.execute(
-        pg_insert(StripeWebhookEvent)
-        .values(id=event_id, type=event_type, stripe_checkout_session_id=checkout_id)
-        .on_conflict_do_nothing(index_elements=[StripeWebhookEvent.id])
+    checkout = event_type.startswith("checkout.session.")
+    currency = obj.get("currency")
+    result = await run_admin_operation(
+        temporal,
+        task_queue,
+        STRIPE_WEBHOOK_EVENT,
+        WebhookEventInput(
+            event_id=event_id,
+            event_type=event_type,
+            stripe_checkout_session_id=str(obj["id"]) if checkout and obj.get("id") else None,
+            paid=obj.get("payment_status") == "paid",
+            amount_total=int(obj.get("amount_total") or 0),
+            currency=str(currency) if currency else None,
+        ),
+        key=hashlib.sha256(event_id.encode()).hexdigest()[:32],  # free text from Stripe
+        result_type=WebhookEventResult,
     )
-    await db.commit()
-    processed = await db.scalar(
-        select(StripeWebhookEvent.processed).where(StripeWebhookEvent.id == event_id)
-    )
-    if processed:
-        return WebhookAck(received=True, duplicate=True)
-
-    if event_type in COMPLETION_EVENTS and obj.get("payment_status") == "paid" and checkout_id:
-        row = await db.scalar(
-            select(PaymentSession).where(PaymentSession.stripe_checkout_session_id == checkout_id)
-        )
-        if row is not None:
-            completion = CheckoutCompletion(
-                stripe_checkout_session_id=checkout_id,
-                amount_total=int(obj.get("amount_total") or 0),
-                currency=str(obj.get("currency") or row.currency).lower(),
-                source="webhook",
-                stripe_event_id=event_id,
-            )
-            workflow_id = row.workflow_id
-            await db.close()
-
-            async def signal(client: Client) -> None:
-                handle = client.get_workflow_handle(workflow_id)
-                try:
-                    await handle.signal(COMPLETED_SIGNAL, completion)
-                except RPCError as err:
-                    # Already finished (credited, expired, failed): nothing left to do.
-                    if err.status != RPCStatusCode.NOT_FOUND:
-                        raise
-
-            await temporal.update(signal)
-    # Processed only once its effect is done: a redelivery after a failure tries again.
-    await db.execute(
-        update(StripeWebhookEvent)
-        .where(StripeWebhookEvent.id == event_id)
-        .values(processed=True, processed_at=func.clock_timestamp())
-    )
-    await db.commit()
-    return WebhookAck(received=True)
+    return WebhookAck(received=True, duplicate=result.duplicate)
 
 
 def _summary(row: PaymentSession) -> PaymentSessionSummary:
@@ -355,14 +326,14 @@ class StripeWebhookController(Controller):
     async def receive(
         self,
         request: Request[Any, Any, Any],
-        db: NamedDependency[AsyncSession],
         temporal: NamedDependency[TemporalOps],
+        runtime: NamedDependency[Runtime],
         secrets: NamedDependency[SecretStore],
     ) -> WebhookAck:
         return await handle_webhook(
-            db,
             temporal,
             secrets,
+            runtime.settings.control_plane_task_queue,
             payload=await request.body(),
             signature=request.headers.get(SIGNATURE_HEADER),
             tolerance=PaymentSettings.from_env().webhook_tolerance_seconds,
