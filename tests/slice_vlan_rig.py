@@ -1,11 +1,16 @@
 """A network rig for slice VLAN tests, in network namespaces on the real kernel (pyroute2):
 nodes whose uplinks meet on a switch (a plain bridge in a namespace of its own, which carries
-802.1Q-tagged frames as they are, like a trunk), and "VMs": namespaces with one veth NIC whose
-other end is plugged into the bridge the agent answered, as libvirt plugs a VM's tap.
+802.1Q-tagged frames as they are, like a trunk, and the nodes' VXLAN underlay: each uplink has
+an address on one subnet, and the bridge carries their multicast and unicast UDP), and "VMs":
+namespaces with one veth NIC whose other end is plugged into the bridge the agent answered, as
+libvirt plugs a VM's tap, both ends with the bridge's MTU (libvirt gives a tap its bridge's; a
+guest is told it, or configured with it).
 
 Traffic is real: `reaches` is a UDP exchange both ways (the kernel resolves ARP first), and
 `frames_from` lists every frame a VM's NIC received from a given MAC (an AF_PACKET capture
 opened with the VM), so "never shares an L2 segment" is checked on the wire, ARP included.
+`Rig.capture` opens such a capture on any link (a switch port), and `vxlan_frames` reads the
+VXLAN packets among what it saw.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ _CLONE_NEWNET = 0x40000000
 _ETH_P_ALL = 0x0003
 UDP_PORT = 47000
 SUBNET_PREFIX = 24
+UNDERLAY_PREFIX = 24
+_IP_UDP_HEADERS = 28  # what a datagram adds to its payload inside the MTU: IPv4 (20), UDP (8)
 
 
 def in_netns(name: str, work: Callable[[], T]) -> T:
@@ -74,14 +81,12 @@ def links_of(ns: str) -> dict[str, Any]:
         return {link.get("ifname"): link for link in ipr.get_links()}
 
 
-def vlan_supported(ns: str) -> bool:
-    """Whether this kernel makes 802.1Q sub-interfaces (CONFIG_VLAN_8021Q)."""
+def _link_supported(ns: str, **attrs: Any) -> bool:
+    """Whether this kernel makes a link of `attrs` on top of a veth (deleted again at once)."""
     with IPRoute(netns=ns, flags=0) as ipr:
         ipr.link("add", ifname="vprobe0", kind="veth", peer="vprobe1")
         try:
-            ipr.link(
-                "add", ifname="vprobe0.9", kind="vlan", link=index_of(ipr, "vprobe0"), vlan_id=9
-            )
+            ipr.link("add", ifname="vprobe0.9", **attrs, link=index_of(ipr, "vprobe0"))
         except NetlinkError as exc:
             if exc.code == errno.EOPNOTSUPP:
                 return False
@@ -89,6 +94,41 @@ def vlan_supported(ns: str) -> bool:
         finally:
             ipr.link("del", index=index_of(ipr, "vprobe0"))
     return True
+
+
+def vlan_supported(ns: str) -> bool:
+    """Whether this kernel makes 802.1Q sub-interfaces (CONFIG_VLAN_8021Q)."""
+    return _link_supported(ns, kind="vlan", vlan_id=9)
+
+
+def vxlan_supported(ns: str) -> bool:
+    """Whether this kernel makes VXLAN devices (CONFIG_VXLAN)."""
+    return _link_supported(ns, kind="vxlan", vxlan_id=9, vxlan_port=4789)
+
+
+def drain(capture: socket.socket) -> list[bytes]:
+    """Every frame a non-blocking capture holds."""
+    frames = []
+    while True:
+        try:
+            frames.append(capture.recv(65535))
+        except BlockingIOError:
+            return frames
+
+
+def vxlan_frames(frames: list[bytes], port: int = 4789) -> list[tuple[int, bytes]]:
+    """(VNI, inner frame) of each IPv4 VXLAN packet to `port` among captured Ethernet frames."""
+    found = []
+    for frame in frames:
+        if len(frame) < 50 or frame[12:14] != b"\x08\x00" or frame[23] != socket.IPPROTO_UDP:
+            continue
+        udp = 14 + (frame[14] & 0x0F) * 4
+        if int.from_bytes(frame[udp + 2 : udp + 4], "big") != port:
+            continue
+        vxlan = frame[udp + 8 : udp + 16]
+        if vxlan[0] & 0x08:  # the VNI-present flag
+            found.append((int.from_bytes(vxlan[4:7], "big"), frame[udp + 16 :]))
+    return found
 
 
 @dataclass
@@ -102,24 +142,20 @@ class Vm:
     udp: socket.socket
     capture: socket.socket
     host_end: str  # the veth end on the node, plugged into the bridge
+    mtu: int  # its NIC's (the bridge's)
 
     def close(self) -> None:
         self.udp.close()
         self.capture.close()
 
     def drain(self) -> list[bytes]:
-        frames = []
-        while True:
-            try:
-                frames.append(self.capture.recv(65535))
-            except BlockingIOError:
-                return frames
+        return drain(self.capture)
 
     def received(self, timeout: float) -> bytes | None:
         """The next datagram, or None after `timeout`."""
         self.udp.settimeout(timeout)
         try:
-            data, _ = self.udp.recvfrom(2048)
+            data, _ = self.udp.recvfrom(65535)
         except TimeoutError:
             return None
         return data
@@ -130,7 +166,7 @@ class Vm:
         self.udp.setblocking(False)
         try:
             while True:
-                data, (source, _) = self.udp.recvfrom(2048)
+                data, (source, _) = self.udp.recvfrom(65535)
                 if source == sender.ip:
                     found.append(data)
         except BlockingIOError:
@@ -147,11 +183,14 @@ def frames_from(receiver: Vm, sender: Vm) -> list[bytes]:
     return [frame for frame in receiver.drain() if frame[6:12] == source]
 
 
-def reaches(a: Vm, b: Vm, *, attempts: int = 20) -> bool:
-    """A UDP datagram from a to b and one back, each retried while ARP resolves."""
+def reaches(a: Vm, b: Vm, *, attempts: int = 20, full_size: bool = False) -> bool:
+    """A UDP datagram from a to b and one back, each retried while ARP resolves; `full_size`:
+    each fills the sender's MTU (an IP packet of exactly the MTU, never fragmented)."""
 
     def one_way(src: Vm, dst: Vm) -> bool:
         payload = f"{src.name}->{dst.name}:{uuid.uuid4().hex}".encode()
+        if full_size:
+            payload = payload.ljust(src.mtu - _IP_UDP_HEADERS, b".")
         for _ in range(attempts):
             src.udp.sendto(payload, (dst.ip, UDP_PORT))
             while (data := dst.received(0.1)) is not None:
@@ -190,6 +229,7 @@ class Rig:
     prefix: str = field(default_factory=lambda: f"gcv{uuid.uuid4().hex[:6]}")
     created: list[str] = field(default_factory=list)
     vms: list[Vm] = field(default_factory=list)
+    captures: list[socket.socket] = field(default_factory=list)
     _next: int = 0
 
     def namespace(self, role: str) -> str:
@@ -214,32 +254,57 @@ class Rig:
             ipr.link("set", index=index_of(ipr, "sw0"), state="up")
         return ns
 
-    def uplink(self, node: str, switch: str, name: str = "uplink0") -> None:
-        """Give `node` a NIC `name` cabled to a port of the switch."""
+    def uplink(
+        self, node: str, switch: str, name: str = "uplink0", *, address: str | None = None
+    ) -> str:
+        """Give `node` a NIC `name` cabled to a port of the switch (with `address`/24 on the
+        underlay when given, as a VXLAN node's uplink has); answer the switch port."""
         port = f"swp{self._serial()}"
         with IPRoute(netns=node, flags=0) as ipr:
             ipr.link("add", ifname=name, kind="veth", peer=port)
             ipr.link("set", index=index_of(ipr, port), net_ns_fd=switch)
-            ipr.link("set", index=index_of(ipr, name), state="up")
+            index = index_of(ipr, name)
+            ipr.link("set", index=index, state="up")
+            if address is not None:
+                ipr.addr("add", index=index, address=address, prefixlen=UNDERLAY_PREFIX)
         with IPRoute(netns=switch, flags=0) as ipr:
             index = index_of(ipr, port)
             ipr.link("set", index=index, master=index_of(ipr, "sw0"))
             ipr.link("set", index=index, state="up")
+        return port
+
+    def capture(self, ns: str, ifname: str) -> socket.socket:
+        """A non-blocking capture of every frame link `ifname` of `ns` sends or receives."""
+
+        def open_capture() -> socket.socket:
+            sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(_ETH_P_ALL))
+            sock.bind((ifname, 0))
+            sock.setblocking(False)
+            return sock
+
+        sock = in_netns(ns, open_capture)
+        self.captures.append(sock)
+        return sock
 
     def vm(self, node: str, bridge: str, ip: str) -> Vm:
-        """A VM on `node` whose NIC is plugged into `bridge` there, with address `ip`/24."""
+        """A VM on `node` whose NIC is plugged into `bridge` there, with address `ip`/24 and the
+        bridge's MTU."""
         serial = self._serial()
         vm_ns = self.namespace(f"vm{serial}")
         host_end, vm_end = f"vmh{serial}", f"vmg{serial}"
         with IPRoute(netns=node, flags=0) as ipr:
+            bridge_index = index_of(ipr, bridge)
+            mtu = int(ipr.get_links(bridge_index)[0].get("mtu"))
             ipr.link("add", ifname=host_end, kind="veth", peer=vm_end)
             ipr.link("set", index=index_of(ipr, vm_end), net_ns_fd=vm_ns)
             index = index_of(ipr, host_end)
-            ipr.link("set", index=index, master=index_of(ipr, bridge))
+            ipr.link("set", index=index, mtu=mtu)
+            ipr.link("set", index=index, master=bridge_index)
             ipr.link("set", index=index, state="up")
         with IPRoute(netns=vm_ns, flags=0) as ipr:
             index = index_of(ipr, vm_end)
             ipr.link("set", index=index, ifname="eth0")
+            ipr.link("set", index=index, mtu=mtu)
             ipr.link("set", index=index, state="up")
             ipr.addr("add", index=index, address=ip, prefixlen=SUBNET_PREFIX)
             mac = str(ipr.get_links(index)[0].get("address"))
@@ -254,7 +319,7 @@ class Rig:
             return udp, capture
 
         udp, capture = in_netns(vm_ns, sockets)
-        vm = Vm(f"vm{serial}", vm_ns, ip, mac, udp, capture, host_end)
+        vm = Vm(f"vm{serial}", vm_ns, ip, mac, udp, capture, host_end, mtu)
         self.vms.append(vm)
         return vm
 
@@ -268,6 +333,8 @@ class Rig:
     def close(self) -> None:
         for vm in self.vms:
             vm.close()
+        for sock in self.captures:
+            sock.close()
         for name in reversed(self.created):
             with contextlib.suppress(OSError):
                 netns.remove(name)

@@ -1,6 +1,7 @@
 """agent.network against the real kernel, through pyroute2, inside a network namespace each test
 creates and always removes. The host's own namespace is compared before and after every test:
-nothing here may touch it."""
+nothing here may touch it. A network over an uplink is checked with each encapsulation (802.1Q,
+skipped on a kernel without CONFIG_VLAN_8021Q; VXLAN to a group and to peers)."""
 
 from __future__ import annotations
 
@@ -14,16 +15,23 @@ from pyroute2 import IPRoute, netns
 from pyroute2.netlink.exceptions import NetlinkError
 
 from agent.network import (
+    VLAN_8021Q,
     AllocationNetworkSpec,
     InvalidNetworkSpec,
     MissingInterface,
     NamespaceNotFound,
     NetworkConflict,
+    NetworkOperationFailed,
     RoceAssignment,
+    SegmentEncapsulation,
+    VlanSegmentMember,
+    Vxlan,
     apply_allocation_network,
     apply_roce_policy,
     bridge_name,
     dump_state,
+    join_vlan_segment,
+    prune_vlan_segments,
     remove_allocation_network,
     remove_roce_policy,
     roce_table_id,
@@ -49,18 +57,55 @@ def links_by_name(ns: str) -> dict[str, Any]:
         return {link.get("ifname"): link for link in ipr.get_links()}
 
 
-def require_vlan_support(ns: str) -> None:
+def require_support(ns: str, encapsulation: SegmentEncapsulation) -> None:
+    """Skip unless this kernel makes the encapsulation's links (802.1Q: CONFIG_VLAN_8021Q,
+    VXLAN: CONFIG_VXLAN)."""
+    vxlan = isinstance(encapsulation, Vxlan)
+    attrs: dict[str, Any] = (
+        {"kind": "vxlan", "vxlan_id": 9, "vxlan_port": 4789}
+        if vxlan
+        else {"kind": "vlan", "vlan_id": 9}
+    )
+    missing = "VXLAN support (CONFIG_VXLAN" if vxlan else "802.1Q VLAN support (CONFIG_VLAN_8021Q"
     with IPRoute(netns=ns, flags=0) as ipr:
         ipr.link("add", ifname="probe0", kind="veth", peer="probe1")
         try:
             parent = ipr.link_lookup(ifname="probe0")[0]
-            ipr.link("add", ifname="probe0.9", kind="vlan", link=parent, vlan_id=9)
+            ipr.link("add", ifname="probe0.9", link=parent, **attrs)
         except NetlinkError as exc:
             if exc.code == errno.EOPNOTSUPP:
-                pytest.skip("this kernel has no 802.1Q VLAN support (CONFIG_VLAN_8021Q unset)")
+                pytest.skip(f"this kernel has no {missing} unset)")
             raise
         finally:
             ipr.link("del", index=ipr.link_lookup(ifname="probe0")[0])
+
+
+UPLINK_ADDRESS = "192.0.2.1"
+ENCAPSULATIONS = {
+    "vlan": VLAN_8021Q,
+    "vxlan-group": Vxlan(),
+    # A region-wide list: this node's own address in it is skipped.
+    "vxlan-peers": Vxlan(group=None, peers=(UPLINK_ADDRESS, "192.0.2.2", "192.0.2.3")),
+}
+
+
+def add_uplink(ns: str, *, address: str | None = UPLINK_ADDRESS) -> int:
+    index = add_veth(ns, "uplink0", "uplink0-peer")
+    if address is not None:
+        with IPRoute(netns=ns, flags=0) as ipr:
+            ipr.addr("add", index=index, address=address, prefixlen=24)
+    return index
+
+
+def flood_list(ns: str, name: str) -> set[str]:
+    """The remote endpoints of a VXLAN device's all-zeros forwarding entries."""
+    with IPRoute(netns=ns, flags=0) as ipr:
+        index = ipr.link_lookup(ifname=name)[0]
+        return {
+            str(entry.get("dst"))
+            for entry in ipr.fdb("dump", ifindex=index)
+            if entry["ifindex"] == index and entry.get("lladdr") == "00:00:00:00:00:00"
+        }
 
 
 # --- names and validation -------------------------------------------------------------------
@@ -181,25 +226,42 @@ def test_isolated_bridge_with_taps_apply_twice_then_remove(ns: str) -> None:
     assert remove_allocation_network(spec, netns=ns).deleted == ()
 
 
-def test_vlan_backed_network_apply_twice_then_remove(ns: str) -> None:
-    require_vlan_support(ns)
-    uplink_index = add_veth(ns, "uplink0", "uplink0-peer")
+@pytest.mark.parametrize("encapsulation", ENCAPSULATIONS.values(), ids=list(ENCAPSULATIONS))
+def test_vlan_backed_network_apply_twice_then_remove(
+    ns: str, encapsulation: SegmentEncapsulation
+) -> None:
+    require_support(ns, encapsulation)
+    uplink_index = add_uplink(ns)
     alloc = "alloc-vlan"
     spec = AllocationNetworkSpec(
-        alloc, uplink="uplink0", vlan_id=142, taps=tap_names(alloc, 1), gateway_cidr="10.9.0.1/29"
+        alloc,
+        uplink="uplink0",
+        vlan_id=142,
+        taps=tap_names(alloc, 1),
+        gateway_cidr="10.9.0.1/29",
+        encapsulation=encapsulation,
     )
     before = dump_state(ns)
 
     first = apply_allocation_network(spec, netns=ns)
     assert spec.vlan is not None
+    assert spec.vlan.startswith(f"gc{encapsulation.short}-")
     assert f"link:{spec.vlan}" in first.created
     links = links_by_name(ns)
-    vlan = links[spec.vlan]
-    assert vlan.get(("linkinfo", "kind")) == "vlan"
-    assert vlan.get(("linkinfo", "data", "vlan_id")) == 142
-    assert vlan.get("link") == uplink_index
-    assert vlan.get("master") == links[spec.bridge]["index"]
+    link = links[spec.vlan]
+    assert link.get(("linkinfo", "kind")) == encapsulation.kind
+    assert link.get("master") == links[spec.bridge]["index"]
     assert links["uplink0"].get("master") is None  # the uplink itself is never enslaved
+    if isinstance(encapsulation, Vxlan):
+        assert link.get(("linkinfo", "data", "vxlan_id")) == 142
+        assert link.get(("linkinfo", "data", "vxlan_link")) == uplink_index
+        assert link.get(("linkinfo", "data", "vxlan_local")) == UPLINK_ADDRESS
+        assert link.get(("linkinfo", "data", "vxlan_group")) == encapsulation.group
+        assert flood_list(ns, spec.vlan) == set(encapsulation.peers) - {UPLINK_ADDRESS}
+        assert links[spec.bridge].get("mtu") == link.get("mtu") == 1500 - 50
+    else:
+        assert link.get(("linkinfo", "data", "vlan_id")) == 142
+        assert link.get("link") == uplink_index
 
     after_first = dump_state(ns)
     assert not apply_allocation_network(spec, netns=ns).changed
@@ -215,6 +277,64 @@ def test_vlan_network_requires_the_uplink(ns: str) -> None:
     with pytest.raises(MissingInterface, match="nosuch0"):
         apply_allocation_network(spec, netns=ns)
     assert dump_state(ns) == before
+
+
+def test_vxlan_needs_an_address_on_the_uplink_and_changes_nothing_without(ns: str) -> None:
+    require_support(ns, Vxlan())
+    add_uplink(ns, address=None)
+    before = dump_state(ns)
+    with pytest.raises(NetworkOperationFailed, match="no usable IPv4 address"):
+        join_vlan_segment(VlanSegmentMember("a-1", 7, "uplink0", Vxlan()), netns=ns)
+    with pytest.raises(NetworkOperationFailed, match="no usable IPv6 address"):
+        apply_allocation_network(
+            AllocationNetworkSpec(
+                "a-1", uplink="uplink0", vlan_id=7, encapsulation=Vxlan(group="ff05::7")
+            ),
+            netns=ns,
+        )
+    assert dump_state(ns) == before
+
+
+def test_vxlan_peers_converge_and_the_segment_goes_with_its_last_member(ns: str) -> None:
+    require_support(ns, Vxlan())
+    add_uplink(ns)
+    before = dump_state(ns)
+    first = Vxlan(group=None, peers=("192.0.2.2", "192.0.2.3"))
+    join_vlan_segment(VlanSegmentMember("a-1", 7, "uplink0", first), netns=ns)
+    name = "gcsvx-7"
+    assert flood_list(ns, name) == {"192.0.2.2", "192.0.2.3"}
+    index = links_by_name(ns)[name]["index"]
+
+    # Another peer list: the entries follow, on the same device.
+    later = Vxlan(group=None, peers=("192.0.2.3", "192.0.2.4", UPLINK_ADDRESS))
+    changed = join_vlan_segment(VlanSegmentMember("a-2", 7, "uplink0", later), netns=ns)
+    assert set(changed.deleted) == {f"flood:{name}->192.0.2.2"}
+    assert f"flood:{name}->192.0.2.4" in changed.created
+    assert flood_list(ns, name) == {"192.0.2.3", "192.0.2.4"}
+    assert links_by_name(ns)[name]["index"] == index
+    again = join_vlan_segment(VlanSegmentMember("a-2", 7, "uplink0", later), netns=ns)
+    assert not again.changed
+
+    remove_allocation_network("a-1", netns=ns)
+    assert prune_vlan_segments(ns).deleted == ()  # a-2 is still on it
+    remove_allocation_network("a-2", netns=ns)
+    assert set(prune_vlan_segments(ns).deleted) == {f"link:{name}", "link:gcsbr-7"}
+    assert dump_state(ns) == before
+
+
+@pytest.mark.parametrize(
+    ("encapsulation", "message"),
+    [
+        (Vxlan(group=None), "either a multicast group or a list of peers"),
+        (Vxlan(peers=("10.0.0.2",)), "either a multicast group or a list of peers"),
+        (Vxlan(group="10.0.0.1"), "not a multicast address"),
+        (Vxlan(group=None, peers=("10.0.0.2", "fd00::2")), "mix IPv4 and IPv6"),
+        (Vxlan(port=0), "1..65535"),
+    ],
+)
+def test_vxlan_settings_are_validated(encapsulation: Vxlan, message: str) -> None:
+    with pytest.raises(InvalidNetworkSpec, match=message):
+        VlanSegmentMember("a-1", 7, "uplink0", encapsulation).validate()
 
 
 def test_apply_converges_to_a_changed_spec(ns: str) -> None:

@@ -1,17 +1,22 @@
 """Slice networks isolated for real, in network namespaces on the real kernel: the agent's network
 code (agent/network, through SliceNetworks as the libvirt backend calls it) builds each node's
 slice networks; stand-in VMs plug into the bridges it answers. Two allocations of one project
-share an L2 segment (on one node, and across nodes through the uplink's VLAN); VMs of two
-projects never exchange a single frame. End to end, the control plane assigns the VLANs: the
-allocations go through the API and the workflow to agents running the libvirt slice backend.
+share an L2 segment (on one node, and across nodes over the uplink); VMs of two projects never
+exchange a single frame. End to end, the control plane assigns the VLANs: the allocations go
+through the API and the workflow to agents running the libvirt slice backend.
 
-Cross-node cases need 802.1Q sub-interfaces (CONFIG_VLAN_8021Q) and are skipped on a kernel
-without them; the one-node cases run everywhere.
+Cross-node cases run once per segment encapsulation, each node's slice networks built from the
+agent config keys that ask for it (`[libvirt] uplink`, `segment_encapsulation`, `vxlan_*`):
+802.1Q ("vlan": the switch trunks the tagged frames; skipped on a kernel without
+CONFIG_VLAN_8021Q), VXLAN to a multicast group and VXLAN to static peers (the nodes' uplinks
+have addresses on one underlay subnet; skipped on a kernel without CONFIG_VXLAN). The one-node
+cases run everywhere.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import os
 import threading
@@ -26,13 +31,18 @@ from pyroute2 import IPRoute
 from sqlalchemy import insert, select
 
 from agent.backends import FixedAddressProbe
+from agent.backends.from_config import slice_networks_from_config
 from agent.backends.libvirt_slice import LibvirtSliceBackend
+from agent.config_file import ConfigError, read_agent_config, table
 from agent.network import (
+    VLAN_8021Q,
     InvalidNetworkSpec,
     VlanSegmentMember,
+    Vxlan,
     bridge_name,
     dump_state,
     segment_bridge_name,
+    segment_link_name,
     segment_member_name,
     segment_tag,
     segment_vlan_name,
@@ -46,12 +56,15 @@ from tests.lifecycle_support import slice_request, wait_status
 from tests.slice_vlan_rig import (
     Rig,
     Vm,
+    drain,
     frames_from,
     index_of,
     isolated,
     links_of,
     reaches,
     vlan_supported,
+    vxlan_frames,
+    vxlan_supported,
 )
 from tests.test_allocation_libvirt_e2e import HOST_XML, IMAGE, host_gpus
 
@@ -70,6 +83,43 @@ def rig(host_untouched: None) -> Iterator[Rig]:
 def require_vlans(ns: str) -> None:
     if not vlan_supported(ns):
         pytest.skip("this kernel has no 802.1Q VLAN support (CONFIG_VLAN_8021Q unset)")
+
+
+def require_vxlan(ns: str) -> None:
+    if not vxlan_supported(ns):
+        pytest.skip("this kernel has no VXLAN support (CONFIG_VXLAN unset)")
+
+
+# The nodes' uplink addresses on the underlay (the rig's switch), and the agent config lines of
+# each way a segment crosses it, besides `uplink = "uplink0"`.
+UNDERLAY = ("192.0.2.1", "192.0.2.2")
+FABRICS = {
+    "vlan": "",  # the default
+    "vxlan-group": 'segment_encapsulation = "vxlan"\n',
+    "vxlan-peers": (
+        'segment_encapsulation = "vxlan"\n'
+        f"vxlan_peers = [{', '.join(f'{address!r}' for address in UNDERLAY)}]\n"
+    ),
+}
+
+
+def require_fabric(ns: str, fabric: str) -> None:
+    if fabric == "vlan":
+        require_vlans(ns)
+    else:
+        require_vxlan(ns)
+
+
+def agent_networks(tmp_path: Path, fabric: str, ns: str) -> SliceNetworks:
+    """The slice networks of an agent whose agent.toml asks for `fabric` over uplink0, as the
+    production agent builds them from its config, working in the node's namespace (the one
+    thing the rig adds: a real node's agent works in its host's)."""
+    path = tmp_path / ns / "agent.toml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f'[libvirt]\nuplink = "uplink0"\n{FABRICS[fabric]}')
+    networks = slice_networks_from_config(table(read_agent_config(path), "libvirt"))
+    assert networks is not None
+    return dataclasses.replace(networks, netns=ns)
 
 
 def delete_link(ns: str, name: str) -> None:
@@ -217,15 +267,18 @@ def test_vlan_ids_are_validated() -> None:
 # --- the agent's network code, two nodes on a switch -----------------------------------------
 
 
-def test_a_projects_segment_spans_nodes_over_its_uplink_vlan(rig: Rig) -> None:
+@pytest.mark.parametrize("fabric", list(FABRICS))
+def test_a_projects_segment_spans_nodes_over_its_uplink(
+    rig: Rig, tmp_path: Path, fabric: str
+) -> None:
     switch = rig.switch()
     n1, n2 = rig.namespace("n1"), rig.namespace("n2")
-    require_vlans(n1)
-    rig.uplink(n1, switch)
-    rig.uplink(n2, switch)
+    require_fabric(n1, fabric)
+    rig.uplink(n1, switch, address=UNDERLAY[0])
+    wire = rig.capture(switch, rig.uplink(n2, switch, address=UNDERLAY[1]))  # n2's cable
     before = {n1: dump_state(n1), n2: dump_state(n2)}
-    net1 = SliceNetworks(uplink="uplink0", netns=n1)
-    net2 = SliceNetworks(uplink="uplink0", netns=n2)
+    net1, net2 = agent_networks(tmp_path, fabric, n1), agent_networks(tmp_path, fabric, n2)
+    encapsulation = net1.encapsulation
 
     p_a = rig.vm(n1, net1.prepare("p-a", 100), "10.77.0.11")
     p_b = rig.vm(n2, net2.prepare("p-b", 100), "10.77.0.12")
@@ -234,19 +287,52 @@ def test_a_projects_segment_spans_nodes_over_its_uplink_vlan(rig: Rig) -> None:
     q_y = rig.vm(n2, net2.prepare("q-y", 101), "10.77.0.22")
 
     links = links_of(n1)
-    vlan = links[segment_vlan_name(100)]
-    assert vlan.get(("linkinfo", "data", "vlan_id")) == 100
-    assert vlan.get("link") == links["uplink0"]["index"]
-    assert vlan.get("master") == links[segment_bridge_name(100)]["index"]
-    assert links["uplink0"].get("master") is None  # the uplink itself is never enslaved
+    uplink, bridge = links["uplink0"], links[segment_bridge_name(100)]
+    link = links[segment_link_name(100, encapsulation)]
+    assert link.get(("linkinfo", "kind")) == encapsulation.kind
+    assert link.get("ifalias") == segment_tag(100)
+    assert link.get("master") == bridge["index"]
+    assert uplink.get("master") is None  # the uplink itself is never enslaved
+    if isinstance(encapsulation, Vxlan):
+        data = dict(link.get(("linkinfo", "data"))["attrs"])
+        assert data["IFLA_VXLAN_ID"] == 100  # VNI = the segment's id
+        assert data["IFLA_VXLAN_LINK"] == uplink["index"]
+        assert data["IFLA_VXLAN_LOCAL"] == UNDERLAY[0]
+        assert data["IFLA_VXLAN_PORT"] == 4789
+        assert data.get("IFLA_VXLAN_GROUP") == ("239.1.1.1" if fabric == "vxlan-group" else None)
+        # The segment keeps what VXLAN leaves of the uplink's MTU; the VMs' NICs take it.
+        assert bridge.get("mtu") == link.get("mtu") == uplink.get("mtu") - 50 == p_a.mtu
+    else:
+        assert link.get(("linkinfo", "data", "vlan_id")) == 100
+        assert link.get("link") == uplink["index"]
+        assert bridge.get("mtu") == uplink.get("mtu")
 
     assert reaches(p_a, p_b)  # across nodes
+    assert reaches(p_a, p_b, full_size=True)  # frames filling the segment's MTU cross too
     assert reaches(p_b, p_c)
     assert reaches(p_a, p_c)  # on one node
     assert reaches(q_x, q_y)
     for p in (p_a, p_b, p_c):
         for q in (q_x, q_y):
             assert isolated(p, q), (p.name, q.name)
+
+    if isinstance(encapsulation, Vxlan):
+        # On the underlay, the VMs' frames travel only inside VXLAN, each in its segment's VNI.
+        frames = drain(wire)
+        segment_of = {vm.mac: 100 for vm in (p_a, p_b, p_c)} | {vm.mac: 101 for vm in (q_x, q_y)}
+        assert not [frame for frame in frames if frame[6:12].hex(":") in segment_of]
+        carried = [
+            (vni, segment_of[inner[6:12].hex(":")])
+            for vni, inner in vxlan_frames(frames)
+            if inner[6:12].hex(":") in segment_of
+        ]
+        assert {vni for vni, _ in carried} == {100, 101}
+        assert all(vni == segment for vni, segment in carried), carried
+    # The segment's own links carry no host address (no IPv6 link-local to reach the node by).
+    bridge_name, link_name = segment_bridge_name(100), segment_link_name(100, encapsulation)
+    for node, name in ((n1, bridge_name), (n1, link_name), (n2, bridge_name), (n2, link_name)):
+        with IPRoute(netns=node, flags=0) as ipr:
+            assert ipr.get_addr(index=index_of(ipr, name)) == (), (node, name)
 
     for vm, nets, node, alloc in (
         (p_a, net1, n1, "p-a"),
@@ -260,14 +346,117 @@ def test_a_projects_segment_spans_nodes_over_its_uplink_vlan(rig: Rig) -> None:
     assert {n1: dump_state(n1), n2: dump_state(n2)} == before
 
 
+def test_a_segments_uplink_link_follows_the_agent_config(rig: Rig) -> None:
+    """A join converges the segment's link over the uplink to the node's configuration: another
+    group or peers replace the VXLAN device, an uplink no longer configured drops it; the
+    segment's bridge and the VMs on it stay."""
+    node = rig.namespace("n1")
+    require_vxlan(node)
+    before = dump_state(node)
+    with IPRoute(netns=node, flags=0) as ipr:
+        ipr.link("add", ifname="uplink0", kind="veth", peer="uplink0-peer")
+        ipr.link("set", index=index_of(ipr, "uplink0"), state="up")
+        ipr.addr("add", index=index_of(ipr, "uplink0"), address=UNDERLAY[0], prefixlen=24)
+    group = SliceNetworks(uplink="uplink0", netns=node, encapsulation=Vxlan())
+    bridge = group.prepare("p-a", 100)
+    vm = rig.vm(node, bridge, "10.77.0.11")
+    name = segment_link_name(100, group.encapsulation)
+    first = links_of(node)[name]
+
+    other = dataclasses.replace(group, encapsulation=Vxlan(group="239.1.1.2"))
+    other.prepare("p-b", 100)
+    links = links_of(node)
+    assert links[name]["index"] != first["index"]  # replaced
+    assert links[name].get(("linkinfo", "data", "vxlan_group")) == "239.1.1.2"
+    assert links[name].get("master") == links[bridge]["index"]
+
+    peers = dataclasses.replace(group, encapsulation=Vxlan(group=None, peers=UNDERLAY))
+    peers.prepare("p-c", 100)
+    assert links_of(node)[name].get(("linkinfo", "data", "vxlan_group")) is None
+
+    local = SliceNetworks(netns=node)  # the uplink left the config: the segment stays local
+    local.prepare("p-d", 100)
+    links = links_of(node)
+    assert name not in links
+    assert links[vm.host_end].get("master") == links[bridge]["index"]
+
+    rig.unplug(vm, node)
+    for alloc in ("p-a", "p-b", "p-c", "p-d"):
+        local.remove(alloc)
+    with IPRoute(netns=node, flags=0) as ipr:
+        ipr.link("del", index=index_of(ipr, "uplink0"))
+    assert dump_state(node) == before
+
+
+# --- the agent config that picks the encapsulation -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ("", SliceNetworks(uplink="uplink0", encapsulation=VLAN_8021Q)),
+        ('segment_encapsulation = "vlan"\n', SliceNetworks(uplink="uplink0")),
+        (
+            'segment_encapsulation = "vxlan"\n',
+            SliceNetworks(uplink="uplink0", encapsulation=Vxlan()),
+        ),
+        (
+            'segment_encapsulation = "vxlan"\nvxlan_group = "ff05::100"\nvxlan_port = 8472\n',
+            SliceNetworks(uplink="uplink0", encapsulation=Vxlan(group="ff05::100", port=8472)),
+        ),
+        (
+            'segment_encapsulation = "vxlan"\nvxlan_peers = ["10.0.0.6", "10.0.0.7"]\n',
+            SliceNetworks(
+                uplink="uplink0",
+                encapsulation=Vxlan(group=None, peers=("10.0.0.6", "10.0.0.7")),
+            ),
+        ),
+    ],
+)
+def test_the_agent_config_picks_the_segment_encapsulation(
+    tmp_path: Path, body: str, expected: SliceNetworks
+) -> None:
+    (tmp_path / "agent.toml").write_text(f'[libvirt]\nuplink = "uplink0"\n{body}')
+    section = table(read_agent_config(tmp_path / "agent.toml"), "libvirt")
+    assert slice_networks_from_config(section) == expected
+
+
+VX = 'uplink = "u0"\nsegment_encapsulation = "vxlan"\n'
+
+
+@pytest.mark.parametrize(
+    ("body", "complaint"),
+    [
+        ('uplink = "u0"\nsegment_encapsulation = "gre"\n', "must be one of vlan, vxlan"),
+        ('segment_encapsulation = "vxlan"\n', "needs uplink"),
+        ('uplink = "u0"\nvxlan_group = "239.1.1.1"\n', "need segment_encapsulation = 'vxlan'"),
+        (VX + 'vxlan_group = "10.0.0.1"\n', "multicast"),
+        (VX + "vxlan_port = 0\n", "1..65535"),
+        (VX + "vxlan_peers = []\n", "non-empty"),
+        (VX + 'vxlan_peers = ["10.0.0.1", "fd00::1"]\n', "one family"),
+        (VX + 'vxlan_peers = ["239.1.1.1"]\n', "unicast"),
+        (VX + 'vxlan_group = "239.1.1.1"\nvxlan_peers = ["10.0.0.1"]\n', "exclude each other"),
+    ],
+)
+def test_bad_encapsulation_config_is_refused_clearly(
+    tmp_path: Path, body: str, complaint: str
+) -> None:
+    (tmp_path / "agent.toml").write_text(f"[libvirt]\n{body}")
+    section = table(read_agent_config(tmp_path / "agent.toml"), "libvirt")
+    with pytest.raises(ConfigError) as err:
+        slice_networks_from_config(section)
+    assert str(err.value).startswith("[libvirt] ")
+    assert complaint in str(err.value)
+
+
 # --- end to end: the control plane assigns the VLANs -----------------------------------------
 
 
 class LibvirtNode:
     """A node of the e2e fleet: its namespace, its libvirt slice backend (test driver) whose
-    slice networks live in that namespace."""
+    slice networks (from the agent config keys, see `agent_networks`) live in that namespace."""
 
-    def __init__(self, tmp_path: Path, ns: str, uplink: str | None) -> None:
+    def __init__(self, tmp_path: Path, ns: str, networks: SliceNetworks) -> None:
         self.ns = ns
         self.id = uuid.uuid4()
         images = tmp_path / "images"
@@ -285,7 +474,7 @@ class LibvirtNode:
             connection=self.conn,
             shutdown_timeout_s=5,
             poll_interval_s=0.05,
-            networks=SliceNetworks(uplink=uplink, netns=ns),
+            networks=networks,
         )
 
     def bridge_of(self, allocation_id: str) -> str:
@@ -326,9 +515,11 @@ async def add_node(db_sessions: Any, node: LibvirtNode, hostname: str) -> None:
 
 
 @pytest.mark.usefixtures("control_plane")
+@pytest.mark.parametrize("fabric", ["vlan", "vxlan-group"])
 async def test_the_control_plane_puts_each_project_on_its_own_vlan_end_to_end(
     rig: Rig,
     tmp_path: Path,
+    fabric: str,
     api: Any,
     make_project: Any,
     make_token: Any,
@@ -338,12 +529,11 @@ async def test_the_control_plane_puts_each_project_on_its_own_vlan_end_to_end(
     # pyroute2 runs its own event loop: every rig step goes to a thread, as the agent's do.
     switch = await asyncio.to_thread(rig.switch)
     namespaces = [await asyncio.to_thread(rig.namespace, role) for role in ("n1", "n2")]
-    spans_nodes = await asyncio.to_thread(vlan_supported, namespaces[0])
-    if spans_nodes:
-        for ns in namespaces:
-            await asyncio.to_thread(rig.uplink, ns, switch)
+    await asyncio.to_thread(require_fabric, namespaces[0], fabric)
+    for ns, address in zip(namespaces, UNDERLAY, strict=True):
+        await asyncio.to_thread(rig.uplink, ns, switch, address=address)
     nodes = [
-        LibvirtNode(tmp_path / ns, ns, "uplink0" if spans_nodes else None) for ns in namespaces
+        LibvirtNode(tmp_path / ns, ns, agent_networks(tmp_path, fabric, ns)) for ns in namespaces
     ]
     try:
         await create_sku(db_sessions)
@@ -397,9 +587,9 @@ async def test_the_control_plane_puts_each_project_on_its_own_vlan_end_to_end(
         vm_p1, vm_p2 = await vm(p_one, "10.77.0.11"), await vm(p_two, "10.77.0.12")
         vm_q1, vm_p3 = await vm(q_one, "10.77.0.21"), await vm(p_three, "10.77.0.13")
         assert await asyncio.to_thread(reaches, vm_p1, vm_p2)  # one project, one node
-        if spans_nodes:  # one project, two nodes, through the switch
-            assert await asyncio.to_thread(reaches, vm_p1, vm_p3)
-            assert await asyncio.to_thread(reaches, vm_p2, vm_p3)
+        # One project, two nodes, through the switch.
+        assert await asyncio.to_thread(reaches, vm_p1, vm_p3)
+        assert await asyncio.to_thread(reaches, vm_p2, vm_p3)
         for p in (vm_p1, vm_p2, vm_p3):
             assert await asyncio.to_thread(isolated, p, vm_q1), (p.name, vm_q1.name)
 

@@ -12,7 +12,11 @@ and its agent.d drop-ins). Every table is optional; the defaults are a real node
     readiness = "guest-agent"            # "ssh", or "fixed" with fixed_address (a test driver)
     check_gpu_health = true              # config-space and driver check of every released GPU
     bridge_per_allocation = true         # slice bridges of our own (agent/network)
-    uplink = "bond0"                     # the NIC tenant VLANs hang off (optional, see below)
+    uplink = "bond0"                     # the NIC slice segments cross (optional, see below)
+    segment_encapsulation = "vlan"       # or "vxlan" (see below)
+    vxlan_group = "239.1.1.1"            # vxlan: the multicast group (the default), or instead
+    # vxlan_peers = ["10.0.0.6", "10.0.0.7"]  # the nodes' uplink addresses (static flooding)
+    vxlan_port = 4789                    # vxlan: the UDP port
 
     [libvirt.images]                     # name → expected sha256 (default: the task's sha256)
     "ubuntu-22.04-cuda-12.4" = "9f86d0…"
@@ -28,11 +32,23 @@ and its agent.d drop-ins). Every table is optional; the defaults are a real node
     expected_drivers = ["vfio-pci", "nvidia"]  # a released GPU bound elsewhere is quarantined
     allow_unverified = false             # node policy: GPU state that cannot be verified passes
 
-Slice networks: the control plane gives each project a VLAN per region; the allocations of one
-project on this node share a bridge for that VLAN, joined to `uplink` through its VLAN
-sub-interface, so they share L2 with the project's VMs on the other nodes (the switch port of
-`uplink` must trunk the region's slice VLAN pool). Without `uplink` that bridge stays on this
-node; an allocation without a VLAN gets an isolated bridge of its own.
+Slice networks: the control plane gives each project a VLAN id per region; the allocations of
+one project on this node share a bridge for that id, joined to `uplink` so they share L2 with the
+project's VMs on the other nodes. `segment_encapsulation` says how a segment crosses `uplink`:
+
+* "vlan" (the default): an 802.1Q sub-interface, VLAN id = the segment's; the switch port of
+  `uplink` must trunk the region's slice VLAN pool.
+* "vxlan": a VXLAN device, VNI = the segment's id, sending UDP `vxlan_port` from the first
+  address of `uplink` (which must have one, of the family of the group or peers) to the
+  multicast group `vxlan_group` (flood and learn; the underlay carries that group between the
+  nodes: one L2 domain, as multicast leaves with TTL 1) or, with `vxlan_peers`, to each listed
+  peer (head-end replication over a routed underlay; this node's own address may be listed).
+  The underlay must be private to the nodes (VXLAN carries no authentication). A segment's MTU
+  is the uplink's minus 50 (70 over IPv6): give the uplink 1550 (or jumbo frames) to keep 1500
+  for the VMs, or give the guests the smaller MTU.
+
+Without `uplink` that bridge stays on this node; an allocation without a VLAN gets an isolated
+bridge of its own.
 
 Both allocation shapes are served: slices through libvirt (connected on first use, so a node
 without libvirtd still serves bare metal), bare metal through system accounts; node maintenance
@@ -64,6 +80,14 @@ from agent.gpu_tools import (
 )
 from agent.host_processes import ProcSessionTerminator, SystemctlUnits
 from agent.maintenance import FileMaintenanceBackend, MaintenanceConfig
+from agent.network.encapsulation import (
+    DEFAULT_VXLAN_GROUP,
+    ENCAPSULATIONS,
+    VLAN_8021Q,
+    VXLAN_PORT,
+    SegmentEncapsulation,
+    Vxlan,
+)
 from agent.network.errors import InvalidNetworkSpec
 from agent.network.netns import validate_ifname
 from agent.network.slice_networks import SliceNetworks
@@ -100,6 +124,59 @@ def _uplink(section: dict[str, Any]) -> str | None:
         raise ConfigError(message) from None
 
 
+_VXLAN_KEYS = ("vxlan_group", "vxlan_peers", "vxlan_port")
+
+
+def _encapsulation(section: dict[str, Any], uplink: str | None) -> SegmentEncapsulation:
+    name = section.get("segment_encapsulation", VLAN_8021Q.name)
+    if name not in ENCAPSULATIONS:
+        raise ConfigError(
+            f"[libvirt] segment_encapsulation must be one of {', '.join(ENCAPSULATIONS)}"
+        )
+    given = [key for key in _VXLAN_KEYS if key in section]
+    if name != Vxlan.name:
+        if given:
+            raise ConfigError(
+                f"[libvirt] {', '.join(given)} need segment_encapsulation = {Vxlan.name!r}"
+            )
+        return VLAN_8021Q
+    if uplink is None:
+        raise ConfigError("[libvirt] segment_encapsulation = 'vxlan' needs uplink")
+    peers = section.get("vxlan_peers")
+    if peers is not None and "vxlan_group" in section:
+        raise ConfigError("[libvirt] vxlan_group and vxlan_peers exclude each other")
+    if peers is not None and (
+        not isinstance(peers, list) or not peers or not all(isinstance(p, str) for p in peers)
+    ):
+        raise ConfigError("[libvirt] vxlan_peers is a non-empty list of IP addresses")
+    port = section.get("vxlan_port", VXLAN_PORT)
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise ConfigError("[libvirt] vxlan_port must be an integer 1..65535")
+    vxlan = Vxlan(
+        group=None if peers is not None else section.get("vxlan_group", DEFAULT_VXLAN_GROUP),
+        peers=tuple(peers or ()),
+        port=port,
+    )
+    try:
+        vxlan.validate()
+    except InvalidNetworkSpec:
+        key = "vxlan_peers" if peers is not None else "vxlan_group"
+        expected = (
+            "unicast IP addresses of one family" if peers is not None else "a multicast IP address"
+        )
+        raise ConfigError(f"[libvirt] {key} must be {expected}") from None
+    return vxlan
+
+
+def slice_networks_from_config(section: dict[str, Any]) -> SliceNetworks | None:
+    """The slice networks the `[libvirt]` table asks for (None: `bridge_per_allocation = false`,
+    the libvirt network instead)."""
+    if not section.get("bridge_per_allocation", True):
+        return None
+    uplink = _uplink(section)
+    return SliceNetworks(uplink=uplink, encapsulation=_encapsulation(section, uplink))
+
+
 def slice_backend_from_config(data: dict[str, Any], root: SystemRoot) -> LibvirtSliceBackend:
     section = table(data, "libvirt")
     images = section.get("images", {})
@@ -121,11 +198,7 @@ def slice_backend_from_config(data: dict[str, Any], root: SystemRoot) -> Libvirt
             if section.get("check_gpu_health", True)
             else None
         ),
-        networks=(
-            SliceNetworks(uplink=_uplink(section))
-            if section.get("bridge_per_allocation", True)
-            else None
-        ),
+        networks=slice_networks_from_config(section),
     )
 
 

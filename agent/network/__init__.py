@@ -2,6 +2,8 @@
 
 * `allocation_network`: slice networks: a per-allocation isolated bridge (with an optional VLAN
   and taps), or an allocation's membership of its project's per-VLAN segment.
+* `encapsulation`: how a segment crosses the node's uplink: 802.1Q (`Vlan8021Q`, the default) or
+  VXLAN (`Vxlan`, VNI = the segment's VLAN id, multicast group or static peers).
 * `slice_networks`: what the libvirt slice backend prepares and removes per allocation.
 * `roce`: RoCE phase-2 policy routing (address, table, routes and rule per interface).
 
@@ -13,6 +15,7 @@ from agent.network.allocation_network import (
     NetworkApplyResult,
     NetworkRemoveResult,
     VlanSegmentMember,
+    allocation_link_name,
     allocation_tag,
     apply_allocation_network,
     bridge_name,
@@ -20,11 +23,20 @@ from agent.network.allocation_network import (
     prune_vlan_segments,
     remove_allocation_network,
     segment_bridge_name,
+    segment_link_name,
     segment_member_name,
     segment_tag,
     segment_vlan_name,
     tap_names,
     vlan_name,
+)
+from agent.network.encapsulation import (
+    DEFAULT_VXLAN_GROUP,
+    VLAN_8021Q,
+    VXLAN_PORT,
+    SegmentEncapsulation,
+    Vlan8021Q,
+    Vxlan,
 )
 from agent.network.errors import (
     InvalidNetworkSpec,
@@ -46,6 +58,9 @@ from agent.network.roce import (
 )
 
 __all__ = [
+    "DEFAULT_VXLAN_GROUP",
+    "VLAN_8021Q",
+    "VXLAN_PORT",
     "AllocationNetworkSpec",
     "InvalidNetworkSpec",
     "MissingInterface",
@@ -58,7 +73,11 @@ __all__ = [
     "RoceApplyResult",
     "RoceAssignment",
     "RoceRemoveResult",
+    "SegmentEncapsulation",
+    "Vlan8021Q",
     "VlanSegmentMember",
+    "Vxlan",
+    "allocation_link_name",
     "allocation_tag",
     "apply_allocation_network",
     "apply_roce_policy",
@@ -71,6 +90,7 @@ __all__ = [
     "roce_rule_priority",
     "roce_table_id",
     "segment_bridge_name",
+    "segment_link_name",
     "segment_member_name",
     "segment_tag",
     "segment_vlan_name",

@@ -8,17 +8,24 @@ carries the allocation's tag in its ifalias (`gpucloud:alloc:<allocation id>`), 
 never anything else. A name that exists without our tag is a conflict, never adopted.
 
 A VLAN segment is what the allocations of one project on a node share (`join_vlan_segment`): one
-bridge per VLAN id, holding the VLAN's sub-interface of the node's uplink (so the project's
-allocations on other nodes are on the same L2 segment, and no other project's are), tagged
-`gpucloud:vlan:<vid>`. Each allocation on it keeps a member link (a persistent tap, tagged with
-the allocation, enslaved to the segment's bridge) from the moment it joins until it is removed,
-so the segment is known to be in use before its VM has a NIC on it. `prune_vlan_segments` deletes
-every segment nothing but its own uplink sub-interface is attached to; it re-derives that from
-the links alone, so it also finishes the work of a join or a prune that crashed half-way.
+bridge per VLAN id (the segment id), holding the segment's link over the node's uplink (so the
+project's allocations on other nodes are on the same L2 segment, and no other project's are),
+both tagged `gpucloud:vlan:<vid>`. That link is the node's encapsulation's
+(agent/network/encapsulation.py): an 802.1Q sub-interface of the uplink (the default), or a
+VXLAN device whose VNI is the segment id; with an uplink, the bridge's MTU is what the
+encapsulation leaves of the uplink's. Each allocation on it keeps a member link (a persistent
+tap, tagged with the allocation, enslaved to the segment's bridge) from the moment it joins until
+it is removed, so the segment is known to be in use before its VM has a NIC on it.
+`prune_vlan_segments` deletes every segment nothing but its own uplink link is attached to; it
+re-derives that from the links alone, so it also finishes the work of a join or a prune that
+crashed half-way. A join also converges the segment's own link to the node's configuration: a
+link of another encapsulation (or of an uplink no longer configured), or one whose attributes
+differ (another VXLAN group, a changed uplink address), is replaced.
 
 Names fit IFNAMSIZ. From the allocation id (sha256 prefix): bridge `gcbr-<10 hex>`, VLAN
-`gcvl-<10 hex>`, taps `gtNN-<10 hex>` (see `tap_names`), segment member `gcsm-<10 hex>`. From the
-VLAN id: segment bridge `gcsbr-<vid>`, its uplink sub-interface `gcsvl-<vid>`.
+`gcvl-<10 hex>` (VXLAN `gcvx-<10 hex>`), taps `gtNN-<10 hex>` (see `tap_names`), segment member
+`gcsm-<10 hex>`. From the VLAN id: segment bridge `gcsbr-<vid>`, its uplink link `gcsvl-<vid>`
+(VXLAN `gcsvx-<vid>`).
 """
 
 from __future__ import annotations
@@ -35,9 +42,14 @@ from typing import Any
 
 from pyroute2.netlink.exceptions import NetlinkError
 
+from agent.network.encapsulation import (
+    VLAN_8021Q,
+    SegmentEncapsulation,
+    Uplink,
+    read_uplink,
+)
 from agent.network.errors import (
     InvalidNetworkSpec,
-    MissingInterface,
     NetworkConflict,
     NetworkOperationFailed,
 )
@@ -48,7 +60,6 @@ from agent.network.netns import (
     link_kind,
     rtnl,
     validate_ifname,
-    vlan_id_of,
 )
 from contracts.host_tasks import HostErrorType
 
@@ -81,8 +92,15 @@ def bridge_name(allocation_id: str) -> str:
     return f"gcbr-{_digest(_check_allocation_id(allocation_id))}"
 
 
+def allocation_link_name(
+    allocation_id: str, encapsulation: SegmentEncapsulation = VLAN_8021Q
+) -> str:
+    """The name of an allocation's own link over the uplink (`gcvl-<hex>`, `gcvx-<hex>`)."""
+    return f"gc{encapsulation.short}-{_digest(_check_allocation_id(allocation_id))}"
+
+
 def vlan_name(allocation_id: str) -> str:
-    return f"gcvl-{_digest(_check_allocation_id(allocation_id))}"
+    return allocation_link_name(allocation_id, VLAN_8021Q)
 
 
 def _check_vlan_id(vlan_id: int) -> int:
@@ -92,7 +110,7 @@ def _check_vlan_id(vlan_id: int) -> int:
 
 
 def segment_tag(vlan_id: int) -> str:
-    """The ifalias of a VLAN segment's own links (its bridge and uplink sub-interface)."""
+    """The ifalias of a VLAN segment's own links (its bridge and its link over the uplink)."""
     return f"{SEGMENT_TAG_PREFIX}{_check_vlan_id(vlan_id)}"
 
 
@@ -100,8 +118,13 @@ def segment_bridge_name(vlan_id: int) -> str:
     return f"gcsbr-{_check_vlan_id(vlan_id)}"
 
 
+def segment_link_name(vlan_id: int, encapsulation: SegmentEncapsulation = VLAN_8021Q) -> str:
+    """The name of a segment's link over the uplink (`gcsvl-<vid>`, `gcsvx-<vid>`)."""
+    return f"gcs{encapsulation.short}-{_check_vlan_id(vlan_id)}"
+
+
 def segment_vlan_name(vlan_id: int) -> str:
-    return f"gcsvl-{_check_vlan_id(vlan_id)}"
+    return segment_link_name(vlan_id, VLAN_8021Q)
 
 
 def segment_member_name(allocation_id: str) -> str:
@@ -120,9 +143,10 @@ def tap_names(allocation_id: str, count: int) -> tuple[str, ...]:
 class AllocationNetworkSpec:
     """What one allocation's network is.
 
-    `uplink` and `vlan_id` go together: with them, a VLAN sub-interface of the uplink joins the
-    bridge; without them the bridge is isolated (host-only). `gateway_cidr` (e.g. "10.77.0.1/24")
-    is put on the bridge when given.
+    `uplink` and `vlan_id` go together: with them, the encapsulation's link of the uplink for
+    that id (a VLAN sub-interface by default, or a VXLAN device) joins the bridge; without them
+    the bridge is isolated (host-only). `gateway_cidr` (e.g. "10.77.0.1/24") is put on the bridge
+    when given.
     """
 
     allocation_id: str
@@ -130,6 +154,7 @@ class AllocationNetworkSpec:
     vlan_id: int | None = None
     taps: tuple[str, ...] = ()
     gateway_cidr: str | None = None
+    encapsulation: SegmentEncapsulation = VLAN_8021Q
 
     @property
     def tag(self) -> str:
@@ -141,7 +166,10 @@ class AllocationNetworkSpec:
 
     @property
     def vlan(self) -> str | None:
-        return vlan_name(self.allocation_id) if self.vlan_id is not None else None
+        """The allocation's link over the uplink (named for its encapsulation)."""
+        if self.vlan_id is None:
+            return None
+        return allocation_link_name(self.allocation_id, self.encapsulation)
 
     @property
     def gateway(self) -> ipaddress.IPv4Interface | ipaddress.IPv6Interface | None:
@@ -174,6 +202,7 @@ class AllocationNetworkSpec:
             validate_ifname(self.uplink, "uplink name")
         if self.vlan_id is not None and not 1 <= self.vlan_id <= 4094:
             raise InvalidNetworkSpec(f"VLAN id must be 1..4094, got {self.vlan_id}")
+        self.encapsulation.validate()
         if len(self.taps) > MAX_TAPS:
             raise InvalidNetworkSpec(f"at most {MAX_TAPS} taps, got {len(self.taps)}")
         for tap in self.taps:
@@ -231,9 +260,8 @@ def _ensure_link(
     tag: str,
     kind: str,
     create: Callable[[], None],
-    check: Callable[[Any], str | None] = lambda _link: None,
 ) -> int:
-    """Create `name` if missing; an existing one must carry our tag, kind, and pass `check`."""
+    """Create `name` if missing; an existing one must carry our tag and kind."""
     link = get_link(ipr, name)
     if link is None:
         create()
@@ -250,9 +278,6 @@ def _ensure_link(
         )
     if link_kind(link) != kind:
         raise NetworkConflict(f"link {name!r} is a {link_kind(link)!r}, expected {kind!r}")
-    problem = check(link)
-    if problem:
-        raise NetworkConflict(f"link {name!r} {problem}; remove the allocation network first")
     rec.present.append(f"link:{name}")
     return int(link["index"])
 
@@ -274,6 +299,124 @@ def _ensure_master_and_up(
         rec.present.append(f"up:{name}")
 
 
+def _ensure_mtu(ipr: Any, rec: _Recorder, name: str, index: int, mtu: int) -> None:
+    if ipr.get_links(index)[0].get("mtu") != mtu:
+        _nl(f"set the MTU of {name!r} to {mtu}", ipr.link, "set", index=index, mtu=mtu)
+        rec.created.append(f"mtu:{name}={mtu}")
+    else:
+        rec.present.append(f"mtu:{name}={mtu}")
+
+
+# IFLA_INET6_ADDR_GEN_MODE "none": the kernel gives the link no IPv6 link-local address.
+_ADDR_GEN_MODE_NONE = 1
+
+
+def _ensure_no_host_address(ipr: Any, rec: _Recorder, name: str, index: int) -> None:
+    """A segment's bridge and its link over the uplink carry tenant frames only: the host must
+    not be an IPv6 neighbour on them (a link-local address would let the project's VMs, and the
+    other nodes' VMs of the project, reach the node over fe80::). Set before the link comes up,
+    and any link-local address it already has goes."""
+    _nl(
+        f"turn off IPv6 address generation on {name!r}",
+        ipr.link,
+        "set",
+        index=index,
+        IFLA_AF_SPEC={
+            "attrs": [["AF_INET6", {"attrs": [["IFLA_INET6_ADDR_GEN_MODE", _ADDR_GEN_MODE_NONE]]}]]
+        },
+    )
+    for addr in ipr.get_addr(index=index, family=socket.AF_INET6):
+        address = addr.get_attr("IFA_ADDRESS")
+        _nl(f"delete {address} from {name!r}", ipr.addr, "del", index=index, address=address,
+            prefixlen=addr["prefixlen"])  # fmt: skip
+        rec.deleted.append(f"addr:{address}@{name}")
+
+
+_ALL_ZEROS = "00:00:00:00:00:00"
+
+
+def _converge_flood_list(
+    ipr: Any, rec: _Recorder, name: str, index: int, wanted: frozenset[str] | None
+) -> None:
+    """Make the link's all-zeros forwarding entries (where unknown and broadcast frames go) name
+    exactly `wanted`; None leaves them to the kernel."""
+    if wanted is None:
+        return
+    have = {
+        str(entry.get("dst"))
+        for entry in ipr.fdb("dump", ifindex=index)
+        if entry["ifindex"] == index and entry.get("lladdr") == _ALL_ZEROS and entry.get("dst")
+    }
+    for dst in sorted(have - wanted):
+        _nl(
+            f"drop flood entry {dst} of {name!r}",
+            ipr.fdb,
+            "del",
+            ifindex=index,
+            lladdr=_ALL_ZEROS,
+            dst=dst,
+        )
+        rec.deleted.append(f"flood:{name}->{dst}")
+    for dst in sorted(wanted - have):
+        _nl(
+            f"add flood entry {dst} to {name!r}",
+            ipr.fdb,
+            "append",
+            ifindex=index,
+            lladdr=_ALL_ZEROS,
+            dst=dst,
+        )
+        rec.created.append(f"flood:{name}->{dst}")
+    rec.present.extend(f"flood:{name}->{dst}" for dst in sorted(have & wanted))
+
+
+@dataclass(frozen=True)
+class _UplinkLink:
+    """The link an allocation or a segment has over the uplink, as one apply wants it."""
+
+    name: str
+    tag: str
+    vlan_id: int
+    encapsulation: SegmentEncapsulation
+    uplink: Uplink
+
+    def attrs(self) -> dict[str, Any]:
+        """Its creation attributes; raises before anything changed when the uplink cannot carry
+        it (e.g. VXLAN without an address on the uplink)."""
+        return self.encapsulation.link_attrs(self.vlan_id, self.uplink)
+
+
+def _ensure_uplink_link(
+    ipr: Any, rec: _Recorder, want: _UplinkLink, bridge_index: int, bridge: str
+) -> None:
+    """Create (or replace, when ours but stale) the link, converge its MTU and flood list, attach
+    it to the bridge and bring it up; then give the bridge the same MTU."""
+    encapsulation, name = want.encapsulation, want.name
+    attrs = want.attrs()
+    link = get_link(ipr, name)
+    if (
+        link is not None
+        and link.get("ifalias") == want.tag
+        and encapsulation.mismatch(link, want.vlan_id, want.uplink)
+    ):
+        _nl(f"delete stale link {name!r}", ipr.link, "del", index=link["index"])
+        rec.deleted.append(f"link:{name}")
+    index = _ensure_link(
+        ipr,
+        rec,
+        name,
+        want.tag,
+        encapsulation.kind,
+        lambda: _nl(f"create {encapsulation.name} {name!r}", ipr.link, "add", ifname=name, **attrs),
+    )
+    mtu = encapsulation.mtu(want.uplink)
+    _ensure_mtu(ipr, rec, name, index, mtu)
+    _converge_flood_list(ipr, rec, name, index, encapsulation.flood_to(want.uplink))
+    _ensure_no_host_address(ipr, rec, name, index)
+    _ensure_master_and_up(ipr, rec, name, index, bridge_index, bridge)
+    _ensure_mtu(ipr, rec, bridge, bridge_index, mtu)
+
+
 def _tagged_links(ipr: Any, tag: str) -> list[Any]:
     return [link for link in ipr.get_links() if link.get("ifalias") == tag]
 
@@ -287,11 +430,16 @@ def apply_allocation_network(
     tag = spec.tag
     bridge = spec.bridge
     with rtnl(netns) as ipr:
-        uplink_index: int | None = None
-        if spec.uplink is not None:
-            uplink_index = link_index(ipr, spec.uplink)
-            if uplink_index is None:
-                raise MissingInterface(spec.uplink, netns)
+        over_uplink: _UplinkLink | None = None
+        if spec.uplink is not None and spec.vlan is not None and spec.vlan_id is not None:
+            over_uplink = _UplinkLink(
+                spec.vlan,
+                tag,
+                spec.vlan_id,
+                spec.encapsulation,
+                read_uplink(ipr, spec.uplink, netns),
+            )
+            over_uplink.attrs()  # refuse before changing anything
 
         # Stale links of this allocation (e.g. a tap the spec dropped) go first.
         wanted = {bridge, *spec.taps}
@@ -317,35 +465,8 @@ def apply_allocation_network(
         )
         _ensure_master_and_up(ipr, rec, bridge, bridge_index, None, bridge)
 
-        if spec.vlan is not None and uplink_index is not None and spec.vlan_id is not None:
-            vlan, vid, parent = spec.vlan, spec.vlan_id, uplink_index
-
-            def vlan_check(link: Any) -> str | None:
-                if vlan_id_of(link) != vid or link.get("link") != parent:
-                    return (
-                        f"has VLAN id {vlan_id_of(link)} on link index {link.get('link')}, "
-                        f"expected VLAN id {vid} on {spec.uplink!r}"
-                    )
-                return None
-
-            vlan_index = _ensure_link(
-                ipr,
-                rec,
-                vlan,
-                tag,
-                "vlan",
-                lambda: _nl(
-                    f"create VLAN {vlan!r}",
-                    ipr.link,
-                    "add",
-                    ifname=vlan,
-                    kind="vlan",
-                    link=parent,
-                    vlan_id=vid,
-                ),
-                vlan_check,
-            )
-            _ensure_master_and_up(ipr, rec, vlan, vlan_index, bridge_index, bridge)
+        if over_uplink is not None:
+            _ensure_uplink_link(ipr, rec, over_uplink, bridge_index, bridge)
 
         for tap in spec.taps:
             tap_index = _ensure_link(
@@ -427,12 +548,13 @@ def remove_allocation_network(
 @dataclass(frozen=True)
 class VlanSegmentMember:
     """An allocation on the VLAN segment of `vlan_id`; with `uplink`, the segment reaches the
-    other nodes through the uplink's sub-interface for that VLAN, without it the segment stays
-    on this node."""
+    other nodes through the encapsulation's link of the uplink for that id (an 802.1Q
+    sub-interface, or a VXLAN device), without it the segment stays on this node."""
 
     allocation_id: str
     vlan_id: int
     uplink: str | None = None
+    encapsulation: SegmentEncapsulation = VLAN_8021Q
 
     @property
     def tag(self) -> str:
@@ -443,8 +565,11 @@ class VlanSegmentMember:
         return segment_bridge_name(self.vlan_id)
 
     @property
-    def vlan(self) -> str | None:
-        return segment_vlan_name(self.vlan_id) if self.uplink is not None else None
+    def link(self) -> str | None:
+        """The segment's link over the uplink, if it has one."""
+        if self.uplink is None:
+            return None
+        return segment_link_name(self.vlan_id, self.encapsulation)
 
     @property
     def member(self) -> str:
@@ -453,15 +578,16 @@ class VlanSegmentMember:
     def validate(self) -> None:
         _check_allocation_id(self.allocation_id)
         _check_vlan_id(self.vlan_id)
+        self.encapsulation.validate()
         if self.uplink is not None:
             validate_ifname(self.uplink, "uplink name")
-            if self.uplink in (self.bridge, self.vlan, self.member):
+            if self.uplink in (self.bridge, self.link, self.member):
                 raise InvalidNetworkSpec(f"uplink {self.uplink!r} clashes with a segment link")
 
 
 def join_vlan_segment(spec: VlanSegmentMember, netns: str | None = None) -> NetworkApplyResult:
     """Make the allocation a member of its VLAN's segment in `netns`, creating the segment (bridge,
-    then uplink sub-interface) if this is its first member, and answer what changed. Links an
+    then its link over the uplink) if this is its first member, and answer what changed. Links an
     earlier apply made for the allocation other than its member (an isolated bridge of its own)
     are deleted first; a member on another VLAN's bridge moves to this one (the segment it left
     is the caller's to prune). The caller serialises joins and prunes of one namespace
@@ -472,11 +598,16 @@ def join_vlan_segment(spec: VlanSegmentMember, netns: str | None = None) -> Netw
     segment = segment_tag(spec.vlan_id)
     bridge, member = spec.bridge, spec.member
     with rtnl(netns) as ipr:
-        uplink_index: int | None = None
-        if spec.uplink is not None:
-            uplink_index = link_index(ipr, spec.uplink)
-            if uplink_index is None:
-                raise MissingInterface(spec.uplink, netns)
+        over_uplink: _UplinkLink | None = None
+        if spec.uplink is not None and spec.link is not None:
+            over_uplink = _UplinkLink(
+                spec.link,
+                segment,
+                spec.vlan_id,
+                spec.encapsulation,
+                read_uplink(ipr, spec.uplink, netns),
+            )
+            over_uplink.attrs()  # refuse before changing anything
 
         stale = [link for link in _tagged_links(ipr, spec.tag) if link.get("ifname") != member]
         stale.sort(key=lambda link: link_kind(link) == "bridge")  # members before bridges
@@ -492,49 +623,36 @@ def join_vlan_segment(spec: VlanSegmentMember, netns: str | None = None) -> Netw
             "bridge",
             lambda: _nl(f"create bridge {bridge!r}", ipr.link, "add", ifname=bridge, kind="bridge"),
         )
+        _ensure_no_host_address(ipr, rec, bridge, bridge_index)
         _ensure_master_and_up(ipr, rec, bridge, bridge_index, None, bridge)
 
-        if spec.vlan is not None and uplink_index is not None:
-            vlan, vid, parent = spec.vlan, spec.vlan_id, uplink_index
-
-            def vlan_check(link: Any) -> str | None:
-                if vlan_id_of(link) != vid or link.get("link") != parent:
-                    return (
-                        f"has VLAN id {vlan_id_of(link)} on link index {link.get('link')}, "
-                        f"expected VLAN id {vid} on {spec.uplink!r}"
-                    )
-                return None
-
-            vlan_index = _ensure_link(
-                ipr,
-                rec,
-                vlan,
-                segment,
-                "vlan",
-                lambda: _nl(
-                    f"create VLAN {vlan!r}",
+        # The segment's links over the uplink other than the one wanted now (another
+        # encapsulation's, or an uplink no longer configured) leave it.
+        for link in _tagged_links(ipr, segment):
+            if link_kind(link) != "bridge" and link.get("ifname") != spec.link:
+                _nl(
+                    f"delete stale link {link.get('ifname')!r}",
                     ipr.link,
-                    "add",
-                    ifname=vlan,
-                    kind="vlan",
-                    link=parent,
-                    vlan_id=vid,
-                ),
-                vlan_check,
-            )
-            _ensure_master_and_up(ipr, rec, vlan, vlan_index, bridge_index, bridge)
+                    "del",
+                    index=link["index"],
+                )
+                rec.deleted.append(f"link:{link.get('ifname')}")
+
+        if over_uplink is not None:
+            _ensure_uplink_link(ipr, rec, over_uplink, bridge_index, bridge)
 
         member_index = _ensure_link(
             ipr, rec, member, spec.tag, "tun", functools.partial(create_tap, member, netns)
         )
+        _ensure_no_host_address(ipr, rec, member, member_index)
         _ensure_master_and_up(ipr, rec, member, member_index, bridge_index, bridge)
     return rec.result()
 
 
 def prune_vlan_segments(netns: str | None = None) -> NetworkRemoveResult:
-    """Delete every VLAN segment in `netns` that nothing is attached to but its own uplink
-    sub-interface (no allocation's member, no VM's NIC), and the halves of segments a crash left
-    behind (a sub-interface whose bridge is gone). Segments in use are never touched."""
+    """Delete every VLAN segment in `netns` that nothing is attached to but its own link over the
+    uplink (no allocation's member, no VM's NIC), and the halves of segments a crash left behind
+    (such a link whose bridge is gone). Segments in use are never touched."""
     deleted: list[str] = []
     with rtnl(netns) as ipr:
         links = list(ipr.get_links())
@@ -552,7 +670,7 @@ def prune_vlan_segments(netns: str | None = None) -> NetworkRemoveResult:
             )
             if in_use:
                 continue
-            own.sort(key=lambda link: link_kind(link) == "bridge")  # sub-interface first
+            own.sort(key=lambda link: link_kind(link) == "bridge")  # the uplink link first
             for link in own:
                 name = link.get("ifname")
                 try:

@@ -1,8 +1,11 @@
 """The network a slice VM plugs into. With a VLAN (the control plane assigns one per project and
 region), the VLAN's segment on this node: a bridge shared by the project's allocations here and
-joined to the node's uplink on that VLAN, so the project's VMs share one L2 segment across nodes
-and no other project's VMs are on it. Without one, an isolated bridge of the allocation's own.
-The libvirt backend prepares it before defining the domain and removes it on release.
+joined to the node's uplink for that id, so the project's VMs share one L2 segment across nodes
+and no other project's VMs are on it. How the segment crosses the uplink is the node's
+`encapsulation` (agent/network/encapsulation.py): an 802.1Q sub-interface (VLAN id = segment
+id, the default) or a VXLAN device (VNI = segment id). Without an uplink the segment stays on
+this node. Without a VLAN, an isolated bridge of the allocation's own. The libvirt backend
+prepares it before defining the domain and removes it on release.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from agent.network.allocation_network import (
     remove_allocation_network,
     segment_bridge_name,
 )
+from agent.network.encapsulation import VLAN_8021Q, SegmentEncapsulation
 
 # Joins and prunes of a segment must not interleave: a prune that finds a fresh segment still
 # without its first member would delete it under the join. The agent is the one process that
@@ -30,8 +34,9 @@ _SEGMENTS = threading.Lock()
 
 @dataclass(frozen=True)
 class SliceNetworks:
-    uplink: str | None = None  # the node's tenant-facing NIC (VLANs hang off it)
+    uplink: str | None = None  # the node's tenant-facing NIC (the segments cross it)
     netns: str | None = None  # None: the host's namespace (tests use their own)
+    encapsulation: SegmentEncapsulation = VLAN_8021Q  # how a segment crosses the uplink
 
     def prepare(self, allocation_id: str, vlan_id: int | None) -> str:
         """Apply (idempotently) and answer the bridge the domain's NIC attaches to."""
@@ -40,9 +45,10 @@ class SliceNetworks:
                 apply_allocation_network(AllocationNetworkSpec(allocation_id), netns=self.netns)
                 bridge = bridge_name(allocation_id)
             else:
-                join_vlan_segment(
-                    VlanSegmentMember(allocation_id, vlan_id, uplink=self.uplink), netns=self.netns
+                member = VlanSegmentMember(
+                    allocation_id, vlan_id, uplink=self.uplink, encapsulation=self.encapsulation
                 )
+                join_vlan_segment(member, netns=self.netns)
                 bridge = segment_bridge_name(vlan_id)
             # An earlier attempt may have joined another segment, and left it by now.
             prune_vlan_segments(self.netns)
