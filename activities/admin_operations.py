@@ -27,7 +27,7 @@ from temporalio.exceptions import ApplicationError
 
 from activities.billing.ledger import EntryKind, balance_minor, post_entry
 from activities.maas.client import MaasClient
-from activities.maas.errors import MaasAuthError, MaasError
+from activities.maas.errors import MaasAuthError, MaasError, MaasNotAdmin
 from contracts.admin_operation import (
     BILLING_CREDIT,
     CREDENTIALS_INVALID,
@@ -36,6 +36,7 @@ from contracts.admin_operation import (
     DRIFT_RESOLVE,
     GPU_SLOT_RETURN,
     MAAS_API_KEY_MALFORMED,
+    MAAS_TOKEN_NOT_ADMIN,
     MAAS_TOKEN_REJECTED,
     MAAS_UNREACHABLE,
     NO_DRIFT,
@@ -113,7 +114,10 @@ def refusal(code: str, message: str, details: Mapping[str, Any] | None = None) -
 
 def _maas_refusal(err: MaasError) -> ApplicationError:
     """MAAS said no or did not answer: a typed answer that names the failure class."""
-    details = {"failure_class": err.failure_class.value}
+    details: dict[str, Any] = {"failure_class": err.failure_class.value}
+    if isinstance(err, MaasNotAdmin):
+        details["maas_username"] = err.username
+        return refusal(MAAS_TOKEN_NOT_ADMIN, err.message, details)
     if isinstance(err, MaasAuthError):
         return refusal(MAAS_TOKEN_REJECTED, "MAAS rejected the API key", details)
     return refusal(
@@ -380,7 +384,8 @@ class AdminOperationActivities:
 
     @activity.defn(name=SITE_CREDENTIALS_WRITE)
     async def site_credentials_write(self, input: SiteCredentialsInput) -> SiteCredentialsResult:
-        """MAAS accepts the key → the secrets go to Vault → the site row and the audit row commit.
+        """MAAS accepts the key and it is an admin's (users/?op=whoami; else 422
+        maas_token_not_admin) → the secrets go to Vault → the site row and the audit row commit.
         No transaction is open across the MAAS and Vault calls; a failure after a Vault write
         puts every written path back as it was."""
         site = await self._site(input.site_id)
@@ -392,6 +397,7 @@ class AdminOperationActivities:
                 max_attempts=1,
             ) as maas:
                 version = await maas.version()
+                await maas.require_admin()
         except ValueError:
             raise refusal(
                 MAAS_API_KEY_MALFORMED,
@@ -442,7 +448,8 @@ class AdminOperationActivities:
 
     @activity.defn(name=SITE_PROBE)
     async def site_probe(self, input: SiteProbeInput) -> SiteProbeResult:
-        """MAAS with the stored token, read from Vault now (a rotated token is used at once)."""
+        """MAAS with the stored token, read from Vault now (a rotated token is used at once);
+        the token must still be an admin's (422 maas_token_not_admin)."""
         site = await self._site(input.site_id)
         try:
             secret = await self._secrets.read(site.api_token_vault_path)
@@ -460,6 +467,7 @@ class AdminOperationActivities:
                 ) as maas,
             ):
                 version = await maas.version()
+                await maas.require_admin()
                 racks = await maas.rack_controllers()
         except ValueError:
             raise refusal(

@@ -1,9 +1,10 @@
 """The MAAS site reconciler (seed 003 §6): one pass compares what a MAAS region says about its
 machines with the GPUaaS nodes bound to them (node_maas_state) and applies the §6.4 rules.
 
-One pass is: the site row (1 query), its API token from Vault (read now, so a rotated token is used
-by the next run), ONE `GET machines/`, the site's bindings joined with their nodes (1 query), then
-a pure decision per binding (`decide`), the few MAAS actions (release + power off of retired
+One pass is: the site row with its policy (1 query), its API token from Vault (read now, so a
+rotated token is used by the next run), ONE `GET machines/`, the site's bindings joined with their
+nodes (1 query), the check that the list can be whole (`judge_list`, below), then a pure
+decision per binding (`decide`), the few MAAS actions (release + power off of retired
 nodes), and batched writes: node status changes as one compare-and-set statement per chunk
 (`UPDATE … FROM jsonb_to_recordset(…) WHERE status = expected RETURNING id`), host updates
 likewise, drift events as one multi-row INSERT, node_maas_state as one UPDATE, all of a chunk in
@@ -20,6 +21,7 @@ Rules as implemented (node status → MAAS status → rule, severity, action):
     active|offline  Missing, Retired, rescue modes  unexpected_maas_status     WARN
     offline         Deployed                        deployed_offline           WARN (agent issue)
     active          Deployed, host not in its IPs   ip_changed                 INFO host updated
+    active|offline  Deployed, no host yet           (none: host set, no drift)
     active          Deployed, power off             deployed_powered_off       WARN (§6.2 row)
     active          Deployed                        ok
     retired         Deployed                        retired_cleanup            INFO release+off
@@ -29,6 +31,21 @@ Rules as implemented (node status → MAAS status → rule, severity, action):
     quarantined:    observation recorded; its drift stays open until an admin resolves it.
 
 Quarantine sets nodes.status only: allocations are NOT released (§6.4: alert the admin first).
+
+A machines list that cannot be whole is not acted on (`judge_list`): the list request failed (a
+MaasError after the client's retries, or an answer it cannot read), the list is empty while the
+site has bound nodes, or more of the bound active/offline nodes' machines are missing than the
+policy allows (`reconcile_max_missing_share` of them, default 10 %, and always at least one, so
+that a single real deletion on a small site still meets the machine_deleted row). Such a run
+records one `reconcile_suspect` alert (CRITICAL, a `maas.reconcile_suspect` domain event on the
+site: the alert is about the site's list, no node) and changes nothing else: no node status, no
+host, no drift, no node_maas_state row. The next scheduled run looks again.
+
+Host addresses: onboarding and reimage set nodes.host_address from the machine's deployed IPs
+(activities/onboarding/maas_stages.py), so `ip_changed` means a real change: the host is no longer
+among the machine's IPs. A node without a host yet (onboarded before that, or adopted) gets the
+machine's first IP without any drift (`host_set`). Every applied IP change writes its drift event,
+also while an earlier ip_changed drift is still open.
 
 Drift bookkeeping (idempotent): an event row is written when a rule starts to match (no open drift,
 or an open drift of another rule); while the same rule keeps matching nothing new is written. When
@@ -57,13 +74,20 @@ from activities.maas.types import Machine, MachineStatus, PowerState
 from contracts.maas_reconciler import ReconcileInput, ReconcileResult
 from contracts.states import NodeStatus, node_transition_allowed
 from core.secrets import SecretStore
-from schema.models import MaasSite, Node, NodeMaasState
+from schema.models import DomainEvent, MaasSite, MaasSitePolicy, Node, NodeMaasState
 
 log = logging.getLogger(__name__)
 
 CHUNK = 1000  # rows per batched statement
 
 CRITICAL, WARN, INFO, DEBUG = "CRITICAL", "WARN", "INFO", "DEBUG"
+
+# The share of the bound active/offline nodes whose machines may be missing from one list before
+# the list is suspect, when the site policy does not say (`reconcile_max_missing_share`).
+DEFAULT_MAX_MISSING_SHARE = 0.10
+SUSPECT_RULE = "reconcile_suspect"
+SUSPECT_EVENT = "maas.reconcile_suspect"
+SUSPECT_SAMPLE = 20  # missing system_ids named in the alert
 
 # Nodes a running onboarding/decommission owns (seed 003 §6): observed, never acted on.
 IN_FLIGHT = frozenset(
@@ -125,6 +149,8 @@ class Decision:
     binding: Binding
     machine: Machine | None
     rule: Rule | None = None
+    # The host address to write: a real change (rule ip_changed), or the first one a node
+    # without a host gets (no rule: nothing drifted).
     new_host: str | None = None
 
 
@@ -141,10 +167,13 @@ def decide(binding: Binding, machine: Machine | None) -> Decision:
     if machine is None:
         d.rule = MACHINE_DELETED
     elif machine.status == MachineStatus.DEPLOYED:
+        ips = machine.ip_addresses
+        if ips and binding.host_address is None:
+            d.new_host = ips[0]  # first sight of its address: not a change
         if status == NodeStatus.OFFLINE:
             d.rule = DEPLOYED_OFFLINE
-        elif machine.ip_addresses and binding.host_address not in machine.ip_addresses:
-            d.rule, d.new_host = IP_CHANGED, machine.ip_addresses[0]
+        elif ips and binding.host_address is not None and binding.host_address not in ips:
+            d.rule, d.new_host = IP_CHANGED, ips[0]
         elif machine.power_state == PowerState.OFF:
             d.rule = POWERED_OFF
     elif machine.status in _RELEASED:
@@ -160,6 +189,61 @@ def decide(binding: Binding, machine: Machine | None) -> Decision:
     return d
 
 
+@dataclass(frozen=True)
+class Suspicion:
+    """Why a machines list is not acted on (`reason`: list_failed, empty_list, missing_share)."""
+
+    reason: str
+    message: str
+    details: dict[str, Any]
+
+
+def judge_list(
+    bindings: Sequence[Binding],
+    machines: dict[str, Machine],
+    max_missing_share: float = DEFAULT_MAX_MISSING_SHARE,
+) -> Suspicion | None:
+    """None when the list can be whole; else why not (pure: no I/O). Counted against the bound
+    nodes the machine_deleted row would quarantine (active, offline): a quarantined or retired
+    node whose machine is long gone must not make every later list suspect."""
+    live = [b for b in bindings if b.node_status != NodeStatus.DELETED]
+    watched = [b for b in live if b.node_status in _WATCHED]
+    missing = [b.maas_system_id for b in watched if b.maas_system_id not in machines]
+    allowed = max(1, int(max_missing_share * len(watched)))
+    details: dict[str, Any] = {
+        "machines_listed": len(machines),
+        "bound_nodes": len(live),
+        "watched_nodes": len(watched),
+        "missing": len(missing),
+        "missing_allowed": allowed,
+        "max_missing_share": max_missing_share,
+        "missing_system_ids": sorted(missing)[:SUSPECT_SAMPLE],
+    }
+    if not machines and live:
+        return Suspicion(
+            "empty_list",
+            f"MAAS listed no machines while {len(live)} node(s) are bound to the site",
+            details,
+        )
+    if len(missing) > allowed:
+        return Suspicion(
+            "missing_share",
+            f"{len(missing)} of {len(watched)} bound machines are missing from the MAAS list "
+            f"(at most {allowed} may be, {max_missing_share:.0%})",
+            details,
+        )
+    return None
+
+
+def max_missing_share_of(policy: MaasSitePolicy | None) -> float:
+    """The site policy's `reconcile_max_missing_share` where the policy has that knob, else
+    DEFAULT_MAX_MISSING_SHARE; clamped to [0, 1]."""
+    value = getattr(policy, "reconcile_max_missing_share", None)
+    if value is None:
+        return DEFAULT_MAX_MISSING_SHARE
+    return min(max(float(value), 0.0), 1.0)
+
+
 class MaasReconcileActivities:
     def __init__(
         self, sessions: async_sessionmaker[AsyncSession], secret_store: SecretStore
@@ -172,22 +256,55 @@ class MaasReconcileActivities:
         result = ReconcileResult(site_id=input.site_id)
         site_id = uuid.UUID(input.site_id)
         async with self._sessions() as session:
-            site = await session.get(MaasSite, site_id)
+            row = (
+                await session.execute(
+                    select(MaasSite, MaasSitePolicy)
+                    .outerjoin(MaasSitePolicy, MaasSitePolicy.site_id == MaasSite.id)
+                    .where(MaasSite.id == site_id)
+                )
+            ).first()
+            site, policy = row if row is not None else (None, None)
             if site is None or site.status != "active":
                 result.actions.append(
                     "skipped:site_missing" if site is None else "skipped:disabled"
                 )
                 return result
             base_url, token_path = site.api_base_url, site.api_token_vault_path
+            max_missing_share = max_missing_share_of(policy)
         secret = await self._secrets.read(token_path)
         if not secret or not secret.get("token"):
             result.actions.append("skipped:no_credentials")
             return result
         async with MaasClient(base_url, secret["token"], timeout=30) as maas:
-            machines = {m.system_id: m for m in await maas.list_machines()}
+            listed: list[Machine] = []
+            failure: MaasError | None = None
+            try:
+                listed = await maas.list_machines()
+            except MaasError as err:
+                failure = err
+            machines = {m.system_id: m for m in listed}
+            del listed
             result.machines_seen = len(machines)
             async with self._sessions() as session:
                 bindings = await _load_bindings(session, site_id)
+            if failure is not None:
+                suspicion: Suspicion | None = Suspicion(
+                    "list_failed",
+                    f"the MAAS machines list failed: {failure.message}",
+                    {
+                        "error": type(failure).__name__,
+                        "failure_class": failure.failure_class.value,
+                        "maas_status_code": failure.status_code,
+                        "bound_nodes": len(bindings),
+                    },
+                )
+            else:
+                suspicion = judge_list(bindings, machines, max_missing_share)
+            if suspicion is not None:
+                await self._record_suspect(site_id, suspicion)
+                result.actions.append(f"suspect:{suspicion.reason}")
+                log.warning("site %s: %s; no node changed", input.site_id, suspicion.message)
+                return result
             result.nodes_checked = len(bindings)
             bound = {b.maas_system_id for b in bindings}
             result.unmanaged_machines = sum(1 for s in machines if s not in bound)
@@ -205,6 +322,25 @@ class MaasReconcileActivities:
                 "site %s: %d unmanaged MAAS machines", input.site_id, result.unmanaged_machines
             )
         return result
+
+    async def _record_suspect(self, site_id: uuid.UUID, suspicion: Suspicion) -> None:
+        """The reconcile_suspect alert: one domain event on the site, nothing else written."""
+        async with self._sessions() as session, session.begin():
+            session.add(
+                DomainEvent(
+                    type=SUSPECT_EVENT,
+                    subject_type="maas_site",
+                    subject_id=str(site_id),
+                    payload={
+                        "rule": SUSPECT_RULE,
+                        "severity": CRITICAL,
+                        "reason": suspicion.reason,
+                        "message": suspicion.message,
+                        "action": "none: no node changed",
+                        **suspicion.details,
+                    },
+                )
+            )
 
     async def _write(
         self,
@@ -230,7 +366,11 @@ class MaasReconcileActivities:
             if host_updates:
                 won = await _update_hosts(session, host_updates)
                 lost |= {d.binding.node_id for d in host_updates} - won
-                result.actions += [f"host_updated:{n}" for n in sorted(map(str, won))]
+                changed = {d.binding.node_id for d in host_updates if d.rule is IP_CHANGED}
+                result.actions += [
+                    f"{'host_updated' if n in changed else 'host_set'}:{n}"
+                    for n in sorted(won, key=str)
+                ]
             events: list[dict[str, Any]] = []
             states: list[dict[str, Any]] = []
             for d in chunk:
@@ -301,7 +441,11 @@ _UPDATE_STATE = text(
 
 
 def _is_new_drift(d: Decision) -> bool:
+    """A rule that starts to match. An IP change is new every time it is applied: a second
+    change while the first's drift is still open writes its own event."""
     b = d.binding
+    if d.rule is IP_CHANGED:
+        return True
     return d.rule is not None and not (b.drift_detected and b.drift_rule == d.rule.name)
 
 
@@ -319,7 +463,7 @@ def _details(d: Decision, cleanup: list[str] | None) -> dict[str, Any]:
     }
     if d.rule.quarantine:
         details["action"] = "quarantined"
-    if d.new_host is not None:
+    if d.rule is IP_CHANGED:
         details.update(action="host_updated", old_host=d.binding.host_address, new_host=d.new_host)
     if cleanup is not None:
         details["actions"] = cleanup

@@ -32,12 +32,14 @@ and yields a `MaasSim` handle:
     await mark_broken(ref, comment="")
     await delete(ref)
     await change_ip(ref, ip=None, interface=None)   -> the new address
+    await set_planned_ip(ref, ip, interface=None)   the address its next deployment gets
+    await add_user(username, is_superuser=False)    -> a fresh API key of a new MAAS user
     await set_power(ref, "on" | "off")              at the BMC
     await set_status(ref, "Deploying")              forced, no transition
     await power_cycle_bmc(address)                  -> "enlisting" | "booted"
     await set_fault(ref, kind, **params)            a machine fault (sim.maas.faults)
     await clear_faults(ref)
-    await add_request_fault(kind, **params)         site-wide http_error / slow
+    await add_request_fault(kind, **params)         site-wide http_error / slow / truncate_list
     await clear_request_faults()
     await set_time_scale(scale)
     await wait_for_status(system_id, *names, timeout=10.0) -> the machine once its status_name
@@ -250,6 +252,14 @@ class MaasSim:
         body = {"ip": ip, "interface": interface}
         result = await self._call("POST", f"/_sim/machines/{ref}/change-ip", body)
         return str(result["new"])
+
+    async def set_planned_ip(self, ref: str, ip: str, interface: str | None = None) -> Any:
+        body = {"ip": ip, "interface": interface}
+        return await self._call("POST", f"/_sim/machines/{ref}/planned-ip", body)
+
+    async def add_user(self, username: str, *, is_superuser: bool = False) -> str:
+        body = {"username": username, "is_superuser": is_superuser}
+        return str((await self._call("POST", "/_sim/users", body))["api_key"])
 
     async def set_power(self, ref: str, state: str) -> Any:
         return await self._call("POST", f"/_sim/machines/{ref}/power", {"state": state})

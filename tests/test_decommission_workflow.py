@@ -13,11 +13,20 @@ from sqlalchemy import func, select
 
 from activities.enrollment_tokens import issue_enrollment_token, redeem_enrollment_token
 from contracts.enrollment import RedeemFailure
+from contracts.maas_reconciler import ReconcileInput
 from core.enrollment_token import hash_enrollment_token
-from schema.models import DomainEvent, Node, NodeEnrollmentToken, NodeMaasState, NodeTask
+from schema.models import (
+    DomainEvent,
+    Node,
+    NodeDriftEvent,
+    NodeEnrollmentToken,
+    NodeMaasState,
+    NodeTask,
+)
 from tests.decommission_fixtures import DecommissionRig
 from tests.histories import record_history
 from tests.maas_fixtures import sim_machine, sim_scenario
+from workflows.maas_reconciler import MaasSiteReconcilerWorkflow
 
 MACHINES = sim_scenario(
     sim_machine("dec-a", "10.176.17.10"),
@@ -253,3 +262,47 @@ async def test_storage_cleanup_mode_cleans_and_validates_only(
     assert not (agent.root / "scratch/tenant-job").exists()
     node = await _node(decommission, node_id)
     assert node.status == "active"  # never taken out of service
+
+
+@pytest.mark.maas_scenario(MACHINES)
+async def test_reimage_moves_the_host_to_the_redeployed_address(
+    decommission: DecommissionRig,
+) -> None:
+    """MAAS hands the reimaged machine another address (AUTO addresses are given back on
+    release): the reimage sets the node's host from the new deployed IPs, so the next
+    reconcile finds no ip_changed drift."""
+    node_id = await decommission.maas_node("dec-b", "10.176.17.11")
+    await decommission.agent(node_id)
+    sim = decommission.onboarding.maas_sim
+    first_ip = (await sim.machine("dec-b"))["ip_addresses"][0]
+    assert (await _node(decommission, node_id)).host_address == first_ip
+    next_ip = "10.176.46.99"
+    assert next_ip != first_ip
+    await sim.set_planned_ip("dec-b", next_ip)
+
+    job = await decommission.start(node_id, "reimage")
+    row = await decommission.wait_status(job, "completed")
+    assert (await sim.machine(row.maas_system_id))["ip_addresses"] == [next_ip]
+    after = await _node(decommission, node_id)
+    assert (after.status, after.host_address) == ("active", next_ip)
+    deployed = [e for e in await decommission.events(job) if e.stage == "wait_for_deployed"]
+    assert (deployed[-1].details["previous_host"], deployed[-1].details["host"]) == (
+        first_ip,
+        next_ip,
+    )
+
+    rig = decommission.onboarding
+    result = await rig.client.execute_workflow(
+        MaasSiteReconcilerWorkflow.run,
+        ReconcileInput(str(rig.site_id)),
+        id=f"maas-reconciler-test-{uuid.uuid4()}",
+        task_queue=rig.settings.control_plane_task_queue,
+    )
+    assert (result.nodes_checked, result.drift_detected, result.actions) == (1, 0, [])
+    async with decommission.sessions() as session:
+        drift = await session.scalar(
+            select(func.count())
+            .select_from(NodeDriftEvent)
+            .where(NodeDriftEvent.node_id == uuid.UUID(node_id))
+        )
+    assert drift == 0

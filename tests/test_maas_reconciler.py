@@ -14,11 +14,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from temporalio.client import Client, WorkflowHandle
 
 from activities.maas.types import Machine, MachineStatus, PowerState
-from activities.maas_reconcile import Binding, decide
+from activities.maas_reconcile import Binding, decide, judge_list
 from contracts.maas_reconciler import ReconcileInput, ReconcileResult
 from core.config import Settings
 from core.secret_paths import site_api_token_path
-from schema.models import MaasSite, Node, NodeDriftEvent, NodeMaasState
+from schema.models import DomainEvent, MaasSite, Node, NodeDriftEvent, NodeMaasState
 from tests.histories import record_history
 from tests.maas_fixtures import sim_machine, sim_scenario
 from workflows.maas_reconciler import MaasSiteReconcilerWorkflow
@@ -274,6 +274,199 @@ async def test_every_rule_against_the_simulator(
     await record_history(LAST_HANDLE["last"], "maas_site_reconciler", "drift_heal")
 
 
+async def snapshot(
+    sessions: async_sessionmaker[AsyncSession], site_id: uuid.UUID
+) -> tuple[list[Any], list[Any], int]:
+    """Everything a reconcile may change: nodes, their MAAS state rows, drift events."""
+    async with sessions() as session:
+        nodes = (
+            await session.execute(
+                select(Node.id, Node.status, Node.host_address, Node.updated_at)
+                .join(NodeMaasState, NodeMaasState.node_id == Node.id)
+                .where(NodeMaasState.site_id == site_id)
+                .order_by(Node.id)
+            )
+        ).all()
+        states = (
+            await session.execute(
+                select(
+                    NodeMaasState.node_id,
+                    NodeMaasState.last_maas_status,
+                    NodeMaasState.last_maas_ips,
+                    NodeMaasState.last_reconciled_at,
+                    NodeMaasState.drift_detected,
+                    NodeMaasState.drift_rule,
+                    NodeMaasState.drift_resolved_at,
+                )
+                .where(NodeMaasState.site_id == site_id)
+                .order_by(NodeMaasState.node_id)
+            )
+        ).all()
+        drift = await session.scalar(
+            select(func.count())
+            .select_from(NodeDriftEvent)
+            .where(NodeDriftEvent.site_id == site_id)
+        )
+    return list(nodes), list(states), int(drift or 0)
+
+
+async def suspect_alerts(
+    sessions: async_sessionmaker[AsyncSession], site_id: uuid.UUID
+) -> list[dict[str, Any]]:
+    async with sessions() as session:
+        rows = await session.scalars(
+            select(DomainEvent.payload)
+            .where(
+                DomainEvent.type == "maas.reconcile_suspect",
+                DomainEvent.subject_type == "maas_site",
+                DomainEvent.subject_id == str(site_id),
+            )
+            .order_by(DomainEvent.id)
+        )
+        return [dict(p) for p in rows]
+
+
+# How the list is broken -> the suspect reason. The truncated list keeps the first 3 of the 10
+# machines (rec-ok, rec-released, rec-broken): 4 of the 7 bound active/offline nodes' machines
+# are missing, where 1 may be (10 %, at least one).
+BROKEN_LISTS = {
+    "truncated": ({"kind": "truncate_list", "op": "machines.read", "keep": 3}, "missing_share"),
+    "empty": ({"kind": "truncate_list", "op": "machines.read"}, "empty_list"),
+    "failed": ({"kind": "http_error", "op": "machines.read", "status": 503}, "list_failed"),
+}
+
+
+@pytest.mark.parametrize("broken", sorted(BROKEN_LISTS))
+@pytest.mark.maas_scenario(SCENARIO)
+async def test_a_list_that_cannot_be_whole_changes_nothing(
+    broken: str,
+    reconciler: None,
+    temporal_client: Client,
+    settings: Settings,
+    db_sessions: async_sessionmaker[AsyncSession],
+    secret_store: Any,
+    maas_sim: Any,
+) -> None:
+    """A truncated, empty or failed machines list would quarantine every bound node as
+    machine_deleted: instead the run records one reconcile_suspect alert on the site and
+    changes no node, no host, no drift, no node_maas_state row. The next whole list is acted
+    on as usual."""
+    site_id = await make_site(db_sessions, secret_store, maas_sim)
+    ids = await bind_nodes(db_sessions, site_id, maas_sim)
+    await run_once(temporal_client, settings, site_id)  # a whole list: the baseline
+    await maas_sim.release("rec-released")  # real drift too: still not acted on
+    before = await snapshot(db_sessions, site_id)
+    await maas_sim.reset_counters()
+    fault, reason = BROKEN_LISTS[broken]
+    await maas_sim.add_request_fault(**fault)
+
+    result = await run_once(temporal_client, settings, site_id)
+    assert result.actions == [f"suspect:{reason}"]
+    assert (result.drift_detected, result.drift_resolved, result.nodes_checked) == (0, 0, 0)
+    assert await snapshot(db_sessions, site_id) == before
+    assert [await node_status(db_sessions, ids[n]) for n in NODES] == list(NODES.values())
+    alerts = await suspect_alerts(db_sessions, site_id)
+    assert len(alerts) == 1
+    alert = alerts[0]
+    assert (alert["rule"], alert["severity"], alert["reason"]) == (
+        "reconcile_suspect",
+        "CRITICAL",
+        reason,
+    )
+    if broken == "truncated":
+        assert (alert["machines_listed"], alert["watched_nodes"], alert["missing"]) == (3, 7, 4)
+        assert alert["missing_allowed"] == 1
+        await record_history(LAST_HANDLE["last"], "maas_site_reconciler", "suspect")
+    if broken == "failed":
+        assert alert["error"] == "MaasUnavailable"
+        assert alert["maas_status_code"] == 503
+    ops = (await maas_sim.counters())["ops"]
+    assert not {op for op in ops if op.endswith((".release", ".power_off"))}
+
+    await maas_sim.clear_request_faults()
+    whole = await run_once(temporal_client, settings, site_id)
+    assert f"quarantined:{ids['released']}" in whole.actions
+    assert await node_status(db_sessions, ids["ok"]) == "active"
+    assert len(await suspect_alerts(db_sessions, site_id)) == 1
+
+
+def test_judge_list_allows_a_policy_share_and_at_least_one() -> None:
+    def bindings(n: int) -> list[Binding]:
+        return [Binding(uuid.uuid4(), "active", None, f"m{i}", False, None) for i in range(n)]
+
+    def listed(bound: list[Binding], missing: int) -> dict[str, Machine]:
+        return {b.maas_system_id: _machine(MachineStatus.DEPLOYED) for b in bound[missing:]}
+
+    twenty = bindings(20)
+    assert judge_list(twenty, listed(twenty, 2)) is None  # 10 % of 20
+    suspect = judge_list(twenty, listed(twenty, 3))
+    assert suspect is not None
+    assert suspect.reason == "missing_share"
+    assert judge_list(twenty, listed(twenty, 3), max_missing_share=0.5) is None
+    three = bindings(3)
+    assert judge_list(three, listed(three, 1)) is None  # one real deletion on a small site
+    empty = judge_list(three[:1], {})
+    assert empty is not None
+    assert empty.reason == "empty_list"
+    # Nodes the machine_deleted row does not watch never make a list suspect.
+    gone = [Binding(uuid.uuid4(), s, None, f"q{s}", True, None) for s in ("quarantined", "retired")]
+    assert judge_list([*twenty, *gone], listed(twenty, 0)) is None
+
+
+@pytest.mark.maas_scenario(SCENARIO)
+async def test_ip_changes_each_write_their_event_and_a_first_host_is_no_drift(
+    reconciler: None,
+    temporal_client: Client,
+    settings: Settings,
+    db_sessions: async_sessionmaker[AsyncSession],
+    secret_store: Any,
+    maas_sim: Any,
+) -> None:
+    """A node without a host address yet gets its machine's address with no ip_changed drift;
+    a real change is ip_changed, and a second change while that drift is still open is applied
+    with its own event, never silently."""
+    site_id = await make_site(db_sessions, secret_store, maas_sim)
+    ids = await bind_nodes(db_sessions, site_id, maas_sim)
+    async with db_sessions() as session, session.begin():
+        fresh = await session.get(Node, ids["ok"])
+        assert fresh is not None
+        fresh.host_address = None
+    first = await run_once(temporal_client, settings, site_id)
+    assert f"host_set:{ids['ok']}" in first.actions
+    async with db_sessions() as session:
+        fresh = await session.get(Node, ids["ok"])
+        assert fresh is not None
+        assert fresh.host_address == (await maas_sim.machine("rec-ok"))["ip_addresses"][0]
+    assert ids["ok"] not in {node for node, _, _ in await events(db_sessions, site_id)}
+    assert not (await state_of(db_sessions, ids["ok"])).drift_detected
+
+    second_ip = await maas_sim.change_ip("rec-moved")
+    second = await run_once(temporal_client, settings, site_id)
+    assert f"host_updated:{ids['moved']}" in second.actions
+    third_ip = await maas_sim.change_ip("rec-moved")  # again, before any run healed the drift
+    third = await run_once(temporal_client, settings, site_id)
+    assert f"host_updated:{ids['moved']}" in third.actions
+    async with db_sessions() as session:
+        moved = await session.get(Node, ids["moved"])
+        assert moved is not None
+        assert moved.host_address == third_ip
+        details = list(
+            await session.scalars(
+                select(NodeDriftEvent.details)
+                .where(NodeDriftEvent.node_id == ids["moved"])
+                .order_by(NodeDriftEvent.id)
+            )
+        )
+    assert [(d["rule"], d["new_host"]) for d in details] == [
+        ("ip_changed", second_ip),
+        ("ip_changed", third_ip),
+    ]
+    assert details[1]["old_host"] == second_ip
+    fourth = await run_once(temporal_client, settings, site_id)
+    assert not [a for a in fourth.actions if a.startswith("host_")]
+    assert not (await state_of(db_sessions, ids["moved"])).drift_detected
+
+
 def ids_name(ids: dict[str, uuid.UUID], node_id: uuid.UUID) -> str:
     return next(name for name, value in ids.items() if value == node_id)
 
@@ -336,3 +529,13 @@ def test_decide_table(
     binding = Binding(uuid.uuid4(), node_status, "10.0.0.5", "abc123", False, None)
     decision = decide(binding, _machine(maas_status, power))
     assert (decision.rule.name if decision.rule else None) == rule
+
+
+def test_decide_a_node_without_a_host_gets_one_without_drift() -> None:
+    binding = Binding(uuid.uuid4(), "active", None, "abc123", False, None)
+    decision = decide(binding, _machine(MachineStatus.DEPLOYED))
+    assert (decision.rule, decision.new_host) == (None, "10.0.0.5")
+    moved = Binding(uuid.uuid4(), "active", "10.0.0.9", "abc123", False, None)
+    changed = decide(moved, _machine(MachineStatus.DEPLOYED))
+    assert changed.rule is not None
+    assert (changed.rule.name, changed.new_host) == ("ip_changed", "10.0.0.5")

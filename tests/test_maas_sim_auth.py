@@ -173,3 +173,38 @@ async def test_multipart_bodies_are_forms_and_json_bodies_are_not(maas_sim: Maas
         as_json = await maas.post("subnets/", json={"cidr": "10.9.0.2/31"})
         assert as_json.status_code == 400
         assert as_json.json() == {"cidr": ["This field is required."]}
+
+
+async def test_a_non_admin_key_validates_but_may_not_administer(maas_sim: MaasSim) -> None:
+    """A user the control API adds has a key of its own: it signs requests like any key,
+    whoami says it is no superuser, and admin operations answer 403 (PermissionDenied, empty
+    body); a reset forgets the user."""
+    key = await maas_sim.add_user("viewer")
+    whoami = await _get(maas_sim, "users/?op=whoami", oauth_header(key))
+    assert whoami.status_code == 200
+    assert (whoami.json()["username"], whoami.json()["is_superuser"]) == ("viewer", False)
+    admin = await _get(maas_sim, "users/?op=whoami", oauth_header(maas_sim.api_key))
+    assert admin.json()["is_superuser"] is True
+    listed = await _get(maas_sim, "machines/", oauth_header(key))
+    assert listed.status_code == 200
+    system_id = next(m["system_id"] for m in listed.json() if m["hostname"] == "node-b")
+    async with httpx.AsyncClient(base_url=maas_sim.api_url) as http:
+        accept = await http.post(
+            "machines/",
+            params={"op": "accept"},
+            data={"machines": system_id},
+            headers={"Authorization": oauth_header(key)},
+        )
+        subnet = await http.post(
+            "subnets/", data={"cidr": "10.9.0.0/24"}, headers={"Authorization": oauth_header(key)}
+        )
+    assert (accept.status_code, accept.text) == (403, "")
+    assert subnet.status_code == 403
+    assert (await maas_sim.machine("node-b"))["status_name"] == "New"  # nothing happened
+    superuser = await maas_sim.add_user("ops", is_superuser=True)
+    assert (await _get(maas_sim, "users/?op=whoami", oauth_header(superuser))).json()[
+        "is_superuser"
+    ] is True
+
+    await maas_sim.reset()
+    assert (await _get(maas_sim, "users/?op=whoami", oauth_header(key))).status_code == 401

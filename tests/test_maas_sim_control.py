@@ -233,3 +233,21 @@ async def test_a_scenario_machine_enlisting_itself_is_known_by_its_macs(maas_sim
     assert again.json() == {
         "mac_addresses": ["MAC address 02:00:b0:10:29:01 already in use on known."]
     }
+
+
+async def test_planned_ip_is_what_the_next_deployment_gets(maas_sim: MaasSim) -> None:
+    """A machine's next deployment may come up on another address (MAAS hands AUTO addresses
+    out again at every deploy): the control API says which one."""
+    system_id = str((await maas_sim.machine("node-a"))["system_id"])
+    planned = await maas_sim.set_planned_ip("node-a", "10.176.46.77")
+    assert planned == {"interface": "eno8303", "planned_ip": "10.176.46.77"}
+    async with maas_sim.client() as maas:
+        deploying = await maas.post(
+            f"machines/{system_id}/", params={"op": "deploy"}, data={"distro_series": "noble"}
+        )
+        assert deploying.status_code == 200, deploying.text
+        assert deploying.json()["ip_addresses"] == ["10.176.46.77"]
+    refused = await maas_sim.control.post(
+        "/_sim/machines/node-a/planned-ip", json={"ip": "192.0.2.1"}
+    )
+    assert refused.status_code == 409

@@ -320,3 +320,19 @@ async def test_a_slow_request_does_not_outlive_a_reset(maas_sim: Any) -> None:
         assert answer.status_code == 503
         after = (await maas.get(f"machines/{system_id}/")).json()
     assert after["status_name"] == "Ready"
+
+
+async def test_truncated_machine_lists(maas_sim: MaasSim) -> None:
+    """truncate_list cuts a list answer (a region that lost machines, a cut body); answers that
+    are not lists pass untouched and do not use up a strike."""
+    await maas_sim.add_request_fault("truncate_list", keep=1, times=1)
+    await maas_sim.add_request_fault("truncate_list", op="machines.read", times=1)
+    async with maas_sim.client() as maas:
+        assert (await maas.get("version/")).status_code == 200  # no list: no strike
+        one = (await maas.get("machines/")).json()
+        empty = (await maas.get("machines/")).json()
+        whole = (await maas.get("machines/")).json()
+    assert (len(one), len(empty), len(whole)) == (1, 0, 2)  # node-c is not enlisted
+    assert one[0] == whole[0]
+    spent = (await maas_sim.state())["request_faults"]
+    assert [f["fired"] for f in spent] == [1, 1]

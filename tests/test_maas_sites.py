@@ -239,6 +239,57 @@ async def test_probe_reads_the_token_at_call_time(
     assert (await admin.post(f"/api/v1/admin/maas-sites/{site_id}/probe")).status_code == 200
 
 
+async def test_a_non_admin_key_is_refused_and_nothing_is_written(
+    admin: Any, maas_sim: Any, db_sessions: Any, secret_store: Any
+) -> None:
+    """A valid key of a user who is no MAAS administrator passes `version/` but would fail at
+    onboarding's first accept or commission: the credentials write and the probe ask
+    users/?op=whoami and refuse it (422 maas_token_not_admin), and no Vault path changes."""
+    site = await create_site(admin, maas_sim.base_url)
+    site_id = site["id"]
+    first = await admin.post(
+        f"/api/v1/admin/maas-sites/{site_id}/credentials",
+        json={
+            "maas_api_key": maas_sim.api_key,
+            "power": {"user": "root", "password": POWER_PASSWORD},
+        },
+    )
+    assert first.status_code == 200, first.text
+    viewer_key = await maas_sim.add_user("viewer")
+
+    refused = await admin.post(
+        f"/api/v1/admin/maas-sites/{site_id}/credentials",
+        json={
+            "maas_api_key": viewer_key,
+            "power": {"user": "other", "password": "other-" + POWER_PASSWORD},
+            "deploy_password": DEPLOY_PASSWORD,
+        },
+    )
+    assert refused.status_code == 422, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "maas_token_not_admin"
+    assert "viewer" in error["message"]
+    assert error["details"]["failure_class"] == "site_capability_missing"
+    assert (await secret_store.read(site["api_token_vault_path"])) == {"token": maas_sim.api_key}
+    assert (await secret_store.read(site["default_power_creds_vault_path"])) == {
+        "user": "root",
+        "pass": POWER_PASSWORD,
+    }
+    assert await secret_store.read(site["deploy_password_vault_path"]) is None
+    assert await audit_actions(db_sessions, site_id) == [
+        "maas_site.create",
+        "maas_site.credentials_write",
+    ]
+    whoami = (await maas_sim.counters())["ops"].get("users.whoami", 0)
+    assert whoami == 2  # the admin's write and the refused one each asked
+
+    # A key that stopped being an admin's (swapped in Vault behind the gateway's back).
+    await secret_store.write(site["api_token_vault_path"], {"token": viewer_key})
+    probe = await admin.post(f"/api/v1/admin/maas-sites/{site_id}/probe")
+    assert probe.status_code == 422, probe.text
+    assert probe.json()["error"]["code"] == "maas_token_not_admin"
+
+
 async def test_roce_bulk_upsert_is_idempotent(admin: Any, maas_sim: Any, db_sessions: Any) -> None:
     site_id = (await create_site(admin, maas_sim.base_url))["id"]
     url = f"/api/v1/admin/maas-sites/{site_id}/roce-assignments"

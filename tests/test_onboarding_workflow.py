@@ -11,10 +11,13 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
-from schema.models import DomainEvent, Node, NodeMaasState
+from contracts.maas_reconciler import ReconcileInput
+from core.secret_paths import site_api_token_path
+from schema.models import DomainEvent, Node, NodeDriftEvent, NodeMaasState
 from tests.histories import record_history
 from tests.maas_fixtures import sim_machine, sim_scenario
 from tests.onboarding_fixtures import DEPLOY_PASSWORD, OnboardingRig
+from workflows.maas_reconciler import MaasSiteReconcilerWorkflow
 
 HAPPY = sim_scenario(
     sim_machine("onb-ready", "10.176.16.40"),
@@ -140,3 +143,63 @@ async def test_missing_boss_disk_blocks_for_manual_intervention(onboarding: Onbo
     assert result.accepted
     assert result.expected_status == "cancelled"
     await onboarding.wait_status(job, "cancelled")
+
+
+@pytest.mark.maas_scenario(HAPPY)
+async def test_a_non_admin_maas_key_fails_the_preflight_before_any_maas_change(
+    onboarding: OnboardingRig, secret_store: Any
+) -> None:
+    """The site's key is valid but its user is no MAAS administrator: the preflight asks
+    users/?op=whoami and stops the job there (site_capability_missing, maas_token_not_admin),
+    instead of failing later at the first accept or commission."""
+    viewer_key = await onboarding.maas_sim.add_user("viewer")
+    await secret_store.write(site_api_token_path(onboarding.site_id), {"token": viewer_key})
+    await onboarding.maas_sim.reset_counters()
+
+    job = await onboarding.start("onb-new", "10.176.16.41")
+    row = await onboarding.wait_status(job, "failed_retryable")
+    assert (row.failure_class, row.error_code) == (
+        "site_capability_missing",
+        "maas_token_not_admin",
+    )
+    assert row.current_stage == "load_site_config"
+    assert row.recommended_action == "resume"
+    assert row.error_message is not None
+    assert "viewer" in row.error_message
+    ops = (await onboarding.maas_sim.counters())["ops"]
+    assert ops.get("users.whoami") == 1
+    assert set(ops) <= {"version.read", "users.whoami"}, ops  # nothing else was asked
+    assert (await onboarding.maas_sim.machine("onb-new"))["status_name"] == "New"
+    assert await _node(onboarding, job.node_id) is None
+    assert (await onboarding.action(job, "cancel")).accepted
+    await onboarding.wait_status(job, "cancelled")
+
+
+@pytest.mark.maas_scenario(HAPPY)
+async def test_an_onboarded_node_has_its_deployed_address_and_no_drift_on_first_reconcile(
+    onboarding: OnboardingRig,
+) -> None:
+    """Onboarding gives the node its host address from the machine's deployed IPs, so the
+    site's first reconcile finds nothing drifted (no spurious ip_changed)."""
+    job = await onboarding.start("onb-ready", "10.176.16.40")
+    row = await onboarding.wait_status(job, "completed")
+    machine = await onboarding.maas_sim.machine(row.maas_system_id)
+    node = await _node(onboarding, job.node_id)
+    assert node is not None
+    assert machine["ip_addresses"]
+    assert node.host_address == machine["ip_addresses"][0]
+    deployed = [e for e in await onboarding.events(job) if e.stage == "wait_for_deployed"]
+    assert deployed[-1].details["host"] == node.host_address
+
+    result = await onboarding.client.execute_workflow(
+        MaasSiteReconcilerWorkflow.run,
+        ReconcileInput(str(onboarding.site_id)),
+        id=f"maas-reconciler-test-{uuid.uuid4()}",
+        task_queue=onboarding.settings.control_plane_task_queue,
+    )
+    assert result.nodes_checked == 1
+    assert (result.drift_detected, result.actions) == (0, [])
+    assert await _count(onboarding, NodeDriftEvent, NodeDriftEvent.node_id == node.id) == 0
+    node = await _node(onboarding, job.node_id)
+    assert node is not None
+    assert node.host_address == machine["ip_addresses"][0]

@@ -3,6 +3,7 @@ typed values (activities/maas/types.py) and raising classified errors (activitie
 
     async with MaasClient(site.api_base_url, api_key, timeout=10) as maas:
         version = await maas.version()          # also the credential check (seed 003 §3.4)
+        user = await maas.require_admin()       # …and that it is an admin's (MaasNotAdmin)
         machine = await maas.get_machine("abc123")
 
 Everything here follows shared/maas-api-notes.md, in particular:
@@ -30,7 +31,7 @@ from typing import Any, TypeVar
 import httpx
 
 from activities.maas.auth import parse_api_key
-from activities.maas.errors import MaasProtocolError
+from activities.maas.errors import MaasCapabilityMissing, MaasNotAdmin, MaasProtocolError
 from activities.maas.images import normalise_distro_series
 from activities.maas.transport import FormFields, MaasTransport, api_root, form_bool
 from activities.maas.types import (
@@ -41,6 +42,7 @@ from activities.maas.types import (
     Interface,
     IpmiPowerParameters,
     LinkMode,
+    MaasUser,
     MaasVersion,
     Machine,
     MachineToken,
@@ -152,6 +154,32 @@ class MaasClient:
         """GET version/. Anonymous in MAAS, but signed here so that it checks the key too: a bad
         key answers 401 (MaasAuthError)."""
         return self._parse("version", MaasVersion.from_json, await self._get("version/"))
+
+    async def whoami(self) -> MaasUser:
+        """GET users/?op=whoami: whose key this is, and whether that user is an admin. A valid
+        signature (`version`) does not make the key an admin's; onboarding needs one."""
+        return self._parse("whoami", MaasUser.from_json, await self._get("users/", op="whoami"))
+
+    async def require_admin(self) -> MaasUser:
+        """whoami, refused unless the user is a superuser (MaasNotAdmin). A MAAS that has no
+        whoami cannot prove it either: refused too (fail closed), never assumed."""
+        try:
+            user = await self.whoami()
+        except MaasCapabilityMissing as err:
+            raise MaasNotAdmin(
+                "MAAS cannot say whose API key this is (no users/?op=whoami), so it cannot be "
+                "confirmed as an administrator's",
+                operation=err.operation,
+                username=None,
+            ) from err
+        if not user.is_superuser:
+            raise MaasNotAdmin(
+                f"the MAAS API key belongs to {user.username!r}, who is not a MAAS administrator "
+                "(onboarding needs an admin's key: accept, commission, link_subnet)",
+                operation="GET users/?op=whoami",
+                username=user.username,
+            )
+        return user
 
     async def rack_controllers(self) -> list[RackController]:
         data = await self._get("rackcontrollers/")

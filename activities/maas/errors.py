@@ -6,6 +6,8 @@ How an answer is classified (maas-api-notes.md "Errors"):
 - 5xx whose text is a power driver's error ("Failed talking to node's BMC: …", "Could not
   contact node's BMC: …"; MAAS answers PowerProblem as 503) → MaasBmcError (bmc_power_failure)
 - 401 (bad key, expired timestamp), 403 (not permitted) → MaasAuthError (site_capability_missing)
+- a valid key whose user is not a superuser (`require_admin`, users/?op=whoami) → MaasNotAdmin
+  (site_capability_missing)
 - 404 "Unknown API endpoint" (or any 404 that is not MAAS's "No X matches the given query."),
   405, 400 "Unrecognised signature" (this MAAS lacks the operation, or the base URL is no MAAS)
   → MaasCapabilityMissing (site_capability_missing)
@@ -84,6 +86,18 @@ class MaasAuthError(MaasError):
 
 class MaasCapabilityMissing(MaasError):
     failure_class = FailureClass.SITE_CAPABILITY_MISSING
+
+
+class MaasNotAdmin(MaasError):
+    """The key is valid but its user is no MAAS administrator (`users/?op=whoami` answers
+    is_superuser false): the onboarding calls (accept, commission, link_subnet, …) would be
+    refused with 403. `username` is whose key it is."""
+
+    failure_class = FailureClass.SITE_CAPABILITY_MISSING
+
+    def __init__(self, message: str, *, operation: str, username: str | None) -> None:
+        super().__init__(message, operation=operation)
+        self.username = username
 
 
 class MaasProtocolError(MaasError):

@@ -563,6 +563,25 @@ class MaasVersion:
 
 
 @dataclass(frozen=True)
+class MaasUser:
+    """`GET users/?op=whoami`: the user an API key belongs to. Only a superuser may make the
+    calls onboarding needs (accept, commission, link_subnet, POST subnets/, …); anything but a
+    JSON `true` counts as not one (fail closed)."""
+
+    username: str
+    email: str
+    is_superuser: bool
+
+    @classmethod
+    def from_json(cls, data: Json) -> MaasUser:
+        return cls(
+            username=str(data["username"]),
+            email=_str(data, "email"),
+            is_superuser=data.get("is_superuser") is True,
+        )
+
+
+@dataclass(frozen=True)
 class RackController:
     system_id: str
     hostname: str

@@ -18,7 +18,7 @@ import re
 import uuid
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select, update
 from temporalio import activity
 
 from activities.maas.client import MaasClient
@@ -49,7 +49,7 @@ from contracts.onboarding import (
     StageResult,
 )
 from core.failures import FailureClass
-from schema.models import MaasRoceAssignment
+from schema.models import MaasRoceAssignment, Node
 
 S = MachineStatus
 BOSS_PATTERN = re.compile(r"boss|boot optimi[sz]ed|m\.2", re.IGNORECASE)
@@ -487,9 +487,33 @@ class MaasStageActivities(StageActivitiesBase):
                 )
                 if machine is None:
                     raise timeout_error("deploy", "the machine did not reach Deployed in time")
-                run.done(observe(input.state, machine), "deployed", ips=list(machine.ip_addresses))
+                before, host = await self._set_host_address(run, machine)
+                details: dict[str, Any] = {"ips": list(machine.ip_addresses), "host": host}
+                if before != host:
+                    details["previous_host"] = before
+                run.done(observe(input.state, machine), "deployed", **details)
         assert run.result is not None
         return run.result
+
+    async def _set_host_address(
+        self, run: StageRun, machine: Machine
+    ) -> tuple[str | None, str | None]:
+        """The node's host address from the machine's deployed IPs (onboarding and reimage
+        both pass here), so the reconciler's ip_changed means a real change: (before, after).
+        Nothing happens while the node record does not exist yet or MAAS shows no address."""
+        node_id = uuid.UUID(run.input.onboarding.node_id)
+        async with self.deps.sessions() as session, session.begin():
+            current = await session.scalar(
+                select(Node.host_address).where(Node.id == node_id).with_for_update()
+            )
+            host = deployed_host(machine, run.site.deploy_ssh_iface, current)
+            if host is not None and host != current:
+                await session.execute(
+                    update(Node)
+                    .where(Node.id == node_id)
+                    .values(host_address=host, updated_at=func.now())
+                )
+        return current, host if host is not None else current
 
     @activity.defn(name="onboarding.classify_deploy_failure")
     async def classify_deploy_failure(self, input: StageInput) -> StageResult:
@@ -555,6 +579,21 @@ async def release_to_ready(maas: MaasClient, site: SiteConfig, system_id: str) -
             non_retryable=True,
         )
     return ready
+
+
+def deployed_host(machine: Machine, ssh_iface: str, current: str | None) -> str | None:
+    """The address a deployed machine is reached at: the current one while MAAS still shows it,
+    else the deploy SSH interface's address, else MAAS's first. None: MAAS shows no address."""
+    ips = machine.ip_addresses
+    if not ips:
+        return None
+    if current in ips:
+        return current
+    iface = machine.interface_named(ssh_iface)
+    for link in iface.links if iface is not None else ():
+        if link.ip_address and str(link.ip_address) in ips:
+            return str(link.ip_address)
+    return ips[0]
 
 
 def _usable(machine: Machine) -> bool:

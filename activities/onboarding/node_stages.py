@@ -38,7 +38,7 @@ from activities.cloud_init import (
 from activities.cloud_init import RoceAssignment as CloudInitRoce
 from activities.enrollment_tokens import issue_enrollment_token
 from activities.maas.client import MaasClient
-from activities.maas.errors import MaasNotFound
+from activities.maas.errors import MaasNotAdmin, MaasNotFound
 from activities.maas.types import Machine, MachineStatus
 from activities.onboarding import read_model
 from activities.onboarding.host_access import SshLogin
@@ -90,11 +90,22 @@ class NodeStageActivities(StageActivitiesBase):
     @activity.defn(name="onboarding.load_site_config")
     async def load_site_config(self, input: StageInput) -> StageResult:
         """Site, policy, profile and SKU from the database; the MAAS token from Vault, checked
-        against MAAS (§4.14 preflight: site active, MAAS reachable, token valid)."""
+        against MAAS (§4.14 preflight: site active, MAAS reachable, token valid and an admin's:
+        a non-admin's key would pass `version/` and fail at the first accept or commission)."""
         async with self.stage(input, Stage.LOAD_SITE_CONFIG) as run:
             site = await self._site_config(input)
             async with self.maas(site) as maas:
                 version = await maas.version()
+                try:
+                    await maas.require_admin()
+                except MaasNotAdmin as err:
+                    raise StageError(
+                        FailureClass.SITE_CAPABILITY_MISSING,
+                        "maas_token_not_admin",
+                        err.message,
+                        details={"maas_username": err.username},
+                        non_retryable=True,
+                    ) from err
             site.maas_version = version.version
             run.result = StageResult(
                 state=input.state,

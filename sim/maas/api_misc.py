@@ -42,7 +42,7 @@ def version(ctx: Ctx) -> dict[str, Any]:
 def whoami(ctx: Ctx) -> dict[str, Any]:
     name = ctx.username
     return {
-        "is_superuser": True,
+        "is_superuser": ctx.is_superuser,
         "username": name,
         "email": f"{name}@example.com",
         "is_local": True,

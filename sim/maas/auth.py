@@ -81,8 +81,17 @@ class RequestFacts:
     params: list[tuple[str, str]]  # query + urlencoded form
 
 
+@dataclass(frozen=True)
+class User:
+    username: str
+    is_superuser: bool
+
+
 class Authenticator:
-    """Checks requests against the configured keys; all keys belong to one admin user."""
+    """Checks requests against the keys. The configured keys (the command line's) belong to the
+    site's admin user, `username`; the control API may add other users, each with a key of its
+    own (`add_user`), e.g. a non-admin whose key validates but may not call admin operations.
+    Added users are forgotten on reset."""
 
     def __init__(
         self,
@@ -94,6 +103,35 @@ class Authenticator:
         self.username = username
         self._clock = clock
         self._nonces: dict[tuple[str, str], dict[str, int]] = {}
+        # (consumer_key, token_key) -> the added user that key belongs to
+        self._added: dict[tuple[str, str], tuple[ApiKey, User]] = {}
+
+    def add_user(self, username: str, *, is_superuser: bool) -> ApiKey:
+        """A new user with a fresh API key (the key is what the answer shows, once)."""
+        if not username or username == self.username or username in self.added_users():
+            raise ValueError(f"user {username!r} exists already")
+        key = ApiKey(uuid.uuid4().hex[:18], uuid.uuid4().hex[:18], uuid.uuid4().hex)
+        self._added[(key.consumer_key, key.token_key)] = (key, User(username, is_superuser))
+        return key
+
+    def added_users(self) -> dict[str, User]:
+        return {user.username: user for _, user in self._added.values()}
+
+    def forget_users(self) -> None:
+        self._added.clear()
+
+    def user(self, username: str | None) -> User | None:
+        """The user a request authenticated as (None: anonymous)."""
+        if username is None:
+            return None
+        if username == self.username:
+            return User(username, True)
+        return self.added_users().get(username)
+
+    def _all_keys(self) -> list[tuple[ApiKey, str]]:
+        return [(k, self.username) for k in self.keys] + [
+            (key, user.username) for key, user in self._added.values()
+        ]
 
     def authenticate(self, header: str | None, facts: RequestFacts | None = None) -> str | None:
         """The user a request acts as; None for an anonymous request."""
@@ -104,15 +142,16 @@ class Authenticator:
         if version and version != "1.0":
             raise _oauth_error(f"OAuth version {version} not supported.")
         consumer = params["oauth_consumer_key"]
-        if not any(k.consumer_key == consumer for k in self.keys):
+        keys = self._all_keys()
+        if not any(k.consumer_key == consumer for k, _ in keys):
             raise unauthorized("Authorization Error: Invalid API key.")
-        key = next(
+        key, owner = next(
             (
-                k
-                for k in self.keys
+                (k, name)
+                for k, name in keys
                 if k.consumer_key == consumer and k.token_key == params["oauth_token"]
             ),
-            None,
+            (None, ""),
         )
         if key is None:
             raise _oauth_error(f"Invalid access token: {params['oauth_token']}")
@@ -140,7 +179,7 @@ class Authenticator:
                 raise _oauth_error(f"Invalid signature. Expected signature base string: {expected}")
         else:
             self._check_hmac(key, params, facts)
-        return self.username
+        return owner
 
     def _check_nonce(self, key: ApiKey, nonce: str, now: int) -> None:
         seen = self._nonces.setdefault((key.consumer_key, key.token_key), {})

@@ -14,6 +14,7 @@ class Ctx:
     request: Request
     user: str | None  # None: anonymous
     op: str | None
+    is_superuser: bool = True  # of `user`; the site's admin unless the control API added others
 
     @property
     def params(self) -> Params:

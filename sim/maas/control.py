@@ -16,12 +16,20 @@ scenario hostname or a BMC address.
     POST   /_sim/machines/{ref}/mark-broken      {"comment": ""} as an admin in the UI
     POST   /_sim/machines/{ref}/delete           gone from MAAS (the hardware stays)
     POST   /_sim/machines/{ref}/change-ip        {"ip": optional, "interface": optional name}
+    POST   /_sim/machines/{ref}/planned-ip       {"ip": "...", "interface": optional name}: the
+                                                 address the next deployment's AUTO link gets
+                                                 (default interface: the boot interface)
     POST   /_sim/machines/{ref}/power            {"state": "on" | "off"} at the BMC
     POST   /_sim/machines/{ref}/status           {"status": "Deploying"}: forced, no transition
     POST   /_sim/machines/{ref}/faults           {"faults": [fault, ...]} or one fault object
     DELETE /_sim/machines/{ref}/faults
-    POST   /_sim/faults                          site-wide request faults (http_error, slow)
+    POST   /_sim/faults                          site-wide request faults (http_error, slow,
+                                                 truncate_list)
     DELETE /_sim/faults
+    POST   /_sim/users                           {"username": "ops", "is_superuser": false}: a
+                                                 user with a fresh API key of its own, answered
+                                                 once as "api_key" (forgotten on reset)
+    GET    /_sim/users                           the added users (never their keys)
     POST   /_sim/bmc/{address}/power-cycle       {"result": "enlisting" | "booted"}
     POST   /_sim/time-scale                      {"time_scale": 0.01}
 """
@@ -30,6 +38,7 @@ from __future__ import annotations
 
 import base64
 import hmac
+import ipaddress
 import json
 import re
 from collections.abc import Callable
@@ -228,6 +237,31 @@ def _change_ip(sim: Simulator, payload: dict[str, Any], args: dict[str, str]) ->
     return {"old": old, "new": new, "machine": snapshot(sim, machine)}
 
 
+@_route("POST", r"/_sim/machines/(?P<ref>[^/]+)/planned-ip")
+def _planned_ip(sim: Simulator, payload: dict[str, Any], args: dict[str, str]) -> Any:
+    machine = _machine(sim, args["ref"])
+    name = payload.get("interface")
+    iface = (
+        next((i for i in machine.interfaces if i.name == name), None)
+        if name
+        else machine.boot_interface
+    )
+    if iface is None:
+        raise ControlError(404, f"no interface {name or '(boot)'} on {machine.hostname}")
+    wanted = payload.get("ip")
+    if not wanted:
+        raise ControlError(400, "ip is required")
+    subnet = iface.cabled_subnet
+    try:
+        inside = subnet is not None and ipaddress.ip_address(str(wanted)) in subnet.network
+    except ValueError as exc:
+        raise ControlError(400, str(exc)) from exc
+    if not inside:
+        raise ControlError(409, f"{wanted} is not on the network {iface.name} is cabled to")
+    iface.planned_ip = str(wanted)
+    return {"interface": iface.name, "planned_ip": iface.planned_ip}
+
+
 @_route("POST", r"/_sim/machines/(?P<ref>[^/]+)/power")
 def _power(sim: Simulator, payload: dict[str, Any], args: dict[str, str]) -> Any:
     state = payload.get("state")
@@ -277,7 +311,9 @@ def _clear_machine_faults(sim: Simulator, _: dict[str, Any], args: dict[str, str
 def _add_request_faults(sim: Simulator, payload: dict[str, Any], _: dict[str, str]) -> Any:
     specs = _fault_specs(payload)
     if any(not s.is_request_fault for s in specs):
-        raise ControlError(400, "site-wide faults are request faults (http_error, slow)")
+        raise ControlError(
+            400, "site-wide faults are request faults (http_error, slow, truncate_list)"
+        )
     for spec in specs:
         sim.region.request_faults.add(spec)
     return {"faults": sim.region.request_faults.to_list()}
@@ -287,6 +323,29 @@ def _add_request_faults(sim: Simulator, payload: dict[str, Any], _: dict[str, st
 def _clear_request_faults(sim: Simulator, _: dict[str, Any], __: dict[str, str]) -> Any:
     sim.region.request_faults.clear()
     return {"faults": []}
+
+
+@_route("POST", "/_sim/users")
+def _add_user(sim: Simulator, payload: dict[str, Any], _: dict[str, str]) -> Any:
+    username = str(payload.get("username") or "")
+    is_superuser = payload.get("is_superuser", False)
+    if not isinstance(is_superuser, bool):
+        raise ControlError(400, "is_superuser is true or false")
+    try:
+        key = sim.auth.add_user(username, is_superuser=is_superuser)
+    except ValueError as exc:
+        raise ControlError(409, str(exc)) from exc
+    return {"username": username, "is_superuser": is_superuser, "api_key": str(key)}
+
+
+@_route("GET", "/_sim/users")
+def _users(sim: Simulator, _: dict[str, Any], __: dict[str, str]) -> Any:
+    admin = {"username": sim.auth.username, "is_superuser": True}
+    added = [
+        {"username": u.username, "is_superuser": u.is_superuser}
+        for u in sim.auth.added_users().values()
+    ]
+    return {"users": [admin, *added]}
 
 
 @_route("POST", r"/_sim/bmc/(?P<address>[^/]+)/power-cycle")

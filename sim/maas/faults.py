@@ -30,6 +30,10 @@ Request faults shape HTTP answers. In a machine's list they apply to requests ab
                  (default 1.0), at most `times` times; with `applied = true` the request takes
                  effect first and only its answer is lost
     slow         wait `delay` real seconds before answering (rate/times as above)
+    truncate_list  a list answer (e.g. `GET machines/`, op "machines.read") keeps only its first
+                 `keep` items (default 0: an empty list), as a region that lost part of its
+                 database, or a proxy that cut the body, would answer (rate/times as above; a
+                 request whose answer is no list is left alone and does not use up a strike)
 
 `op` limits a request fault to operations named as the counters name them (e.g.
 "machine.deploy", "machines.read"); empty means every MAAS API operation.
@@ -54,6 +58,7 @@ PXE_UNLINKED = "pxe_unlinked"
 POWER_STUCK_ON = "power_stuck_on"
 HTTP_ERROR = "http_error"
 SLOW = "slow"
+TRUNCATE_LIST = "truncate_list"
 
 MACHINE_KINDS = frozenset(
     {
@@ -69,7 +74,7 @@ MACHINE_KINDS = frozenset(
         POWER_STUCK_ON,
     }
 )
-REQUEST_KINDS = frozenset({HTTP_ERROR, SLOW})
+REQUEST_KINDS = frozenset({HTTP_ERROR, SLOW, TRUNCATE_LIST})
 DATASOURCE_VARIANTS = ("final", "timeout")
 
 # Fields each kind may set, besides `kind` and `times`.
@@ -86,6 +91,7 @@ _FIELDS_BY_KIND: dict[str, frozenset[str]] = {
     POWER_STUCK_ON: frozenset(),
     HTTP_ERROR: frozenset({"op", "rate", "status", "applied", "machine", "message"}),
     SLOW: frozenset({"op", "rate", "delay", "machine"}),
+    TRUNCATE_LIST: frozenset({"op", "rate", "keep"}),
 }
 
 
@@ -107,6 +113,7 @@ class FaultSpec:
     delay: float = 0.0  # real seconds: it is about the client's HTTP timeouts
     applied: bool = False
     machine: str | None = None
+    keep: int = 0  # truncate_list: how many items of the list answer remain
 
     def __post_init__(self) -> None:
         if self.kind not in _FIELDS_BY_KIND:
@@ -116,8 +123,8 @@ class FaultSpec:
             raise FaultError("times must be at least 1 (or absent for always)")
         if not 0.0 <= self.rate <= 1.0:
             raise FaultError("rate is a fraction between 0 and 1")
-        if self.after < 0 or self.delay < 0:
-            raise FaultError("after and delay must not be negative")
+        if self.after < 0 or self.delay < 0 or self.keep < 0:
+            raise FaultError("after, delay and keep must not be negative")
         if self.kind == HTTP_ERROR and not 500 <= self.status <= 599:
             raise FaultError("http_error status must be a 5xx code")
         if self.kind == DEPLOY_FAILS_DATASOURCE and self.variant not in DATASOURCE_VARIANTS:

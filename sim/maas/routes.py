@@ -128,6 +128,41 @@ RESOURCES: tuple[Resource, ...] = (
 )
 
 
+# Operations only a superuser may call (maasserver/api: `@admin_method`, or an admin permission
+# check on the node): a non-admin's valid key gets 403 with an empty body, as PermissionDenied
+# answers. What a non-admin may do to a machine otherwise needs the machine to be unowned or its
+# own (NodePermission.edit): MACHINE_EDIT_OPS.
+ADMIN_ONLY_OPS = frozenset(
+    {
+        "machines.create",
+        "machines.accept",
+        "machines.accept_all",
+        "machines.power_parameters",
+        "machine.update",
+        "machine.delete",
+        "machine.commission",
+        "machine.mark_fixed",
+        "machine.set_storage_layout",
+        "machine.get_token",
+        "machine.power_parameters",
+        "blockdevice.set_boot_disk",
+        "interface.link_subnet",
+        "interface.unlink_subnet",
+        "subnets.create",
+        "subnet.delete",
+    }
+)
+MACHINE_EDIT_OPS = frozenset(
+    {
+        "machine.deploy",
+        "machine.release",
+        "machine.abort",
+        "machine.power_on",
+        "machine.power_off",
+    }
+)
+
+
 @dataclass(frozen=True)
 class Match:
     resource: Resource

@@ -5,7 +5,7 @@
 
     [site]
     maas_version = "3.6.0"            # < 3.6 renders naive datetimes, as those releases did
-    admin_user = "admin"              # the user every API key belongs to
+    admin_user = "admin"              # the user every configured API key belongs to
     hardware_sync_interval = "15m"    # MAAS config hardware_sync_interval
     enable_disk_erasing_on_release = false
     distro_series = ["jammy", "noble"]        # deployable Ubuntu series
@@ -336,7 +336,9 @@ class Scenario:
         except FaultError as exc:
             raise ScenarioError(f"faults: {exc}") from exc
         if any(not f.is_request_fault for f in faults):
-            raise ScenarioError("top-level faults are request faults (http_error, slow)")
+            raise ScenarioError(
+                "top-level faults are request faults (http_error, slow, truncate_list)"
+            )
         scenario = cls(
             site=SiteSpec.from_dict(data.get("site", {})),
             timings=Timings().merged(data.get("timings", {})),

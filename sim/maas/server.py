@@ -25,8 +25,8 @@ from sim.maas.auth import Authenticator, RequestFacts
 from sim.maas.build import build_region
 from sim.maas.context import Ctx
 from sim.maas.counters import Counters
-from sim.maas.errors import TEXT, ApiError, bad_request, unauthorized
-from sim.maas.faults import HTTP_ERROR, SLOW, FaultSpec
+from sim.maas.errors import TEXT, ApiError, bad_request, forbidden, unauthorized
+from sim.maas.faults import HTTP_ERROR, SLOW, TRUNCATE_LIST, FaultSpec
 from sim.maas.http import Params, Request, Response, parse_form
 from sim.maas.region import Region
 from sim.maas.scenario import Scenario
@@ -69,6 +69,7 @@ class Simulator:
         self.region = build_region(scenario, scale)
         self.auth.username = scenario.site.admin_user
         self.auth.forget_nonces()
+        self.auth.forget_users()
         self.counters.reset()
 
 
@@ -145,7 +146,7 @@ class MaasApp:
             url=f"http://{request.headers.get('host', 'localhost')}{request.path}",
             params=[*query_pairs, *((k, v) for k, vs in form.data.items() for v in vs)],
         )
-        response = self._dispatch(request, found, op, facts)
+        response = self._dispatch(request, found, op, op_name, facts)
         if failure is not None:  # applied: the change happened, the answer is lost
             response = _injected_error(failure)
         return self._answer(op_name, response)
@@ -164,7 +165,12 @@ class MaasApp:
         return spec
 
     def _dispatch(
-        self, request: Request, found: routes.Match, op: str | None, facts: RequestFacts
+        self,
+        request: Request,
+        found: routes.Match,
+        op: str | None,
+        op_name: str,
+        facts: RequestFacts,
     ) -> Response:
         sim, resource, method = self.sim, found.resource, request.method
         unrecognised = f"Unrecognised signature: method={method} op={op}"
@@ -181,10 +187,28 @@ class MaasApp:
                 handler = resource.ops.get((method, op))
                 if handler is None:
                     raise bad_request(unrecognised)
-            result = handler(Ctx(sim.region, request, user, op), **found.args)
+            account = sim.auth.user(user)
+            is_superuser = account is not None and account.is_superuser
+            if account is not None and not is_superuser:
+                self._check_permission(op_name, user, found.args.get("system_id"))
+            result = handler(Ctx(sim.region, request, user, op, is_superuser), **found.args)
+            if isinstance(result, list):
+                cut = self._request_fault(TRUNCATE_LIST, op_name, found.args.get("system_id"))
+                if cut is not None:
+                    result = result[: cut.keep]
         except ApiError as error:
             return Response(error.status, error.encoded(), error.content_type, error.headers)
         return result if isinstance(result, Response) else Response.json(result)
+
+    def _check_permission(self, op_name: str, user: str | None, system_id: str | None) -> None:
+        """A non-admin's request: PermissionDenied (403, empty body) for admin operations, and
+        for machine changes on a machine someone else owns."""
+        if op_name in routes.ADMIN_ONLY_OPS:
+            raise forbidden()
+        if op_name in routes.MACHINE_EDIT_OPS and system_id is not None:
+            machine = self.sim.region.machines.get(system_id)
+            if machine is not None and machine.owner not in (None, user):
+                raise forbidden()
 
     def _answer(self, op_name: str, response: Response) -> Response:
         self.sim.counters.answer(op_name, response.status)
