@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -88,14 +89,34 @@ def load_identity(state_dir: Path) -> AgentIdentity | None:
     return AgentIdentity(**data)
 
 
-def store_identity(state_dir: Path, identity: AgentIdentity) -> None:
-    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    path = identity_path(state_dir)
+def attempt_path(state_dir: Path) -> Path:
+    return state_dir / "enrollment-attempt"
+
+
+def enrollment_attempt(state_dir: Path) -> str:
+    """This enrollment's id, kept (mode 0600) until the identity is stored, so every retry of it
+    (the agent restarted by systemd after a 503, say) is the same attempt: if the gateway used the
+    token but its answer never arrived, the retry gets that answer instead of `used`."""
+    path = attempt_path(state_dir)
+    if path.exists():
+        return path.read_text().strip()
+    attempt = secrets.token_hex(16)
+    _write_private(path, attempt)
+    return attempt
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Replace `path` atomically with `text`, readable by the agent's user only."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = path.with_suffix(".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        json.dump(asdict(identity), f, indent=2)
+        f.write(text)
     tmp.replace(path)
+
+
+def store_identity(state_dir: Path, identity: AgentIdentity) -> None:
+    _write_private(identity_path(state_dir), json.dumps(asdict(identity), indent=2))
 
 
 async def ensure_enrolled(
@@ -113,7 +134,11 @@ async def ensure_enrolled(
     try:
         response = await client.post(
             ENROLL_PATH,
-            json={"enrollment_token": config.enrollment_token, "agent_version": agent_version},
+            json={
+                "enrollment_token": config.enrollment_token,
+                "agent_version": agent_version,
+                "attempt": enrollment_attempt(config.state_dir),
+            },
         )
     except httpx.HTTPError as err:
         raise EnrollmentError(
@@ -140,4 +165,5 @@ async def ensure_enrolled(
         control_plane_task_queue=str(body.get("control_plane_task_queue") or ""),
     )
     store_identity(config.state_dir, identity)
+    attempt_path(config.state_dir).unlink(missing_ok=True)
     return identity

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from temporalio.client import Client, WorkflowFailureError
 from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
-from temporalio.exceptions import ApplicationError
+from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 
 from contracts.admin_operation import (
     CREDENTIALS_INVALID,
@@ -123,24 +123,42 @@ async def run_admin_operation(
     key: str,
     result_type: type[T],
     statuses: Mapping[str, int] | None = None,
+    answer_once: bool = False,
 ) -> T:
     """Run `operation` with `request` and return its result, or raise the ApiError its refusal
     maps to. `key` names what the operation acts on: a retried request with the same key joins
-    the same workflow (admin_operation_workflow_id)."""
+    the same workflow (admin_operation_workflow_id). With `answer_once`, a run that completed
+    is never run again: a retry with its key gets its answer (for an operation whose effect
+    cannot be asked for twice, like redeeming a single-use token, whose caller may have lost the
+    first answer); a run that failed or timed out (no worker took it) runs again."""
     workflow_id = admin_operation_workflow_id(operation, key)
+    reuse = (
+        WorkflowIDReusePolicy.ALLOW_DUPLICATE_FAILED_ONLY
+        if answer_once
+        else WorkflowIDReusePolicy.ALLOW_DUPLICATE
+    )
 
     async def call(client: Client) -> T:
-        result: T = await client.execute_workflow(
-            WORKFLOW_NAME,
-            AdminOperationInput(operation=operation, request=request),
-            id=workflow_id,
-            task_queue=task_queue,
-            result_type=result_type,
-            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-            id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
-            execution_timeout=EXECUTION_TIMEOUT,
-            rpc_timeout=temporal.rpc_timeout,
-        )
+        try:
+            result: T = await client.execute_workflow(
+                WORKFLOW_NAME,
+                AdminOperationInput(operation=operation, request=request),
+                id=workflow_id,
+                task_queue=task_queue,
+                result_type=result_type,
+                id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+                id_reuse_policy=reuse,
+                execution_timeout=EXECUTION_TIMEOUT,
+                rpc_timeout=temporal.rpc_timeout,
+            )
+        except WorkflowAlreadyStartedError:
+            if not answer_once:
+                raise
+            # It completed: its answer, again.
+            earlier: T = await client.get_workflow_handle(
+                workflow_id, result_type=result_type
+            ).result(rpc_timeout=temporal.rpc_timeout)
+            return earlier
         return result
 
     try:

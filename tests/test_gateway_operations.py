@@ -87,3 +87,30 @@ async def test_an_enrollment_token_reaches_temporal_only_as_its_hash(
         # The check reads what was sent: the token's hash is what crossed.
         assert hash_enrollment_token(token).encode() in plain, name
         await record(handle, name)
+
+
+@pytest.mark.usefixtures("control_plane")
+async def test_an_agent_whose_enrollment_answer_was_lost_gets_it_again(
+    api: Any, make_token: Any, db_sessions: Any
+) -> None:
+    """The agent keeps one attempt id across its retries: a retry after the gateway used the
+    token (its answer lost on the way) gets the same identity; anyone else with the token, used
+    now, is refused."""
+    await create_sku(db_sessions)
+    node = await create_node(db_sessions)
+    admin = await api(token=await make_token("admin"))
+    issued = await admin.post(f"/api/v1/admin/nodes/{node.id}/enrollment-tokens", json={})
+    token = issued.json()["enrollment_token"]
+    anonymous = await api()
+    attempt = {"enrollment_token": token, "attempt": "a1" * 16}
+    first = await anonymous.post("/api/v1/internal/agent/enroll", json=attempt)
+    assert first.status_code == 200, first.text
+    again = await anonymous.post("/api/v1/internal/agent/enroll", json=attempt)
+    assert again.status_code == 200, again.text
+    assert again.json() == first.json()
+    other = {"enrollment_token": token, "attempt": "b2" * 16}
+    stranger = await anonymous.post("/api/v1/internal/agent/enroll", json=other)
+    assert stranger.status_code == 401
+    assert stranger.json()["error"]["code"] == "enrollment_token_used"
+    bare = await anonymous.post("/api/v1/internal/agent/enroll", json={"enrollment_token": token})
+    assert bare.json()["error"]["code"] == "enrollment_token_used"

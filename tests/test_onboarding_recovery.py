@@ -263,8 +263,9 @@ async def test_a_cancel_that_lands_with_a_stage_completion_stops_before_the_next
             await eventually(
                 lambda: activity_completed(handle, "onboarding.wait_for_deployed"), timeout=30
             )
-            # The OS runs: its agent process has enrolled by the time the operator cancels.
-            await rig.first_boot.wait_for("r-race", enrolled=True, timeout=30)
+            # The OS runs by the time the operator cancels (its agent asks to enroll; the
+            # enrollment itself is the control-plane worker's to write, and that is away).
+            await rig.first_boot.wait_for("r-race", enrolled=False, timeout=30)
             cancel = await operator_action_admitted(
                 temporal_client, job.workflow_id, "cancel", "wrong machine"
             )
@@ -279,11 +280,11 @@ async def test_a_cancel_that_lands_with_a_stage_completion_stops_before_the_next
     stages = [(e.stage, e.status) for e in await rig.events(job)]
     assert ("wait_for_deployed", "succeeded") in stages
     assert ("ensure_hardware_sync_configured", "started") not in stages, "a stage ran after it"
-    # Compensated as for any cancel once the OS runs (§4.6): MAAS is left alone, the node
-    # quarantined.
+    # Compensated as for any cancel before the OS is known to run (no post-deploy stage began,
+    # the agent never enrolled: §4.6): the machine goes back to Ready, the node record goes.
     assert stages[-1] == ("deploy_via_maas", "compensated")
-    assert [n.status for n in await _nodes_named(rig, "r-race")] == ["quarantined"]
-    assert (await rig.maas_sim.machine(row.maas_system_id))["status_name"] == "Deployed"
+    assert await _nodes_named(rig, "r-race") == []
+    assert (await rig.maas_sim.machine(row.maas_system_id))["status_name"] == "Ready"
 
 
 @pytest.mark.maas_scenario(SCENARIO)
@@ -296,8 +297,10 @@ async def test_a_deploy_whose_answer_was_lost_counts_the_enrollment_of_its_agent
 ) -> None:
     """MAAS took the deploy but its answer was lost (a 5xx after applying): the stage's retry
     finds the machine deploying or deployed and adopts it. The agent of that deploy may have
-    enrolled before the retry ran (here: the worker is away meanwhile); its enrollment counts,
-    since it came after the deploy was issued, and the node becomes active."""
+    enrolled before the retry's adoption (here: the worker is away until the OS runs, and the
+    retry's first MAAS read is slow while the returning worker writes the agent's enrollment);
+    its enrollment counts, since it came after the deploy was issued, and the node becomes
+    active."""
     rig = onboarding_without_worker
     config = control_plane_worker_config(rig, temporal_client, db_engine, secret_store, maas_sim)
 
@@ -311,7 +314,10 @@ async def test_a_deploy_whose_answer_was_lost_counts_the_enrollment_of_its_agent
     async with Worker(**config):
         job = await rig.start("r-lost", "10.176.18.18")
         await eventually(deploy_applied, timeout=60, interval=0.02)
-    await rig.first_boot.wait_for("r-lost", enrolled=True, timeout=60)  # before the retry
+    await rig.first_boot.wait_for("r-lost", enrolled=False, timeout=60)  # before the retry
+    await maas_sim.add_request_fault(
+        "slow", delay=4.0, op="machine.read", machine="r-lost", times=1
+    )
     async with Worker(**config):
         row = await rig.wait_status(job, "completed", timeout=90)
     assert row.status == "completed"

@@ -5,6 +5,7 @@ and Temporal settings back. After that the agent talks to Temporal only."""
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import uuid
 from typing import Annotated, Any
 
@@ -59,6 +60,9 @@ class EnrollmentTokenIssued(msgspec.Struct, kw_only=True):
 class EnrollRequest(RequestBody):
     enrollment_token: Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
     agent_version: Annotated[str, msgspec.Meta(max_length=64)] | None = None
+    # The agent's own id for this enrollment, the same on each of its retries: a retry whose
+    # first answer was lost (the token already used by it) gets that answer again.
+    attempt: Annotated[str, msgspec.Meta(min_length=16, max_length=128)] | None = None
 
 
 class Enrolled(msgspec.Struct, kw_only=True):
@@ -79,6 +83,16 @@ _REDEEM_STATUSES = {
     RedeemFailure.USED.value: 401,
     RedeemFailure.NODE_DELETED.value: 410,
 }
+
+
+def _redemption_key(data: EnrollRequest) -> str:
+    """One redemption per agent attempt: only the agent that holds both the token and its
+    attempt id can be answered with the redemption's identity again; anyone else with a used
+    token is refused. Without an attempt id, each call redeems anew."""
+    if data.attempt is None:
+        return per_request("agent")
+    both = f"{data.enrollment_token}:{data.attempt}".encode()
+    return hashlib.sha256(both).hexdigest()[:40]
 
 
 class AdminNodeEnrollmentController(Controller):
@@ -165,11 +179,10 @@ class AgentEnrollmentController(Controller):
                 token_sha256=hash_enrollment_token(data.enrollment_token),
                 agent_version=data.agent_version,
             ),
-            # Each call redeems anew: a second call with a used token is refused, never
-            # answered with the first call's identity.
-            key=per_request("agent"),
+            key=_redemption_key(data),
             result_type=Enrollment,
             statuses=_REDEEM_STATUSES,
+            answer_once=True,
         )
         node_id = uuid.UUID(enrolled.node_id)
         return Enrolled(
