@@ -23,6 +23,9 @@ Rules as implemented (node status → MAAS status → rule, severity, action):
     active          Deployed, host not in its IPs   ip_changed                 INFO host updated
     active|offline  Deployed, no host yet           (none: host set, no drift)
     active          Deployed, power off             deployed_powered_off       WARN (§6.2 row)
+    active          Deployed, enable_hw_sync on,    hw_sync_stale              WARN, recommends
+                    no sync in 1.5 * sync_interval                             node.hw_sync_reseed
+                    (only where the site requires hardware sync and MAAS shows the sync fields)
     active          Deployed                        ok
     retired         Deployed                        retired_cleanup            INFO release+off
     any             machine with no binding         unmanaged (counted only)   DEBUG, no row
@@ -57,6 +60,7 @@ writes neither event nor drift: the next run decides again.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import logging
 import uuid
@@ -70,7 +74,7 @@ from temporalio import activity
 
 from activities.maas.client import MaasClient
 from activities.maas.errors import MaasError
-from activities.maas.types import Machine, MachineStatus, PowerState
+from activities.maas.types import SYNC_GRACE_FACTOR, Machine, MachineStatus, PowerState
 from contracts.maas_reconciler import ReconcileInput, ReconcileResult
 from contracts.states import NodeStatus, node_transition_allowed
 from core.secrets import SecretStore
@@ -131,6 +135,10 @@ UNEXPECTED = Rule("unexpected_maas_status", WARN, "unexpected MAAS status for an
 DEPLOYED_OFFLINE = Rule("deployed_offline", WARN, "agent not polling")
 POWERED_OFF = Rule("deployed_powered_off", WARN, "node powered off outside workflow")
 IP_CHANGED = Rule("ip_changed", INFO, "IP change detected")
+HW_SYNC_STALE = Rule("hw_sync_stale", WARN, "hardware sync enabled but MAAS has no recent sync")
+# What an operator (or the reconciler workflow, once it runs host tasks) does about it: §9.1
+# re-sync through the node's agent.
+HW_SYNC_RESEED_ACTION = "node.hw_sync_reseed"
 RETIRED_CLEANUP = Rule("retired_cleanup", INFO, "cleaning up retired node")
 
 
@@ -154,7 +162,57 @@ class Decision:
     new_host: str | None = None
 
 
-def decide(binding: Binding, machine: Machine | None) -> Decision:
+@dataclass(frozen=True)
+class SyncPolicy:
+    """§9.1 as the reconciler checks it: whether the site requires hardware sync, and the
+    site's interval (used when MAAS reports none for the machine)."""
+
+    required: bool = True
+    interval: dt.timedelta = dt.timedelta(minutes=15)
+
+    @classmethod
+    def of(cls, policy: MaasSitePolicy | None) -> SyncPolicy:
+        if policy is None:
+            return cls()
+        return cls(
+            required=bool(policy.require_hw_sync),
+            interval=_timespan(policy.hardware_sync_interval) or dt.timedelta(minutes=15),
+        )
+
+
+def _timespan(value: str | None) -> dt.timedelta | None:
+    """A "15m" / "900s" / "1h" span (the policy's format), None if it is not one."""
+    if not value:
+        return None
+    text_value = value.strip().lower()
+    unit = {"s": 1, "m": 60, "h": 3600}.get(text_value[-1:])
+    number = text_value[:-1] if unit else text_value
+    if not number.isdigit():
+        return None
+    return dt.timedelta(seconds=int(number) * (unit or 1))
+
+
+def sync_stale(machine: Machine, sync: SyncPolicy, now: dt.datetime) -> bool:
+    """Sync drift: enable_hw_sync on, and no sync within MAAS's own health window (last_sync +
+    1.5 * sync_interval, the site interval when MAAS reports none), or none at all. A MAAS
+    build without the REST sync fields cannot show drift: never stale."""
+    hw = machine.hardware_sync
+    if not sync.required or not hw.available or not hw.enabled:
+        return False
+    if hw.last_sync is None:
+        return True
+    interval = hw.sync_interval or sync.interval
+    last = hw.last_sync if hw.last_sync.tzinfo else hw.last_sync.replace(tzinfo=dt.UTC)
+    return now > last + interval * SYNC_GRACE_FACTOR
+
+
+def decide(
+    binding: Binding,
+    machine: Machine | None,
+    *,
+    sync: SyncPolicy | None = None,
+    now: dt.datetime | None = None,
+) -> Decision:
     """The §6.4 rule that matches one binding (pure: no I/O)."""
     d = Decision(binding, machine)
     status = binding.node_status
@@ -176,6 +234,8 @@ def decide(binding: Binding, machine: Machine | None) -> Decision:
             d.rule, d.new_host = IP_CHANGED, ips[0]
         elif machine.power_state == PowerState.OFF:
             d.rule = POWERED_OFF
+        elif sync_stale(machine, sync or SyncPolicy(), now or dt.datetime.now(dt.UTC)):
+            d.rule = HW_SYNC_STALE
     elif machine.status in _RELEASED:
         d.rule = RELEASED
     elif machine.status == MachineStatus.DEPLOYING:
@@ -271,6 +331,7 @@ class MaasReconcileActivities:
                 return result
             base_url, token_path = site.api_base_url, site.api_token_vault_path
             max_missing_share = max_missing_share_of(policy)
+            sync_policy = SyncPolicy.of(policy)
         secret = await self._secrets.read(token_path)
         if not secret or not secret.get("token"):
             result.actions.append("skipped:no_credentials")
@@ -308,7 +369,11 @@ class MaasReconcileActivities:
             result.nodes_checked = len(bindings)
             bound = {b.maas_system_id for b in bindings}
             result.unmanaged_machines = sum(1 for s in machines if s not in bound)
-            decisions = [decide(b, machines.get(b.maas_system_id)) for b in bindings]
+            now = dt.datetime.now(dt.UTC)
+            decisions = [
+                decide(b, machines.get(b.maas_system_id), sync=sync_policy, now=now)
+                for b in bindings
+            ]
             del bindings
             cleanup_done: dict[uuid.UUID, list[str]] = {}
             for d in decisions:
@@ -465,6 +530,17 @@ def _details(d: Decision, cleanup: list[str] | None) -> dict[str, Any]:
         details["action"] = "quarantined"
     if d.rule is IP_CHANGED:
         details.update(action="host_updated", old_host=d.binding.host_address, new_host=d.new_host)
+    if d.rule is HW_SYNC_STALE and m is not None:
+        hw = m.hardware_sync
+        details.update(
+            last_sync=hw.last_sync.isoformat() if hw.last_sync else None,
+            next_sync=hw.next_sync.isoformat() if hw.next_sync else None,
+            sync_interval_s=int(hw.sync_interval.total_seconds()) if hw.sync_interval else None,
+            # The reconciler runs no host tasks: the re-seed is recommended, through the
+            # node's agent (task queue node-{id}).
+            recommended_action=HW_SYNC_RESEED_ACTION,
+            task_queue=f"node-{d.binding.node_id}",
+        )
     if cleanup is not None:
         details["actions"] = cleanup
     return details

@@ -181,6 +181,25 @@ class MaasClient:
             )
         return user
 
+    # ------------------------------------------------------------------ global config
+
+    async def get_config(self, name: str) -> Any:
+        """GET maas/?op=get_config&name=…: the config value as MAAS stores it (JSON)."""
+        return await self._get("maas/", op="get_config", query=[("name", name)])
+
+    async def set_config(self, name: str, value: str) -> None:
+        """POST maas/?op=set_config name=… value=… (admin). Retried: it sets the same value."""
+        await self._post("maas/", "set_config", [("name", name), ("value", value)], retry_safe=True)
+
+    async def ensure_hardware_sync_interval(self, interval: str) -> bool:
+        """The site's config hardware_sync_interval (a systemd-style timespan such as "15m",
+        seed 003 §9.1 step 1); True when it had to be written. MAAS copies it into a machine's
+        sync_interval whenever that machine's enable_hw_sync is saved."""
+        if str(await self.get_config("hardware_sync_interval")) == interval:
+            return False
+        await self.set_config("hardware_sync_interval", interval)
+        return True
+
     async def rack_controllers(self) -> list[RackController]:
         data = await self._get("rackcontrollers/")
         return self._many("rackcontrollers", RackController.from_json, data)

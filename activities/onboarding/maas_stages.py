@@ -20,6 +20,7 @@ from typing import Any
 
 from sqlalchemy import func, select, update
 from temporalio import activity
+from temporalio.exceptions import ApplicationError
 
 from activities.maas.client import MaasClient
 from activities.maas.errors import MaasNotFound
@@ -48,7 +49,7 @@ from contracts.onboarding import (
     StageInput,
     StageResult,
 )
-from core.failures import FailureClass
+from core.failures import ClassifiedError, FailureClass
 from schema.models import MaasRoceAssignment, Node
 
 S = MachineStatus
@@ -328,21 +329,32 @@ class MaasStageActivities(StageActivitiesBase):
 
     @activity.defn(name="onboarding.apply_roce_phase2")
     async def apply_roce_phase2(self, input: StageInput) -> StageResult:
-        """Non-fatal (§4.6): every problem becomes a warning in the stage's details."""
-        async with self.stage(input, Stage.APPLY_ROCE_PHASE2) as run:
-            site, state = run.site, input.state
-            if not site.policy.enable_phase2_roce:
-                run.skipped(state, "phase-2 RoCE is off for this profile")
-            else:
-                assignments = await self._roce_rows(site, input.onboarding.hostname)
-                if not assignments:
-                    run.skipped(state, "no RoCE assignments for this hostname")
+        """Each assigned /31 is created on the VLAN MAAS reports for the RoCE NIC (its fabric)
+        and linked STATIC. A link that does not apply (MAAS refuses it, the NIC is missing)
+        makes the stage FAILED in the read model with its failure class, error code and the
+        count of links that did apply; whether that stops the job is the policy's call
+        (`roce_failures_stop_job`): by default it does not (§4.6, RoCE phase 2 is non-fatal)
+        and the workflow goes on with this stage's result."""
+        outcome: StageResult | None = None
+        try:
+            async with self.stage(input, Stage.APPLY_ROCE_PHASE2) as run:
+                site, state = run.site, input.state
+                if not site.policy.enable_phase2_roce:
+                    run.skipped(state, "phase-2 RoCE is off for this profile")
                 else:
-                    applied, warnings = await self._apply_roce(run, assignments)
-                    state.roce_applied = applied
-                    run.done(state, f"{applied} RoCE link(s) in place", warnings=warnings)
-        assert run.result is not None
-        return run.result
+                    assignments = await self._roce_rows(site, input.onboarding.hostname)
+                    if not assignments:
+                        run.skipped(state, "no RoCE assignments for this hostname")
+                    else:
+                        await self._apply_roce(run, assignments)
+                outcome = run.result
+        except ApplicationError as err:
+            cause = err.__cause__
+            if not isinstance(cause, RoceLinksFailed) or cause.stops_job:
+                raise
+            outcome = cause.result
+        assert outcome is not None
+        return outcome
 
     async def _roce_rows(self, site: SiteConfig, hostname: str) -> list[tuple[str, str]]:
         async with self.deps.sessions() as session:
@@ -354,39 +366,91 @@ class MaasStageActivities(StageActivitiesBase):
             )
             return [(i, c) for i, c in rows.all()]
 
-    async def _apply_roce(
-        self, run: StageRun, assignments: list[tuple[str, str]]
-    ) -> tuple[int, list[str]]:
-        warnings: list[str] = []
+    async def _apply_roce(self, run: StageRun, assignments: list[tuple[str, str]]) -> None:
+        state = run.input.state
+        failed: list[dict[str, Any]] = []
         applied = 0
         async with self.maas(run.site) as maas:
             machine = await get_machine_or_ambiguity(maas, run.system_id)
             if machine.status in DEPLOY_BOUND:
-                return 0, [f"interfaces are fixed once {machine.status.label}"]
+                run.skipped(
+                    state,
+                    f"interfaces are fixed once {machine.status.label}",
+                    links_applied=state.roce_applied,
+                )
+                return
             interfaces = {i.name: i for i in await maas.list_interfaces(machine.system_id)}
             for name, cidr in assignments:
                 try:
-                    address = ipaddress.ip_interface(cidr)
-                    iface = interfaces.get(name)
-                    if iface is None:
-                        warnings.append(f"{name}: interface not found")
-                        continue
-                    ip = str(address.ip)
-                    if any(link.ip_address == ip for link in iface.links):
+                    if await self._apply_roce_link(maas, machine.system_id, interfaces, name, cidr):
                         applied += 1
-                        continue
-                    network = str(address.network)
-                    subnet = await maas.find_subnet_by_cidr(network)
-                    if subnet is None:
-                        subnet = await maas.create_subnet(network)
-                    await maas.link_subnet(
-                        machine.system_id, iface.id, mode=LinkMode.STATIC, subnet=subnet.id,
-                        ip_address=ip,
-                    )  # fmt: skip
-                    applied += 1
-                except Exception as err:  # non-fatal by contract; reported
-                    warnings.append(f"{name}: {type(err).__name__}: {str(err)[:200]}")
-        return applied, warnings
+                except ClassifiedError as err:
+                    failed.append(_link_failure(name, cidr, err))
+                except ValueError as err:  # an assignment that is not an address/prefix
+                    failed.append(
+                        _link_failure(
+                            name,
+                            cidr,
+                            StageError(FailureClass.INPUT_CONFIG_ERROR, "roce_bad_cidr", str(err)),
+                        )
+                    )
+        state.roce_applied = applied
+        total = len(assignments)
+        if not failed:
+            run.done(state, f"{applied} RoCE link(s) in place", links_applied=applied)
+            return
+        first = failed[0]
+        message = (
+            f"{applied} of {total} RoCE link(s) in place; {len(failed)} failed "
+            f"({first['interface']}: {first['error']})"
+        )
+        result = run.done(
+            state, message, links_applied=applied, links_total=total, links_failed=failed
+        )
+        error = RoceLinksFailed(
+            FailureClass(first["failure_class"]),
+            first["error_code"],
+            message,
+            details={"links_applied": applied, "links_total": total},
+            non_retryable=True,
+        )
+        error.result = result
+        error.stops_job = roce_failures_stop_job(run.site)
+        raise error
+
+    async def _apply_roce_link(
+        self,
+        maas: MaasClient,
+        system_id: str,
+        interfaces: dict[str, Interface],
+        name: str,
+        cidr: str,
+    ) -> bool:
+        """One assignment: True once its STATIC link is in place. The /31 is created on the
+        interface's VLAN (MAAS only links a subnet on the interface's VLAN, without force);
+        an existing subnet of that CIDR is used as it is, and MAAS decides."""
+        address = ipaddress.ip_interface(cidr)
+        iface = interfaces.get(name)
+        if iface is None:
+            raise StageError(
+                FailureClass.HARDWARE_MISMATCH,
+                "roce_interface_missing",
+                f"the machine has no interface {name}",
+            )
+        ip = str(address.ip)
+        if any(link.ip_address == ip for link in iface.links):
+            return True
+        network = str(address.network)
+        subnet = await maas.find_subnet_by_cidr(network)
+        if subnet is None:
+            subnet = await maas.create_subnet(
+                network, vlan_id=iface.vlan.id if iface.vlan is not None else None
+            )
+        updated = await maas.link_subnet(
+            system_id, iface.id, mode=LinkMode.STATIC, subnet=subnet.id, ip_address=ip
+        )
+        interfaces[name] = updated
+        return True
 
     # ------------------------------------------------------------------ PXE interface
 
@@ -612,3 +676,37 @@ def _with_system(input: StageInput, machine: Machine) -> OnboardState:
     state = input.state
     state.system_id = machine.system_id
     return state
+
+
+class RoceLinksFailed(StageError):
+    """Some RoCE links did not apply. Raised inside the stage so that its event is recorded
+    FAILED with the class; `stops_job` False: the stage then answers `result` (non-fatal)."""
+
+    result: StageResult | None = None
+    stops_job: bool = False
+
+
+def roce_failures_stop_job(site: SiteConfig) -> bool:
+    """The policy's call whether a RoCE link failure stops the job: the profile's
+    `roce_failures_stop_job` where the policy has that knob, else no (§4.6 non-fatal)."""
+    return bool(getattr(site.policy, "roce_failures_stop_job", False))
+
+
+def _link_failure(name: str, cidr: str, err: ClassifiedError) -> dict[str, Any]:
+    refused = getattr(err, "status_code", None) == 400
+    code = err.error_code if isinstance(err, StageError) else (
+        "roce_link_refused" if refused else "roce_link_failed"
+    )  # fmt: skip
+    failure: dict[str, Any] = {
+        "interface": name,
+        "cidr": cidr,
+        "failure_class": err.failure_class.value,
+        "error_code": code,
+        "error": str(err.message)[:300],
+    }
+    field_errors = getattr(err, "field_errors", None)
+    if field_errors:
+        failure["maas_field_errors"] = {k: list(v) for k, v in field_errors.items()}
+    if getattr(err, "status_code", None) is not None:
+        failure["maas_status_code"] = err.status_code  # type: ignore[attr-defined]
+    return failure

@@ -401,6 +401,9 @@ class NodeStageActivities(StageActivitiesBase):
         """§9.1 re-sync steps 2-5: enable_hw_sync, the machine token (waiting for MAAS to make
         it), the credentials file and the timer pushed over SSH."""
         site = run.site
+        # Step 1 first: MAAS copies the site interval into sync_interval when enable_hw_sync
+        # is saved (step 2).
+        await maas.ensure_hardware_sync_interval(site.policy.hardware_sync_interval)
         await maas.update_machine(run.system_id, enable_hw_sync=True)
 
         async def token_ready() -> object | None:
@@ -475,6 +478,26 @@ class NodeStageActivities(StageActivitiesBase):
             else:
                 async with self.maas(site) as maas:
                     first = await get_machine_or_ambiguity(maas, run.system_id)
+                    if not first.hardware_sync.available:
+                        # A MAAS build whose machine read has no REST sync fields (before
+                        # 3.4): nothing here can ever turn healthy, so do not wait for it.
+                        # The seed is in place (previous stage); the health cannot be
+                        # verified through the REST API, and the stage says so (§9.1:
+                        # is_sync_healthy may be null on builds that omit it).
+                        warning = (
+                            "MAAS does not expose the hardware-sync fields on machines "
+                            f"(version {site.maas_version or 'unknown'}); sync health cannot "
+                            "be verified through the REST API"
+                        )
+                        run.done(
+                            observe(input.state, first),
+                            "hardware sync seeded; health unverifiable on this MAAS build",
+                            warning=warning,
+                            hw_sync_verifiable=False,
+                            warning_code="hw_sync_unverifiable",
+                        )
+                        assert run.result is not None
+                        return run.result
                     baseline = first.hardware_sync.last_sync
                     reseed_every = max(site.policy.hw_sync_health_timeout_seconds / 4, 1.0)
                     next_reseed = [dt.datetime.now(dt.UTC) + dt.timedelta(seconds=reseed_every)]

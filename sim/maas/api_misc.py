@@ -12,6 +12,7 @@ from sim.maas.enums import LEVELS_BY_NAME
 from sim.maas.errors import bad_request, field_errors, not_found
 from sim.maas.http import Params, Response
 from sim.maas.model import Subnet
+from sim.maas.scenario import ScenarioError, parse_duration
 
 CAPABILITIES = [
     "networks-management",
@@ -252,3 +253,44 @@ def _page_uri(
     elif older:
         return None  # no older events, and there never will be
     return f"{render.API}/events/?{urlencode(params)}"
+
+
+# --- maas/ (global config) ---
+
+# The config names the simulator knows (src/maasserver/models/config.py has many more).
+_CONFIG_NAMES = ("hardware_sync_interval", "enable_disk_erasing_on_release")
+
+
+def _config_name(ctx: Ctx) -> str:
+    name = ctx.params.get("name") or ""
+    if not name:
+        raise field_errors({"name": "This field is required."})
+    if name not in _CONFIG_NAMES:
+        raise field_errors({"name": f"{name} is not a valid config name."})
+    return name
+
+
+def get_config(ctx: Ctx) -> Any:
+    """GET maas/?op=get_config&name=…: the stored value as JSON ("15m")."""
+    return ctx.region.config[_config_name(ctx)]
+
+
+def set_config(ctx: Ctx) -> Response:
+    """POST maas/?op=set_config name=… value=… (admin): 200 "OK". hardware_sync_interval takes
+    a systemd-style timespan ("15m", "1h30m", "900s"); machines pick it up the next time
+    enable_hw_sync is saved."""
+    name = _config_name(ctx)
+    value = ctx.params.get("value")
+    if value is None:
+        raise field_errors({"value": "This field is required."})
+    if name == "hardware_sync_interval":
+        try:
+            seconds = parse_duration(value)
+        except ScenarioError:
+            seconds = 0.0
+        if seconds <= 0:
+            raise field_errors({"value": f"Unable to parse timespan: '{value}'."})
+        ctx.region.config[name] = value.strip()
+    else:
+        ctx.region.config[name] = ctx.params.bool("value")
+    return Response.text("OK")

@@ -45,18 +45,22 @@ def discover_hardware(
         interfaces = []
         for ispec in spec.interfaces:
             cabled = region.subnet_by_ref(ispec.subnet) if ispec.subnet else None
+            port_vlan = cabled.vlan if cabled else None
+            if port_vlan is None and ispec.vid is not None:
+                fabric = region.fabric_named(ispec.fabric or "fabric-0")
+                port_vlan = region.vlan_on(fabric, ispec.vid)
             iface = known.get(ispec.mac) or Interface(
                 id=region.next_id("interface"),
                 name=ispec.name,
                 mac_address=ispec.mac,
-                vlan=cabled.vlan if cabled else None,
+                vlan=port_vlan,
             )
             iface.name, iface.speed = ispec.name, ispec.speed
             iface.vendor, iface.product = ispec.vendor, ispec.product
             iface.cabled_subnet, iface.planned_ip = cabled, ispec.ip
-            iface.link_connected = cabled is not None
-            if cabled is not None and iface.vlan is None:
-                iface.vlan = cabled.vlan
+            iface.link_connected = port_vlan is not None
+            if port_vlan is not None and iface.vlan is None:
+                iface.vlan = port_vlan
             interfaces.append(iface)
             if ispec.pxe:
                 machine.boot_interface_id = iface.id

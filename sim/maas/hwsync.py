@@ -41,7 +41,7 @@ def set_enable_hw_sync(region: Region, machine: Machine, enabled: bool) -> None:
     """Saving enable_hw_sync sets sync_interval from the site config."""
     machine.enable_hw_sync = enabled
     if enabled:
-        machine.sync_interval = int(region.site.hardware_sync_interval)
+        machine.sync_interval = region.hardware_sync_seconds()
         if machine.status == S.DEPLOYED and machine.power_state == PowerState.ON:
             start_sync_agent(region, machine)
     else:

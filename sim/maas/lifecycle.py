@@ -271,7 +271,7 @@ def start_deployment(region: Region, machine: Machine, user: str, request: Deplo
     machine.error_description = ""
     if request.enable_hw_sync:
         machine.enable_hw_sync = True
-        machine.sync_interval = int(region.site.hardware_sync_interval)
+        machine.sync_interval = region.hardware_sync_seconds()
     ensure_node_key(region, machine)  # the deploy call renders the curtin preseed
     region.log(machine, Ev.START_DEPLOYMENT, "", user)
     network.claim_auto_ips(region, machine)
@@ -334,7 +334,7 @@ def release(
     machine.osystem = machine.distro_series = ""
     machine.hwe_kernel = None
     set_enable_hw_sync(region, machine, False)
-    if erase or region.site.enable_disk_erasing_on_release:
+    if erase or region.config["enable_disk_erasing_on_release"]:
         region.log(machine, Ev.ERASE_DISK, "", user)
         set_status(region, machine, S.DISK_ERASING)
         set_power(region, machine, True)

@@ -14,13 +14,14 @@ import itertools
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from sim.maas.clock import SimClock
 from sim.maas.enums import LEVEL_NAMES, EventType
 from sim.maas.errors import not_found
 from sim.maas.faults import FaultSet
 from sim.maas.model import Event, Fabric, Hardware, Machine, Steppable, Subnet, Vlan
-from sim.maas.scenario import Scenario
+from sim.maas.scenario import Scenario, parse_duration
 
 # generate_node_system_id: a znum, 6 characters of this alphabet, value in [24^5, 24^6).
 _ZNUM_ALPHABET = "34678abcdefghkmnpqrstwxy"
@@ -70,6 +71,11 @@ class Region:
         self.hardware: dict[str, Hardware] = {}  # by BMC address
         self.machines: dict[str, Machine] = {}  # by system_id, in creation order
         self.events: list[Event] = []
+        # MAAS global config (maas/?op=get_config / set_config), as MAAS stores it.
+        self.config: dict[str, Any] = {
+            "hardware_sync_interval": _timespan(self.site.hardware_sync_interval),
+            "enable_disk_erasing_on_release": self.site.enable_disk_erasing_on_release,
+        }
         self.request_faults = FaultSet.of(scenario.faults)
         self._steps: list[_Step] = []
         self._seq = itertools.count()
@@ -83,6 +89,11 @@ class Region:
             "partition": itertools.count(1),
             "event": itertools.count(1),
         }
+
+    def hardware_sync_seconds(self) -> int:
+        """The config hardware_sync_interval in seconds (what enable_hw_sync saves as the
+        machine's sync_interval)."""
+        return int(parse_duration(self.config["hardware_sync_interval"]))
 
     # --- identities ---
 
@@ -250,3 +261,13 @@ class Region:
         machine.cancel_steps()
         self.machines.pop(machine.system_id, None)
         self.events = [e for e in self.events if e.system_id != machine.system_id]
+
+
+def _timespan(seconds: float) -> str:
+    """Seconds as MAAS writes a systemd-style timespan ("15m", "90s", "1h")."""
+    whole = int(seconds)
+    if whole and whole % 3600 == 0:
+        return f"{whole // 3600}h"
+    if whole and whole % 60 == 0:
+        return f"{whole // 60}m"
+    return f"{whole}s"

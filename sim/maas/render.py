@@ -169,6 +169,10 @@ def _datetime(region: Region, wall: float | None) -> str | None:
     return None if wall is None else format_datetime(wall, region.site.aware_datetimes)
 
 
+# The REST hardware-sync fields (exposed since 3.4); a build without them omits all four.
+SYNC_FIELDS = ("enable_hw_sync", "last_sync", "sync_interval", "next_sync")
+
+
 def machine(region: Region, m: Machine) -> dict[str, Any]:
     boot_disk = storage.boot_disk(m)
     boot_iface = m.boot_interface
@@ -176,7 +180,7 @@ def machine(region: Region, m: Machine) -> dict[str, Any]:
     last_sync = hwsync.last_sync(region, m)
     next_sync = last_sync + m.sync_interval if last_sync is not None and m.sync_interval else None
     domain = region.site.domain
-    return {
+    rendered: dict[str, Any] = {
         "system_id": m.system_id,
         "hostname": m.hostname,
         "fqdn": f"{m.hostname}.{domain}",
@@ -255,6 +259,10 @@ def machine(region: Region, m: Machine) -> dict[str, Any]:
         "next_sync": _datetime(region, next_sync),
         "resource_uri": f"{API}/machines/{m.system_id}/",
     }
+    if not region.site.hw_sync_fields:
+        for key in SYNC_FIELDS:
+            del rendered[key]
+    return rendered
 
 
 def _hardware_info(m: Machine) -> dict[str, str]:

@@ -46,6 +46,11 @@ _SID = r"(?P<system_id>[^/]+)"
 RESOURCES: tuple[Resource, ...] = (
     Resource("version", "version", {("GET", None): misc.version}, {("GET", None): misc.version}),
     Resource("users", "users", {("GET", "whoami"): misc.whoami}),
+    Resource(
+        "maas",
+        "maas",
+        {("GET", "get_config"): misc.get_config, ("POST", "set_config"): misc.set_config},
+    ),
     Resource("rackcontrollers", "rackcontrollers", {("GET", None): misc.rack_controllers}),
     Resource("fabrics", "fabrics", {("GET", None): misc.list_fabrics}),
     Resource(
@@ -150,6 +155,7 @@ ADMIN_ONLY_OPS = frozenset(
         "interface.unlink_subnet",
         "subnets.create",
         "subnet.delete",
+        "maas.set_config",
     }
 )
 MACHINE_EDIT_OPS = frozenset(

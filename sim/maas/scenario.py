@@ -6,7 +6,8 @@
     [site]
     maas_version = "3.6.0"            # < 3.6 renders naive datetimes, as those releases did
     admin_user = "admin"              # the user every configured API key belongs to
-    hardware_sync_interval = "15m"    # MAAS config hardware_sync_interval
+    hardware_sync_interval = "15m"    # MAAS config hardware_sync_interval (maas/?op=set_config)
+    hw_sync_fields = true             # false: machine reads omit the REST sync fields (< 3.4)
     enable_disk_erasing_on_release = false
     distro_series = ["jammy", "noble"]        # deployable Ubuntu series
     custom_images = ["gpuaas-noble-2025"]     # deployable as custom/<name>
@@ -39,7 +40,7 @@
     bmc = { address = "10.176.16.128", user = "root", password = "calvin" }
     interfaces = [
       { name = "eno8303", mac = "b0:7b:25:00:00:01", subnet = "pxe", pxe = true },
-      { name = "ens1f0np0", mac = "b0:7b:25:00:01:01" },
+      { name = "ens1f0np0", mac = "b0:7b:25:00:01:01", fabric = "roce", vid = 0 },
     ]
     block_devices = [
       { name = "sda", model = "Dell BOSS-N1", serial = "BOSS0001", size = 480103981056,
@@ -128,6 +129,9 @@ class SiteSpec:
     admin_user: str = "admin"
     domain: str = "maas"
     hardware_sync_interval: float = 900.0
+    # False: a MAAS build whose machine read has no REST sync fields (enable_hw_sync, last_sync,
+    # sync_interval, next_sync are absent; exposed since 3.4).
+    hw_sync_fields: bool = True
     enable_disk_erasing_on_release: bool = False
     distro_series: tuple[str, ...] = DEFAULT_DISTRO_SERIES
     default_distro_series: str = "noble"
@@ -190,6 +194,10 @@ class InterfaceSpec:
     name: str
     mac: str
     subnet: str | None = None  # the subnet (name or cidr) the port is cabled to
+    # The VLAN a port without a subnet is cabled to (a RoCE NIC's fabric): commissioning puts
+    # the interface on it, so only subnets on that VLAN can be linked without force.
+    fabric: str | None = None
+    vid: int | None = None
     pxe: bool = False  # the boot interface
     ip: str | None = None  # the address MAAS gives its AUTO link on deployment
     speed: int = 25000  # Mbps
