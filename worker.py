@@ -19,6 +19,7 @@ from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxR
 from activities.admin_operations import AdminOperationActivities
 from activities.allocations import AllocationActivities
 from activities.billing.metering import BillingActivities
+from activities.billing.notifications import NotificationActivities
 from activities.decommission.reimage import ReimageActivities
 from activities.decommission.stages import DecommissionActivities, DecommissionDeps
 from activities.enrollment_tokens import EnrollmentActivities
@@ -38,7 +39,7 @@ from contracts.billing_meter import MeterInput
 from contracts.node_liveness import LivenessInput
 from core.config import Settings
 from core.gc_tuning import tune_for_service
-from core.payment_settings import PaymentSettings
+from core.payment_settings import NotificationSettings, PaymentSettings
 from core.schedules import ensure_schedule, periodic_schedule
 from core.secrets import SecretStore, VaultSecretStore
 from core.temporal import connect
@@ -166,7 +167,9 @@ def worker_config(
             liveness.check_liveness,
             billing.meter,
             billing.force_release,
+            NotificationActivities(sessions, secret_store, NotificationSettings.from_env()).deliver,
             payments.create_checkout,
+            payments.complete,
             payments.credit,
             payments.fail,
             payments.expire,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import logging
 import random
 import time
 import uuid
@@ -21,7 +22,7 @@ from sqlalchemy import and_, delete, exists, func, insert, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from temporalio import activity
-from temporalio.exceptions import ApplicationError
+from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 
 from activities import placement_sql
 from activities.billing.usage import close_usage, open_usage
@@ -32,6 +33,7 @@ from contracts.allocation import (
     BALANCE_DEPLETED,
     NETWORK_POOL_EXHAUSTED,
     PROVISION_CLEANUP_UNCONFIRMED,
+    REJECTION_TYPES,
     SKU_UNAVAILABLE,
 )
 from contracts.allocation_activities import (
@@ -45,6 +47,7 @@ from contracts.allocation_activities import (
     ReleasePlan,
     Reservation,
 )
+from contracts.billing_meter import BalanceState
 from contracts.host_tasks import (
     BAREMETAL_DEPROVISION_USER,
     BAREMETAL_PROVISION_USER,
@@ -75,6 +78,7 @@ from schema.models import (
     SshKey,
 )
 
+log = logging.getLogger(__name__)
 CLOCK = func.clock_timestamp()
 MAX_MESSAGE = 500
 # Ranked slice nodes a placement may lock, the first one free of others' locks: more than the
@@ -93,7 +97,15 @@ class PlacementContention(Exception):
 
 
 def _reject(type_: str, message: str) -> ApplicationError:
-    return ApplicationError(message, type=type_, non_retryable=True)
+    """Non-retryable. A placement refusal the POST answers as it is (REJECTION_TYPES: 409
+    sku_unavailable, 402 balance_depleted, …) is an ordinary outcome, not a fault: BENIGN, so the
+    SDK logs it at debug level without a traceback, and `place` logs one info line instead."""
+    category = (
+        ApplicationErrorCategory.BENIGN
+        if type_ in REJECTION_TYPES
+        else ApplicationErrorCategory.UNSPECIFIED
+    )
+    return ApplicationError(message, type=type_, non_retryable=True, category=category)
 
 
 def _truncate(message: str | None) -> str | None:
@@ -142,11 +154,17 @@ class AllocationActivities:
                 if existing is not None:
                     return existing
             except ApplicationError as rejected:
-                if rejected.type in (SKU_UNAVAILABLE, NETWORK_POOL_EXHAUSTED):
-                    # An earlier run may have taken the last capacity for this very allocation.
+                if rejected.type in (SKU_UNAVAILABLE, NETWORK_POOL_EXHAUSTED, BALANCE_DEPLETED):
+                    # An earlier run may have taken the last capacity for this very allocation
+                    # (or placed it before the account was depleted).
                     existing = await self._existing_placement(input)
                     if existing is not None:
                         return existing
+                if rejected.type in REJECTION_TYPES:
+                    log.info(
+                        "allocation %s rejected: %s: %s",
+                        input.allocation_id, rejected.type, rejected.message,
+                    )  # fmt: skip
                 raise
             if time.monotonic() > deadline:
                 raise ApplicationError(
@@ -186,6 +204,9 @@ class AllocationActivities:
                 default_vlan_pool=self._default_slice_vlan_pool,
             )
         if not placed.written:
+            if not placed.funded:
+                # The account was depleted between the offer's read and the reservation.
+                raise _reject(BALANCE_DEPLETED, "the project's balance is depleted")
             if placed.vlan_pool_exhausted:
                 raise _reject(
                     NETWORK_POOL_EXHAUSTED,
@@ -463,8 +484,9 @@ class AllocationActivities:
 
 def _check_offer(offer: placement_sql.Offer, input: PlaceInput, *, requested_keys: int) -> None:
     """Rejections are non-retryable: the POST answers them as they are."""
-    if offer.billing_state == "depleted":
-        # It would be force-released at the next metering run: refuse it up front.
+    if offer.billing_state in (None, BalanceState.DEPLETED):
+        # Seed 001 §4: no positive balance (no account yet is a balance of 0), no allocation.
+        # The placement statement checks it again, atomically with the reservation.
         raise _reject(BALANCE_DEPLETED, "the project's balance is depleted")
     if offer.shape is None or not offer.active:
         raise _reject(SKU_UNAVAILABLE, f"SKU {input.sku!r} is not offered in {input.region!r}")

@@ -7,10 +7,12 @@ Written against the asyncpg connection directly, in plain SQL, because this path
 POST and SQLAlchemy's statement building, compilation and ORM bookkeeping cost more CPU than the
 queries themselves; asyncpg also keeps each statement prepared per connection. Everything else
 in the control plane uses SQLAlchemy. The tables are those of schema/models.py. Only the state
-names of contracts/states.py are interpolated into these strings; every value is a `$n` parameter.
+names of contracts/states.py (and the balance state of contracts/billing_meter.py) are
+interpolated into these strings; every value is a `$n` parameter.
 
 Each placement is two round trips, both outside any explicit transaction: the offer (a read), and
-one statement that locks and writes. A single statement is atomic on its own, its locks last
+one statement that locks and writes, checking again what the offer's read could have seen change
+(the project's balance state, capacity). A single statement is atomic on its own, its locks last
 exactly as long as it runs, and a placement no longer pays BEGIN and COMMIT round trips.
 """
 
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 
 import asyncpg
 
+from contracts.billing_meter import BalanceState
 from contracts.states import (
     AllocationStatus,
     ClaimKind,
@@ -129,6 +132,20 @@ allocation AS (
   ON CONFLICT (id) DO NOTHING
 )"""
 
+# Seed 001 §4: a project allocates only while its balance is positive, i.e. its billing account
+# exists and is not `depleted` (no account: nothing was ever credited). Checked by the statement
+# that reserves, on the account row read FOR SHARE: a state change (the meter, a credit; both
+# lock the row FOR UPDATE, activities/billing/accounts.py) either commits first, and this
+# statement then sees `depleted` and writes nothing, or waits for this statement, after which
+# the meter sees the new allocation and releases it. No account row, or a depleted one: every
+# CTE below finds nothing and nothing is written or locked.
+_FUNDED = f"""
+funded AS (
+  SELECT b.project_id FROM billing_accounts b
+  WHERE b.project_id = $5::uuid AND b.state <> '{BalanceState.DEPLETED}'
+  FOR SHARE
+)"""
+
 # Bare metal: the first active node of the SKU (by hostname) with no held claim, skipping nodes
 # a concurrent placement has locked; its claim covers every GPU index on the node.
 _FREE_NODES = f"""
@@ -136,10 +153,11 @@ SELECT n.id FROM nodes n
 WHERE n.region = $1 AND n.sku = $2 AND n.status = '{NodeStatus.ACTIVE}' AND n.gpu_count = $3
   AND NOT EXISTS (SELECT 1 FROM allocation_resource_claims c
                   WHERE c.node_id = n.id AND c.status = '{ClaimStatus.HELD}')
+  AND EXISTS (SELECT 1 FROM funded)
 ORDER BY n.hostname
 """
 _PLACE_BAREMETAL = f"""
-WITH node AS ({_FREE_NODES} LIMIT 1 FOR UPDATE OF n SKIP LOCKED
+WITH {_FUNDED}, node AS ({_FREE_NODES} LIMIT 1 FOR UPDATE OF n SKIP LOCKED
 ), placed AS (
   SELECT id AS node_id FROM node
 ), details AS (
@@ -152,7 +170,8 @@ WITH node AS ({_FREE_NODES} LIMIT 1 FOR UPDATE OF n SKIP LOCKED
   FROM allocation
 )
 SELECT (SELECT id FROM node), (SELECT created_at FROM allocation),
-       CASE WHEN (SELECT id FROM node) IS NULL THEN EXISTS ({_FREE_NODES}) ELSE true END
+       CASE WHEN (SELECT id FROM node) IS NULL THEN EXISTS ({_FREE_NODES}) ELSE true END,
+       EXISTS (SELECT 1 FROM funded)
 """
 
 # The VLAN of the project's slice network in the region, taken by the same statement that
@@ -207,10 +226,11 @@ held_vlan AS (
 # and it ranks again. With the slots, the project's slice VLAN (`_SLICE_VLAN`): no VLAN, nothing
 # written.
 _PLACE_SLICE = f"""
-WITH best AS (
+WITH {_FUNDED}, best AS (
   SELECT n.id, n.free_gpus_one_numa >= $3 AS numa_fit, n.free_gpus
   FROM nodes n
   WHERE n.region = $1 AND n.sku = $2 AND n.status = '{NodeStatus.ACTIVE}' AND n.free_gpus >= $3
+    AND EXISTS (SELECT 1 FROM funded)
   ORDER BY numa_fit DESC, n.free_gpus, n.id
   LIMIT $12
 ), ranked AS (
@@ -263,7 +283,8 @@ SELECT (SELECT id FROM node), (SELECT created_at FROM allocation),
        ARRAY(SELECT gpu_index FROM chosen ORDER BY pick),
        ARRAY(SELECT numa_node FROM chosen ORDER BY pick),
        ARRAY(SELECT pci_address FROM chosen ORDER BY pick),
-       (SELECT ok FROM fits), (SELECT vlan_id FROM vlan), (SELECT vid FROM free_vid)
+       (SELECT ok FROM fits), (SELECT vlan_id FROM vlan), (SELECT vid FROM free_vid),
+       EXISTS (SELECT 1 FROM funded)
 """
 
 
@@ -286,6 +307,9 @@ class Placed:
     created_at: dt.datetime | None
     any_room: bool
     slots: list[ReservedSlot] = field(default_factory=list)
+    # The project's balance allowed the placement when the statement ran (seed 001 §4); False:
+    # nothing was written because the account is depleted (or was never credited).
+    funded: bool = True
     # Slices only. `fits`: the node it locked had the slots. `vlan_id`: the project's VLAN in
     # the region (held or assigned now). `free_vid`: the vid a first placement tried to take; set
     # with no `vlan_id`, a concurrent first placement took it (rank again); neither set while
@@ -343,7 +367,7 @@ async def place_baremetal(pg: asyncpg.Connection, request: PlacementRequest) -> 
     written, or a lost race, raises asyncpg.IntegrityConstraintViolationError."""
     row = await pg.fetchrow(_PLACE_BAREMETAL, *request.parameters())
     assert row is not None
-    return Placed(node_id=row[0], created_at=row[1], any_room=bool(row[2]))
+    return Placed(node_id=row[0], created_at=row[1], any_room=bool(row[2]), funded=bool(row[3]))
 
 
 async def place_slice(
@@ -367,4 +391,5 @@ async def place_slice(
         fits=bool(row[7]),
         vlan_id=row[8],
         free_vid=row[9],
+        funded=bool(row[10]),
     )

@@ -21,6 +21,7 @@ import uuid
 from sqlalchemy import insert, text
 
 from activities.allocations import AllocationActivities
+from activities.billing.ledger import EntryKind, post_entry
 from bench.stack import cpu_seconds, private_postgres
 from contracts.allocation_activities import PlaceInput
 from schema.db import create_engine, session_factory
@@ -53,6 +54,14 @@ async def measure(url: str, nodes: int, concurrency: int) -> str:
             await seed_fleet(session, build_fleet(nodes, region=REGION))
             project_id = uuid.uuid4()
             await session.execute(insert(Project).values(id=project_id, name="bench"))
+            # A project that was never credited is depleted, and placement refuses it.
+            await post_entry(
+                session,
+                project_id=project_id,
+                amount_minor=10**12,
+                kind=EntryKind.ADMIN_CREDIT,
+                idempotency_key=f"bench:{project_id}",
+            )
         async with engine.connect() as connection:
             await connection.execute(text("ANALYZE"))
         activities = AllocationActivities(engine)

@@ -1,8 +1,46 @@
-"""BillingMeterWorkflow's run and its local activities' inputs and results."""
+"""BillingMeterWorkflow's run and its activities' inputs and results; the balance states of seed
+001 §4 and the tenant notification channel (the outbox the meter writes, the webhook it
+delivers to, and how a delivery is signed)."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import uuid
 from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class BalanceState(StrEnum):
+    """Seed 001 §4: depleted at a balance ≤ the depleted threshold (0), low at ≤ the low
+    threshold, healthy above. An account starts depleted."""
+
+    HEALTHY = "healthy"
+    LOW_BALANCE = "low_balance"
+    DEPLETED = "depleted"
+
+
+class NotificationKind(StrEnum):
+    LOW_BALANCE = "low_balance"
+    DEPLETED = "depleted"
+
+
+# A project's notification webhook: each delivery is a POST of the notice as JSON, with
+#   Gpucloud-Signature: t=<unix seconds>,v1=<hex HMAC-SHA256(secret, "<t>.<body>")>
+#   Gpucloud-Notification-Id: <the notice's id> (the same on every retry: dedupe on it)
+SIGNATURE_HEADER = "Gpucloud-Signature"
+NOTIFICATION_ID_HEADER = "Gpucloud-Notification-Id"
+
+
+def notification_webhook_secret_path(project_id: uuid.UUID | str) -> str:
+    """Where the webhook's signing secret lives in the secret store: {"secret": "whsec_…"}."""
+    return f"kv/projects/{project_id}/notification-webhook"
+
+
+def sign_notification(secret: str, timestamp: int, body: bytes) -> str:
+    """The Gpucloud-Signature header value for `body` sent at `timestamp`."""
+    mac = hmac.new(secret.encode(), f"{timestamp}.".encode() + body, hashlib.sha256).hexdigest()
+    return f"t={timestamp},v1={mac}"
 
 
 @dataclass
@@ -18,6 +56,8 @@ class MeterResult:
     records_billed: int = 0
     state_changes: list[str] = field(default_factory=list)
     allocations_to_release: list[str] = field(default_factory=list)
+    # Notices waiting for their webhook delivery (new ones, and retries that are due).
+    notifications_due: int = 0
 
 
 @dataclass
@@ -30,3 +70,15 @@ class BillingForceReleaseInput:
 class BillingForceReleaseResult:
     requested: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+
+
+@dataclass
+class DeliverNotificationsInput:
+    max_notifications: int = 50
+
+
+@dataclass
+class DeliverNotificationsResult:
+    delivered: list[str] = field(default_factory=list)
+    retrying: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)  # attempts spent: no more tries

@@ -1,6 +1,6 @@
-"""The PaymentSessionWorkflow contract (seed 001 §5): id scheme, message names, payloads and the
-error types the gateway maps to HTTP. Kept apart from the workflow so the gateway and the
-activities import no workflow code."""
+"""The PaymentSessionWorkflow contract (seed 001 §5): id scheme, message names, payloads, the
+statuses a session goes through and the error types the gateway maps to HTTP. Kept apart from the
+workflow so the gateway and the activities import no workflow code."""
 
 from __future__ import annotations
 
@@ -11,14 +11,30 @@ CHECKOUT_UPDATE = "checkout"
 COMPLETED_SIGNAL = "checkout_completed"
 STATUS_QUERY = "status"
 
+# Statuses (payment_sessions.status): initiated → checkout_completed → credited, with
+# failed_reconcile and expired beside them; an expired session whose payment still succeeds
+# within the late-success window goes on to checkout_completed and credited, flagged for review.
+INITIATED = "initiated"
+CHECKOUT_COMPLETED = "checkout_completed"
+CREDITED = "credited"
+FAILED_RECONCILE = "failed_reconcile"
+EXPIRED = "expired"
+
 # Error types the gateway maps to HTTP.
 IDEMPOTENCY_KEY_REUSED = "idempotency_key_reused"
 STRIPE_ERROR = "payment_provider_error"
+# 422s of POST /api/v1/payments/checkout-session (core.payment_settings.CHECKOUT_AMOUNT_LIMITS).
+CURRENCY_NOT_SUPPORTED = "currency_not_supported"
+AMOUNT_BELOW_MINIMUM = "amount_below_minimum"
+AMOUNT_ABOVE_MAXIMUM = "amount_above_maximum"
 
 # Failure reasons stored in payment_sessions.failure_reason.
 AMOUNT_MISMATCH = "amount_mismatch"
 CURRENCY_MISMATCH = "currency_mismatch"
 CREDIT_FAILED = "credit_failed"
+
+# Review reasons stored in payment_sessions.review_reason.
+LATE_SUCCESS = "late_success"  # paid after the session expired: credited, for a person to check
 
 WORKFLOW_ID_PREFIX = "payment-session-"
 
@@ -80,6 +96,8 @@ class CheckoutCreated:
     expires_at: str  # ISO 8601
     # How long the workflow waits for payment (from the worker's settings, fixed in history).
     ttl_seconds: float = 86400.0
+    # After expiry, how long a payment that still succeeds is credited (flagged for review).
+    late_success_window_seconds: float = 14 * 86400.0
 
 
 @dataclass
@@ -94,6 +112,14 @@ class CheckoutCompletion:
 
 
 @dataclass
+class CompleteInput:
+    """Record the completion (status checkout_completed) before the credit is attempted."""
+
+    payment_session_id: str
+    completion: CheckoutCompletion
+
+
+@dataclass
 class CreditInput:
     payment_session_id: str
     completion: CheckoutCompletion
@@ -102,9 +128,10 @@ class CreditInput:
 @dataclass
 class SettleResult:
     payment_session_id: str
-    status: str  # credited | failed_reconcile | expired
+    status: str  # credited | failed_reconcile | expired (checkout_completed: not yet settled)
     ledger_entry_id: str | None = None
     failure_reason: str | None = None
+    review_reason: str | None = None
 
 
 @dataclass

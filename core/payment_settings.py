@@ -1,6 +1,7 @@
-"""Payment settings, read from the environment once at start-up (defaults suit the dev stack).
-Secrets are not settings: the Stripe API key and webhook secret are read from the secret store at
-call time, so rotation needs no restart."""
+"""Payment and notification settings, read from the environment once at start-up (defaults suit
+the dev stack). Secrets are not settings: the Stripe API key and webhook secret, and projects'
+notification webhook secrets, are read from the secret store at call time, so rotation needs no
+restart."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ class PaymentSettings:
     stripe_api_base: str = "https://api.stripe.com"
     # How long a Checkout Session waits for payment before the payment session expires.
     session_ttl_seconds: float = 24 * 3600.0
+    # How long after that a payment that still succeeds (delayed payment methods settle days
+    # later) is credited, and flagged for review, instead of being dropped.
+    late_success_window_seconds: float = 14 * 86400.0
     success_url: str = "http://localhost:8000/payments/success"
     cancel_url: str = "http://localhost:8000/payments/cancel"
     stripe_timeout_seconds: float = 20.0
@@ -34,6 +38,9 @@ class PaymentSettings:
             session_ttl_seconds=float(
                 e.get("GPUCLOUD_PAYMENT_SESSION_TTL_S", str(d.session_ttl_seconds))
             ),
+            late_success_window_seconds=float(
+                e.get("GPUCLOUD_PAYMENT_LATE_SUCCESS_WINDOW_S", str(d.late_success_window_seconds))
+            ),
             success_url=e.get("GPUCLOUD_PAYMENT_SUCCESS_URL", d.success_url),
             cancel_url=e.get("GPUCLOUD_PAYMENT_CANCEL_URL", d.cancel_url),
             stripe_timeout_seconds=float(
@@ -50,4 +57,54 @@ class PaymentSettings:
             stuck_after_seconds=float(
                 e.get("GPUCLOUD_PAYMENT_STUCK_AFTER_S", str(d.stuck_after_seconds))
             ),
+        )
+
+
+# Per-currency bounds of one Checkout Session, in minor units (the currencies we accept). The
+# minimum is Stripe's own (it refuses card payments below about 0.50 USD, converted per
+# currency); the maximum is Stripe's 8-digit amount limit.
+# https://docs.stripe.com/currencies#minimum-and-maximum-charge-amounts
+CHECKOUT_AMOUNT_LIMITS: dict[str, tuple[int, int]] = {
+    "usd": (50, 99_999_999),
+    "eur": (50, 99_999_999),
+    "gbp": (30, 99_999_999),
+    "chf": (50, 99_999_999),
+    "cad": (50, 99_999_999),
+    "aud": (50, 99_999_999),
+    "jpy": (50, 99_999_999),  # zero-decimal: ¥50
+}
+
+
+@dataclass(frozen=True)
+class NotificationSettings:
+    """How the worker delivers tenant notifications to project webhooks."""
+
+    timeout_seconds: float = 5.0
+    max_attempts: int = 8
+    # First retry after this, doubling up to max_backoff_seconds.
+    initial_backoff_seconds: float = 30.0
+    max_backoff_seconds: float = 3600.0
+    # Webhooks on loopback, private, link-local or otherwise reserved addresses are refused
+    # (the worker must not be a way into the control plane's network), and plain http with
+    # them; the dev stack and the tests turn this on.
+    allow_private_targets: bool = False
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> NotificationSettings:
+        e = os.environ if env is None else env
+        d = cls()
+        return cls(
+            timeout_seconds=float(
+                e.get("GPUCLOUD_NOTIFICATION_WEBHOOK_TIMEOUT_S", str(d.timeout_seconds))
+            ),
+            max_attempts=int(
+                e.get("GPUCLOUD_NOTIFICATION_WEBHOOK_MAX_ATTEMPTS", str(d.max_attempts))
+            ),
+            initial_backoff_seconds=float(
+                e.get(
+                    "GPUCLOUD_NOTIFICATION_WEBHOOK_RETRY_INITIAL_S", str(d.initial_backoff_seconds)
+                )
+            ),
+            allow_private_targets=e.get("GPUCLOUD_NOTIFICATION_WEBHOOK_ALLOW_PRIVATE", "")
+            in ("1", "true", "yes"),
         )

@@ -42,6 +42,7 @@ from gateway.controllers.enrollment import (
 from gateway.controllers.gpu_slots import AdminGpuSlotsController
 from gateway.controllers.health import HealthController
 from gateway.controllers.maas_sites import AdminMaasSitesController
+from gateway.controllers.notifications import NotificationsController
 from gateway.controllers.onboardings import AdminOnboardingsController
 from gateway.controllers.payments import (
     AdminPaymentsController,
@@ -159,6 +160,7 @@ def create_app(
             StripeWebhookController,
             AdminPaymentsController,
             AdminReconciliationController,
+            NotificationsController,
         ],
         dependencies={
             "db": Provide(provide_db),

@@ -586,7 +586,9 @@ class BillingAccount(Base):
     __tablename__ = "billing_accounts"
     project_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("projects.id"), primary_key=True)
     currency: Mapped[str] = mapped_column(String(3), server_default=text("'usd'"))
-    state: Mapped[str] = mapped_column(String(16), server_default=text("'healthy'"))
+    # Seed 001 §4: a balance of 0 or less is depleted, so an account starts depleted; every
+    # credit and every metering run recomputes it (activities/billing/accounts.py).
+    state: Mapped[str] = mapped_column(String(16), server_default=text("'depleted'"))
     low_balance_threshold_minor: Mapped[int] = mapped_column(
         BigInteger, server_default=text(str(LOW_BALANCE_THRESHOLD_MINOR))
     )
@@ -598,6 +600,8 @@ class BillingAccount(Base):
     state_changed_at: Mapped[dt.datetime] = mapped_column(
         DateTime(timezone=True), server_default=CLOCK
     )
+    # Counts the times the balance left `healthy`: a notice goes out once per (kind, episode).
+    episode: Mapped[int] = mapped_column(Integer, server_default=text("0"))
     __table_args__ = (
         CheckConstraint("state IN ('healthy', 'low_balance', 'depleted')", name="billing_state"),
     )
@@ -612,6 +616,54 @@ class BillingEvent(Base):
     event: Mapped[str] = mapped_column(String(64))
     details: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
     occurred_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=CLOCK)
+
+
+class Notification(Base):
+    """The tenant notification outbox (seed 001 §4's notification channel): one row per notice,
+    at most one per (project, kind, balance episode), written in the transaction that classified
+    the balance. Tenants read it (GET /api/v1/notifications); when the project has a webhook
+    the worker delivers it there (`delivery_status` pending → delivered, or failed once its
+    attempts are spent); `none`: no webhook was set when it was written."""
+
+    __tablename__ = "notifications"
+    id: Mapped[uuid.UUID] = mapped_column(UUID, primary_key=True)
+    project_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("projects.id"))
+    kind: Mapped[str] = mapped_column(String(32))  # low_balance | depleted
+    episode: Mapped[int] = mapped_column(Integer)
+    details: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=CLOCK)
+    delivery_status: Mapped[str] = mapped_column(String(16), server_default=text("'none'"))
+    delivery_attempts: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    # Due for its next attempt (also the lease of an attempt in flight).
+    next_attempt_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    delivered_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    last_error: Mapped[str | None] = mapped_column(Text)
+    __table_args__ = (
+        UniqueConstraint("project_id", "kind", "episode", name="notifications_once_per_episode"),
+        CheckConstraint(
+            "delivery_status IN ('none', 'pending', 'delivered', 'failed')",
+            name="notifications_delivery_status",
+        ),
+        Index("notifications_project", "project_id", "created_at", "id"),
+        Index(
+            "notifications_due",
+            "next_attempt_at",
+            postgresql_where=text("delivery_status = 'pending'"),
+        ),
+    )
+
+
+class NotificationWebhook(Base):
+    """A project's notification webhook (a project setting the tenant writes): notices are
+    POSTed there signed with HMAC-SHA256; the signing secret lives in the secret store at
+    `secret_path`, never here."""
+
+    __tablename__ = "project_notification_webhooks"
+    project_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("projects.id"), primary_key=True)
+    url: Mapped[str] = mapped_column(Text)
+    secret_path: Mapped[str] = mapped_column(String(300))
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=CLOCK)
+    updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=CLOCK)
 
 
 # --- payments (seed 001 §5) ---------------------------------------------------------------------
@@ -639,6 +691,10 @@ class PaymentSession(Base):
     completed_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
     credited_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
     failure_reason: Mapped[str | None] = mapped_column(Text)
+    # Set when the session needs a person to look at it although it settled (a payment that
+    # succeeded after the session expired: credited, and flagged `late_success`).
+    review_reason: Mapped[str | None] = mapped_column(String(64))
+    flagged_for_review_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
     __table_args__ = (
         UniqueConstraint("project_id", "idempotency_key", name="payment_sessions_idempotency"),
         CheckConstraint(
@@ -653,6 +709,21 @@ class PaymentSession(Base):
         ),
         Index("payment_sessions_status_created", "status", "created_at"),
     )
+
+
+class PaymentSessionEvent(Base):
+    """Append-only (a trigger rejects UPDATE and DELETE): one row per payment session
+    transition, written in the transaction that applies it."""
+
+    __tablename__ = "payment_session_events"
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    payment_session_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("payment_sessions.id"))
+    event: Mapped[str] = mapped_column(String(64))
+    from_status: Mapped[str | None] = mapped_column(String(32))
+    to_status: Mapped[str | None] = mapped_column(String(32))
+    details: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
+    occurred_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=CLOCK)
+    __table_args__ = (Index("payment_session_events_session", "payment_session_id", "id"),)
 
 
 class StripeWebhookEvent(Base):

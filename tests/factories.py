@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from sqlalchemy import insert
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from activities.billing.ledger import EntryKind, post_entry
 from contracts.states import NodeStatus, SkuShape
 from schema.models import GpuSlot, Node, Project, Sku
 
@@ -91,10 +92,37 @@ async def create_node(
     return FleetNode(node_id, hostname, gpus)
 
 
+# What a test project starts with: enough for any test's usage. A project that was never
+# credited is depleted and cannot allocate (seed 001 §4).
+STARTING_CREDIT_MINOR = 10_000_000
+
+
+async def fund_project(
+    sessions: async_sessionmaker[AsyncSession], project_id: uuid.UUID, amount_minor: int
+) -> None:
+    """Credit the project as production does (a ledger posting, which recomputes the account's
+    state); nothing for 0."""
+    if amount_minor <= 0:
+        return
+    async with sessions() as session, session.begin():
+        await post_entry(
+            session,
+            project_id=project_id,
+            amount_minor=amount_minor,
+            kind=EntryKind.ADMIN_CREDIT,
+            idempotency_key=f"test-starting-credit-{project_id}",
+            description="test: starting credit",
+        )
+
+
 async def create_project(
-    sessions: async_sessionmaker[AsyncSession], name: str | None = None
+    sessions: async_sessionmaker[AsyncSession],
+    name: str | None = None,
+    *,
+    credit_minor: int = STARTING_CREDIT_MINOR,
 ) -> uuid.UUID:
     project_id = uuid.uuid4()
     async with sessions() as session, session.begin():
         session.add(Project(id=project_id, name=name or f"project-{project_id.hex[:8]}"))
+    await fund_project(sessions, project_id, credit_minor)
     return project_id

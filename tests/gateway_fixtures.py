@@ -39,7 +39,14 @@ from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.sshkeys import parse_public_key
 from schema.models import Allocation, ApiToken, Project, SshKey
-from tests.factories import BAREMETAL_SKU, REGION, SLICE_SKU, create_node
+from tests.factories import (
+    BAREMETAL_SKU,
+    REGION,
+    SLICE_SKU,
+    STARTING_CREDIT_MINOR,
+    create_node,
+    fund_project,
+)
 from tests.lifecycle_support import Tenant
 
 TEMPORAL_UI_ORIGIN = "http://localhost:8233"
@@ -208,10 +215,16 @@ def unreachable_settings(settings: Settings) -> Callable[..., Settings]:
 def make_project(
     db_sessions: async_sessionmaker[AsyncSession],
 ) -> Callable[..., Awaitable[Project]]:
-    async def make(name: str | None = None) -> Project:
+    """A project with a starting credit (a project without one cannot allocate: seed 001 §4);
+    `credit_minor=0` for one that starts at 0, depleted."""
+
+    async def make(
+        name: str | None = None, *, credit_minor: int = STARTING_CREDIT_MINOR
+    ) -> Project:
         project = Project(id=uuid.uuid4(), name=name or f"project-{uuid.uuid4().hex[:8]}")
         async with db_sessions() as session, session.begin():
             session.add(project)
+        await fund_project(db_sessions, project.id, credit_minor)
         return project
 
     return make

@@ -210,10 +210,16 @@ async def payments(
     async with AsyncExitStack() as stack:
 
         async def build(
-            *, mock: StripeMock | None = None, ttl_seconds: float = 3600.0, project: Any = None
+            *,
+            mock: StripeMock | None = None,
+            ttl_seconds: float = 3600.0,
+            late_window_seconds: float = 3600.0,
+            project: Any = None,
         ) -> PaymentsPlane:
             payment_settings = PaymentSettings(
-                stripe_api_base=(mock or stripe_mock).api_base, session_ttl_seconds=ttl_seconds
+                stripe_api_base=(mock or stripe_mock).api_base,
+                session_ttl_seconds=ttl_seconds,
+                late_success_window_seconds=late_window_seconds,
             )
             stripe_api = StripeApi(store, payment_settings)
             worker = build_worker(
@@ -224,7 +230,7 @@ async def payments(
                 payment_settings=payment_settings,
             )
             await stack.enter_async_context(worker)
-            token = await make_token("tenant", project or await make_project())
+            token = await make_token("tenant", project or await make_project(credit_minor=0))
             client = await api(token=token, settings=app_settings)
             return PaymentsPlane(
                 client, stripe_api, webhook_secret, app_settings, payment_settings, temporal_client

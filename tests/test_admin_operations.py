@@ -120,7 +120,7 @@ async def test_a_credit_retried_with_the_same_key_posts_once_even_when_requests_
     admin: Any, plane: Any, make_project: Any, make_token: Any, api: Any, db_sessions: Any,
     temporal_client: Client,
 ) -> None:  # fmt: skip
-    project = await make_project()
+    project = await make_project(credit_minor=0)
     url = f"/api/v1/admin/billing/accounts/{project.id}/credits"
     body = {"amount_minor": 1500, "idempotency_key": "topup-7", "reason": "goodwill, INC-12"}
 

@@ -15,9 +15,16 @@ from sqlalchemy import func, select
 from activities.billing.metering import BillingActivities, cumulative_charge
 from contracts.billing_meter import MeterInput
 from contracts.host_tasks import SLICE_VM_RELEASE, HostErrorType
-from schema.models import BillingEvent, LedgerEntry, UsageRecord
+from schema.models import (
+    Allocation,
+    AllocationResourceClaim,
+    BillingEvent,
+    GpuSlot,
+    LedgerEntry,
+    UsageRecord,
+)
 from tests.histories import record_history
-from tests.lifecycle_support import create_fleet, slice_request, wait_status
+from tests.lifecycle_support import baremetal_request, create_fleet, slice_request, wait_status
 from workflows.billing_meter import BillingMeterWorkflow
 
 pytestmark = pytest.mark.usefixtures("control_plane")
@@ -131,10 +138,11 @@ async def test_a_failed_release_is_not_charged(
 
 
 async def test_low_then_depleted_force_releases_through_the_workflows(
-    tenant: tuple[Any, Any], db_sessions: Any, start_node_agent: Any, temporal_client: Any,
-    settings: Any, api: Any, make_token: Any,
+    db_sessions: Any, start_node_agent: Any, temporal_client: Any, settings: Any, api: Any,
+    make_token: Any, make_project: Any,
 ) -> None:  # fmt: skip
-    project, client = tenant
+    project = await make_project(credit_minor=0)
+    client = await api(token=await make_token("tenant", project))
     admin = await api(token=await make_token("admin"))
     credit = {"amount_minor": 1200, "idempotency_key": "topup-1", "reason": "trial credit"}
     url = f"/api/v1/admin/billing/accounts/{project.id}/credits"
@@ -182,6 +190,22 @@ async def test_low_then_depleted_force_releases_through_the_workflows(
             )
         )
     assert notices == 1, "one low-balance notice per episode"
+    # The outbox the tenant reads: each kind once in this episode, newest first, however often
+    # the meter ran (no webhook: nothing to deliver).
+    listed = (await client.get("/api/v1/notifications")).json()
+    assert [(n["kind"], n["delivery_status"]) for n in listed["items"]] == [
+        ("depleted", "none"),
+        ("low_balance", "none"),
+    ]
+    assert listed["items"][0]["details"]["balance_minor"] <= 0
+    assert listed["next_cursor"] is None
+
+    # A top-up lifts `depleted` at once: the next POST is placed, with no meter run between.
+    topup = {"amount_minor": 100_000, "idempotency_key": "topup-2", "reason": "paid by wire"}
+    assert (await admin.post(url, json=topup)).status_code == 201
+    assert (await client.get("/api/v1/billing/balance")).json()["state"] == "healthy"
+    placed = await client.post("/api/v1/allocations", json=slice_request(1))
+    assert placed.status_code == 201, placed.text
 
 
 async def test_closed_usage_is_charged_through_its_last_partial_window(
@@ -211,3 +235,36 @@ async def test_closed_usage_is_charged_through_its_last_partial_window(
     assert result.debits_posted == 3  # two whole minutes and the partial third
     total = cumulative_charge(PRICE, 2, record.ended_at - record.started_at)
     assert await charged(db_sessions, project.id) == total >= 20  # ⌊500 · 150 s / 1 h⌋ = 20
+
+
+async def test_a_project_never_credited_is_depleted_and_cannot_allocate(
+    db_sessions: Any, start_node_agent: Any, api: Any, make_token: Any, make_project: Any,
+    count_rows: Any,
+) -> None:  # fmt: skip
+    """Seed 001 §4: a balance of 0 is depleted. A new project is refused (402, nothing reserved)
+    until it is credited, and the credit lifts the state at once."""
+    project = await make_project(credit_minor=0)
+    client = await api(token=await make_token("tenant", project))
+    admin = await api(token=await make_token("admin"))
+    (node,) = await create_fleet(db_sessions, slice_nodes=1)
+    await start_node_agent(node.id)
+
+    balance = (await client.get("/api/v1/billing/balance")).json()
+    assert (balance["balance_minor"], balance["state"]) == (0, "depleted")
+    for body in (slice_request(1), baremetal_request()):
+        refused = await client.post("/api/v1/allocations", json=body)
+        assert refused.status_code == 402, refused.text
+        assert refused.json()["error"]["code"] == "balance_depleted"
+    assert await count_rows(Allocation) == 0
+    assert await count_rows(GpuSlot, status="reserved") == 0
+    assert await count_rows(AllocationResourceClaim) == 0
+
+    url = f"/api/v1/admin/billing/accounts/{project.id}/credits"
+    credit = {"amount_minor": 5000, "idempotency_key": "first", "reason": "welcome credit"}
+    assert (await admin.post(url, json=credit)).status_code == 201
+    balance = (await client.get("/api/v1/billing/balance")).json()
+    assert (balance["balance_minor"], balance["state"]) == (5000, "healthy")
+    placed = await client.post("/api/v1/allocations", json=slice_request(1))
+    assert placed.status_code == 201, placed.text
+    await wait_status(client, placed.json()["allocation_id"], "active")
+    assert (await client.get("/api/v1/notifications")).json()["items"] == []

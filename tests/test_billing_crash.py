@@ -33,7 +33,7 @@ async def test_metering_survives_a_worker_crash_without_charging_twice(
 ) -> None:
     await create_sku(db_sessions)
     node = await create_node(db_sessions)
-    project_id = await create_project(db_sessions)
+    project_id = await create_project(db_sessions, credit_minor=0)  # only the debits below
     now = dt.datetime.now(dt.UTC)
     started = now - BACKLOG
     async with db_sessions() as session, session.begin():

@@ -11,7 +11,7 @@ import uuid
 from typing import Any
 
 import pytest
-from sqlalchemy import func, select, update
+from sqlalchemy import func, select, text, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from temporalio.client import Client
 
@@ -26,7 +26,7 @@ from contracts.stripe_reconciliation import (
     ReconciliationInput,
     ReconciliationResult,
 )
-from schema.models import LedgerEntry, PaymentSession, StripeWebhookEvent
+from schema.models import LedgerEntry, PaymentSession, PaymentSessionEvent, StripeWebhookEvent
 from tests.admin_operation_support import nth_run, record
 from tests.histories import record_history
 from tests.lifecycle_support import eventually
@@ -58,6 +58,20 @@ async def _credits(db: Sessions, project_id: uuid.UUID) -> list[LedgerEntry]:
 async def _balance(db: Sessions, project_id: uuid.UUID) -> int:
     async with db() as session:
         return await balance_minor(session, project_id)
+
+
+async def _events(db: Sessions, payment_session_id: str) -> list[tuple[str, Any, Any]]:
+    async with db() as session:
+        rows = await session.execute(
+            select(
+                PaymentSessionEvent.event,
+                PaymentSessionEvent.from_status,
+                PaymentSessionEvent.to_status,
+            )
+            .where(PaymentSessionEvent.payment_session_id == uuid.UUID(payment_session_id))
+            .order_by(PaymentSessionEvent.id)
+        )
+        return [tuple(r) for r in rows.all()]
 
 
 async def _workflow_done(client: Client, payment_session_id: str) -> Any:
@@ -113,7 +127,7 @@ async def test_checkout_is_idempotent_per_key(
 async def test_signed_webhook_credits_exactly_once(
     payments: PaymentsFactory, db_sessions: Sessions, make_project: Any
 ) -> None:
-    project = await make_project()
+    project = await make_project(credit_minor=0)
     plane = await payments(project=project)
     created = (await plane.checkout(4200, key="k")).json()
     session_id = created["payment_session_id"]
@@ -144,12 +158,18 @@ async def test_signed_webhook_credits_exactly_once(
     assert await _balance(db_sessions, project.id) == 4200
     handle = plane.temporal.get_workflow_handle(payment_session_workflow_id(session_id))
     await record_history(handle, "payment_session", "credited_via_webhook")
+    # Each transition in the append-only event log, checkout_completed as its own step.
+    assert await _events(db_sessions, session_id) == [
+        ("initiated", None, "initiated"),
+        ("checkout_completed", "initiated", "checkout_completed"),
+        ("credited", "checkout_completed", "credited"),
+    ]
 
 
 async def test_out_of_order_deliveries(
     payments: PaymentsFactory, db_sessions: Sessions, make_project: Any
 ) -> None:
-    project = await make_project()
+    project = await make_project(credit_minor=0)
     plane = await payments(project=project)
     created = (await plane.checkout(1500, key="ooo")).json()
     cs_id = created["stripe_checkout_session_id"]
@@ -210,7 +230,7 @@ async def test_bad_signatures_are_refused_and_nothing_is_recorded(
 async def test_amount_mismatch_is_failed_reconcile_without_credit(
     payments: PaymentsFactory, db_sessions: Sessions, make_project: Any, make_token: Any, api: Any
 ) -> None:
-    project = await make_project()
+    project = await make_project(credit_minor=0)
     plane = await payments(project=project)
     created = (await plane.checkout(3000, key="mm")).json()
     await plane.deliver(checkout_event(created["stripe_checkout_session_id"], 2999))
@@ -254,7 +274,7 @@ async def test_reconciliation_recovers_a_missed_webhook(
 ) -> None:
     """Stripe (the 'paid' stripe-mock) reports every session paid for PAID_AMOUNT; no webhook
     ever arrives. Reconciliation credits the matching one and flags the other."""
-    project = await make_project()
+    project = await make_project(credit_minor=0)
     plane = await payments(project=project, mock=stripe_mock_paid)
     paid = (await plane.checkout(PAID_AMOUNT, key="paid")).json()
     short = (await plane.checkout(PAID_AMOUNT - 1, key="short")).json()
@@ -285,17 +305,22 @@ async def test_reconciliation_recovers_a_missed_webhook(
 async def test_ttl_expiry_and_reconciliation_expires_abandoned_sessions(
     payments: PaymentsFactory, db_sessions: Sessions, make_project: Any
 ) -> None:
-    project = await make_project()
-    plane = await payments(project=project, ttl_seconds=1.0)
+    project = await make_project(credit_minor=0)
+    plane = await payments(project=project, ttl_seconds=1.0, late_window_seconds=1.0)
     created = (await plane.checkout(900, key="ttl")).json()
     row = await _status_is(db_sessions, created["payment_session_id"], "expired")
     assert row.ledger_entry_id is None
     handle = plane.temporal.get_workflow_handle(
         payment_session_workflow_id(created["payment_session_id"])
     )
-    assert (await handle.result())["status"] == "expired"
-    await record_history(handle, "payment_session", "expired")
-    # A completion after expiry finds the workflow closed: acknowledged, nothing credited.
+    assert (await handle.result())["status"] == "expired"  # the late-success window passed
+    await record_history(handle, "payment_session", "expired_after_late_window")
+    assert await _events(db_sessions, created["payment_session_id"]) == [
+        ("initiated", None, "initiated"),
+        ("expired", "initiated", "expired"),
+    ]
+    # A completion after the late-success window finds the workflow closed: acknowledged,
+    # nothing credited.
     late = await plane.deliver(checkout_event(created["stripe_checkout_session_id"], 900))
     assert late.status_code == 200
     assert await _credits(db_sessions, project.id) == []
@@ -344,7 +369,7 @@ async def test_every_paid_session_is_credited_exactly_once_under_interleavings(
     """Seeded random interleavings of duplicate webhooks (same and new event ids), checkout
     retries and reconciliation runs: each paid session is credited exactly once."""
     rng = random.Random(20261121)
-    project = await make_project()
+    project = await make_project(credit_minor=0)
     plane = await payments(project=project, mock=stripe_mock_paid)
     sessions = [(await plane.checkout(PAID_AMOUNT, key=f"p-{i}")).json() for i in range(4)]
     events = {s["payment_session_id"]: checkout_event(s["stripe_checkout_session_id"],
@@ -395,3 +420,151 @@ async def test_reconciliation_schedule_is_created_idempotently(
         assert described.schedule.spec.intervals[0].every == dt.timedelta(hours=1)
     finally:
         await handle.delete()
+
+
+async def test_checkout_amounts_are_bounded_per_currency(
+    payments: PaymentsFactory, db_sessions: Sessions
+) -> None:
+    """Stripe refuses card payments under its per-currency minimum (0.50 USD): such a session
+    is refused here, 422 with the limit, before anything is created."""
+    plane = await payments()
+    refusals = [
+        (1, "usd", "amount_below_minimum", {"currency": "usd", "minimum_amount_minor": 50}),
+        (29, "gbp", "amount_below_minimum", {"currency": "gbp", "minimum_amount_minor": 30}),
+        (
+            100_000_000,
+            "usd",
+            "amount_above_maximum",
+            {"currency": "usd", "maximum_amount_minor": 99_999_999},
+        ),
+    ]
+    for amount, currency, code, details in refusals:
+        refused = await plane.checkout(amount, key=f"k-{amount}-{currency}", currency=currency)
+        assert refused.status_code == 422, refused.text
+        assert refused.json()["error"]["code"] == code
+        assert refused.json()["error"]["details"] == details
+    unknown = await plane.checkout(5000, key="xyz", currency="xyz")
+    assert unknown.status_code == 422
+    assert unknown.json()["error"]["code"] == "currency_not_supported"
+    assert "usd" in unknown.json()["error"]["details"]["supported"]
+    assert plane.stripe.calls["checkout.sessions.create"] == 0
+    async with db_sessions() as session:
+        assert await session.scalar(select(func.count()).select_from(PaymentSession)) == 0
+
+    for amount, currency in ((50, "usd"), (30, "gbp"), (99_999_999, "eur")):
+        accepted = await plane.checkout(amount, key=f"ok-{currency}", currency=currency)
+        assert accepted.status_code == 201, accepted.text
+    assert plane.stripe.calls["checkout.sessions.create"] == 3
+
+
+async def test_a_credit_that_keeps_failing_lands_in_failed_reconcile(
+    payments: PaymentsFactory, db_sessions: Sessions, make_project: Any, api: Any,
+    make_token: Any,
+) -> None:  # fmt: skip
+    """The completion is persisted (checkout_completed) before the credit is tried; when the
+    credit still fails after its retries (here the database refuses every payment credit), the
+    session is failed_reconcile with nothing credited, for ops to resolve."""
+    project = await make_project(credit_minor=0)
+    plane = await payments(project=project)
+    created = (await plane.checkout(2000, key="cf")).json()
+    session_id = created["payment_session_id"]
+    async with db_sessions() as session, session.begin():
+        await session.execute(text(_REFUSE_PAYMENT_CREDITS))
+        await session.execute(
+            text(
+                "CREATE TRIGGER test_refuse_payment_credit BEFORE INSERT ON ledger_entries "
+                "FOR EACH ROW WHEN (NEW.kind = 'payment_credit') "
+                "EXECUTE FUNCTION test_refuse_payment_credit()"
+            )
+        )
+    try:
+        delivered = await plane.deliver(checkout_event(created["stripe_checkout_session_id"], 2000))
+        assert delivered.status_code == 200
+        # Recorded on its own while the credit is being retried.
+        await _status_is(db_sessions, session_id, "checkout_completed")
+        row = await _status_is(db_sessions, session_id, "failed_reconcile")
+        assert row.failure_reason == "credit_failed"
+        assert row.ledger_entry_id is None
+        assert row.credited_amount_minor == 2000
+        assert row.completed_at is not None
+        result = await _workflow_done(plane.temporal, session_id)
+        assert (result["status"], result["failure_reason"]) == ("failed_reconcile", "credit_failed")
+    finally:
+        async with db_sessions() as session, session.begin():
+            await session.execute(
+                text("DROP TRIGGER IF EXISTS test_refuse_payment_credit ON ledger_entries")
+            )
+            await session.execute(text("DROP FUNCTION IF EXISTS test_refuse_payment_credit()"))
+    handle = plane.temporal.get_workflow_handle(payment_session_workflow_id(session_id))
+    await record_history(handle, "payment_session", "credit_failed")
+    assert await _events(db_sessions, session_id) == [
+        ("initiated", None, "initiated"),
+        ("checkout_completed", "initiated", "checkout_completed"),
+        ("failed_reconcile", "checkout_completed", "failed_reconcile"),
+    ]
+    assert await _credits(db_sessions, project.id) == []
+    admin = await api(token=await make_token("admin"), settings=plane.settings)
+    listed = (await admin.get("/api/v1/admin/payments/sessions")).json()["items"]
+    assert [(i["payment_session_id"], i["failure_reason"]) for i in listed] == [
+        (session_id, "credit_failed")
+    ]
+    events = await admin.get(f"/api/v1/admin/payments/sessions/{session_id}/events")
+    assert [e["to_status"] for e in events.json()["items"]] == [
+        "initiated",
+        "checkout_completed",
+        "failed_reconcile",
+    ]
+
+
+_REFUSE_PAYMENT_CREDITS = """
+CREATE FUNCTION test_refuse_payment_credit() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION 'test: the ledger refuses payment credits';
+END $$
+"""
+
+
+async def test_a_payment_that_succeeds_after_expiry_is_credited_once_and_flagged(
+    payments: PaymentsFactory, db_sessions: Sessions, make_project: Any, api: Any,
+    make_token: Any,
+) -> None:  # fmt: skip
+    """A delayed payment method that settles after the session's TTL: credited (exactly once,
+    however often Stripe tells us) and flagged late_success for review, not dropped."""
+    project = await make_project(credit_minor=0)
+    plane = await payments(project=project, ttl_seconds=1.0)
+    created = (await plane.checkout(1500, key="late")).json()
+    session_id, cs_id = created["payment_session_id"], created["stripe_checkout_session_id"]
+    await _status_is(db_sessions, session_id, "expired")
+
+    succeeded = checkout_event(cs_id, 1500, event_type="checkout.session.async_payment_succeeded")
+    assert (await plane.deliver(succeeded)).status_code == 200
+    row = await _status_is(db_sessions, session_id, "credited")
+    assert row.review_reason == "late_success"
+    assert row.flagged_for_review_at is not None
+    assert row.failure_reason is None
+    result = await _workflow_done(plane.temporal, session_id)
+    assert (result["status"], result["review_reason"]) == ("credited", "late_success")
+    handle = plane.temporal.get_workflow_handle(payment_session_workflow_id(session_id))
+    await record_history(handle, "payment_session", "late_success_credited")
+
+    # Redelivered, or told again by another event: no second credit.
+    assert (await plane.deliver(succeeded)).json()["duplicate"] is True
+    assert (await plane.deliver(checkout_event(cs_id, 1500))).status_code == 200
+    entries = await _credits(db_sessions, project.id)
+    assert [(e.amount_minor, e.idempotency_key) for e in entries] == [
+        (1500, f"payment:{session_id}")
+    ]
+    assert await _events(db_sessions, session_id) == [
+        ("initiated", None, "initiated"),
+        ("expired", "initiated", "expired"),
+        ("checkout_completed", "expired", "checkout_completed"),
+        ("credited", "checkout_completed", "credited"),
+    ]
+    # The credit lifted the account at once (1500 > the 1000 low-balance threshold).
+    balance = (await plane.client.get("/api/v1/billing/balance")).json()
+    assert (balance["balance_minor"], balance["state"]) == (1500, "healthy")
+    admin = await api(token=await make_token("admin"), settings=plane.settings)
+    listed = (await admin.get("/api/v1/admin/payments/sessions")).json()["items"]
+    assert [(i["payment_session_id"], i["status"], i["review_reason"]) for i in listed] == [
+        (session_id, "credited", "late_success")
+    ]

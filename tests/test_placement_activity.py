@@ -9,12 +9,14 @@ import uuid
 from typing import Any
 
 import pytest
-from sqlalchemy import func, select, update
+from sqlalchemy import func, select, text, update
 from sqlalchemy.dialects.postgresql import Range
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from temporalio.exceptions import ApplicationError
 
 from activities.allocations import AllocationActivities
+from activities.billing.accounts import refresh_state
+from activities.billing.ledger import EntryKind, post_entry
 from contracts.allocation_activities import PlaceInput
 from contracts.host_tasks import BAREMETAL_PROVISION_USER, SLICE_VM_PROVISION
 from contracts.states import AllocationStatus, ClaimKind, SlotStatus
@@ -22,14 +24,13 @@ from schema.models import (
     Allocation,
     AllocationEvent,
     AllocationResourceClaim,
-    BillingAccount,
     GpuSlot,
     Node,
     NodeTask,
     Sku,
 )
 from tests.factories import BAREMETAL_SKU, REGION, SLICE_SKU, create_project
-from tests.lifecycle_support import create_fleet
+from tests.lifecycle_support import create_fleet, eventually
 
 Sessions = async_sessionmaker[AsyncSession]
 
@@ -318,15 +319,16 @@ async def test_refusals_write_nothing(
     db_sessions: Sessions, db_engine: AsyncEngine, make_ssh_key: Any, world: str, code: str
 ) -> None:
     await create_fleet(db_sessions, slice_nodes=1)
-    project = await create_project(db_sessions)
+    # A project never credited has a balance of 0: depleted (seed 001 §4).
+    project = await create_project(
+        db_sessions, **({"credit_minor": 0} if world == "balance_depleted" else {})
+    )
     keys: list[str] = []
     async with db_sessions() as session, session.begin():
         if world == "key_of_another_project":
             keys = [str((await make_ssh_key(await create_project(db_sessions))).id)]
         elif world == "sku_withdrawn":
             await session.execute(update(Sku).where(Sku.name == SLICE_SKU).values(active=False))
-        else:
-            session.add(BillingAccount(project_id=project, state="depleted"))
     request = _input(project, gpus=1, keys=keys)
 
     with pytest.raises(ApplicationError) as refused:
@@ -337,6 +339,59 @@ async def test_refusals_write_nothing(
     async with db_sessions() as session:
         assert await session.scalar(select(func.count()).select_from(Allocation)) == 0
         assert await session.scalar(select(func.count()).select_from(NodeTask)) == 0
+        reserved = await session.scalar(
+            select(func.count()).select_from(GpuSlot).where(GpuSlot.status != SlotStatus.FREE)
+        )
+        assert reserved == 0
+
+
+async def _blocked_on_a_lock(sessions: Sessions) -> bool:
+    async with sessions() as session:
+        waiting = await session.scalar(
+            text(
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            )
+        )
+    return bool(waiting)
+
+
+@pytest.mark.parametrize("sku", [SLICE_SKU, BAREMETAL_SKU])
+async def test_an_account_depleted_while_placing_is_refused_by_the_reserving_statement(
+    db_sessions: Sessions, db_engine: AsyncEngine, sku: str
+) -> None:
+    """The balance check is part of the statement that reserves, not only of the offer's read:
+    a metering run that depletes the account (debit, then reclassification with the account row
+    locked) while a placement is between the two cannot let the placement slip through. The
+    placement waits for it, then writes nothing and answers balance_depleted."""
+    await create_fleet(db_sessions, slice_nodes=1, baremetal_nodes=1)
+    project = await create_project(db_sessions, credit_minor=100)
+    request = _input(project, sku=sku, gpus=8 if sku == BAREMETAL_SKU else 2)
+
+    async with db_sessions() as meter, meter.begin():
+        # What the meter does (activities/billing/metering.py), in one open transaction.
+        await post_entry(
+            meter,
+            project_id=project,
+            amount_minor=-100,
+            kind=EntryKind.USAGE_DEBIT,
+            idempotency_key=f"usage:test:{project}",
+        )
+        account = await refresh_state(meter, project)
+        assert account is not None
+        assert account.state == "depleted"
+        # The offer reads the committed state (still healthy) and passes; the reservation waits.
+        placing = asyncio.create_task(AllocationActivities(db_engine).place(request))
+        await eventually(lambda: _blocked_on_a_lock(db_sessions), timeout=10)
+        assert not placing.done()
+
+    with pytest.raises(ApplicationError) as refused:
+        await asyncio.wait_for(placing, timeout=10)
+    assert refused.value.type == "balance_depleted"
+    assert refused.value.non_retryable
+    async with db_sessions() as session:
+        assert await session.scalar(select(func.count()).select_from(Allocation)) == 0
+        assert await session.scalar(select(func.count()).select_from(AllocationResourceClaim)) == 0
         reserved = await session.scalar(
             select(func.count()).select_from(GpuSlot).where(GpuSlot.status != SlotStatus.FREE)
         )

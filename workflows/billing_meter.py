@@ -1,7 +1,9 @@
 """BillingMeterWorkflow: one metering run, started every minute by the Temporal Schedule
 `billing-meter` (overlapping runs are skipped). A schedule rather than one meter per allocation:
 one short run charges every open usage window and reclassifies balances in a single pass, and
-its history never grows. Depleted accounts' allocations are released by their own workflows."""
+its history never grows. Depleted accounts' allocations are released by their own workflows;
+notices the run left due are then delivered to the projects' webhooks (a delivery that does not
+land is retried by a later run, so the meter never waits on a tenant's endpoint for long)."""
 
 from __future__ import annotations
 
@@ -9,17 +11,22 @@ from datetime import timedelta
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
     from contracts.billing_meter import (
         BillingForceReleaseInput,
         BillingForceReleaseResult,
+        DeliverNotificationsInput,
+        DeliverNotificationsResult,
         MeterInput,
         MeterResult,
     )
 
 WORKFLOW_NAME = "BillingMeterWorkflow"
 SCHEDULE_ID = "billing-meter"
+# Runs recorded before notices were delivered issue no delivery command.
+DELIVER_NOTIFICATIONS_PATCH = "billing-meter-deliver-notifications"
 
 
 @workflow.defn(name=WORKFLOW_NAME)
@@ -42,4 +49,17 @@ class BillingMeterWorkflow:
                 heartbeat_timeout=timedelta(seconds=30),
                 retry_policy=RetryPolicy(maximum_attempts=5),
             )
+        if result.notifications_due and workflow.patched(DELIVER_NOTIFICATIONS_PATCH):
+            try:
+                await workflow.execute_activity(
+                    "billing.deliver_notifications",
+                    DeliverNotificationsInput(),
+                    result_type=DeliverNotificationsResult,
+                    start_to_close_timeout=timedelta(minutes=5),
+                    heartbeat_timeout=timedelta(seconds=60),
+                    retry_policy=RetryPolicy(maximum_attempts=3),
+                )
+            except ActivityError as err:
+                # The outbox keeps them due: the next run tries again.
+                workflow.logger.warning("notification delivery did not run: %s", err)
         return result

@@ -5,7 +5,16 @@ The gateway starts it with update-with-start: the first (local) activity creates
 Checkout Session and records the row, and the `checkout` update hands the URL back to the HTTP
 call. The workflow then waits for the `checkout_completed` signal (webhook route or Stripe
 reconciliation) or its TTL (a durable timer). The first completion wins; later ones are ignored,
-and the credit activity is idempotent besides (ledger key `payment:{id}`).
+and the credit activity is idempotent besides (ledger key `payment:{id}`). A completion is
+recorded (checkout_completed) before the credit is tried; a credit that still fails after its
+retries leaves the session failed_reconcile.
+
+At the TTL the session expires, and the workflow keeps listening for the late-success window: a
+delayed payment method that settles after the session expired is credited (once, like any other)
+and flagged `late_success` for review, not dropped.
+
+Histories recorded before the checkout_completed step and the late-success window replay as they
+ran (workflow.patched).
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ with workflow.unsafe.imports_passed_through():
         WORKFLOW_NAME,
         CheckoutCompletion,
         CheckoutCreated,
+        CompleteInput,
         CreateCheckoutInput,
         CreditInput,
         ExpireInput,
@@ -38,6 +48,10 @@ with workflow.unsafe.imports_passed_through():
 
 _LOCAL = timedelta(seconds=30)
 _DB_RETRY = RetryPolicy(initial_interval=timedelta(milliseconds=200), maximum_attempts=20)
+# The completion is recorded (checkout_completed) in its own activity before the credit.
+COMPLETE_STEP_PATCH = "payment-session-checkout-completed-step"
+# After expiry, a late success is still credited (flagged for review).
+LATE_SUCCESS_PATCH = "payment-session-late-success-window"
 
 
 @workflow.defn(name=WORKFLOW_NAME)
@@ -111,10 +125,28 @@ class PaymentSessionWorkflow:
                 timeout=timedelta(seconds=created.ttl_seconds),
             )
         except TimeoutError:
-            return await self._local(
+            expired = await self._local(
                 "payments.expire", ExpireInput(input.payment_session_id), _DB_RETRY
             )
+            if expired.status != "expired" or not workflow.patched(LATE_SUCCESS_PATCH):
+                return expired
+            self._status = expired.status
+            try:
+                await workflow.wait_condition(
+                    lambda: self._completion is not None,
+                    timeout=timedelta(seconds=created.late_success_window_seconds),
+                )
+            except TimeoutError:
+                return expired
         assert self._completion is not None
+        if workflow.patched(COMPLETE_STEP_PATCH):
+            completed = await self._local(
+                "payments.complete",
+                CompleteInput(input.payment_session_id, self._completion),
+                _DB_RETRY,
+            )
+            if completed.status != "checkout_completed":
+                return completed  # settled already: nothing more to do
         self._status = "checkout_completed"
         try:
             return await self._local(

@@ -1,30 +1,27 @@
 """The ledger: every movement of money is one append-only row with a unique idempotency key, so a
-retried or replayed posting lands at most once; balances are sums, in minor units, never floats."""
+retried or replayed posting lands at most once; balances are sums, in minor units, never floats.
+A credit recomputes the account's state in its own transaction (a top-up lifts `depleted` at
+once, not at the next metering run)."""
 
 from __future__ import annotations
 
 import uuid
 from enum import StrEnum
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from schema.models import BillingAccount, LedgerEntry
+from activities.billing.accounts import balance_minor, ensure_account, refresh_state
+from schema.models import LedgerEntry
+
+__all__ = ["EntryKind", "balance_minor", "ensure_account", "post_entry"]
 
 
 class EntryKind(StrEnum):
     USAGE_DEBIT = "usage_debit"
     PAYMENT_CREDIT = "payment_credit"
     ADMIN_CREDIT = "admin_credit"
-
-
-async def ensure_account(session: AsyncSession, project_id: uuid.UUID) -> None:
-    await session.execute(
-        pg_insert(BillingAccount)
-        .values(project_id=project_id)
-        .on_conflict_do_nothing(index_elements=[BillingAccount.project_id])
-    )
 
 
 async def post_entry(
@@ -39,7 +36,8 @@ async def post_entry(
     description: str | None = None,
 ) -> tuple[uuid.UUID, bool]:
     """Post once, in the caller's transaction. Returns the entry id and whether this call created
-    it (False: an earlier posting with the same key stands, whatever this call asked for)."""
+    it (False: an earlier posting with the same key stands, whatever this call asked for). A
+    credit recomputes the account's state before it returns (accounts.refresh_state)."""
     if amount_minor == 0:
         raise ValueError("a ledger entry moves money: amount_minor must not be 0")
     if (kind == EntryKind.USAGE_DEBIT) != (amount_minor < 0):
@@ -60,6 +58,8 @@ async def post_entry(
         .on_conflict_do_nothing(index_elements=[LedgerEntry.idempotency_key])
         .returning(LedgerEntry.id)
     )
+    if amount_minor > 0:
+        await refresh_state(session, project_id)
     if entry_id is not None:
         return entry_id, True
     existing = await session.scalar(
@@ -67,12 +67,3 @@ async def post_entry(
     )
     assert existing is not None
     return existing, False
-
-
-async def balance_minor(session: AsyncSession, project_id: uuid.UUID) -> int:
-    total = await session.scalar(
-        select(func.coalesce(func.sum(LedgerEntry.amount_minor), 0)).where(
-            LedgerEntry.project_id == project_id
-        )
-    )
-    return int(total or 0)

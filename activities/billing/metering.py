@@ -6,9 +6,11 @@ cum(t) = ⌊price_per_gpu_hour · gpus · elapsed(t) / 1 h⌋ in minor units, so
 is exactly the charge for the whole usage, with no rounding drift, and each window is posted under
 the idempotency key (usage_record, k): a retried or replayed meter run never charges twice.
 
-Balances are then reclassified (healthy / low_balance / depleted); the low-balance notice is
-recorded once per episode, and a depleted account's allocations are handed to their own
-workflows for release (billing force-release), never released around them.
+Balances are then reclassified (healthy / low_balance / depleted, activities/billing/accounts.py):
+a notice goes to the outbox once per kind and episode (delivered to the project's webhook by
+billing.deliver_notifications, which the workflow runs when some are due), and a depleted
+account's allocations are handed to their own workflows for release (billing force-release),
+never released around them.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from temporalio import activity
 from temporalio.client import Client, WorkflowUpdateFailedError
 from temporalio.service import RPCError
 
-from activities.billing.ledger import EntryKind, balance_minor, post_entry
+from activities.billing.accounts import refresh_state
+from activities.billing.ledger import EntryKind, post_entry
 from contracts.allocation import (
     RELEASE_UPDATE,
     ReleaseAccepted,
@@ -30,13 +33,14 @@ from contracts.allocation import (
     allocation_workflow_id,
 )
 from contracts.billing_meter import (
+    BalanceState,
     BillingForceReleaseInput,
     BillingForceReleaseResult,
     MeterInput,
     MeterResult,
 )
 from contracts.states import AllocationStatus, ReleaseActor
-from schema.models import Allocation, BillingAccount, BillingEvent, UsageRecord
+from schema.models import Allocation, BillingAccount, Notification, UsageRecord
 
 WINDOW_SECONDS = 60
 _US_PER_HOUR = 3_600_000_000
@@ -49,14 +53,6 @@ _BILLABLE = (AllocationStatus.REQUESTED, AllocationStatus.PROVISIONING, Allocati
 def cumulative_charge(price_per_gpu_hour_minor: int, gpus: int, elapsed: dt.timedelta) -> int:
     elapsed_us = max(0, elapsed // dt.timedelta(microseconds=1))
     return price_per_gpu_hour_minor * gpus * elapsed_us // _US_PER_HOUR
-
-
-def classify(balance: int, account: BillingAccount) -> str:
-    if balance <= account.depleted_threshold_minor:
-        return "depleted"
-    if balance <= account.low_balance_threshold_minor:
-        return "low_balance"
-    return "healthy"
 
 
 class BillingActivities:
@@ -98,12 +94,15 @@ class BillingActivities:
             projects.update(
                 (
                     await session.scalars(
-                        select(BillingAccount.project_id).where(BillingAccount.state != "healthy")
+                        select(BillingAccount.project_id).where(
+                            BillingAccount.state != BalanceState.HEALTHY.value
+                        )
                     )
                 ).all()
             )
         for project_id in sorted(projects):
             await self._reclassify(project_id, result)
+        result.notifications_due = await self._notifications_due()
         return result
 
     async def _bill_record(
@@ -157,39 +156,12 @@ class BillingActivities:
 
     async def _reclassify(self, project_id: uuid.UUID, result: MeterResult) -> None:
         async with self._sessions() as session, session.begin():
-            account = await session.scalar(
-                select(BillingAccount)
-                .where(BillingAccount.project_id == project_id)
-                .with_for_update()
-            )
+            account = await refresh_state(session, project_id)
             if account is None:
                 return
-            balance = await balance_minor(session, project_id)
-            state = classify(balance, account)
-            if state != account.state:
-                session.add(
-                    BillingEvent(
-                        project_id=project_id,
-                        event=f"balance_{state}",
-                        details={"from": account.state, "balance_minor": balance},
-                    )
-                )
-                result.state_changes.append(f"{project_id}:{account.state}->{state}")
-                account.state = state
-                account.state_changed_at = func.clock_timestamp()
-            if state == "healthy":
-                account.low_balance_notified_at = None  # the next episode gets its own notice
-            elif account.low_balance_notified_at is None:
-                # One notice per episode (low, or straight to depleted), however often we run.
-                session.add(
-                    BillingEvent(
-                        project_id=project_id,
-                        event="low_balance_notified",
-                        details={"balance_minor": balance, "state": state},
-                    )
-                )
-                account.low_balance_notified_at = func.clock_timestamp()
-            if state == "depleted":
+            if account.changed:
+                result.state_changes.append(f"{project_id}:{account.previous}->{account.state}")
+            if account.state == BalanceState.DEPLETED:
                 ids = (
                     await session.scalars(
                         select(Allocation.id).where(
@@ -200,6 +172,18 @@ class BillingActivities:
                     )
                 ).all()
                 result.allocations_to_release.extend(str(i) for i in ids)
+
+    async def _notifications_due(self) -> int:
+        async with self._sessions() as session:
+            due = await session.scalar(
+                select(func.count())
+                .select_from(Notification)
+                .where(
+                    Notification.delivery_status == "pending",
+                    Notification.next_attempt_at <= func.clock_timestamp(),
+                )
+            )
+        return int(due or 0)
 
     @activity.defn(name="billing.force_release")
     async def force_release(self, input: BillingForceReleaseInput) -> BillingForceReleaseResult:

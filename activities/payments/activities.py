@@ -1,9 +1,13 @@
 """Payment activities: each is one short transaction (never open across a Stripe call) and
-idempotent, since local activities run again after a crash between commit and record.
+idempotent, since local activities run again after a crash between commit and record. Every
+transition writes its row of the append-only payment_session_events in the same transaction.
 
-The credit is the heart of it: in ONE transaction the row moves initiated → checkout_completed →
-credited and the ledger entry is posted with key `payment:{id}`, so a session credits at most
-once, whatever retries, duplicate webhooks or reconciliation runs do.
+A completion is first recorded on its own (initiated → checkout_completed, `complete`); the
+credit then moves checkout_completed → credited and posts the ledger entry with key
+`payment:{id}` in ONE transaction, so a session credits at most once, whatever retries, duplicate
+webhooks or reconciliation runs do. A completion of a session that already expired (a delayed
+payment method that settled late) is credited the same way and flagged `late_success` for review.
+(Workflows recorded before `complete` existed credit straight from initiated, as they did.)
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import logging
 import uuid
 
 import stripe
-from sqlalchemy import func, select, update
+from sqlalchemy import func, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from temporalio import activity
@@ -23,9 +27,17 @@ from activities.billing.ledger import EntryKind, post_entry
 from activities.payments.stripe_api import StripeApi, StripeCheckoutSession, StripeNotConfigured
 from contracts.payment_session import (
     AMOUNT_MISMATCH,
+    CHECKOUT_COMPLETED,
+    CREDITED,
     CURRENCY_MISMATCH,
+    EXPIRED,
+    FAILED_RECONCILE,
+    INITIATED,
+    LATE_SUCCESS,
     STRIPE_ERROR,
+    CheckoutCompletion,
     CheckoutCreated,
+    CompleteInput,
     CreateCheckoutInput,
     CreditInput,
     ExpireInput,
@@ -40,15 +52,10 @@ from contracts.stripe_reconciliation import (
     ReconciliationScan,
 )
 from core.payment_settings import PaymentSettings
-from schema.models import PaymentSession
+from schema.models import PaymentSession, PaymentSessionEvent
 
 log = logging.getLogger(__name__)
 CLOCK = func.clock_timestamp()
-INITIATED = "initiated"
-CHECKOUT_COMPLETED = "checkout_completed"
-CREDITED = "credited"
-FAILED_RECONCILE = "failed_reconcile"
-EXPIRED = "expired"
 SESSION_MISMATCH = "stripe_session_mismatch"
 # Stripe accepts a Checkout Session expires_at between 30 minutes and 24 hours from now.
 _STRIPE_MIN_TTL, _STRIPE_MAX_TTL = 1800.0, 86400.0
@@ -63,6 +70,39 @@ def _stripe_failure(err: Exception) -> ApplicationError:
     return ApplicationError(
         f"Stripe call failed ({type(err).__name__})", type=STRIPE_ERROR, non_retryable=not retryable
     )
+
+
+def _event(
+    session: AsyncSession,
+    payment_session_id: uuid.UUID,
+    event: str,
+    from_status: str | None,
+    to_status: str | None,
+    **details: object,
+) -> None:
+    session.add(
+        PaymentSessionEvent(
+            payment_session_id=payment_session_id,
+            event=event,
+            from_status=from_status,
+            to_status=to_status,
+            details={k: v for k, v in details.items() if v is not None},
+        )
+    )
+
+
+def _completion_details(completion: CheckoutCompletion) -> dict[str, object]:
+    return {
+        "source": completion.source,
+        "stripe_event_id": completion.stripe_event_id,
+        "amount_total": completion.amount_total,
+        "currency": completion.currency.lower(),
+    }
+
+
+def _settled(row: PaymentSession) -> SettleResult:
+    entry = str(row.ledger_entry_id) if row.ledger_entry_id else None
+    return SettleResult(str(row.id), row.status, entry, row.failure_reason, row.review_reason)
 
 
 class PaymentActivities:
@@ -104,7 +144,7 @@ class PaymentActivities:
         except stripe.StripeError as err:
             raise _stripe_failure(err) from None
         async with self._sessions() as session, session.begin():
-            await session.execute(
+            inserted = await session.scalar(
                 pg_insert(PaymentSession)
                 .values(
                     id=session_id,
@@ -119,7 +159,19 @@ class PaymentActivities:
                     expires_at=CLOCK + dt.timedelta(seconds=ttl),
                 )
                 .on_conflict_do_nothing(index_elements=[PaymentSession.id])
+                .returning(PaymentSession.id)
             )
+            if inserted is not None:
+                _event(
+                    session,
+                    session_id,
+                    "initiated",
+                    None,
+                    INITIATED,
+                    stripe_checkout_session_id=checkout.id,
+                    amount_minor=input.amount_minor,
+                    currency=input.currency,
+                )
         row = await self._load(session_id)
         assert row is not None
         return self._created(row, ttl)
@@ -128,8 +180,7 @@ class PaymentActivities:
         async with self._sessions() as session:
             return await session.get(PaymentSession, session_id)
 
-    @staticmethod
-    def _created(row: PaymentSession, ttl: float) -> CheckoutCreated:
+    def _created(self, row: PaymentSession, ttl: float) -> CheckoutCreated:
         return CheckoutCreated(
             payment_session_id=str(row.id),
             stripe_checkout_session_id=row.stripe_checkout_session_id or "",
@@ -137,28 +188,67 @@ class PaymentActivities:
             status=row.status,
             expires_at=row.expires_at.isoformat() if row.expires_at else "",
             ttl_seconds=ttl,
+            late_success_window_seconds=self._settings.late_success_window_seconds,
         )
 
     # ------------------------------------------------------------------ settle
 
-    @activity.defn(name="payments.credit")
-    async def credit(self, input: CreditInput) -> SettleResult:
+    @activity.defn(name="payments.complete")
+    async def complete(self, input: CompleteInput) -> SettleResult:
+        """initiated → checkout_completed, committed before any credit is tried: Stripe said it
+        was paid. From expired (the payment settled after the session's TTL) the same, flagged
+        `late_success` for review. Any other status: already past this step, answered as is."""
         completion = input.completion
-        session_id = uuid.UUID(input.payment_session_id)
         async with self._sessions() as session, session.begin():
-            row = await session.get(PaymentSession, session_id, with_for_update=True)
-            if row is None:
-                raise ApplicationError(
-                    "no such payment session", type="not_found", non_retryable=True
-                )
-            if row.status == CREDITED:
-                return SettleResult(str(row.id), CREDITED, str(row.ledger_entry_id))
-            if row.status in (FAILED_RECONCILE, EXPIRED):
-                return SettleResult(str(row.id), row.status, None, row.failure_reason)
+            row = await self._locked(session, input.payment_session_id)
+            if row.status not in (INITIATED, EXPIRED):
+                return _settled(row)
+            prior = row.status
             row.status = CHECKOUT_COMPLETED
             row.completed_at = CLOCK
             row.credited_amount_minor = completion.amount_total
+            if prior == EXPIRED:
+                row.review_reason = LATE_SUCCESS
+                row.flagged_for_review_at = CLOCK
+                row.failure_reason = None
+                log.warning(
+                    "payment session %s was paid after it expired: crediting it, flagged for "
+                    "review",
+                    row.id,
+                )
+            _event(
+                session,
+                row.id,
+                "checkout_completed",
+                prior,
+                CHECKOUT_COMPLETED,
+                late=prior == EXPIRED or None,
+                **_completion_details(completion),
+            )
             await session.flush()
+            return SettleResult(str(row.id), CHECKOUT_COMPLETED, None, None, row.review_reason)
+
+    @activity.defn(name="payments.credit")
+    async def credit(self, input: CreditInput) -> SettleResult:
+        completion = input.completion
+        async with self._sessions() as session, session.begin():
+            row = await self._locked(session, input.payment_session_id)
+            if row.status in (CREDITED, FAILED_RECONCILE, EXPIRED):
+                return _settled(row)
+            if row.status == INITIATED:
+                # A workflow from before `payments.complete`: both steps in this transaction.
+                row.status = CHECKOUT_COMPLETED
+                row.completed_at = CLOCK
+                row.credited_amount_minor = completion.amount_total
+                _event(
+                    session,
+                    row.id,
+                    "checkout_completed",
+                    INITIATED,
+                    CHECKOUT_COMPLETED,
+                    **_completion_details(completion),
+                )
+                await session.flush()
             reason: str | None = None
             if completion.stripe_checkout_session_id != row.stripe_checkout_session_id:
                 reason = SESSION_MISMATCH
@@ -169,7 +259,17 @@ class PaymentActivities:
             if reason is not None:
                 row.status = FAILED_RECONCILE
                 row.failure_reason = reason
-                return SettleResult(str(row.id), FAILED_RECONCILE, None, reason)
+                _event(
+                    session,
+                    row.id,
+                    "failed_reconcile",
+                    CHECKOUT_COMPLETED,
+                    FAILED_RECONCILE,
+                    reason=reason,
+                    amount_total=completion.amount_total,
+                    currency=completion.currency.lower(),
+                )
+                return SettleResult(str(row.id), FAILED_RECONCILE, None, reason, row.review_reason)
             entry_id, _ = await post_entry(
                 session,
                 project_id=row.project_id,
@@ -182,53 +282,55 @@ class PaymentActivities:
             row.status = CREDITED
             row.ledger_entry_id = entry_id
             row.credited_at = CLOCK
-            return SettleResult(str(row.id), CREDITED, str(entry_id))
+            _event(
+                session,
+                row.id,
+                "credited",
+                CHECKOUT_COMPLETED,
+                CREDITED,
+                ledger_entry_id=str(entry_id),
+                amount_minor=row.requested_amount_minor,
+                review_reason=row.review_reason,
+            )
+            return SettleResult(str(row.id), CREDITED, str(entry_id), None, row.review_reason)
 
     @activity.defn(name="payments.fail")
     async def fail(self, input: FailInput) -> SettleResult:
         async with self._sessions() as session, session.begin():
-            result = await session.execute(
-                update(PaymentSession)
-                .where(
-                    PaymentSession.id == uuid.UUID(input.payment_session_id),
-                    PaymentSession.status.in_([INITIATED, CHECKOUT_COMPLETED]),
-                )
-                .values(
-                    status=FAILED_RECONCILE,
-                    failure_reason=input.reason,
-                    credited_amount_minor=func.coalesce(
-                        input.credited_amount_minor, PaymentSession.credited_amount_minor
-                    ),
-                    completed_at=func.coalesce(PaymentSession.completed_at, CLOCK),
-                )
-                .returning(PaymentSession.id)
+            row = await self._locked(session, input.payment_session_id)
+            if row.status not in (INITIATED, CHECKOUT_COMPLETED):
+                return _settled(row)
+            prior = row.status
+            row.status = FAILED_RECONCILE
+            row.failure_reason = input.reason
+            if input.credited_amount_minor is not None:
+                row.credited_amount_minor = input.credited_amount_minor
+            if row.completed_at is None:
+                row.completed_at = CLOCK
+            _event(
+                session, row.id, "failed_reconcile", prior, FAILED_RECONCILE, reason=input.reason
             )
-            if result.first() is not None:
-                return SettleResult(input.payment_session_id, FAILED_RECONCILE, None, input.reason)
-        return await self._current(input.payment_session_id)
+            await session.flush()
+            return _settled(row)
 
     @activity.defn(name="payments.expire")
     async def expire(self, input: ExpireInput) -> SettleResult:
         async with self._sessions() as session, session.begin():
-            result = await session.execute(
-                update(PaymentSession)
-                .where(
-                    PaymentSession.id == uuid.UUID(input.payment_session_id),
-                    PaymentSession.status == INITIATED,
-                )
-                .values(status=EXPIRED, failure_reason="ttl_elapsed")
-                .returning(PaymentSession.id)
-            )
-            if result.first() is not None:
-                return SettleResult(input.payment_session_id, EXPIRED, None, "ttl_elapsed")
-        return await self._current(input.payment_session_id)
+            row = await self._locked(session, input.payment_session_id)
+            if row.status != INITIATED:
+                return _settled(row)
+            row.status = EXPIRED
+            row.failure_reason = "ttl_elapsed"
+            _event(session, row.id, "expired", INITIATED, EXPIRED, reason="ttl_elapsed")
+            await session.flush()
+            return _settled(row)
 
-    async def _current(self, payment_session_id: str) -> SettleResult:
-        row = await self._load(uuid.UUID(payment_session_id))
+    @staticmethod
+    async def _locked(session: AsyncSession, payment_session_id: str) -> PaymentSession:
+        row = await session.get(PaymentSession, uuid.UUID(payment_session_id), with_for_update=True)
         if row is None:
             raise ApplicationError("no such payment session", type="not_found", non_retryable=True)
-        entry = str(row.ledger_entry_id) if row.ledger_entry_id else None
-        return SettleResult(payment_session_id, row.status, entry, row.failure_reason)
+        return row
 
     # ------------------------------------------------------------------ reconciliation
 

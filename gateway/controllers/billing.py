@@ -1,5 +1,6 @@
 """Balances and usage for tenants; any account's, and manual credits, for admins. Money is read
-from the ledger (a sum, in minor units); the balance state is what the meter last decided."""
+from the ledger (a sum, in minor units); the balance state is the one the worker last computed:
+at every credit (at once) and every metering run."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from contracts.admin_operation import (
     CreditResult,
     credit_key,
 )
+from contracts.billing_meter import BalanceState
 from gateway.admin_operations import actor, run_admin_operation
 from gateway.auth import Principal, admin_guard, tenant_guard
 from gateway.controllers.common import errors
@@ -92,11 +94,11 @@ async def _balance_minor(db: AsyncSession, project_id: uuid.UUID) -> int:
 
 async def _balance(db: AsyncSession, project_id: uuid.UUID) -> Balance:
     account = await db.get(BillingAccount, project_id)
-    if account is None:  # no usage and no payment yet: the defaults
+    if account is None:  # no usage and no payment yet: a balance of 0 is depleted (seed 001 §4)
         account = BillingAccount(
             project_id=project_id,
             currency="usd",
-            state="healthy",
+            state=BalanceState.DEPLETED.value,
             low_balance_threshold_minor=LOW_BALANCE_THRESHOLD_MINOR,
             depleted_threshold_minor=DEPLETED_THRESHOLD_MINOR,
         )

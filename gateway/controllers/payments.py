@@ -20,7 +20,7 @@ import msgspec
 import stripe
 from litestar import Controller, Request, Response, get, post
 from litestar.di import NamedDependency
-from litestar.params import HeaderParameter, JSONBody, QueryParameter
+from litestar.params import FromPath, HeaderParameter, JSONBody, QueryParameter
 from sqlalchemy import func, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from temporalio.client import Client, WithStartWorkflowOperation, WorkflowUpdateFailedError
@@ -29,8 +29,14 @@ from temporalio.exceptions import ApplicationError
 
 from contracts.admin_operation import STRIPE_WEBHOOK_EVENT
 from contracts.payment_session import (
+    AMOUNT_ABOVE_MAXIMUM,
+    AMOUNT_BELOW_MINIMUM,
+    CHECKOUT_COMPLETED,
     CHECKOUT_UPDATE,
+    CURRENCY_NOT_SUPPORTED,
+    FAILED_RECONCILE,
     IDEMPOTENCY_KEY_REUSED,
+    INITIATED,
     STRIPE_ERROR,
     WORKFLOW_NAME,
     CheckoutCreated,
@@ -40,21 +46,32 @@ from contracts.payment_session import (
     WebhookEventResult,
     payment_session_workflow_id,
 )
-from core.payment_settings import STRIPE_WEBHOOK_SECRET_PATH, PaymentSettings
+from core.payment_settings import (
+    CHECKOUT_AMOUNT_LIMITS,
+    STRIPE_WEBHOOK_SECRET_PATH,
+    PaymentSettings,
+)
 from core.secrets import SecretStore
 from core.timestamps import parse_iso
 from gateway.admin_operations import run_admin_operation
 from gateway.allocations import IDEMPOTENCY_HEADER, validate_idempotency_key
 from gateway.auth import Principal, admin_guard, tenant_guard
 from gateway.controllers.common import errors
-from gateway.errors import ApiError, InvalidRequest, ServiceUnavailable, Unprocessable
+from gateway.errors import (
+    ApiError,
+    InvalidRequest,
+    NotFound,
+    ServiceUnavailable,
+    Unprocessable,
+)
 from gateway.runtime import Runtime
 from gateway.temporal import TemporalOps
-from schema.models import PaymentSession
+from schema.models import PaymentSession, PaymentSessionEvent
 
 # Fixed forever: payment session ids derived from idempotency keys must not change.
 PAYMENT_SESSION_ID_NAMESPACE = uuid.UUID("0d3e2a57-9b4c-4f1e-8a2d-7c6b5e4f3a21")
-MAX_AMOUNT_MINOR = 100_000_000  # 1,000,000.00 in a two-decimal currency
+# A bound on the number itself; what a checkout may be is per currency (CHECKOUT_AMOUNT_LIMITS).
+MAX_AMOUNT_MINOR = 10**12
 SIGNATURE_HEADER = "Stripe-Signature"
 
 Currency = Annotated[str, msgspec.Meta(pattern=r"^[a-z]{3}$")]
@@ -63,6 +80,31 @@ Currency = Annotated[str, msgspec.Meta(pattern=r"^[a-z]{3}$")]
 class CheckoutSessionCreate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     amount_minor: Annotated[int, msgspec.Meta(gt=0, le=MAX_AMOUNT_MINOR)]
     currency: Currency = "usd"
+
+
+def check_amount(body: CheckoutSessionCreate) -> None:
+    """422 unless the currency is one we accept and the amount within its limits (Stripe refuses
+    card payments below its per-currency minimum), naming the limit in the details."""
+    limits = CHECKOUT_AMOUNT_LIMITS.get(body.currency)
+    if limits is None:
+        raise Unprocessable(
+            f"payments in {body.currency!r} are not accepted",
+            code=CURRENCY_NOT_SUPPORTED,
+            details={"currency": body.currency, "supported": sorted(CHECKOUT_AMOUNT_LIMITS)},
+        )
+    minimum, maximum = limits
+    if body.amount_minor < minimum:
+        raise Unprocessable(
+            f"the smallest checkout in {body.currency} is {minimum} (minor units)",
+            code=AMOUNT_BELOW_MINIMUM,
+            details={"currency": body.currency, "minimum_amount_minor": minimum},
+        )
+    if body.amount_minor > maximum:
+        raise Unprocessable(
+            f"the largest checkout in {body.currency} is {maximum} (minor units)",
+            code=AMOUNT_ABOVE_MAXIMUM,
+            details={"currency": body.currency, "maximum_amount_minor": maximum},
+        )
 
 
 class CheckoutSessionCreated(msgspec.Struct, kw_only=True):
@@ -88,13 +130,27 @@ class PaymentSessionSummary(msgspec.Struct, kw_only=True):
     stripe_checkout_session_id: str | None
     workflow_id: str
     failure_reason: str | None
+    review_reason: str | None
     created_at: dt.datetime
     completed_at: dt.datetime | None
     expires_at: dt.datetime | None
+    flagged_for_review_at: dt.datetime | None
 
 
 class PaymentSessionList(msgspec.Struct, kw_only=True):
     items: list[PaymentSessionSummary]
+
+
+class PaymentSessionEventView(msgspec.Struct, kw_only=True):
+    event: str
+    from_status: str | None
+    to_status: str | None
+    details: dict[str, Any]
+    occurred_at: dt.datetime
+
+
+class PaymentSessionEventList(msgspec.Struct, kw_only=True):
+    items: list[PaymentSessionEventView]
 
 
 def payment_session_id_for(project_id: uuid.UUID, idempotency_key: str) -> uuid.UUID:
@@ -128,6 +184,7 @@ async def create_checkout_session(
         )
     key = validate_idempotency_key(idempotency_key)
     assert key is not None
+    check_amount(body)
     payment_session_id = payment_session_id_for(project_id, key)
     existing = await db.scalar(
         select(PaymentSession).where(
@@ -267,9 +324,11 @@ def _summary(row: PaymentSession) -> PaymentSessionSummary:
         stripe_checkout_session_id=row.stripe_checkout_session_id,
         workflow_id=row.workflow_id,
         failure_reason=row.failure_reason,
+        review_reason=row.review_reason,
         created_at=row.created_at,
         completed_at=row.completed_at,
         expires_at=row.expires_at,
+        flagged_for_review_at=row.flagged_for_review_at,
     )
 
 
@@ -285,7 +344,9 @@ class PaymentsController(Controller):
         description=(
             "X-Idempotency-Key is required: the same key answers the same session (header "
             "Idempotent-Replayed: true) without a second Stripe call; the same key with another "
-            "body is 422 idempotency_key_reused."
+            "body is 422 idempotency_key_reused. The amount must lie within the currency's "
+            "limits (422 amount_below_minimum / amount_above_maximum with the limit in the "
+            "details; 422 currency_not_supported for a currency we do not accept)."
         ),
         responses=errors(400, 403, 422),
     )
@@ -347,7 +408,10 @@ class AdminPaymentsController(Controller):
 
     @get(
         "/sessions",
-        summary="Stuck payment sessions: initiated for over an hour, or failed_reconcile",
+        summary=(
+            "Payment sessions that need a person: initiated or checkout_completed for over an "
+            "hour, failed_reconcile, or flagged for review (paid after they expired)"
+        ),
         responses=errors(400, 403),
     )
     async def stuck_sessions(
@@ -361,8 +425,9 @@ class AdminPaymentsController(Controller):
                 select(PaymentSession)
                 .where(
                     or_(
-                        PaymentSession.status == "failed_reconcile",
-                        (PaymentSession.status == "initiated")
+                        PaymentSession.status == FAILED_RECONCILE,
+                        PaymentSession.review_reason.is_not(None),
+                        PaymentSession.status.in_([INITIATED, CHECKOUT_COMPLETED])
                         & (PaymentSession.created_at < func.now() - stuck_after),
                     )
                 )
@@ -371,3 +436,31 @@ class AdminPaymentsController(Controller):
             )
         ).all()
         return PaymentSessionList(items=[_summary(r) for r in rows])
+
+    @get(
+        "/sessions/{payment_session_id:uuid}/events",
+        summary="A payment session's transitions, oldest first (append-only)",
+        responses=errors(403, 404),
+    )
+    async def session_events(
+        self, db: NamedDependency[AsyncSession], payment_session_id: FromPath[uuid.UUID]
+    ) -> PaymentSessionEventList:
+        if await db.get(PaymentSession, payment_session_id) is None:
+            raise NotFound("payment session not found")
+        rows = await db.scalars(
+            select(PaymentSessionEvent)
+            .where(PaymentSessionEvent.payment_session_id == payment_session_id)
+            .order_by(PaymentSessionEvent.id)
+        )
+        return PaymentSessionEventList(
+            items=[
+                PaymentSessionEventView(
+                    event=r.event,
+                    from_status=r.from_status,
+                    to_status=r.to_status,
+                    details=r.details,
+                    occurred_at=r.occurred_at,
+                )
+                for r in rows
+            ]
+        )
