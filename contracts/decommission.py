@@ -23,6 +23,9 @@ from contracts.lifecycle import (
     FREEZE_ACTION,
     RESUME_ACTION,
     RETRY_STAGE_ACTION,
+    JobProgress,
+    JobProgressRecord,
+    JobStageResult,
 )
 
 # Seed 004 §5.1: decommission uses the same job-state model and operator-action update.
@@ -274,13 +277,10 @@ class StageInput:
     note: str = ""  # finish_remove: "uninstall_failed" sends the node back to retired
 
 
-@dataclass
-class StageResult:
+@dataclass(kw_only=True)
+class StageResult(JobStageResult):
     state: DecommissionState
-    message: str = ""
-    details: dict[str, Any] = field(default_factory=dict)
-    skipped: bool = False
-    site: SiteConfig | None = None
+    site: SiteConfig | None = None  # load_site_config's answer
 
 
 @dataclass
@@ -301,24 +301,10 @@ class NodeTaskRecord:
     error_message: str | None = None
 
 
-@dataclass
-class ProgressRecord:
-    """One read-model write: the job row's new values and, optionally, one stage event."""
-
+@dataclass(kw_only=True)
+class ProgressRecord(JobProgressRecord):
     decommission_id: str
-    status: str
-    stage: str
-    attempt: int
-    event_status: str | None = None
-    message: str = ""
-    details: dict[str, Any] = field(default_factory=dict)
     state: DecommissionState | None = None
-    failure_class: str | None = None
-    error_code: str | None = None
-    recommended_action: str | None = None
-    clear_error: bool = False
-    workflow_run_id: str | None = None
-    domain_event: str | None = None  # node.decommission.started|completed|failed|...
 
 
 @dataclass
@@ -343,16 +329,10 @@ class Observation:
     disks_erased: bool | None = None
 
 
-@dataclass
-class Progress:
+@dataclass(kw_only=True)
+class Progress(JobProgress):
     decommission_id: str
     mode: str
-    status: str
-    stage: str
-    attempt: int
-    failure_class: str | None = None
-    error_code: str | None = None
-    recommended_action: str | None = None
     node_task: NodeTaskRef | None = None
 
 

@@ -1,13 +1,14 @@
 """The vocabulary every node lifecycle job shares (onboarding, decommission; seed 004 §4.1,
-§5.1: "the same job-state model"): job states, stage event statuses, and the operator-action
-update's name, payloads and admission rule. Each job's own contract re-exports what it uses."""
+§5.1: "the same job-state model"): job states, stage event statuses, the operator-action
+update's name, payloads and admission rule, and the fields of the progress query's answer and
+of a read-model write. Each job's own contract re-exports what it uses."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from temporalio.exceptions import ApplicationError
 
@@ -80,6 +81,42 @@ class ActionResult:
     prior_stage: str
     expected_status: str
     message: str = ""
+
+
+@dataclass(kw_only=True)
+class JobStageResult:
+    """A stage activity's answer. Each job kind's `StageResult` adds the run state the stage
+    answers updated, and the site its load_site_config loaded."""
+
+    message: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+    skipped: bool = False
+
+
+@dataclass(kw_only=True)
+class JobProgress:
+    """Where a job stands: the progress query's answer. Each job kind's `Progress` adds its id
+    and what is its own (fields by keyword: the kind's fields come after these)."""
+
+    status: str
+    stage: str
+    attempt: int
+    failure_class: str | None = None
+    error_code: str | None = None
+    recommended_action: str | None = None
+
+
+@dataclass(kw_only=True)
+class JobProgressRecord(JobProgress):
+    """One read-model write: the job row's new values and, optionally, one stage event. Each job
+    kind's `ProgressRecord` adds its id and its run state."""
+
+    event_status: str | None = None
+    message: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+    clear_error: bool = False
+    workflow_run_id: str | None = None
+    domain_event: str | None = None  # node.<kind>.started|completed|failed|...
 
 
 # The error type of every refused operator action (the gateway answers it 409).

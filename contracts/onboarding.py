@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
 
 from contracts.lifecycle import (
     ADOPT_ACTION,
@@ -23,6 +22,9 @@ from contracts.lifecycle import (
     FREEZE_ACTION,
     RESUME_ACTION,
     RETRY_STAGE_ACTION,
+    JobProgress,
+    JobProgressRecord,
+    JobStageResult,
 )
 from contracts.lifecycle import (
     FAILED_JOB_STATUSES as FAILED_JOB_STATUSES,
@@ -162,6 +164,22 @@ class SitePolicyView:
     hw_sync_health_timeout_seconds: int = 1800
     enrollment_timeout_seconds: int = 1800
 
+    def stage_wait_seconds(self, stage: str) -> int:
+        """How long the stage (a Stage value) may wait on MAAS or the node, on top of its
+        ordinary run time: 0 for a stage that does not wait."""
+        waits: dict[str, int] = {
+            Stage.CREATE_OR_FIND_IN_MAAS: self.discovery_timeout_seconds,
+            Stage.WAIT_FOR_READY: self.commission_timeout_seconds,
+            Stage.WAIT_FOR_DEPLOYED: self.deploy_timeout_seconds,
+            Stage.RECOVER_FOR_DATASOURCE_RETRY: self.deploy_timeout_seconds,
+            Stage.ENSURE_HARDWARE_SYNC_CONFIGURED: 2 * self.hw_sync_seed_timeout_seconds,
+            Stage.WAIT_FOR_HARDWARE_SYNC_HEALTHY: self.hw_sync_health_timeout_seconds
+            + 2 * self.hw_sync_seed_timeout_seconds,
+            Stage.WAIT_FOR_AGENT_ENROLLMENT: self.enrollment_timeout_seconds
+            + self.hw_sync_seed_timeout_seconds,
+        }
+        return waits.get(stage, 0)
+
 
 @dataclass
 class SiteConfig:
@@ -221,12 +239,9 @@ class StageInput:
     compensation: str = ""  # compensate only: "cancel" | "restart_clean"
 
 
-@dataclass
-class StageResult:
+@dataclass(kw_only=True)
+class StageResult(JobStageResult):
     state: OnboardState
-    message: str = ""
-    details: dict[str, Any] = field(default_factory=dict)
-    skipped: bool = False
     site: SiteConfig | None = None  # load_site_config's answer
 
 
@@ -241,35 +256,15 @@ class NodeObservation:
     state: OnboardState
 
 
-@dataclass
-class ProgressRecord:
-    """One read-model write: the job row's new values and, optionally, one stage event."""
-
+@dataclass(kw_only=True)
+class ProgressRecord(JobProgressRecord):
     onboarding_id: str
-    status: str
-    stage: str
-    attempt: int
-    event_status: str | None = None
-    message: str = ""
-    details: dict[str, Any] = field(default_factory=dict)
     state: OnboardState | None = None
-    failure_class: str | None = None
-    error_code: str | None = None
-    recommended_action: str | None = None
-    clear_error: bool = False
-    workflow_run_id: str | None = None
-    domain_event: str | None = None  # node.onboarding.started|completed|failed|...
 
 
-@dataclass
-class Progress:
+@dataclass(kw_only=True)
+class Progress(JobProgress):
     onboarding_id: str
-    status: str
-    stage: str
-    attempt: int
-    failure_class: str | None = None
-    error_code: str | None = None
-    recommended_action: str | None = None
     system_id: str | None = None
     node_id: str | None = None
 

@@ -38,16 +38,13 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
+from temporalio.common import RetryPolicy, SearchAttributeUpdate
 from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError, TimeoutType
 
 with workflow.unsafe.imports_passed_through():
     from contracts.decommission import (
-        OPERATOR_ACTION_UPDATE,
-        PROGRESS_QUERY,
         STAGES_BY_MODE,
         WORKFLOW_NAME,
-        ActionResult,
         DecommissionInput,
         DecommissionResult,
         DecommissionState,
@@ -58,7 +55,6 @@ with workflow.unsafe.imports_passed_through():
         NodeTaskRef,
         Observation,
         OperatorAction,
-        OperatorRequest,
         Progress,
         ProgressRecord,
         Stage,
@@ -90,7 +86,7 @@ with workflow.unsafe.imports_passed_through():
         UninstallResult,
         ValidateCleanResult,
     )
-    from contracts.lifecycle import STOP_BEFORE_NEXT_STAGE_PATCH, check_operator_action
+    from contracts.lifecycle import STOP_BEFORE_NEXT_STAGE_PATCH
     from contracts.onboarding import JobStatus, SiteConfig
     from core import search_attributes as sa
     from core.failures import FailureClass
@@ -105,6 +101,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from workflows.lifecycle_job import (
         RUNNING_JOB_STATUSES,
+        JobKind,
         OperatorControlledJob,
         StageFailure,
         StoppedBeforeNextStep,
@@ -125,24 +122,18 @@ STOP_BEFORE_NEXT_HOST_TASK_PATCH = "operator-interrupt-stops-before-the-next-hos
 # before adopting, MAAS that cannot be seen refuses the adopt instead of counting as "machine
 # gone", and node and erase state are checked as well. Runs that adopted before go on as they did.
 ADOPT_ONLY_OBSERVED_PATCH = "adopt-only-what-was-observed"
-_FAILED = frozenset({JobStatus.FAILED_RETRYABLE, JobStatus.FAILED_MANUAL_INTERVENTION})
 
 
 @workflow.defn(name=WORKFLOW_NAME)
 class NodeDecommissionWorkflow(OperatorControlledJob[Stage, OperatorAction, DecommissionResult]):
+    _kind = JobKind("decommission", OperatorAction, ALLOWED_ACTIONS, outcome_for)
+
     def __init__(self) -> None:
+        super().__init__(Stage.DISABLE_NODE)  # the mode's first stage, once run() knows the mode
         self._input: DecommissionInput | None = None
         self._site: SiteConfig | None = None
         self._state = DecommissionState()
-        self._status = JobStatus.PENDING
-        self._stage = Stage.DISABLE_NODE
-        self._entries: dict[Stage, int] = {}
-        self._failure: StageFailure[Stage] | None = None
-        self._pending: OperatorRequest | None = None
-        self._interrupt: OperatorAction | None = None
-        self._stage_task: asyncio.Task[None] | None = None
         self._task: NodeTaskRef | None = None
-        self._adopted = False
         self._skip_uninstall = False
         self._agent_drained = False
 
@@ -280,11 +271,6 @@ class NodeDecommissionWorkflow(OperatorControlledJob[Stage, OperatorAction, Deco
             raise stage_failure_from(self._stage, err) from None
         return result
 
-    def _enter(self, stage: Stage) -> None:
-        self._stage = stage
-        self._entries[stage] = self._entries.get(stage, 0) + 1
-        self._upsert_search_attributes()
-
     async def _cp_stage(self, stage: Stage, *, activity: str | None = None) -> StageResult:
         self._enter(stage)
         wait = self._wait_seconds(stage)
@@ -314,16 +300,11 @@ class NodeDecommissionWorkflow(OperatorControlledJob[Stage, OperatorAction, Deco
             return fixed[stage]
         if site is None:
             return 0
-        return {
+        if stage == Stage.RELEASE_MAAS_NODE:
             # Release, then (erase failed, fallback allowed) a second release.
-            Stage.RELEASE_MAAS_NODE: 2 * site.deploy_timeout_seconds,
-            Stage.WAIT_FOR_DEPLOYED: site.deploy_timeout_seconds,
-            Stage.ENSURE_HARDWARE_SYNC_CONFIGURED: 2 * site.hw_sync_seed_timeout_seconds,
-            Stage.WAIT_FOR_HARDWARE_SYNC_HEALTHY: site.hw_sync_health_timeout_seconds
-            + 2 * site.hw_sync_seed_timeout_seconds,
-            Stage.WAIT_FOR_AGENT_ENROLLMENT: site.enrollment_timeout_seconds
-            + site.hw_sync_seed_timeout_seconds,
-        }.get(stage, 0)
+            return 2 * site.deploy_timeout_seconds
+        # The reimage stages run onboarding's stage bodies, and wait as long.
+        return site.stage_wait_seconds(stage)
 
     def _heartbeat_timeout(self) -> timedelta:
         assert self._input is not None
@@ -601,39 +582,13 @@ class NodeDecommissionWorkflow(OperatorControlledJob[Stage, OperatorAction, Deco
 
     # ------------------------------------------------------------------ failure and actions
 
-    async def _fail(self, failure: StageFailure[Stage], *, forced: JobStatus | None = None) -> None:
-        self._failure = failure
-        outcome = outcome_for(failure.failure_class, failure.error_code)
-        status = forced or outcome.job_status
-        self._stage = failure.stage
-        await self._set_status(
-            status,
-            failure=failure,
-            recommended_action=outcome.recommended_action.value,
-            details={**failure.details, "hint": outcome.hint},
-            event_status=EventStatus.FAILED,
-            domain_event=(
-                "node.decommission.manual_intervention_required"
-                if status == JobStatus.FAILED_MANUAL_INTERVENTION
-                else "node.decommission.failed"
-            ),
-        )
-
     async def _await_operator(self) -> Stage | _Cancel | None:
         """Wait for an accepted action; answer where to start again (None: nothing left, all
         adopted; _Cancel: cancel)."""
         while True:
-            await workflow.wait_condition(lambda: self._pending is not None)
-            request, self._pending = self._pending, None
-            assert request is not None
-            action = OperatorAction(request.action)
-            failed_stage = self._failure.stage if self._failure else self._stages[0]
+            action, failed_stage = await self._next_action(self._stages[0])
             if action == OperatorAction.CANCEL:
                 return _Cancel()
-            if action == OperatorAction.MARK_MANUAL_INTERVENTION:
-                await self._set_status(JobStatus.FAILED_MANUAL_INTERVENTION, stage=failed_stage)
-                continue
-            await self._set_status(JobStatus.RUNNING, clear_error=True)
             if action == OperatorAction.RETRY_STAGE:
                 return failed_stage
             if action == OperatorAction.RESUME:
@@ -807,35 +762,6 @@ class NodeDecommissionWorkflow(OperatorControlledJob[Stage, OperatorAction, Deco
 
     # ------------------------------------------------------------------ operator surface
 
-    @workflow.update(name=OPERATOR_ACTION_UPDATE)
-    async def operator_action(self, request: OperatorRequest) -> ActionResult:
-        action = OperatorAction(request.action)
-        return self._take_operator_action(
-            request,
-            action,
-            noop=self._is_noop(action),
-            noop_message=self._resume_noop_message() if action == OperatorAction.RESUME else "",
-        )
-
-    def _resume_noop_message(self) -> str:
-        if self._task is not None:
-            return (
-                f"resume: {self._task.kind} task {self._task.task_id} is live; nothing was requeued"
-            )
-        return f"resume: the decommission is {self._status.value} at {self._stage.value}"
-
-    @operator_action.validator
-    def _validate_action(self, request: OperatorRequest) -> None:
-        check_operator_action(
-            request,
-            OperatorAction,
-            job="decommission",
-            status=self._status,
-            busy=self._pending is not None or self._interrupt is not None,
-            is_noop=self._is_noop,
-            allowed=ALLOWED_ACTIONS,
-        )
-
     def _is_noop(self, action: OperatorAction) -> bool:
         return is_standing_action(action, self._status) or (
             # Seed 004 §8: a live (or freshly queued) task already does what resume asks.
@@ -844,83 +770,46 @@ class NodeDecommissionWorkflow(OperatorControlledJob[Stage, OperatorAction, Deco
             and self._interrupt is None
         )
 
-    @workflow.query(name=PROGRESS_QUERY)
-    def progress(self) -> Progress:
-        failure = self._failure if self._status in _FAILED else None
-        return Progress(
-            decommission_id=self._input.decommission_id if self._input else "",
-            mode=self._input.mode if self._input else "",
-            status=self._status.value,
-            stage=self._stage.value,
-            attempt=self._entries.get(self._stage, 0),
-            failure_class=failure.failure_class if failure else None,
-            error_code=failure.error_code if failure else None,
-            node_task=self._task,
-        )
+    def _noop_message(self, action: OperatorAction) -> str:
+        if action != OperatorAction.RESUME:
+            return ""
+        if self._task is not None:
+            return (
+                f"resume: {self._task.kind} task {self._task.task_id} is live; nothing was requeued"
+            )
+        return f"resume: the decommission is {self._status.value} at {self._stage.value}"
 
     # ------------------------------------------------------------------ bookkeeping
 
     async def _event(self, stage: Stage, status: EventStatus, message: str = "") -> None:
         await self._set_status(self._status, stage=stage, event_status=status, message=message)
 
-    async def _set_status(
-        self,
-        status: JobStatus,
-        *,
-        stage: Stage | None = None,
-        failure: StageFailure[Stage] | None = None,
-        recommended_action: str | None = None,
-        details: dict[str, Any] | None = None,
-        event_status: EventStatus | None = None,
-        message: str = "",
-        domain_event: str | None = None,
-        clear_error: bool = False,
-        workflow_run_id: str | None = None,
-    ) -> None:
-        assert self._input is not None
-        self._status = status
-        if stage is not None:
-            self._stage = stage
-        self._upsert_search_attributes()
-        record = ProgressRecord(
-            decommission_id=self._input.decommission_id,
-            status=status.value,
-            stage=self._stage.value,
-            attempt=self._entries.get(self._stage, 0),
-            event_status=event_status.value if event_status else None,
-            message=failure.message if failure else message,
-            details={
-                **(details or {}),
-                "node_id": self._input.node_id,
-                "mode": self._input.mode,
-            },
-            state=self._state,
-            failure_class=failure.failure_class if failure else None,
-            error_code=failure.error_code if failure else None,
-            recommended_action=recommended_action,
-            clear_error=clear_error,
-            workflow_run_id=workflow_run_id,
-            domain_event=domain_event,
-        )
-        await workflow.execute_local_activity(
-            "decommission.record_progress",
-            record,
-            start_to_close_timeout=LOCAL,
-            retry_policy=RetryPolicy(maximum_interval=timedelta(seconds=10)),
+    def _progress(self, **fields: Any) -> Progress:
+        return Progress(
+            decommission_id=self._input.decommission_id if self._input else "",
+            mode=self._input.mode if self._input else "",
+            node_task=self._task,
+            **fields,
         )
 
-    def _upsert_search_attributes(self) -> None:
+    def _progress_record(self, **fields: Any) -> ProgressRecord:
         assert self._input is not None
-        updates = [
-            sa.LIFECYCLE_STATUS.value_set(self._status.value),
-            sa.CURRENT_STAGE.value_set(self._stage.value),
-            sa.NODE_ID.value_set(self._input.node_id),
-        ]
+        return ProgressRecord(
+            decommission_id=self._input.decommission_id, state=self._state, **fields
+        )
+
+    def _record_details(self) -> dict[str, Any]:
+        assert self._input is not None
+        return {"node_id": self._input.node_id, "mode": self._input.mode}
+
+    def _search_attributes(self) -> list[SearchAttributeUpdate[Any]]:
+        assert self._input is not None
+        updates: list[SearchAttributeUpdate[Any]] = [sa.NODE_ID.value_set(self._input.node_id)]
         if self._state.site_id:
             updates.append(sa.SITE_ID.value_set(self._state.site_id))
         if self._state.hostname:
             updates.append(sa.HOSTNAME.value_set(self._state.hostname))
-        workflow.upsert_search_attributes(updates)
+        return updates
 
     async def _result(self) -> DecommissionResult:
         assert self._input is not None
@@ -931,7 +820,7 @@ class NodeDecommissionWorkflow(OperatorControlledJob[Stage, OperatorAction, Deco
             start_to_close_timeout=LOCAL,
             retry_policy=RetryPolicy(maximum_attempts=5),
         )
-        failure = self._failure if self._status in _FAILED else None
+        failure = self._standing_failure()
         return DecommissionResult(
             decommission_id=self._input.decommission_id,
             node_id=self._input.node_id,

@@ -31,30 +31,24 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
+from temporalio.common import RetryPolicy, SearchAttributeUpdate
 from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
-    from contracts.lifecycle import STOP_BEFORE_NEXT_STAGE_PATCH, check_operator_action
+    from contracts.lifecycle import STOP_BEFORE_NEXT_STAGE_PATCH
     from contracts.onboarding import (
         CHILD_SETTLED_SIGNAL,
         DEPLOY_STAGES,
-        FAILED_JOB_STATUSES,
-        OPERATOR_ACTION_UPDATE,
         POST_DEPLOY_STAGES,
-        PROGRESS_QUERY,
         STAGE_ORDER,
         WORKFLOW_NAME,
-        ActionResult,
         ChildSettled,
-        EventStatus,
         JobStatus,
         NodeObservation,
         OnboardInput,
         OnboardResult,
         OnboardState,
         OperatorAction,
-        OperatorRequest,
         Progress,
         ProgressRecord,
         SiteConfig,
@@ -66,10 +60,10 @@ with workflow.unsafe.imports_passed_through():
     from core import search_attributes as sa
     from core.failures import FailureClass
     from workflows.lifecycle_job import (
+        JobKind,
         OperatorControlledJob,
         StageFailure,
         StoppedBeforeNextStep,
-        is_standing_action,
         stage_failure_from,
     )
 
@@ -90,18 +84,13 @@ ACTIVITY_NAMES = {stage: f"onboarding.{stage.value}" for stage in Stage}
 
 @workflow.defn(name=WORKFLOW_NAME)
 class MaasNodeOnboardWorkflow(OperatorControlledJob[Stage, OperatorAction, OnboardResult]):
+    _kind = JobKind("onboarding", OperatorAction, ALLOWED_ACTIONS, outcome_for)
+
     def __init__(self) -> None:
+        super().__init__(Stage.LOAD_SITE_CONFIG)
         self._input: OnboardInput | None = None
         self._site: SiteConfig | None = None
         self._state = OnboardState()
-        self._status = JobStatus.PENDING
-        self._stage = Stage.LOAD_SITE_CONFIG
-        self._entries: dict[Stage, int] = {}
-        self._failure: StageFailure[Stage] | None = None
-        self._pending: OperatorRequest | None = None
-        self._interrupt: OperatorAction | None = None
-        self._stage_task: asyncio.Task[None] | None = None
-        self._adopted = False
         self._parent_told = False
 
     # ------------------------------------------------------------------ run
@@ -237,11 +226,9 @@ class MaasNodeOnboardWorkflow(OperatorControlledJob[Stage, OperatorAction, Onboa
     async def _run_stage(self, stage: Stage, *, activity: str | None = None) -> StageResult:
         assert self._input is not None
         self._stop_if_interrupted(STOP_BEFORE_NEXT_STAGE_PATCH)
-        self._stage = stage
-        self._entries[stage] = self._entries.get(stage, 0) + 1
         if stage in POST_DEPLOY_STAGES:
             self._state.os_running = True
-        self._upsert_search_attributes()
+        self._enter(stage)
         wait_seconds = self._wait_seconds(stage)
         try:
             result: StageResult = await workflow.execute_activity(
@@ -267,20 +254,7 @@ class MaasNodeOnboardWorkflow(OperatorControlledJob[Stage, OperatorAction, Onboa
         return result
 
     def _wait_seconds(self, stage: Stage) -> int:
-        policy = self._site.policy if self._site else None
-        if policy is None:
-            return 0
-        return {
-            Stage.CREATE_OR_FIND_IN_MAAS: policy.discovery_timeout_seconds,
-            Stage.WAIT_FOR_READY: policy.commission_timeout_seconds,
-            Stage.WAIT_FOR_DEPLOYED: policy.deploy_timeout_seconds,
-            Stage.RECOVER_FOR_DATASOURCE_RETRY: policy.deploy_timeout_seconds,
-            Stage.ENSURE_HARDWARE_SYNC_CONFIGURED: 2 * policy.hw_sync_seed_timeout_seconds,
-            Stage.WAIT_FOR_HARDWARE_SYNC_HEALTHY: policy.hw_sync_health_timeout_seconds
-            + 2 * policy.hw_sync_seed_timeout_seconds,
-            Stage.WAIT_FOR_AGENT_ENROLLMENT: policy.enrollment_timeout_seconds
-            + policy.hw_sync_seed_timeout_seconds,
-        }.get(stage, 0)
+        return self._site.policy.stage_wait_seconds(stage) if self._site else 0
 
     def _heartbeat_timeout(self) -> timedelta:
         # Every stage heartbeats at least every few seconds (stage_runtime keep-alive), polls
@@ -291,39 +265,15 @@ class MaasNodeOnboardWorkflow(OperatorControlledJob[Stage, OperatorAction, Onboa
     # ------------------------------------------------------------------ failure and actions
 
     async def _fail(self, failure: StageFailure[Stage], *, forced: JobStatus | None = None) -> None:
-        self._failure = failure
-        outcome = outcome_for(failure.failure_class, failure.error_code)
-        status = forced or outcome.job_status
-        self._stage = failure.stage
-        details = {**failure.details, "hint": outcome.hint}
-        await self._set_status(
-            status,
-            failure=failure,
-            recommended_action=outcome.recommended_action.value,
-            details=details,
-            event_status=EventStatus.FAILED,
-            domain_event=(
-                "node.onboarding.manual_intervention_required"
-                if status == JobStatus.FAILED_MANUAL_INTERVENTION
-                else "node.onboarding.failed"
-            ),
-        )
+        await super()._fail(failure, forced=forced)
         await self._tell_parent()
 
     async def _await_operator(self) -> Stage | None:
         """Wait for an accepted action; answer where to start again (None: cancel)."""
         while True:
-            await workflow.wait_condition(lambda: self._pending is not None)
-            request, self._pending = self._pending, None
-            assert request is not None
-            action = OperatorAction(request.action)
-            failed_stage = self._failure.stage if self._failure else Stage.LOAD_SITE_CONFIG
+            action, failed_stage = await self._next_action(Stage.LOAD_SITE_CONFIG)
             if action == OperatorAction.CANCEL:
                 return None
-            if action == OperatorAction.MARK_MANUAL_INTERVENTION:
-                await self._set_status(JobStatus.FAILED_MANUAL_INTERVENTION, stage=failed_stage)
-                continue
-            await self._set_status(JobStatus.RUNNING, clear_error=True)
             if action == OperatorAction.RERUN:
                 return Stage.LOAD_SITE_CONFIG
             if action == OperatorAction.RESTART_CLEAN:
@@ -420,104 +370,41 @@ class MaasNodeOnboardWorkflow(OperatorControlledJob[Stage, OperatorAction, Onboa
             # Compensation that cannot finish is surfaced, never retried blindly.
             workflow.logger.warning("onboarding compensation failed: %s", err)
 
-    # ------------------------------------------------------------------ operator surface
-
-    @workflow.update(name=OPERATOR_ACTION_UPDATE)
-    async def operator_action(self, request: OperatorRequest) -> ActionResult:
-        action = OperatorAction(request.action)
-        return self._take_operator_action(request, action, noop=self._is_noop(action))
-
-    @operator_action.validator
-    def _validate_action(self, request: OperatorRequest) -> None:
-        check_operator_action(
-            request,
-            OperatorAction,
-            job="onboarding",
-            status=self._status,
-            busy=self._pending is not None or self._interrupt is not None,
-            is_noop=self._is_noop,
-            allowed=ALLOWED_ACTIONS,
-        )
-
-    def _is_noop(self, action: OperatorAction) -> bool:
-        return is_standing_action(action, self._status)
-
-    @workflow.query(name=PROGRESS_QUERY)
-    def progress(self) -> Progress:
-        failure = self._failure if self._status in FAILED_JOB_STATUSES else None
-        return Progress(
-            onboarding_id=self._input.onboarding_id if self._input else "",
-            status=self._status.value,
-            stage=self._stage.value,
-            attempt=self._entries.get(self._stage, 0),
-            failure_class=failure.failure_class if failure else None,
-            error_code=failure.error_code if failure else None,
-            system_id=self._state.system_id,
-            node_id=self._input.node_id if self._input else None,
-        )
-
     # ------------------------------------------------------------------ bookkeeping
 
-    async def _set_status(
-        self,
-        status: JobStatus,
-        *,
-        stage: Stage | None = None,
-        failure: StageFailure[Stage] | None = None,
-        recommended_action: str | None = None,
-        details: dict[str, Any] | None = None,
-        event_status: EventStatus | None = None,
-        domain_event: str | None = None,
-        clear_error: bool = False,
-        workflow_run_id: str | None = None,
-    ) -> None:
-        assert self._input is not None
-        self._status = status
-        if stage is not None:
-            self._stage = stage
-        self._upsert_search_attributes()
-        record = ProgressRecord(
-            onboarding_id=self._input.onboarding_id,
-            status=status.value,
-            stage=self._stage.value,
-            attempt=self._entries.get(self._stage, 0),
-            event_status=event_status.value if event_status else None,
-            message=failure.message if failure else "",
-            details={**(details or {}), "node_id": self._input.node_id},
-            state=self._state,
-            failure_class=failure.failure_class if failure else None,
-            error_code=failure.error_code if failure else None,
-            recommended_action=recommended_action,
-            clear_error=clear_error,
-            workflow_run_id=workflow_run_id,
-            domain_event=domain_event,
-        )
-        await workflow.execute_local_activity(
-            "onboarding.record_progress",
-            record,
-            start_to_close_timeout=timedelta(seconds=30),
-            retry_policy=RetryPolicy(maximum_interval=timedelta(seconds=10)),
+    def _progress(self, **fields: Any) -> Progress:
+        return Progress(
+            onboarding_id=self._input.onboarding_id if self._input else "",
+            system_id=self._state.system_id,
+            node_id=self._input.node_id if self._input else None,
+            **fields,
         )
 
-    def _upsert_search_attributes(self) -> None:
+    def _progress_record(self, **fields: Any) -> ProgressRecord:
         assert self._input is not None
-        updates = [
-            sa.LIFECYCLE_STATUS.value_set(self._status.value),
-            sa.CURRENT_STAGE.value_set(self._stage.value),
+        return ProgressRecord(onboarding_id=self._input.onboarding_id, state=self._state, **fields)
+
+    def _record_details(self) -> dict[str, Any]:
+        assert self._input is not None
+        return {"node_id": self._input.node_id}
+
+    def _search_attributes(self) -> list[SearchAttributeUpdate[Any]]:
+        assert self._input is not None
+        updates: list[SearchAttributeUpdate[Any]] = [
             sa.SITE_ID.value_set(self._input.site_id),
             sa.HOSTNAME.value_set(self._input.hostname),
             sa.NODE_ID.value_set(self._input.node_id),
         ]
         if self._input.batch_id:
             updates.append(sa.BATCH_ID.value_set(self._input.batch_id))
-        workflow.upsert_search_attributes(updates)
+        return updates
 
     async def _tell_parent(self) -> None:
         parent = workflow.info().parent
         if parent is None or self._parent_told or self._input is None:
             return
         self._parent_told = True
-        failure = self._failure if self._status in FAILED_JOB_STATUSES else None
+        failure = self._standing_failure()
         await workflow.get_external_workflow_handle(parent.workflow_id).signal(
             CHILD_SETTLED_SIGNAL,
             ChildSettled(
@@ -530,7 +417,7 @@ class MaasNodeOnboardWorkflow(OperatorControlledJob[Stage, OperatorAction, Onboa
 
     def _result(self) -> OnboardResult:
         assert self._input is not None
-        failure = self._failure if self._status in FAILED_JOB_STATUSES else None
+        failure = self._standing_failure()
         return OnboardResult(
             onboarding_id=self._input.onboarding_id,
             hostname=self._input.hostname,

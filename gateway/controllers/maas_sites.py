@@ -6,17 +6,17 @@ credential overrides. What calls MAAS or Vault, and the RoCE assignments, run in
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import Any, TypeVar
 
-from litestar import Controller, Request, Response, delete, get, patch, post
-from litestar.di import NamedDependency
+from litestar import Controller, Response, delete, get, patch, post
+from litestar.di import NamedDependency, Provide
 from litestar.params import FromPath, JSONBody
-from sqlalchemy import select
+from sqlalchemy import ScalarResult, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway import maas_sites
-from gateway.auth import Principal, admin_guard
-from gateway.controllers.common import audit_reason, errors
+from gateway.auth import admin_guard
+from gateway.controllers.common import AdminCall, errors, provide_admin_call
 from gateway.maas_schemas import (
     CredentialsWritten,
     PowerOverrideCreate,
@@ -37,16 +37,24 @@ from gateway.maas_schemas import (
     SitePatch,
     SiteView,
 )
-from gateway.runtime import Runtime
 from schema.models import MaasPowerCredentialOverride, MaasRoceAssignment
 
-AnyRequest = Request[Any, Any, Any]
+SiteRow = TypeVar("SiteRow", MaasRoceAssignment, MaasPowerCredentialOverride)
+
+
+async def _site_rows(
+    db: AsyncSession, site_id: uuid.UUID, model: type[SiteRow], *order_by: Any
+) -> ScalarResult[SiteRow]:
+    """A site's rows of `model`, in `order_by` order; an unknown site is 404, not no rows."""
+    await maas_sites.load_site(db, site_id)
+    return await db.scalars(select(model).where(model.site_id == site_id).order_by(*order_by))
 
 
 class AdminMaasSitesController(Controller):
     path = "/api/v1/admin/maas-sites"
     guards = [admin_guard]
     tags = ["admin: MAAS sites"]
+    dependencies = {"admin": Provide(provide_admin_call)}
 
     @post(
         "/",
@@ -58,17 +66,15 @@ class AdminMaasSitesController(Controller):
         self,
         data: JSONBody[SiteCreate],
         db: NamedDependency[AsyncSession],
-        principal: NamedDependency[Principal],
-        request: AnyRequest,
-        runtime: NamedDependency[Runtime],
+        admin: NamedDependency[AdminCall],
     ) -> SiteView:
         return await maas_sites.create_site(
             db,
-            principal,
+            admin.principal,
             data,
-            audit_reason(request, data.reason),
-            runtime.temporal,
-            runtime.settings,
+            admin.reason(data.reason),
+            admin.temporal,
+            admin.settings,
         )
 
     @get("/", summary="List sites", responses=errors(403))
@@ -90,19 +96,17 @@ class AdminMaasSitesController(Controller):
         self,
         data: JSONBody[SitePatch],
         db: NamedDependency[AsyncSession],
-        principal: NamedDependency[Principal],
-        request: AnyRequest,
+        admin: NamedDependency[AdminCall],
         site_id: FromPath[uuid.UUID],
-        runtime: NamedDependency[Runtime],
     ) -> SiteView:
         return await maas_sites.patch_site(
             db,
-            principal,
+            admin.principal,
             site_id,
             data,
-            audit_reason(request, data.reason),
-            runtime.temporal,
-            runtime.settings,
+            admin.reason(data.reason),
+            admin.temporal,
+            admin.settings,
         )
 
     @delete(
@@ -115,19 +119,17 @@ class AdminMaasSitesController(Controller):
     async def disable_site(
         self,
         db: NamedDependency[AsyncSession],
-        principal: NamedDependency[Principal],
-        request: AnyRequest,
+        admin: NamedDependency[AdminCall],
         site_id: FromPath[uuid.UUID],
-        runtime: NamedDependency[Runtime],
     ) -> SiteView:
         return await maas_sites.patch_site(
             db,
-            principal,
+            admin.principal,
             site_id,
             SitePatch(status="disabled"),
-            audit_reason(request),
-            runtime.temporal,
-            runtime.settings,
+            admin.reason(),
+            admin.temporal,
+            admin.settings,
             action="maas_site.disable",
         )
 
@@ -142,19 +144,11 @@ class AdminMaasSitesController(Controller):
         self,
         data: JSONBody[SiteCredentials],
         db: NamedDependency[AsyncSession],
-        principal: NamedDependency[Principal],
-        request: AnyRequest,
+        admin: NamedDependency[AdminCall],
         site_id: FromPath[uuid.UUID],
-        runtime: NamedDependency[Runtime],
     ) -> CredentialsWritten:
-        return await maas_sites.set_credentials(
-            db,
-            runtime.temporal,
-            runtime.settings.control_plane_task_queue,
-            principal,
-            site_id,
-            data,
-            audit_reason(request, data.reason),
+        return await admin.operate(
+            maas_sites.set_credentials, db, site_id, data, admin.reason(data.reason)
         )
 
     @post(
@@ -166,12 +160,10 @@ class AdminMaasSitesController(Controller):
     async def probe(
         self,
         db: NamedDependency[AsyncSession],
+        admin: NamedDependency[AdminCall],
         site_id: FromPath[uuid.UUID],
-        runtime: NamedDependency[Runtime],
     ) -> ProbeResult:
-        return await maas_sites.probe(
-            db, runtime.temporal, runtime.settings.control_plane_task_queue, site_id
-        )
+        return await maas_sites.probe(db, admin.temporal, admin.queue, site_id)
 
     # --- profiles ---
 
@@ -186,12 +178,11 @@ class AdminMaasSitesController(Controller):
         self,
         data: JSONBody[ProfileCreate],
         db: NamedDependency[AsyncSession],
-        principal: NamedDependency[Principal],
-        request: AnyRequest,
+        admin: NamedDependency[AdminCall],
         site_id: FromPath[uuid.UUID],
     ) -> ProfileView:
         return await maas_sites.create_profile(
-            db, principal, site_id, data, audit_reason(request, data.reason)
+            db, admin.principal, site_id, data, admin.reason(data.reason)
         )
 
     @get(
@@ -226,13 +217,12 @@ class AdminMaasSitesController(Controller):
         self,
         data: JSONBody[ProfilePatch],
         db: NamedDependency[AsyncSession],
-        principal: NamedDependency[Principal],
-        request: AnyRequest,
+        admin: NamedDependency[AdminCall],
         site_id: FromPath[uuid.UUID],
         profile_id: FromPath[uuid.UUID],
     ) -> ProfileView:
         return await maas_sites.patch_profile(
-            db, principal, site_id, profile_id, data, audit_reason(request, data.reason)
+            db, admin.principal, site_id, profile_id, data, admin.reason(data.reason)
         )
 
     # --- RoCE assignments ---
@@ -247,30 +237,23 @@ class AdminMaasSitesController(Controller):
         self,
         data: JSONBody[RoceBulk],
         db: NamedDependency[AsyncSession],
-        principal: NamedDependency[Principal],
-        request: AnyRequest,
+        admin: NamedDependency[AdminCall],
         site_id: FromPath[uuid.UUID],
-        runtime: NamedDependency[Runtime],
     ) -> RoceUpserted:
-        return await maas_sites.upsert_roce(
-            db,
-            runtime.temporal,
-            runtime.settings.control_plane_task_queue,
-            principal,
-            site_id,
-            data,
-            audit_reason(request, data.reason),
+        return await admin.operate(
+            maas_sites.upsert_roce, db, site_id, data, admin.reason(data.reason)
         )
 
     @get("/{site_id:uuid}/roce-assignments", summary="List", responses=errors(403, 404))
     async def list_roce(
         self, db: NamedDependency[AsyncSession], site_id: FromPath[uuid.UUID]
     ) -> RoceList:
-        await maas_sites.load_site(db, site_id)
-        rows = await db.scalars(
-            select(MaasRoceAssignment)
-            .where(MaasRoceAssignment.site_id == site_id)
-            .order_by(MaasRoceAssignment.hostname, MaasRoceAssignment.interface)
+        rows = await _site_rows(
+            db,
+            site_id,
+            MaasRoceAssignment,
+            MaasRoceAssignment.hostname,
+            MaasRoceAssignment.interface,
         )
         return RoceList(items=[maas_sites.roce_view(r) for r in rows])
 
@@ -282,19 +265,17 @@ class AdminMaasSitesController(Controller):
     )
     async def delete_roce(
         self,
-        principal: NamedDependency[Principal],
-        request: AnyRequest,
+        admin: NamedDependency[AdminCall],
         site_id: FromPath[uuid.UUID],
         assignment_id: FromPath[uuid.UUID],
-        runtime: NamedDependency[Runtime],
     ) -> Response[None]:
         await maas_sites.delete_roce(
-            runtime.temporal,
-            runtime.settings.control_plane_task_queue,
-            principal,
+            admin.temporal,
+            admin.queue,
+            admin.principal,
             site_id,
             assignment_id,
-            audit_reason(request),
+            admin.reason(),
         )
         return Response(None, status_code=204)
 
@@ -310,33 +291,23 @@ class AdminMaasSitesController(Controller):
         self,
         data: JSONBody[PowerOverrideCreate],
         db: NamedDependency[AsyncSession],
-        principal: NamedDependency[Principal],
-        request: AnyRequest,
+        admin: NamedDependency[AdminCall],
         site_id: FromPath[uuid.UUID],
-        runtime: NamedDependency[Runtime],
     ) -> PowerOverrideView:
-        return await maas_sites.create_override(
-            db,
-            runtime.temporal,
-            runtime.settings.control_plane_task_queue,
-            principal,
-            site_id,
-            data,
-            audit_reason(request, data.reason),
+        return await admin.operate(
+            maas_sites.create_override, db, site_id, data, admin.reason(data.reason)
         )
 
     @get("/{site_id:uuid}/power-overrides", summary="List overrides", responses=errors(403, 404))
     async def list_overrides(
         self, db: NamedDependency[AsyncSession], site_id: FromPath[uuid.UUID]
     ) -> PowerOverrideList:
-        await maas_sites.load_site(db, site_id)
-        rows = await db.scalars(
-            select(MaasPowerCredentialOverride)
-            .where(MaasPowerCredentialOverride.site_id == site_id)
-            .order_by(
-                MaasPowerCredentialOverride.selector_type,
-                MaasPowerCredentialOverride.selector_value,
-            )
+        rows = await _site_rows(
+            db,
+            site_id,
+            MaasPowerCredentialOverride,
+            MaasPowerCredentialOverride.selector_type,
+            MaasPowerCredentialOverride.selector_value,
         )
         return PowerOverrideList(items=[maas_sites.override_view(r) for r in rows])
 
@@ -362,21 +333,12 @@ class AdminMaasSitesController(Controller):
         self,
         data: JSONBody[PowerOverridePatch],
         db: NamedDependency[AsyncSession],
-        principal: NamedDependency[Principal],
-        request: AnyRequest,
+        admin: NamedDependency[AdminCall],
         site_id: FromPath[uuid.UUID],
         override_id: FromPath[uuid.UUID],
-        runtime: NamedDependency[Runtime],
     ) -> PowerOverrideView:
-        return await maas_sites.patch_override(
-            db,
-            runtime.temporal,
-            runtime.settings.control_plane_task_queue,
-            principal,
-            site_id,
-            override_id,
-            data,
-            audit_reason(request, data.reason),
+        return await admin.operate(
+            maas_sites.patch_override, db, site_id, override_id, data, admin.reason(data.reason)
         )
 
     @delete(
@@ -388,19 +350,9 @@ class AdminMaasSitesController(Controller):
     async def delete_override(
         self,
         db: NamedDependency[AsyncSession],
-        principal: NamedDependency[Principal],
-        request: AnyRequest,
+        admin: NamedDependency[AdminCall],
         site_id: FromPath[uuid.UUID],
         override_id: FromPath[uuid.UUID],
-        runtime: NamedDependency[Runtime],
     ) -> Response[None]:
-        await maas_sites.delete_override(
-            db,
-            runtime.temporal,
-            runtime.settings.control_plane_task_queue,
-            principal,
-            site_id,
-            override_id,
-            audit_reason(request),
-        )
+        await admin.operate(maas_sites.delete_override, db, site_id, override_id, admin.reason())
         return Response(None, status_code=204)
