@@ -296,12 +296,11 @@ def judge_list(
 
 
 def max_missing_share_of(policy: MaasSitePolicy | None) -> float:
-    """The site policy's `reconcile_max_missing_share` where the policy has that knob, else
-    DEFAULT_MAX_MISSING_SHARE; clamped to [0, 1]."""
-    value = getattr(policy, "reconcile_max_missing_share", None)
-    if value is None:
+    """The site policy's `reconcile_max_missing_share` (DEFAULT_MAX_MISSING_SHARE without a
+    policy row); clamped to [0, 1]."""
+    if policy is None:
         return DEFAULT_MAX_MISSING_SHARE
-    return min(max(float(value), 0.0), 1.0)
+    return min(max(float(policy.reconcile_max_missing_share), 0.0), 1.0)
 
 
 class MaasReconcileActivities:

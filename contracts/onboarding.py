@@ -163,6 +163,8 @@ class SitePolicyView:
     hw_sync_seed_timeout_seconds: int = 900
     hw_sync_health_timeout_seconds: int = 1800
     enrollment_timeout_seconds: int = 1800
+    # A RoCE phase-2 link MAAS refuses stops the job (default: reported, non-fatal, §4.6).
+    roce_failures_stop_job: bool = False
 
     def stage_wait_seconds(self, stage: str) -> int:
         """How long the stage (a Stage value) may wait on MAAS or the node, on top of its

@@ -53,6 +53,8 @@ class SitePolicy(msgspec.Struct, kw_only=True):
     hw_sync_seed_timeout_seconds: TimeoutSeconds = 900
     hw_sync_health_timeout_seconds: TimeoutSeconds = 1800
     enrollment_timeout_seconds: TimeoutSeconds = 1800
+    roce_failures_stop_job: bool = False
+    reconcile_max_missing_share: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.1
 
 
 class SitePolicyPatch(Request):
@@ -77,6 +79,8 @@ class SitePolicyPatch(Request):
     hw_sync_seed_timeout_seconds: TimeoutSeconds | None = None
     hw_sync_health_timeout_seconds: TimeoutSeconds | None = None
     enrollment_timeout_seconds: TimeoutSeconds | None = None
+    roce_failures_stop_job: bool | None = None
+    reconcile_max_missing_share: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
 
 
 class SiteCreate(Request):

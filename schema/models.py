@@ -13,6 +13,7 @@ from sqlalchemy import (
     CheckConstraint,
     Computed,
     DateTime,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -441,9 +442,17 @@ class MaasSitePolicy(Base):
         Integer, server_default=text("1800")
     )
     enrollment_timeout_seconds: Mapped[int] = mapped_column(Integer, server_default=text("1800"))
+    # Whether a RoCE phase-2 link MAAS refuses stops the onboarding (seed 003 §4.6: it does not).
+    roce_failures_stop_job: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
+    # The share of the site's bound machines a machines list may miss before the reconciler
+    # takes the list as suspect and changes nothing.
+    reconcile_max_missing_share: Mapped[float] = mapped_column(Float, server_default=text("0.1"))
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=NOW)
     updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=NOW)
     __table_args__ = (
+        CheckConstraint(
+            "reconcile_max_missing_share BETWEEN 0 AND 1", name="policy_reconcile_missing_share"
+        ),
         CheckConstraint("max_deploy_retry_attempts BETWEEN 0 AND 10", name="policy_deploy_retries"),
         CheckConstraint("batch_max_parallel BETWEEN 1 AND 500", name="policy_batch_parallel"),
         CheckConstraint("enrollment_token_ttl_seconds > 0", name="policy_enrollment_ttl"),

@@ -760,15 +760,21 @@ async def test_policy_onboarding_knobs(admin: Any, db_sessions: Any) -> None:
     assert policy["hw_sync_seed_timeout_seconds"] == 900
     assert policy["hw_sync_health_timeout_seconds"] == 1800
     assert policy["enrollment_timeout_seconds"] == 1800
+    assert (policy["roce_failures_stop_job"], policy["reconcile_max_missing_share"]) == (False, 0.1)
 
     path = f"/api/v1/admin/maas-sites/{site['id']}"
     patched = await admin.patch(
-        path, json={"policy": {"enrollment_timeout_seconds": 600, "maas_poll_interval_ms": 10}}
-    )
+        path,
+        json={"policy": {"enrollment_timeout_seconds": 600, "maas_poll_interval_ms": 10,
+                         "roce_failures_stop_job": True, "reconcile_max_missing_share": 0.25}},
+    )  # fmt: skip
     assert patched.status_code == 200, patched.text
     assert patched.json()["policy"]["enrollment_timeout_seconds"] == 600
     assert patched.json()["policy"]["maas_poll_interval_ms"] == 10
+    assert patched.json()["policy"]["roce_failures_stop_job"] is True
+    assert patched.json()["policy"]["reconcile_max_missing_share"] == 0.25
     for bad in (
+        {"reconcile_max_missing_share": 1.5},
         {"maas_poll_interval_ms": 5},
         {"maas_poll_interval_ms": 600_001},
         {"deploy_timeout_seconds": 0},

@@ -687,9 +687,9 @@ class RoceLinksFailed(StageError):
 
 
 def roce_failures_stop_job(site: SiteConfig) -> bool:
-    """The policy's call whether a RoCE link failure stops the job: the profile's
-    `roce_failures_stop_job` where the policy has that knob, else no (§4.6 non-fatal)."""
-    return bool(getattr(site.policy, "roce_failures_stop_job", False))
+    """The policy's call whether a RoCE link failure stops the job (default no: §4.6
+    non-fatal)."""
+    return site.policy.roce_failures_stop_job
 
 
 def _link_failure(name: str, cidr: str, err: ClassifiedError) -> dict[str, Any]:

@@ -173,6 +173,7 @@ class NodeStageActivities(StageActivitiesBase):
                     deploy_timeout_seconds=policy.deploy_timeout_seconds,
                     hw_sync_seed_timeout_seconds=policy.hw_sync_seed_timeout_seconds,
                     hw_sync_health_timeout_seconds=policy.hw_sync_health_timeout_seconds,
+                    roce_failures_stop_job=policy.roce_failures_stop_job,
                     enrollment_timeout_seconds=policy.enrollment_timeout_seconds,
                 ),
             )
