@@ -28,11 +28,11 @@ from temporalio.exceptions import ApplicationError
 from activities.billing.ledger import EntryKind, balance_minor, post_entry
 from activities.maas.client import MaasClient
 from activities.maas.errors import MaasAuthError, MaasError, MaasNotAdmin
+from activities.operation_support import record_audit, refusal, transaction
 from contracts.admin_operation import (
     BILLING_CREDIT,
     CREDENTIALS_INVALID,
     CREDENTIALS_MISSING,
-    DATABASE_UNAVAILABLE,
     DRIFT_RESOLVE,
     GPU_SLOT_RETURN,
     MAAS_API_KEY_MALFORMED,
@@ -51,7 +51,6 @@ from contracts.admin_operation import (
     SITE_CREDENTIALS_WRITE,
     SITE_PROBE,
     SLOT_NOT_QUARANTINED,
-    Actor,
     CreditInput,
     CreditResult,
     DriftResolveInput,
@@ -76,7 +75,7 @@ from contracts.states import SlotStatus
 from core.failures import FailureClass
 from core.secret_paths import power_override_path
 from core.secrets import SecretStore, SecretStoreError
-from schema import audit
+from schema.constraints import constraint_name
 from schema.models import (
     GpuSlot,
     MaasPowerCredentialOverride,
@@ -94,22 +93,8 @@ MAAS_CHECK_TIMEOUT_SECONDS = 5.0
 # A probe (two reads, each retried) ends within this, inside the gateway's wait for the answer.
 MAAS_PROBE_DEADLINE_SECONDS = 8.0
 
-_DATABASE_ERRORS: tuple[type[BaseException], ...] = (
-    sqlalchemy.exc.OperationalError,
-    sqlalchemy.exc.InterfaceError,
-    sqlalchemy.exc.TimeoutError,
-    sqlalchemy.exc.DisconnectionError,
-    OSError,
-)
-
 
 # --- answers ------------------------------------------------------------------------------------
-
-
-def refusal(code: str, message: str, details: Mapping[str, Any] | None = None) -> ApplicationError:
-    """The operation's final answer (not retried); `message` is shown to the API client."""
-    extra = [dict(details)] if details else []
-    return ApplicationError(message, *extra, type=code, non_retryable=True)
 
 
 def _maas_refusal(err: MaasError) -> ApplicationError:
@@ -133,27 +118,6 @@ def _vault_refusal(err: SecretStoreError) -> ApplicationError:
 
 def _iso(value: dt.datetime | None) -> str | None:
     return value.isoformat() if value is not None else None
-
-
-def _constraint_name(err: sqlalchemy.exc.IntegrityError) -> str | None:
-    """The violated constraint, from asyncpg's error under SQLAlchemy's wrapper."""
-    for candidate in (err.orig, getattr(err.orig, "__cause__", None)):
-        name = getattr(candidate, "constraint_name", None)
-        if isinstance(name, str):
-            return name
-    return None
-
-
-def _record(session: AsyncSession, actor: Actor, **row: Any) -> None:
-    audit.record(
-        session,
-        actor=actor.name,
-        actor_token_id=uuid.UUID(actor.token_id) if actor.token_id else None,
-        role=actor.role,
-        reason=actor.reason,
-        workflow_ids=[workflow_id] if (workflow_id := activity.info().workflow_id) else [],
-        **row,
-    )
 
 
 # --- Vault writes that can be undone ------------------------------------------------------------
@@ -238,19 +202,8 @@ class AdminOperationActivities:
             self.power_override_delete,
         ]
 
-    @contextlib.asynccontextmanager
-    async def _transaction(self) -> AsyncIterator[AsyncSession]:
-        """One transaction; a database that is not answering is a retryable failure."""
-        try:
-            async with self._sessions() as session, session.begin():
-                yield session
-        except _DATABASE_ERRORS:
-            raise ApplicationError(
-                "the database is not reachable", type=DATABASE_UNAVAILABLE
-            ) from None
-
     async def _site(self, site_id: str) -> MaasSite:
-        async with self._transaction() as session:
+        async with transaction(self._sessions) as session:
             site = await session.get(MaasSite, uuid.UUID(site_id))
             if site is None:
                 raise refusal(NOT_FOUND, "MAAS site not found")
@@ -263,7 +216,7 @@ class AdminOperationActivities:
     async def billing_credit(self, input: CreditInput) -> CreditResult:
         """Post the credit once (the ledger's key is unique), audited when this call posted it."""
         project_id = uuid.UUID(input.project_id)
-        async with self._transaction() as session:
+        async with transaction(self._sessions) as session:
             if await session.get(Project, project_id) is None:
                 raise refusal(NOT_FOUND, "project not found")
             entry_id, created = await post_entry(
@@ -275,7 +228,7 @@ class AdminOperationActivities:
                 description=input.actor.reason,
             )
             if created:
-                _record(
+                record_audit(
                     session,
                     input.actor,
                     action="billing.credit",
@@ -292,7 +245,7 @@ class AdminOperationActivities:
     async def gpu_slot_return_to_service(self, input: GpuSlotReturnInput) -> GpuSlotState:
         """disabled (quarantined) → free, compare-and-set, audited."""
         slot_id, node_id = uuid.UUID(input.slot_id), uuid.UUID(input.node_id)
-        async with self._transaction() as session:
+        async with transaction(self._sessions) as session:
             slot = await session.get(GpuSlot, slot_id)
             if slot is None or slot.node_id != node_id:
                 raise refusal(NOT_FOUND, "GPU slot not found")
@@ -315,7 +268,7 @@ class AdminOperationActivities:
             )
             if returned is None:
                 raise refusal(SLOT_NOT_QUARANTINED, "this GPU slot is not quarantined")
-            _record(
+            record_audit(
                 session,
                 input.actor,
                 action="gpu_slot.return_to_service",
@@ -342,7 +295,7 @@ class AdminOperationActivities:
     async def drift_resolve(self, input: DriftResolveInput) -> DriftState:
         """An operator acknowledges a drift after acting on it: compare-and-set, audited."""
         node_id = uuid.UUID(input.node_id)
-        async with self._transaction() as session:
+        async with transaction(self._sessions) as session:
             state = await session.get(NodeMaasState, node_id)
             if state is None:
                 raise refusal(NOT_FOUND, "node is not bound to a MAAS site")
@@ -356,7 +309,7 @@ class AdminOperationActivities:
             )
             if resolved is None:
                 raise refusal(NO_DRIFT, "this node has no unresolved drift")
-            _record(
+            record_audit(
                 session,
                 input.actor,
                 action="reconciliation.resolve_drift",
@@ -421,7 +374,7 @@ class AdminOperationActivities:
         written = [path for path, _ in writes]
         changes = SecretChanges(self._secrets)
         await changes.write(writes)
-        async with _undone_on_failure(changes), self._transaction() as session:
+        async with _undone_on_failure(changes), transaction(self._sessions) as session:
             updated = await session.scalar(
                 update(MaasSite)
                 .where(MaasSite.id == site.id)
@@ -434,7 +387,7 @@ class AdminOperationActivities:
             )
             if updated is None:  # deleted meanwhile: the secrets are put back
                 raise refusal(NOT_FOUND, "MAAS site not found")
-            _record(
+            record_audit(
                 session,
                 input.actor,
                 action="maas_site.credentials_write",
@@ -508,7 +461,7 @@ class AdminOperationActivities:
             }
             for item in input.items
         ]
-        async with self._transaction() as session:
+        async with transaction(self._sessions) as session:
             if await session.get(MaasSite, site_id) is None:
                 raise refusal(NOT_FOUND, "MAAS site not found")
             insert = pg_insert(MaasRoceAssignment).values(rows)
@@ -524,7 +477,7 @@ class AdminOperationActivities:
             updated = len(results) - created
             unchanged = len(rows) - len(results)
             if results:
-                _record(
+                record_audit(
                     session,
                     input.actor,
                     action="maas_site.roce_upsert",
@@ -537,12 +490,12 @@ class AdminOperationActivities:
     @activity.defn(name=ROCE_DELETE)
     async def roce_delete(self, input: RoceDeleteInput) -> None:
         assignment_id = uuid.UUID(input.assignment_id)
-        async with self._transaction() as session:
+        async with transaction(self._sessions) as session:
             row = await session.get(MaasRoceAssignment, assignment_id)
             if row is None or row.site_id != uuid.UUID(input.site_id):
                 raise refusal(NOT_FOUND, "RoCE assignment not found")
             await session.delete(row)
-            _record(
+            record_audit(
                 session,
                 input.actor,
                 action="maas_site.roce_delete",
@@ -585,7 +538,7 @@ class AdminOperationActivities:
         site_id, override_id = uuid.UUID(input.site_id), uuid.UUID(input.override_id)
         vault_path = power_override_path(site_id, override_id)
         changes = SecretChanges(self._secrets)
-        async with _undone_on_failure(changes), self._transaction() as session:
+        async with _undone_on_failure(changes), transaction(self._sessions) as session:
             if await session.get(MaasSite, site_id) is None:
                 raise refusal(NOT_FOUND, "MAAS site not found")
             row = MaasPowerCredentialOverride(
@@ -600,13 +553,13 @@ class AdminOperationActivities:
             try:
                 await session.flush()
             except sqlalchemy.exc.IntegrityError as err:
-                if _constraint_name(err) == "power_override_once":
+                if constraint_name(err) == "power_override_once":
                     raise refusal(
                         OVERRIDE_EXISTS, "an override for this selector already exists"
                     ) from None
                 raise
             await changes.write([(vault_path, {"user": input.user, "pass": input.password})])
-            _record(
+            record_audit(
                 session,
                 input.actor,
                 action="maas_site.power_override_create",
@@ -623,7 +576,7 @@ class AdminOperationActivities:
     async def power_override_update(self, input: PowerOverrideUpdateInput) -> PowerOverrideState:
         """Rotate the override's secret and/or enable or disable it, audited."""
         changes = SecretChanges(self._secrets)
-        async with _undone_on_failure(changes), self._transaction() as session:
+        async with _undone_on_failure(changes), transaction(self._sessions) as session:
             row = await self._override(session, input.site_id, input.override_id)
             prior = row.status
             rotated = input.user is not None and input.password is not None
@@ -634,7 +587,7 @@ class AdminOperationActivities:
             if input.status is not None:
                 row.status = input.status
             row.updated_at = func.now()
-            _record(
+            record_audit(
                 session,
                 input.actor,
                 action="maas_site.power_override_update",
@@ -653,11 +606,11 @@ class AdminOperationActivities:
         """The secret first, then the commit: a failed delete leaves the override as it was (and
         a failed commit puts the secret back)."""
         changes = SecretChanges(self._secrets)
-        async with _undone_on_failure(changes), self._transaction() as session:
+        async with _undone_on_failure(changes), transaction(self._sessions) as session:
             row = await self._override(session, input.site_id, input.override_id)
             path, prior = row.vault_path, row.status
             await session.delete(row)
-            _record(
+            record_audit(
                 session,
                 input.actor,
                 action="maas_site.power_override_delete",
