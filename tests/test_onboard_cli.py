@@ -1,6 +1,7 @@
 """`gpucloud-onboard`: the CSV checks (in process, no network), and the real process against the
-gateway served by uvicorn on a free port (real PostgreSQL and Temporal; no onboarding worker, so
-the submitted workflows stay queued and the tests move the rows themselves)."""
+gateway served by uvicorn on a free port (real PostgreSQL and Temporal; the worker part that runs
+submissions, but no onboarding worker, so the submitted workflows stay queued and the tests move
+the rows themselves)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.onboard_cli import CliError, CsvNode, main, read_csv
 from schema.models import NodeOnboarding
+from tests.admin_operation_support import admin_operations_worker
 from tests.factories import create_sku
 from tests.gateway_fixtures import TEMPORAL_UI_ORIGIN
 
@@ -114,7 +116,18 @@ def test_missing_token_is_a_usage_error(
 
 
 @pytest.fixture
-async def gateway_url(settings: Any, temporal_client: Any) -> AsyncIterator[str]:
+async def submissions_worker(
+    settings: Any, temporal_client: Any, db_engine: Any
+) -> AsyncIterator[None]:
+    """What the worker runs for the gateway (AdminOperationWorkflow): the submissions."""
+    async with admin_operations_worker(temporal_client, settings, db_engine):
+        yield
+
+
+@pytest.fixture
+async def gateway_url(
+    settings: Any, temporal_client: Any, submissions_worker: None
+) -> AsyncIterator[str]:
     """The gateway app under uvicorn on a free loopback port, on this test's event loop."""
     app = create_app(
         settings,
