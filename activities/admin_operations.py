@@ -25,7 +25,8 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities.billing.ledger import EntryKind, balance_minor, post_entry
+from activities.billing.accounts import balance_minor
+from activities.billing.ledger import EntryKind, post_entry
 from activities.maas.client import MaasClient
 from activities.maas.errors import MaasAuthError, MaasError, MaasNotAdmin
 from activities.operation_support import record_audit, refusal, transaction

@@ -15,7 +15,7 @@ from sqlalchemy import func, select, text, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from temporalio.client import Client
 
-from activities.billing.ledger import balance_minor
+from activities.billing.accounts import balance_minor
 from activities.payments.schedule import ensure_stripe_reconciliation_schedule
 from contracts.admin_operation import STRIPE_WEBHOOK_EVENT
 from contracts.payment_session import payment_session_workflow_id

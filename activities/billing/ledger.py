@@ -12,10 +12,8 @@ from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from activities.billing.accounts import balance_minor, ensure_account, refresh_state
+from activities.billing.accounts import ensure_account, refresh_state
 from schema.models import LedgerEntry
-
-__all__ = ["EntryKind", "balance_minor", "ensure_account", "post_entry"]
 
 
 class EntryKind(StrEnum):
@@ -58,9 +56,9 @@ async def post_entry(
         .on_conflict_do_nothing(index_elements=[LedgerEntry.idempotency_key])
         .returning(LedgerEntry.id)
     )
-    if amount_minor > 0:
-        await refresh_state(session, project_id)
     if entry_id is not None:
+        if amount_minor > 0:  # a repeated posting changed nothing: no state to recompute
+            await refresh_state(session, project_id)
         return entry_id, True
     existing = await session.scalar(
         select(LedgerEntry.id).where(LedgerEntry.idempotency_key == idempotency_key)

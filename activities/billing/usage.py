@@ -10,7 +10,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from activities.billing.ledger import ensure_account
+from activities.billing.accounts import ensure_account
 from schema.models import Allocation, Sku, UsageRecord
 
 
