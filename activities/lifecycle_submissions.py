@@ -35,11 +35,10 @@ from contracts.lifecycle_submissions import (
 )
 from core import search_attributes
 from schema.constraints import constraint_name
+from schema.lifecycle_tables import DECOMMISSION_TABLES, ONBOARDING_TABLES, LifecycleTables
 from schema.models import (
     NodeDecommission,
-    NodeDecommissionEvent,
     NodeOnboarding,
-    NodeOnboardingEvent,
 )
 from schema.onboarding_conflicts import live_conflicts
 
@@ -197,23 +196,23 @@ class LifecycleSubmissionActivities:
             log.info("workflow %s was already started", start.workflow_id)
 
     async def _start_or_withdraw(
-        self, start: _Start, table: Any, events: Any, id_column: str, ids: Sequence[str]
+        self, start: _Start, tables: LifecycleTables, ids: Sequence[str]
     ) -> None:
         try:
             await self._start(start)
         except Exception:
             keys = [uuid.UUID(i) for i in ids]
-            column, event_column = getattr(table, id_column), getattr(events, id_column)
+            event_job = getattr(tables.event, tables.event_job_column)
             async with transaction(self._sessions) as session:
                 statuses = await session.scalars(
-                    select(table.status).where(column.in_(keys)).with_for_update()
+                    select(tables.job.status).where(tables.job_id.in_(keys)).with_for_update()
                 )
                 moved = any(s != JobStatus.PENDING.value for s in statuses)
-                ran = await session.scalar(select(exists().where(event_column.in_(keys))))
+                ran = await session.scalar(select(exists().where(event_job.in_(keys))))
                 if moved or ran:
                     log.warning("workflow %s answered late but runs", start.workflow_id)
                     return
-                await session.execute(delete(table).where(column.in_(keys)))
+                await session.execute(delete(tables.job).where(tables.job_id.in_(keys)))
             raise
 
     @activity.defn(name=ONBOARDING_SUBMIT)
@@ -231,9 +230,7 @@ class LifecycleSubmissionActivities:
                 await self._start(start)
             return recorded
         ids = [r.onboarding_id for r in recorded.rows]
-        await self._start_or_withdraw(
-            start, NodeOnboarding, NodeOnboardingEvent, "onboarding_id", ids
-        )
+        await self._start_or_withdraw(start, ONBOARDING_TABLES, ids)
         return recorded
 
     async def _record_onboardings(self, input: OnboardingSubmission) -> OnboardingRecorded:
@@ -300,7 +297,5 @@ class LifecycleSubmissionActivities:
             if constraint_name(err) != _LIVE_NODE_INDEX:
                 raise
             return DecommissionRecorded(recorded=False)
-        await self._start_or_withdraw(
-            start, NodeDecommission, NodeDecommissionEvent, "decommission_id", [arg.decommission_id]
-        )
+        await self._start_or_withdraw(start, DECOMMISSION_TABLES, [arg.decommission_id])
         return DecommissionRecorded(recorded=True)

@@ -37,7 +37,7 @@ def test_every_operation_is_registered_by_the_worker(
     assert sorted(names) == sorted(OPERATIONS)
 
 
-async def _plaintext_payloads(client: Client, handle: Any) -> bytes:
+async def _plaintext_payloads(handle: Any) -> bytes:
     codec = AesGcmPayloadCodec(TEST_CODEC_KEY)
     history = await handle.fetch_history()
     decoded = b""
@@ -82,7 +82,7 @@ async def test_an_enrollment_token_reaches_temporal_only_as_its_hash(
     ]
     for handle, name in runs:
         raw = b"".join(e.SerializeToString() for e in (await handle.fetch_history()).events)
-        plain = await _plaintext_payloads(temporal_client, handle)
+        plain = await _plaintext_payloads(handle)
         assert token.encode() not in raw + plain, name
         # The check reads what was sent: the token's hash is what crossed.
         assert hash_enrollment_token(token).encode() in plain, name

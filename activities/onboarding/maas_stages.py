@@ -415,7 +415,7 @@ class MaasStageActivities(StageActivitiesBase):
             non_retryable=True,
         )
         error.result = result
-        error.stops_job = roce_failures_stop_job(run.site)
+        error.stops_job = run.site.policy.roce_failures_stop_job
         raise error
 
     async def _apply_roce_link(
@@ -684,12 +684,6 @@ class RoceLinksFailed(StageError):
 
     result: StageResult | None = None
     stops_job: bool = False
-
-
-def roce_failures_stop_job(site: SiteConfig) -> bool:
-    """The policy's call whether a RoCE link failure stops the job (default no: §4.6
-    non-fatal)."""
-    return site.policy.roce_failures_stop_job
 
 
 def _link_failure(name: str, cidr: str, err: ClassifiedError) -> dict[str, Any]:

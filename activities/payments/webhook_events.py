@@ -52,7 +52,6 @@ class StripeWebhookActivities:
                 )
                 .on_conflict_do_nothing(index_elements=[StripeWebhookEvent.id])
             )
-        async with transaction(self._sessions) as session:
             processed = await session.scalar(
                 select(StripeWebhookEvent.processed).where(StripeWebhookEvent.id == input.event_id)
             )

@@ -13,7 +13,6 @@ import msgspec
 from litestar import Controller, Request, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath, JSONBody
-from sqlalchemy.ext.asyncio import AsyncSession
 
 from contracts.admin_operation import ENROLLMENT_ISSUE_TOKEN, ENROLLMENT_REDEEM_TOKEN
 from contracts.enrollment import (
@@ -23,7 +22,6 @@ from contracts.enrollment import (
     RedeemFailure,
     RedeemTokenInput,
 )
-from contracts.states import NodeStatus
 from core.enrollment_token import (
     DEFAULT_TTL_SECONDS,
     hash_enrollment_token,
@@ -34,12 +32,11 @@ from core.task_queues import node_task_queue
 from gateway.admin_operations import actor, per_request, run_admin_operation
 from gateway.auth import Principal, admin_guard
 from gateway.controllers.common import audit_reason, errors
-from gateway.errors import ApiError, NotFound
+from gateway.errors import ApiError
 from gateway.runtime import Runtime
 from gateway.schemas import Reason
 from gateway.schemas import Request as RequestBody
 from gateway.temporal import TemporalOps
-from schema.models import Node
 
 AnyRequest = Request[Any, Any, Any]
 
@@ -109,20 +106,14 @@ class AdminNodeEnrollmentController(Controller):
     async def issue(
         self,
         data: JSONBody[EnrollmentTokenCreate],
-        db: NamedDependency[AsyncSession],
         temporal: NamedDependency[TemporalOps],
         runtime: NamedDependency[Runtime],
         principal: NamedDependency[Principal],
         request: AnyRequest,
         node_id: FromPath[uuid.UUID],
     ) -> EnrollmentTokenIssued:
-        node = await db.get(Node, node_id)
-        if node is None:
-            raise NotFound("node not found")
-        if node.status == NodeStatus.DELETED:
-            raise ApiError("the node was deleted", code="node_deleted", status_code=410)
-        await db.close()  # never hold a database connection across a Temporal call
-        # The plaintext stays here: the worker stores (and Temporal carries) its SHA-256 only.
+        # The worker answers a missing (404) or deleted (410) node. The plaintext stays here:
+        # the worker stores (and Temporal carries) its SHA-256 only.
         token = new_enrollment_token()
         issued = await run_admin_operation(
             temporal,
