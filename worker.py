@@ -19,6 +19,7 @@ from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxR
 from activities.admin_operations import AdminOperationActivities
 from activities.allocations import AllocationActivities
 from activities.billing.metering import BillingActivities
+from activities.billing.notification_webhooks import NotificationWebhookActivities
 from activities.billing.notifications import NotificationActivities
 from activities.decommission.reimage import ReimageActivities
 from activities.decommission.stages import DecommissionActivities, DecommissionDeps
@@ -111,6 +112,7 @@ def operation_activities(
         *EnrollmentActivities(sessions).activities(),
         *LifecycleSubmissionActivities(sessions, client).activities(),
         *StripeWebhookActivities(sessions, client).activities(),
+        *NotificationWebhookActivities(sessions, secret_store).activities(),
     ]
 
 

@@ -11,11 +11,10 @@ credentials in place. No secret value reaches a log line, an error message or an
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime as dt
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import sqlalchemy.exc
@@ -29,7 +28,14 @@ from activities.billing.accounts import balance_minor
 from activities.billing.ledger import EntryKind, post_entry
 from activities.maas.client import MaasClient
 from activities.maas.errors import MaasAuthError, MaasError, MaasNotAdmin
-from activities.operation_support import record_audit, refusal, transaction
+from activities.operation_support import (
+    SecretChanges,
+    record_audit,
+    refusal,
+    transaction,
+    undone_on_failure,
+    vault_refusal,
+)
 from contracts.admin_operation import (
     BILLING_CREDIT,
     CREDENTIALS_INVALID,
@@ -48,7 +54,6 @@ from contracts.admin_operation import (
     POWER_OVERRIDE_UPDATE,
     ROCE_DELETE,
     ROCE_UPSERT,
-    SECRET_STORE_UNAVAILABLE,
     SITE_CREDENTIALS_WRITE,
     SITE_PROBE,
     SLOT_NOT_QUARANTINED,
@@ -111,76 +116,11 @@ def _maas_refusal(err: MaasError) -> ApplicationError:
     )
 
 
-def _vault_refusal(err: SecretStoreError) -> ApplicationError:
-    # The path names which secret, never its value; the API answer names neither.
-    log.warning("secret store call failed on %s: %s", err.path, type(err).__name__)
-    return refusal(SECRET_STORE_UNAVAILABLE, "the secret store is not reachable; retry shortly")
-
-
 def _iso(value: dt.datetime | None) -> str | None:
     return value.isoformat() if value is not None else None
 
 
 # --- Vault writes that can be undone ------------------------------------------------------------
-
-
-class SecretChanges:
-    """Secrets written (or deleted) by one operation, with what each path held before, so that a
-    failure later in the operation puts them back. Values live in this object only."""
-
-    def __init__(self, secrets: SecretStore) -> None:
-        self._secrets = secrets
-        # (path, what it held: None = nothing); a path whose old value could not be read as a
-        # secret (not a map of strings) is overwritten but never put back.
-        self._previous: list[tuple[str, dict[str, str] | None]] = []
-
-    async def _remember(self, path: str) -> None:
-        try:
-            self._previous.append((path, await self._secrets.read(path)))
-        except SecretStoreError as err:
-            if type(err) is not SecretStoreError:  # unavailable, forbidden, misconfigured
-                raise
-            log.warning("secret %s holds no readable secret; it is replaced as asked", path)
-
-    async def write(self, writes: Sequence[tuple[str, Mapping[str, str]]]) -> None:
-        try:
-            for path, value in writes:
-                await self._remember(path)
-                await self._secrets.write(path, value)
-        except SecretStoreError as err:
-            await self.undo()
-            raise _vault_refusal(err) from None
-
-    async def delete(self, path: str) -> None:
-        try:
-            await self._remember(path)
-            await self._secrets.delete(path)
-        except SecretStoreError as err:
-            await self.undo()
-            raise _vault_refusal(err) from None
-
-    async def undo(self) -> None:
-        """Best effort, newest first: a path that cannot be put back is logged (by path) and
-        left as it is."""
-        for path, value in reversed(self._previous):
-            try:
-                if value is None:
-                    await self._secrets.delete(path)
-                else:
-                    await self._secrets.write(path, value)
-            except SecretStoreError as err:
-                log.error("could not put back secret %s after a failed change (%s)", path,
-                          type(err).__name__)  # fmt: skip
-        self._previous.clear()
-
-
-@contextlib.asynccontextmanager
-async def _undone_on_failure(changes: SecretChanges) -> AsyncIterator[None]:
-    try:
-        yield
-    except BaseException:
-        await asyncio.shield(changes.undo())
-        raise
 
 
 class AdminOperationActivities:
@@ -375,7 +315,7 @@ class AdminOperationActivities:
         written = [path for path, _ in writes]
         changes = SecretChanges(self._secrets)
         await changes.write(writes)
-        async with _undone_on_failure(changes), transaction(self._sessions) as session:
+        async with undone_on_failure(changes), transaction(self._sessions) as session:
             updated = await session.scalar(
                 update(MaasSite)
                 .where(MaasSite.id == site.id)
@@ -408,7 +348,7 @@ class AdminOperationActivities:
         try:
             secret = await self._secrets.read(site.api_token_vault_path)
         except SecretStoreError as err:
-            raise _vault_refusal(err) from None
+            raise vault_refusal(err) from None
         if not secret or not secret.get("token"):
             raise refusal(
                 CREDENTIALS_MISSING, "this site has no MAAS credentials yet (POST …/credentials)"
@@ -539,7 +479,7 @@ class AdminOperationActivities:
         site_id, override_id = uuid.UUID(input.site_id), uuid.UUID(input.override_id)
         vault_path = power_override_path(site_id, override_id)
         changes = SecretChanges(self._secrets)
-        async with _undone_on_failure(changes), transaction(self._sessions) as session:
+        async with undone_on_failure(changes), transaction(self._sessions) as session:
             if await session.get(MaasSite, site_id) is None:
                 raise refusal(NOT_FOUND, "MAAS site not found")
             row = MaasPowerCredentialOverride(
@@ -577,7 +517,7 @@ class AdminOperationActivities:
     async def power_override_update(self, input: PowerOverrideUpdateInput) -> PowerOverrideState:
         """Rotate the override's secret and/or enable or disable it, audited."""
         changes = SecretChanges(self._secrets)
-        async with _undone_on_failure(changes), transaction(self._sessions) as session:
+        async with undone_on_failure(changes), transaction(self._sessions) as session:
             row = await self._override(session, input.site_id, input.override_id)
             prior = row.status
             rotated = input.user is not None and input.password is not None
@@ -607,7 +547,7 @@ class AdminOperationActivities:
         """The secret first, then the commit: a failed delete leaves the override as it was (and
         a failed commit puts the secret back)."""
         changes = SecretChanges(self._secrets)
-        async with _undone_on_failure(changes), transaction(self._sessions) as session:
+        async with undone_on_failure(changes), transaction(self._sessions) as session:
             row = await self._override(session, input.site_id, input.override_id)
             path, prior = row.vault_path, row.status
             await session.delete(row)

@@ -1,10 +1,10 @@
 """The AdminOperationWorkflow contract: a mutation the gateway used to write itself (a manual
 credit, a slot returned to service, a drift resolved, a MAAS site's credentials, RoCE
 assignments, BMC credential overrides; and, outside the admin API, an onboarding or decommission
-submission's job rows, an agent's enrollment and a Stripe webhook event) runs in the worker as
-one workflow running one single-purpose activity, named by the operation, that does the write
-and its audit row in one database transaction. Kept apart from the workflow so the gateway and
-the activities import no workflow code.
+submission's job rows, an agent's enrollment, a Stripe webhook event and a project's
+notification webhook) runs in the worker as one workflow running one single-purpose activity,
+named by the operation, that does the write and its audit row in one database transaction. Kept
+apart from the workflow so the gateway and the activities import no workflow code.
 
 Workflow ids say what the operation is about, so that Temporal deduplicates a retried request
 (id conflict policy USE_EXISTING: a request that arrives while the first runs gets the first's
@@ -46,6 +46,8 @@ ENROLLMENT_REDEEM_TOKEN = "enrollment.redeem_token"  # noqa: S105 - an operation
 ONBOARDING_SUBMIT = "onboarding.submit"
 DECOMMISSION_SUBMIT = "decommission.submit"
 STRIPE_WEBHOOK_EVENT = "payments.stripe_webhook_event"
+NOTIFICATION_WEBHOOK_SET = "notifications.webhook_set"
+NOTIFICATION_WEBHOOK_DELETE = "notifications.webhook_delete"
 OPERATIONS = (
     BILLING_CREDIT,
     GPU_SLOT_RETURN,
@@ -62,6 +64,8 @@ OPERATIONS = (
     ONBOARDING_SUBMIT,
     DECOMMISSION_SUBMIT,
     STRIPE_WEBHOOK_EVENT,
+    NOTIFICATION_WEBHOOK_SET,
+    NOTIFICATION_WEBHOOK_DELETE,
 )
 
 # Error types (the ApplicationError type, also the API's error code the gateway answers with).

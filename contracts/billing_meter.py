@@ -10,6 +10,8 @@ import uuid
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from contracts.admin_operation import Actor
+
 
 class BalanceState(StrEnum):
     """Seed 001 §4: depleted at a balance ≤ the depleted threshold (0), low at ≤ the low
@@ -35,6 +37,30 @@ NOTIFICATION_ID_HEADER = "Gpucloud-Notification-Id"
 def notification_webhook_secret_path(project_id: uuid.UUID | str) -> str:
     """Where the webhook's signing secret lives in the secret store: {"secret": "whsec_…"}."""
     return f"kv/projects/{project_id}/notification-webhook"
+
+
+@dataclass
+class WebhookSetInput:
+    """AdminOperationWorkflow operation NOTIFICATION_WEBHOOK_SET: the secret is written to the
+    secret store and the row (URL, secret path) with its audit row, or neither."""
+
+    actor: Actor
+    project_id: str
+    url: str
+    signing_secret: str = field(repr=False)
+
+
+@dataclass
+class WebhookDeleteInput:
+    actor: Actor
+    project_id: str
+
+
+@dataclass
+class WebhookState:
+    url: str
+    created_at: str  # ISO 8601
+    updated_at: str  # ISO 8601
 
 
 def sign_notification(secret: str, timestamp: int, body: bytes) -> str:

@@ -20,23 +20,27 @@ import msgspec
 from litestar import Controller, delete, get, put
 from litestar.di import NamedDependency
 from litestar.params import FromQuery, JSONBody, QueryParameter
-from sqlalchemy import func, select
-from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from contracts.admin_operation import NOTIFICATION_WEBHOOK_DELETE, NOTIFICATION_WEBHOOK_SET
 from contracts.billing_meter import (
     NOTIFICATION_ID_HEADER,
     SIGNATURE_HEADER,
-    notification_webhook_secret_path,
+    WebhookDeleteInput,
+    WebhookSetInput,
+    WebhookState,
 )
 from core.payment_settings import NotificationSettings
-from core.secrets import SecretStore
-from gateway import audit
+from core.timestamps import parse_iso
+from gateway.admin_operations import actor, per_request, run_admin_operation
 from gateway.auth import Principal, tenant_guard
 from gateway.controllers.common import errors
 from gateway.errors import NotFound, Unprocessable
 from gateway.pagination import newest_first_page
+from gateway.runtime import Runtime
 from gateway.schemas import Request as RequestBody
+from gateway.temporal import TemporalOps
 from schema.models import Notification, NotificationWebhook
 
 WEBHOOK_URL_INVALID = "webhook_url_invalid"
@@ -167,45 +171,36 @@ class NotificationsController(Controller):
     async def set_webhook(
         self,
         data: JSONBody[WebhookSet],
-        db: NamedDependency[AsyncSession],
+        temporal: NamedDependency[TemporalOps],
+        runtime: NamedDependency[Runtime],
         principal: NamedDependency[Principal],
-        secrets: NamedDependency[SecretStore],
     ) -> WebhookCreated:
         project_id = principal.project
         url = validate_webhook_url(
             data.url, allow_plain_http=NotificationSettings.from_env().allow_private_targets
         )
-        prior = await db.get(NotificationWebhook, project_id)
-        await db.close()  # no connection held across the secret store call
+        # Shown once, in this answer; the worker writes it to the secret store.
         signing_secret = "whsec_" + secrets_lib.token_urlsafe(32)
-        path = notification_webhook_secret_path(project_id)
-        await secrets.write(path, {"secret": signing_secret})
-        await db.execute(
-            pg_insert(NotificationWebhook)
-            .values(project_id=project_id, url=url, secret_path=path)
-            .on_conflict_do_update(
-                index_elements=[NotificationWebhook.project_id],
-                set_={"url": url, "secret_path": path, "updated_at": func.clock_timestamp()},
-            )
+        state = await run_admin_operation(
+            temporal,
+            runtime.settings.control_plane_task_queue,
+            NOTIFICATION_WEBHOOK_SET,
+            WebhookSetInput(
+                actor=actor(principal, None),
+                project_id=str(project_id),
+                url=url,
+                signing_secret=signing_secret,
+            ),
+            key=per_request(project_id),  # it carries a secret
+            result_type=WebhookState,
         )
-        audit.record_by(
-            db,
-            principal,
-            action="notification_webhook.set",
-            target_type="project",
-            target_id=str(project_id),
-            prior_state="set" if prior is not None else "unset",
-            expected_state="set",
-            details={"url": url},
-        )
-        await db.commit()
-        row = await db.get(NotificationWebhook, project_id, populate_existing=True)
-        assert row is not None
-        view = _webhook_view(row)
+        created_at, updated_at = parse_iso(state.created_at), parse_iso(state.updated_at)
+        assert created_at is not None
+        assert updated_at is not None
         return WebhookCreated(
-            url=view.url,
-            created_at=view.created_at,
-            updated_at=view.updated_at,
+            url=state.url,
+            created_at=created_at,
+            updated_at=updated_at,
             signing_secret=signing_secret,
         )
 
@@ -217,25 +212,15 @@ class NotificationsController(Controller):
     )
     async def delete_webhook(
         self,
-        db: NamedDependency[AsyncSession],
+        temporal: NamedDependency[TemporalOps],
+        runtime: NamedDependency[Runtime],
         principal: NamedDependency[Principal],
-        secrets: NamedDependency[SecretStore],
     ) -> None:
-        project_id = principal.project
-        row = await db.get(NotificationWebhook, project_id)
-        if row is None:
-            raise NotFound("this project has no notification webhook")
-        path = row.secret_path
-        await db.delete(row)
-        audit.record_by(
-            db,
-            principal,
-            action="notification_webhook.delete",
-            target_type="project",
-            target_id=str(project_id),
-            prior_state="set",
-            expected_state="unset",
-            details={"url": row.url},
+        await run_admin_operation(
+            temporal,
+            runtime.settings.control_plane_task_queue,
+            NOTIFICATION_WEBHOOK_DELETE,
+            WebhookDeleteInput(actor=actor(principal, None), project_id=str(principal.project)),
+            key=str(principal.project),
+            result_type=type(None),
         )
-        await db.commit()
-        await secrets.delete(path)
