@@ -39,11 +39,12 @@ from activities.payments.webhook_events import StripeWebhookActivities
 from contracts.billing_meter import MeterInput
 from contracts.node_liveness import LivenessInput
 from core.config import Settings
+from core.crash_traces import enable_crash_traces
 from core.gc_tuning import tune_for_service
 from core.payment_settings import NotificationSettings, PaymentSettings
 from core.schedules import ensure_schedule, periodic_schedule
 from core.secrets import SecretStore, VaultSecretStore
-from core.temporal import connect
+from core.temporal import connect, process_identity
 from schema.db import create_engine, session_factory
 from workflows.admin_operation import AdminOperationWorkflow
 from workflows.allocation import AllocationWorkflow
@@ -269,7 +270,7 @@ async def ensure_schedules(client: Client, settings: Settings) -> None:
 
 
 async def run(settings: Settings) -> None:
-    client = await connect(settings, identity="gpucloud-control-plane")
+    client = await connect(settings, identity=process_identity("gpucloud-control-plane"))
     engine = create_engine(
         settings.database_url,
         connect_timeout_seconds=settings.database_connect_timeout_seconds,
@@ -296,6 +297,7 @@ async def run(settings: Settings) -> None:
 
 
 def main() -> None:
+    enable_crash_traces()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     # The stripe library logs request and error details (an error body may quote the API key).
     logging.getLogger("stripe").setLevel(logging.WARNING)

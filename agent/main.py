@@ -39,6 +39,7 @@ from agent.heartbeat import DEFAULT_INTERVAL_SECONDS, probe_local_gpus, run_hear
 from agent.node_worker import NodeServices, build_node_worker, run_until_signalled
 from contracts.node_files import DEFAULT_CONFIG_PATH
 from core.config import DEV_CODEC_KEY_B64, Settings
+from core.crash_traces import enable_crash_traces
 from core.temporal import connect
 
 __all__ = ["build_node_worker", "main"]
@@ -189,6 +190,7 @@ async def run(args: argparse.Namespace, settings: Settings) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    enable_crash_traces()
     args = parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

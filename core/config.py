@@ -37,6 +37,16 @@ class Settings:
     max_request_body_bytes: int
     temporal_rpc_timeout_seconds: float
     database_connect_timeout_seconds: float
+    # Keys that payloads may still be encrypted with after a rotation: decoded, never used to
+    # encode (comma-separated base64 in GPUCLOUD_CODEC_OLD_KEYS). Each payload names its key id.
+    codec_old_keys_b64: tuple[str, ...] = field(default=(), repr=False)
+    # Temporal over TLS (a Temporal cluster with mTLS, or Temporal Cloud): the CA that signed the
+    # frontend's certificate, and this process's client certificate and key. TLS is on when any
+    # is set; with only the CA it is server-authenticated TLS.
+    temporal_tls_ca_file: str | None = None
+    temporal_tls_cert_file: str | None = None
+    temporal_tls_key_file: str | None = None
+    temporal_tls_server_name: str | None = None
     # Vault KV v2 (core.secrets). The token file, when set, wins over the token and is re-read on
     # every call, so a rotated token needs no restart. bin/stack sets the address and token file.
     vault_addr: str = "http://127.0.0.1:8200"
@@ -56,10 +66,11 @@ class Settings:
 
     @property
     def codec_key(self) -> bytes:
-        key = base64.b64decode(self.codec_key_b64)
-        if len(key) not in (16, 24, 32):
-            raise ValueError("GPUCLOUD_CODEC_KEY must be base64 of a 16, 24 or 32 byte AES key")
-        return key
+        return _aes_key(self.codec_key_b64, "GPUCLOUD_CODEC_KEY")
+
+    @property
+    def codec_old_keys(self) -> tuple[bytes, ...]:
+        return tuple(_aes_key(k, "GPUCLOUD_CODEC_OLD_KEYS") for k in self.codec_old_keys_b64)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -82,6 +93,13 @@ class Settings:
             max_request_body_bytes=int(e.get("GPUCLOUD_MAX_BODY_BYTES", str(64 * 1024))),
             temporal_rpc_timeout_seconds=float(e.get("GPUCLOUD_TEMPORAL_RPC_TIMEOUT_S", "10")),
             database_connect_timeout_seconds=float(e.get("GPUCLOUD_DB_CONNECT_TIMEOUT_S", "3")),
+            codec_old_keys_b64=tuple(
+                k.strip() for k in e.get("GPUCLOUD_CODEC_OLD_KEYS", "").split(",") if k.strip()
+            ),
+            temporal_tls_ca_file=e.get("GPUCLOUD_TEMPORAL_TLS_CA_FILE") or None,
+            temporal_tls_cert_file=e.get("GPUCLOUD_TEMPORAL_TLS_CERT_FILE") or None,
+            temporal_tls_key_file=e.get("GPUCLOUD_TEMPORAL_TLS_KEY_FILE") or None,
+            temporal_tls_server_name=e.get("GPUCLOUD_TEMPORAL_TLS_SERVER_NAME") or None,
             vault_addr=e.get("GPUCLOUD_VAULT_ADDR", "http://127.0.0.1:8200"),
             vault_token=e.get("GPUCLOUD_VAULT_TOKEN") or None,
             vault_token_file=e.get("GPUCLOUD_VAULT_TOKEN_FILE") or None,
@@ -91,3 +109,10 @@ class Settings:
             metrics_address=e.get("GPUCLOUD_METRICS_ADDRESS") or None,
             build_id=e.get("GPUCLOUD_BUILD_ID") or workflow_code_build_id(),
         )
+
+
+def _aes_key(b64: str, variable: str) -> bytes:
+    key = base64.b64decode(b64)
+    if len(key) not in (16, 24, 32):
+        raise ValueError(f"{variable} must be base64 of a 16, 24 or 32 byte AES key")
+    return key

@@ -4,24 +4,28 @@ the gateway, the tests and the replayer, so that all of them read each other's p
 from __future__ import annotations
 
 import dataclasses
+import os
+import socket
+from collections.abc import Sequence
 from datetime import timedelta
+from pathlib import Path
 
 from temporalio.client import Client
 from temporalio.converter import DataConverter, DefaultFailureConverterWithEncodedAttributes
 from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
-from temporalio.service import GrpcCompression
+from temporalio.service import GrpcCompression, TLSConfig
 
 from core.codec import AesGcmPayloadCodec
 from core.config import Settings
 from core.payload_json import PayloadConverter
 
 
-def data_converter(codec_key: bytes) -> DataConverter:
+def data_converter(codec_key: bytes, old_keys: Sequence[bytes] = ()) -> DataConverter:
     # Failure messages and stack traces are encrypted too: an exception may quote an input.
     return dataclasses.replace(
         DataConverter.default,
         payload_converter_class=PayloadConverter,
-        payload_codec=AesGcmPayloadCodec(codec_key),
+        payload_codec=AesGcmPayloadCodec(codec_key, old_keys),
         failure_converter_class=DefaultFailureConverterWithEncodedAttributes,
     )
 
@@ -42,12 +46,20 @@ def metrics_runtime(bind_address: str) -> Runtime:
     return _runtimes[bind_address]
 
 
+def process_identity(component: str) -> str:
+    """The identity a process shows Temporal (Temporal Web's "worker identity" on each task):
+    the component, the host and the process id, so that with several workers or gateways an
+    operator can tell which process ran a task or started a workflow."""
+    return f"{component}@{socket.gethostname()}:{os.getpid()}"
+
+
 async def connect(settings: Settings, *, lazy: bool = False, identity: str | None = None) -> Client:
     runtime = metrics_runtime(settings.metrics_address) if settings.metrics_address else None
     return await Client.connect(
         settings.temporal_address,
         namespace=settings.temporal_namespace,
-        data_converter=data_converter(settings.codec_key),
+        data_converter=data_converter(settings.codec_key, settings.codec_old_keys),
+        tls=tls_config(settings),
         lazy=lazy,
         identity=identity,
         connect_timeout=timedelta(seconds=5),
@@ -56,4 +68,27 @@ async def connect(settings: Settings, *, lazy: bool = False, identity: str | Non
         # server's on the allocation path, plus the same again in each client process).
         grpc_compression=GrpcCompression.NONE,
         runtime=runtime,  # a worker polls through its client's runtime, so its metrics are here
+    )
+
+
+def tls_config(settings: Settings) -> TLSConfig | bool:
+    """TLS to the Temporal frontend when any TLS file is configured (mTLS with a client
+    certificate and key); plaintext otherwise, as the embedded dev server speaks."""
+    files = (
+        settings.temporal_tls_ca_file,
+        settings.temporal_tls_cert_file,
+        settings.temporal_tls_key_file,
+    )
+    if not any(files) and settings.temporal_tls_server_name is None:
+        return False
+    if bool(settings.temporal_tls_cert_file) != bool(settings.temporal_tls_key_file):
+        raise ValueError(
+            "GPUCLOUD_TEMPORAL_TLS_CERT_FILE and GPUCLOUD_TEMPORAL_TLS_KEY_FILE go together"
+        )
+    ca, cert, key = (Path(f).read_bytes() if f else None for f in files)
+    return TLSConfig(
+        server_root_ca_cert=ca,
+        client_cert=cert,
+        client_private_key=key,
+        domain=settings.temporal_tls_server_name,
     )

@@ -759,10 +759,9 @@ def print_summary(o: StackOptions, tokens: dict[str, str], stack: Stack) -> None
  MAAS (simulator)   {o.maas_url}  (site "demo-maas", API key in {_shown(o.maas_api_key_file)})
  Logs               {_shown(o.logs_dir)}/{{{",".join(logs)}}}
 
- Admin token        {tokens["admin_token"]}
- Demo tenant token  {tokens["tenant_token"]}  (project "demo")
-   (kept in {_shown(o.tokens_file)}; `source {_shown(o.env_file)}` exports GPUCLOUD_API,
-    ADMIN_TOKEN and TENANT_TOKEN)
+ Tokens             an admin and a demo tenant token (project "demo") in {_shown(o.tokens_file)}
+                    (mode 0600; never printed, so terminal and CI logs do not keep them);
+                    `source {_shown(o.env_file)}` exports GPUCLOUD_API, ADMIN_TOKEN, TENANT_TOKEN
 
  Try it from another terminal:
    source {_shown(o.env_file)}

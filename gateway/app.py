@@ -8,7 +8,6 @@ the Temporal client is lazy. Requests that need them then answer 503 `database_u
 from __future__ import annotations
 
 import logging
-import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -22,7 +21,7 @@ from temporalio.client import Client
 
 from core.config import Settings
 from core.secrets import SecretStore, VaultSecretStore
-from core.temporal import connect
+from core.temporal import connect, process_identity
 from gateway.auth import provide_principal
 from gateway.config import GatewayConfig
 from gateway.controllers.admin import (
@@ -120,7 +119,7 @@ def create_app(
         if client is None:
             try:
                 client = await connect(
-                    settings, lazy=True, identity=f"gpucloud-gateway@{socket.gethostname()}"
+                    settings, lazy=True, identity=process_identity("gpucloud-gateway")
                 )
             except Exception as err:  # an unusable address: serve 503s, do not refuse to start
                 log.warning("Temporal client not created (%s); answering 503", type(err).__name__)

@@ -9,12 +9,14 @@ import logging
 import uvicorn
 
 from core.config import Settings
+from core.crash_traces import enable_crash_traces
 from core.gc_tuning import tune_for_service
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 
 
 def main() -> None:
+    enable_crash_traces()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     config = GatewayConfig.from_env()
     app = create_app(Settings.from_env(), config=config)

@@ -71,6 +71,7 @@ from contracts.node_files import (
     render_hw_sync_service,
     render_hw_sync_timer,
 )
+from core.crash_traces import enable_crash_traces
 from core.failures import ClassifiedError, FailureClass
 from sim.machine_image import build_machine
 
@@ -809,6 +810,7 @@ async def _serve(simulator: FirstBootSimulator) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    enable_crash_traces()
     parser = argparse.ArgumentParser(
         prog="python -m sim.first_boot",
         description="Boot what the MAAS simulator deploys: each deployed node's agent enrolls.",

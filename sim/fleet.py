@@ -41,6 +41,7 @@ from agent.heartbeat import DEFAULT_INTERVAL_SECONDS, run_heartbeats
 from agent.node_worker import NodeServices, build_node_worker, stop_on_signals
 from contracts.states import NodeStatus
 from core.config import Settings
+from core.crash_traces import enable_crash_traces
 from core.temporal import connect
 from schema.db import create_engine, session_factory
 from schema.models import GpuSlot, Node, Sku
@@ -412,6 +413,7 @@ async def run(args: argparse.Namespace, settings: Settings) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    enable_crash_traces()
     args = parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

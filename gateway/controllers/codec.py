@@ -59,7 +59,7 @@ def _from_proto(payload: Payload) -> CodecPayload:
 
 
 def _codec(runtime: Runtime) -> AesGcmPayloadCodec:
-    return AesGcmPayloadCodec(runtime.settings.codec_key)
+    return AesGcmPayloadCodec(runtime.settings.codec_key, runtime.settings.codec_old_keys)
 
 
 class CodecController(Controller):

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import uvicorn
 
+from core.crash_traces import enable_crash_traces
 from sim.maas.auth import ApiKey, Authenticator
 from sim.maas.build import build_region
 from sim.maas.scenario import Scenario, ScenarioError
@@ -50,6 +51,7 @@ def build_app(
 
 
 def main(argv: list[str] | None = None) -> int:
+    enable_crash_traces()
     parser = argparse.ArgumentParser(prog="python -m sim.maas", description=__doc__.split("\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=5240)

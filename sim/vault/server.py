@@ -17,6 +17,7 @@ from pathlib import Path
 
 import uvicorn
 
+from core.crash_traces import enable_crash_traces
 from sim.vault.app import VaultApp
 from sim.vault.kv import KVStore
 
@@ -80,6 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    enable_crash_traces()
     args = parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
