@@ -1,5 +1,12 @@
 """A private PostgreSQL cluster in a folder of our own, run as the `postgres` OS user when we are
-root (the server refuses to run as root)."""
+root (the server refuses to run as root).
+
+Two roles, as a production database has them: the cluster's superuser, reachable only over the
+local socket by the OS user that runs the server (peer authentication), which creates databases
+and roles; and the application's role `gpucloud`, no superuser, that owns the application's
+databases and logs in over TCP with a password (SCRAM). The password is generated once and kept
+in a 0600 file beside the data folder.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,7 @@ import contextlib
 import glob
 import os
 import pwd
+import secrets
 import shutil
 import subprocess
 import time
@@ -33,18 +41,42 @@ def _run_as_postgres() -> list[str]:
     return ["runuser", "-u", "postgres", "--"]
 
 
+def _server_os_user() -> str:
+    return "postgres" if os.geteuid() == 0 else pwd.getpwuid(os.geteuid()).pw_name
+
+
+class LegacyClusterError(RuntimeError):
+    """A data folder made before the application role had a password (its only role is a
+    superuser that any local process could log in as without one)."""
+
+
 @dataclass
 class PostgresCluster:
     datadir: Path
     port: int
-    user: str = "gpucloud"
+    user: str = "gpucloud"  # the application's role
 
     @property
     def socket_dir(self) -> Path:
         return self.datadir / "sock"
 
+    @property
+    def password_file(self) -> Path:
+        return self.datadir.with_name(f"{self.datadir.name}.{self.user}-password")
+
+    @property
+    def admin_user(self) -> str:
+        """The cluster's superuser: named after the OS user that runs the server, so that peer
+        authentication on the local socket lets that user (and only it) in."""
+        return _server_os_user()
+
+    def password(self) -> str:
+        return self.password_file.read_text().strip()
+
     def url(self, database: str, driver: str = "asyncpg") -> str:
-        return f"postgresql+{driver}://{self.user}@127.0.0.1:{self.port}/{database}"
+        return (
+            f"postgresql+{driver}://{self.user}:{self.password()}@127.0.0.1:{self.port}/{database}"
+        )
 
     def _chown(self, path: Path) -> None:
         if os.geteuid() == 0:
@@ -53,7 +85,15 @@ class PostgresCluster:
 
     def init(self) -> None:
         if (self.datadir / "PG_VERSION").exists():
+            if not self.password_file.exists():
+                raise LegacyClusterError(
+                    f"{self.datadir} was created before the application role had a password; "
+                    "start afresh (bin/stack --reset drops the local data)"
+                )
             return
+        fd = os.open(self.password_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(24) + "\n")
         self.datadir.mkdir(parents=True, exist_ok=True)
         self._chown(self.datadir)
         subprocess.run(
@@ -63,8 +103,9 @@ class PostgresCluster:
                 "-D",
                 str(self.datadir),
                 "-U",
-                self.user,
-                "--auth=trust",
+                self.admin_user,
+                "--auth-local=peer",
+                "--auth-host=scram-sha-256",
                 "-E",
                 "UTF8",
                 "--no-sync",
@@ -116,6 +157,18 @@ class PostgresCluster:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"PostgreSQL did not start; see {self.datadir}/server.log")
             time.sleep(0.2)
+        self._ensure_app_role()
+
+    def _ensure_app_role(self) -> None:
+        # The password goes on psql's stdin, never its command line (which `ps` shows).
+        self.psql(
+            f"""DO $$ BEGIN
+              IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{self.user}') THEN
+                CREATE ROLE "{self.user}" LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE;
+              END IF;
+            END $$;
+            ALTER ROLE "{self.user}" PASSWORD '{self.password()}'"""
+        )
 
     def running(self) -> bool:
         """This cluster is up: a server answers on the port *and* runs from our datadir (another
@@ -161,25 +214,28 @@ class PostgresCluster:
         )
 
     def psql(self, sql: str, database: str = "postgres") -> str:
+        """Run SQL as the cluster's superuser, over the local socket."""
         result = subprocess.run(
             [
+                *_run_as_postgres(),
                 str(_bindir() / "psql"),
                 "-h",
-                "127.0.0.1",
+                str(self.socket_dir),
                 "-p",
                 str(self.port),
                 "-U",
-                self.user,
+                self.admin_user,
                 "-d",
                 database,
                 "-v",
                 "ON_ERROR_STOP=1",
-                "-qAtc",
-                sql,
+                "-qAt",
             ],
+            input=sql,
             check=True,
             capture_output=True,
             text=True,
+            cwd=self.datadir,
         )
         return result.stdout
 
@@ -189,7 +245,9 @@ class PostgresCluster:
         # Database names come from our own code, never from a request.
         exists = self.psql(f"SELECT 1 FROM pg_database WHERE datname = '{name}'")  # noqa: S608
         if not exists.strip():
-            self.psql(f'CREATE DATABASE "{name}"')
+            # Owned by the application's role: it creates its schema and extensions there
+            # (btree_gist is a trusted extension) without being a superuser.
+            self.psql(f'CREATE DATABASE "{name}" OWNER "{self.user}"')
 
 
 @contextlib.contextmanager

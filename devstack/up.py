@@ -60,7 +60,7 @@ from devstack.dev_server_visibility import (
     drop_unused_visibility_indexes,
     guard_full_text_triggers,
 )
-from devstack.postgres import PostgresCluster
+from devstack.postgres import LegacyClusterError, PostgresCluster
 from devstack.processes import Child, port_in_use, python_entry, tail
 from devstack.stripe_mock import stripe_mock_argv
 from devstack.temporal import DEV_SERVER_ENV, dev_server_extra_args, temporal_cli_path
@@ -512,7 +512,10 @@ class Stack:
         cluster = PostgresCluster(datadir, self.o.pg_port)
         self._check_pg_port(cluster)
         self.cluster = cluster
-        cluster.start()
+        try:
+            cluster.start()
+        except LegacyClusterError as err:
+            raise StackError(str(err)) from err
         self.pg_log = datadir / "server.log"
         link = self.o.logs_dir / "postgres.log"
         if not link.is_symlink():
@@ -733,11 +736,15 @@ def _shown(path: Path) -> str:
 def print_summary(o: StackOptions, tokens: dict[str, str], stack: Stack) -> None:
     api = o.gateway_url
     logs = [c.log_path.name for c in stack.children] + ["postgres.log"]
+    cluster = PostgresCluster(pg_datadir(o.state_dir), o.pg_port)
+    pg_password_file = _shown(cluster.password_file)
     pg_url = f"postgresql://gpucloud@127.0.0.1:{o.pg_port}/{DATABASE}"
     env_lines = [
         f"export GPUCLOUD_API={api}",
         f"export ADMIN_TOKEN={tokens['admin_token']}",
         f"export TENANT_TOKEN={tokens['tenant_token']}",
+        # gpucloud-admin and alembic straight against the stack's database.
+        f"export GPUCLOUD_DATABASE_URL={cluster.url(DATABASE)}",
     ]
     _write_private(o.env_file, "\n".join(env_lines) + "\n")
     agents = "simulated fleet of 5 demo nodes" if o.agents else "no node agents (--no-agents)"
@@ -753,7 +760,7 @@ def print_summary(o: StackOptions, tokens: dict[str, str], stack: Stack) -> None
  Gateway            {api}
  OpenAPI docs       {api}/schema/swagger
  Worker metrics     http://{o.worker_metrics_address}/metrics  (Temporal SDK, Prometheus)
- PostgreSQL         {pg_url}
+ PostgreSQL         {pg_url}  (password in {pg_password_file})
  Vault (simulator)  {o.vault_addr}  (root token in {_shown(o.vault_token_file)})
  Stripe (mock)      {o.stripe_api_base}  (stripe-mock; API key and webhook secret in Vault)
  MAAS (simulator)   {o.maas_url}  (site "demo-maas", API key in {_shown(o.maas_api_key_file)})
@@ -761,7 +768,7 @@ def print_summary(o: StackOptions, tokens: dict[str, str], stack: Stack) -> None
 
  Tokens             an admin and a demo tenant token (project "demo") in {_shown(o.tokens_file)}
                     (mode 0600; never printed, so terminal and CI logs do not keep them);
-                    `source {_shown(o.env_file)}` exports GPUCLOUD_API, ADMIN_TOKEN, TENANT_TOKEN
+                    `source {_shown(o.env_file)}` exports them, GPUCLOUD_API and the DB URL
 
  Try it from another terminal:
    source {_shown(o.env_file)}
@@ -912,6 +919,7 @@ def reset_state(o: StackOptions) -> None:
     PostgresCluster(datadir, o.pg_port).stop()
     if datadir != o.state_dir / "pg":
         shutil.rmtree(datadir, ignore_errors=True)
+    PostgresCluster(datadir, o.pg_port).password_file.unlink(missing_ok=True)
     for entry in o.state_dir.iterdir():
         if entry.name == ".bootstrap.lock":
             continue
