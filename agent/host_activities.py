@@ -2,11 +2,16 @@
 
 Each activity validates its spec, runs the blocking backend call on a thread pool and, while it
 runs, heartbeats the phase list so far (a list of HostPhase: what the gateway's timeline decodes
-from a pending activity). A HostError becomes an ApplicationError of the same type, non-retryable
-where the contract says so, with the phase list as its first detail so the timeline can show how
-far the task got. Cancellation reaches the backend through `Progress`: it stops at the next phase
-boundary, and the activity waits a short grace period for that before reporting cancelled, so a
-retry does not overlap with a still-running attempt.
+from a pending activity). It also reports the attempt's progress to the workflow that scheduled
+it (HOST_TASK_PROGRESS_SIGNAL): once when the attempt starts, then when its phases change, at
+most every REPORT_MIN_INTERVAL_S, so the workflow records the task as running with its phases
+(seed 002) without a database write per heartbeat.
+
+A HostError becomes an ApplicationError of the same type, non-retryable where the contract says
+so, with the phase list as its first detail so the timeline can show how far the task got.
+Cancellation reaches the backend through `Progress`: it stops at the next phase boundary, and the
+activity waits a short grace period for that before reporting cancelled, so a retry does not
+overlap with a still-running attempt.
 
 Nothing here logs or raises spec contents: only ids, phase names and error types.
 """
@@ -19,10 +24,13 @@ import logging
 import traceback
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
+from datetime import timedelta
 from typing import Any, TypeVar
 
 from temporalio import activity
+from temporalio.client import WorkflowHandle
 from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError
 
 from agent import validation
 from agent.backend import (
@@ -38,6 +46,7 @@ from contracts.host_tasks import (
     BAREMETAL_DEPROVISION_USER,
     BAREMETAL_PROVISION_USER,
     BAREMETAL_REVOKE_USER,
+    HOST_TASK_PROGRESS_SIGNAL,
     NON_RETRYABLE_HOST_ERRORS,
     SLICE_VM_PROVISION,
     SLICE_VM_RELEASE,
@@ -47,6 +56,7 @@ from contracts.host_tasks import (
     HostReleaseInput,
     HostReleaseResult,
     HostRevokeResult,
+    HostTaskProgress,
 )
 
 logger = logging.getLogger("agent.host")
@@ -59,6 +69,11 @@ HOST_INTERNAL_ERROR = "host_internal_error"
 HEARTBEAT_FRACTION = 1 / 3
 DEFAULT_HEARTBEAT_INTERVAL_S = 10.0
 MIN_HEARTBEAT_INTERVAL_S = 0.05
+# Phase changes closer together than this go to the workflow in one report (a phase's success
+# and the next one's start are usually one report).
+REPORT_MIN_INTERVAL_S = 1.0
+# A report is best effort: the task does not wait longer than this for one to be taken.
+REPORT_RPC_TIMEOUT = timedelta(seconds=5)
 
 _Outcome = TypeVar("_Outcome", ProvisionOutcome, ReleaseOutcome, RevokeOutcome)
 _Spec = TypeVar("_Spec", HostProvisionInput, HostReleaseInput)
@@ -236,13 +251,17 @@ class HostActivities:
         unexpected_error_type: str,
     ) -> tuple[_Outcome, TaskProgress]:
         loop = asyncio.get_running_loop()
-        progress = TaskProgress(
-            loop, task_id=task_id, allocation_id=allocation_id, activity_name=name
-        )
         attempt = activity.info().attempt
+        progress = TaskProgress(
+            loop, task_id=task_id, allocation_id=allocation_id, activity_name=name, attempt=attempt
+        )
         logger.info(
             "task %s (%s, allocation %s): attempt %d", task_id, name, allocation_id, attempt
         )
+        reporter = _ProgressReporter(task_id, attempt, utc_now_iso())
+        # Awaited, so the attempt is on record as running (and counted) before any host work.
+        await reporter.send(progress)
+        reports = asyncio.create_task(reporter.run(progress))
         heartbeats = asyncio.create_task(self._heartbeat_loop(progress))
         self._running += 1
         work = loop.run_in_executor(self._executor, call, progress)
@@ -264,6 +283,8 @@ class HostActivities:
             raise asyncio.CancelledError() from None
         except HostError as err:
             progress.fail_open_phase(err.message)
+            # A retried attempt's failure reaches no workflow code: this report is its record.
+            await reporter.send(progress)
             logger.warning(
                 "task %s (%s, allocation %s): %s",
                 task_id,
@@ -279,6 +300,7 @@ class HostActivities:
             ) from None
         except Exception as err:
             progress.fail_open_phase("unexpected host error")
+            await reporter.send(progress)
             # The traceback's frames, not the exception's text, which might quote the spec.
             logger.error(
                 "task %s (%s, allocation %s): unexpected %s\n%s",
@@ -294,9 +316,11 @@ class HostActivities:
                 type=unexpected_error_type,
             ) from None
         finally:
-            heartbeats.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await heartbeats
+            # A result carries the whole phase list: no last report after a success.
+            for loop_task in (heartbeats, reports):
+                loop_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await loop_task
         logger.info("task %s (%s, allocation %s): done", task_id, name, allocation_id)
         return outcome, progress
 
@@ -313,6 +337,48 @@ class HostActivities:
                 async with asyncio.timeout(interval):
                     await progress.changed.wait()
             progress.changed.clear()
+
+
+class _ProgressReporter:
+    """Signals one attempt's progress to the workflow that scheduled the task. Best effort: a
+    report that cannot be delivered (no client, the workflow gone, Temporal slow) is skipped,
+    never the task's failure; the next report, the heartbeat and the result carry the phases."""
+
+    def __init__(self, task_id: str, attempt: int, started_at: str) -> None:
+        self._task_id = task_id
+        self._attempt = attempt
+        self._started_at = started_at
+        self._sent = -1  # how many phases the last delivered report carried
+        self._handle: WorkflowHandle[Any, Any] | None = None
+        info = activity.info()
+        try:
+            client = activity.client()
+        except RuntimeError:  # no client: an activity run outside a worker (unit tests)
+            return
+        if info.workflow_id is not None:  # else a standalone activity: nobody to report to
+            self._handle = client.get_workflow_handle(info.workflow_id, run_id=info.workflow_run_id)
+
+    async def send(self, progress: TaskProgress) -> None:
+        phases = progress.snapshot()
+        if self._handle is None or len(phases) == self._sent:
+            return
+        report = HostTaskProgress(self._task_id, self._attempt, self._started_at, phases)
+        try:
+            await self._handle.signal(
+                HOST_TASK_PROGRESS_SIGNAL, report, rpc_timeout=REPORT_RPC_TIMEOUT
+            )
+        except RPCError as err:
+            logger.info("task %s: progress not reported: %s", self._task_id, err.status)
+            return
+        self._sent = len(phases)
+
+    async def run(self, progress: TaskProgress) -> None:
+        changed = progress.subscribe()
+        while True:
+            await asyncio.sleep(REPORT_MIN_INTERVAL_S)
+            await changed.wait()
+            changed.clear()
+            await self.send(progress)
 
 
 def heartbeat_interval_seconds() -> float:

@@ -1,6 +1,7 @@
 """`TaskProgress`: the `Progress` a backend reports to, shared between the backend's thread and
-the activity's event loop. It keeps the phase list (what heartbeats and results carry), wakes the
-heartbeat loop when a phase changes, and carries the cancellation request back to the thread."""
+the activity's event loop. It keeps the phase list (what heartbeats, progress reports and results
+carry), wakes the heartbeat and report loops when a phase changes, and carries the cancellation
+request back to the thread."""
 
 from __future__ import annotations
 
@@ -29,8 +30,10 @@ class TaskProgress:
         task_id: str,
         allocation_id: str,
         activity_name: str,
+        attempt: int = 0,
     ) -> None:
         self._loop = loop
+        self._attempt = attempt
         self._task_id = task_id
         self._allocation_id = allocation_id
         self._activity_name = activity_name
@@ -41,6 +44,7 @@ class TaskProgress:
         self._heartbeats_suspended = False
         # Set from the backend's thread, awaited by the heartbeat loop on the event loop.
         self.changed = asyncio.Event()
+        self._listeners = [self.changed]
 
     # ---------------------------------------------------------------- Progress (backend side)
 
@@ -79,6 +83,12 @@ class TaskProgress:
         with self._lock:
             return list(self._phases)
 
+    def subscribe(self) -> asyncio.Event:
+        """Another event set on every phase change, for a second loop (each clears its own)."""
+        event = asyncio.Event()
+        self._listeners.append(event)
+        return event
+
     def request_cancel(self) -> None:
         self._cancel.set()
 
@@ -91,7 +101,13 @@ class TaskProgress:
             self._record(open_phase, PhaseStatus.FAILED, message)
 
     def _record(self, phase: str, status: PhaseStatus, message: str) -> None:
-        entry = HostPhase(phase=phase, status=status.value, at=utc_now_iso(), message=message)
+        entry = HostPhase(
+            phase=phase,
+            status=status.value,
+            at=utc_now_iso(),
+            message=message,
+            attempt=self._attempt,
+        )
         with self._lock:
             self._phases.append(entry)
             if status == PhaseStatus.STARTED:
@@ -108,4 +124,8 @@ class TaskProgress:
             status.value,
         )
         with contextlib.suppress(RuntimeError):  # the loop is gone: the activity has ended
-            self._loop.call_soon_threadsafe(self.changed.set)
+            self._loop.call_soon_threadsafe(self._notify)
+
+    def _notify(self) -> None:
+        for event in self._listeners:
+            event.set()

@@ -6,6 +6,9 @@ error types a host reports. Workflows import this module; agents implement it.""
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
+
+from temporalio.exceptions import ActivityError, ApplicationError
 
 # Allocation shapes as host tasks carry them (`shape`); the SKU catalog's shapes (schema) use the
 # same strings.
@@ -26,6 +29,12 @@ NODE_DRAIN = "node.drain"
 NODE_UNDRAIN = "node.undrain"
 NODE_UNINSTALL = "node.uninstall"
 NODE_HW_SYNC_RESEED = "node.hw_sync_reseed"
+
+# Progress of a running host task (seed 002: node_task_dispatched, running with live phases): the
+# agent signals the workflow that scheduled the task when an attempt starts and when its phases
+# change; the workflow records it with the local activity RECORD_TASK_PROGRESS.
+HOST_TASK_PROGRESS_SIGNAL = "host_task_progress"
+RECORD_TASK_PROGRESS = "node_task.record_progress"
 
 TASK_SUMMARIES = {
     SLICE_VM_PROVISION: "Creating GPU slice VM",
@@ -89,6 +98,47 @@ class HostPhase:
     status: str  # "started" | "succeeded" | "failed"
     at: str  # ISO-8601 UTC
     message: str = ""
+    # The Temporal attempt of the host activity that went through this phase (0: not reported,
+    # as in results recorded before attempts were).
+    attempt: int = 0
+
+    @classmethod
+    def from_json(cls, value: dict[str, Any]) -> "HostPhase":
+        """From a phase decoded without its type (an activity failure's details)."""
+        return cls(
+            phase=str(value.get("phase", "")),
+            status=str(value.get("status", "")),
+            at=str(value.get("at", "")),
+            message=str(value.get("message") or ""),
+            attempt=int(value.get("attempt") or 0),
+        )
+
+
+@dataclass
+class HostTaskProgress:
+    """HOST_TASK_PROGRESS_SIGNAL's payload: one attempt of a host task so far."""
+
+    task_id: str
+    attempt: int
+    started_at: str  # ISO-8601 UTC: when this attempt started on the node
+    phases: list[HostPhase] = field(default_factory=list)
+
+
+def phases_of_failure(error: BaseException) -> list[HostPhase]:
+    """The phases a failed host activity went through: the agent raises its ApplicationError
+    with the phase list as the first detail (agent/host_activities.py); empty for any other
+    failure (a timeout, an agent that never ran the task). Pure: safe in workflow code."""
+    cause = error.cause if isinstance(error, ActivityError) else error
+    if not isinstance(cause, ApplicationError) or not cause.details:
+        return []
+    first = cause.details[0]
+    if not isinstance(first, list):
+        return []
+    return [
+        p if isinstance(p, HostPhase) else HostPhase.from_json(p)
+        for p in first
+        if isinstance(p, HostPhase | dict)
+    ]
 
 
 @dataclass

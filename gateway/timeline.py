@@ -1,12 +1,16 @@
 """The allocation task timeline (seed 002): lifecycle events merged with node tasks, in time order.
 
 Lifecycle items come from `allocation_events`; node-task items from `node_tasks` with their
-phases from `node_task_events`. A task still queued or dispatched may not have written phases
-yet, so its live phases are read from the heartbeat of the pending activity on the allocation
-workflow; when Temporal cannot be asked, the database part is still answered.
+phases from `node_task_events`. The node's agent reports each attempt of a running task and its
+phase changes to the workflow, which records them (activities/node_task_log.py), so a running
+task reads `running` with its phases from the database. Between two reports the heartbeat of
+the pending activity may be further along: the phases only it has are added; when Temporal
+cannot be asked, the database part is still answered.
 
 Sanitising is by allow-list: only the fields and detail keys named here ever leave, so SSH keys,
-secrets, signatures and cloud-init content cannot, whatever an activity stored.
+secrets, signatures and cloud-init content cannot, whatever an activity stored. Free text was
+redacted where it entered the record; a heartbeat's, which is no record, is redacted here by
+the same sanitiser.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from temporalio.service import RPCError
 
 from contracts.host_tasks import TASK_SUMMARIES, HostPhase
 from contracts.states import AllocationStatus, NodeTaskStatus
+from core.redaction import redact
 from core.timestamps import parse_iso
 from gateway.allocations import get_row
 from gateway.errors import TemporalUnavailable
@@ -107,7 +112,11 @@ def task_item(
         attempts=task.attempts,
         phases=[
             TimelinePhase(
-                phase=p.phase, status=p.status, at=p.occurred_at, message=_text(p.message)
+                phase=p.phase,
+                status=p.status,
+                at=p.occurred_at,
+                message=_text(p.message),
+                attempt=p.attempt or None,
             )
             for p in phases
         ],
@@ -129,7 +138,13 @@ async def _decode_phases(client: Client, payloads: Sequence[Payload]) -> list[Ti
     if not isinstance(value, list) or not all(isinstance(p, HostPhase) for p in value):
         return None
     return [
-        TimelinePhase(phase=p.phase, status=p.status, at=parse_iso(p.at), message=_text(p.message))
+        TimelinePhase(
+            phase=p.phase,
+            status=p.status,
+            at=parse_iso(p.at),
+            message=redact(p.message, limit=_MAX_TEXT),
+            attempt=p.attempt or None,
+        )
         for p in value
     ]
 
@@ -215,8 +230,14 @@ async def build(
                 if task.status in _LIVE:
                     latest[task.kind] = item
             for kind, item in latest.items():
-                if kind in heartbeats and len(heartbeats[kind]) >= len(item.phases):
-                    item.phases = heartbeats[kind]
+                recorded = {(p.attempt, p.phase, p.status) for p in item.phases}
+                newer = [
+                    p
+                    for p in heartbeats.get(kind, [])
+                    if (p.attempt, p.phase, p.status) not in recorded
+                ]
+                if newer:  # the heartbeat is ahead of the last recorded report
+                    item.phases = [*item.phases, *newer]
                     item.phases_source = "temporal"
     items.extend(task_items)
     # Time order; at the same instant the lifecycle event comes before the task it started.
