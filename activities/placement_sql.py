@@ -101,17 +101,17 @@ async def load_offer(
 #   $1 region, $2 sku, $3 gpus, $4 allocation id, $5 project id, $6 idempotency key, $7 shape,
 #   $8 ssh key ids, $9 workflow id, $10 host task id, $11 host task kind
 # and expects a CTE `placed(node_id)` holding the node to place on (no row: write nothing) and
-# `details`, the placement's event details. It writes the allocation (created already
-# `provisioning`, `provisioning_started_at` equal to `created_at`, both transitions in its event
-# log) and its queued host task; the claims and slots are the shape's own. Foreign keys to the
+# `details`, the placement's event details. It writes the allocation (created `requested`: seed
+# 000's reservation; the workflow's allocation.begin_provisioning moves it on) and its queued host
+# task; the claims and slots are the shape's own. Foreign keys to the
 # new allocation are checked at the end of the statement, and the claims' exclusion constraint
 # stays the last word on double booking.
 _WRITE_ALLOCATION = f"""
 allocation AS (
   INSERT INTO allocations (id, project_id, idempotency_key, sku, region, shape, gpu_count, node_id,
-                           ssh_key_ids, status, workflow_id, created_at, provisioning_started_at)
+                           ssh_key_ids, status, workflow_id, created_at)
   SELECT $4::uuid, $5::uuid, $6::text, $2::text, $1::text, $7::text, $3::int, placed.node_id,
-         $8::uuid[], '{AllocationStatus.PROVISIONING}', $9::text, stamp.at, stamp.at
+         $8::uuid[], '{AllocationStatus.REQUESTED}', $9::text, stamp.at
   FROM placed, (SELECT clock_timestamp() AS at) AS stamp
   RETURNING id, node_id, created_at
 ), events AS (
@@ -119,9 +119,7 @@ allocation AS (
   SELECT allocation.id, e.event, e.from_status, e.to_status, e.details
   FROM allocation, (VALUES
       (1, 'requested', NULL, '{AllocationStatus.REQUESTED}', '{{}}'::jsonb),
-      (2, 'placement_reserved', NULL, NULL, (SELECT details FROM details)),
-      (3, 'provisioning_started', '{AllocationStatus.REQUESTED}',
-          '{AllocationStatus.PROVISIONING}', '{{}}'::jsonb)
+      (2, 'placement_reserved', NULL, NULL, (SELECT details FROM details))
   ) AS e(position, event, from_status, to_status, details)
   ORDER BY e.position
 ), task AS (
@@ -180,7 +178,7 @@ SELECT (SELECT id FROM node), (SELECT created_at FROM allocation),
 # of one project share it, while the release of the project's last allocation locks it FOR UPDATE
 # before it counts what is left and deletes it (activities/allocations.py, _return_slice_vlan),
 # so a VLAN is never returned while a placement is using it. Without a row, the lowest vid of the
-# region's pool (its slice_vlan_pools row, else `$13..$14`) that no project holds is inserted;
+# region's pool (its slice_vlan_pools row, else `$12..$13`) that no project holds is inserted;
 # the unique constraints decide between concurrent first placements: ON CONFLICT DO NOTHING
 # waits for the other insert and yields nothing, so the loser writes nothing and ranks again
 # (free_vid set, vlan empty), and no free vid at all is the pool being exhausted. Bare metal
@@ -191,7 +189,7 @@ held_vlan AS (
   WHERE v.region = $1 AND v.project_id = $5::uuid AND (SELECT ok FROM fits)
   FOR KEY SHARE
 ), pool AS (
-  SELECT coalesce(p.first_vid, $13::int) AS first_vid, coalesce(p.last_vid, $14::int) AS last_vid
+  SELECT coalesce(p.first_vid, $12::int) AS first_vid, coalesce(p.last_vid, $13::int) AS last_vid
   FROM (SELECT 1) AS one LEFT JOIN slice_vlan_pools p ON p.region = $1
 ), free_vid AS (
   SELECT s.vid FROM pool, generate_series(pool.first_vid, pool.last_vid) AS s(vid)
@@ -214,33 +212,81 @@ held_vlan AS (
   SELECT vlan_id FROM held_vlan UNION ALL SELECT vlan_id FROM new_vlan
 )"""
 
+
 # Slices: nodes where one NUMA node fits the request rank first, then best-fit (fewest free GPUs
-# that still fit), so big requests keep finding room. The ranking reads each node's free-GPU
-# counters (kept by triggers on gpu_slots), one row per node, not every free slot of the region.
-# Of the best `$12`, the first node no concurrent placement holds is locked: concurrent
-# placements spread over the ranking instead of queueing on its head, and none has to retry
-# while fewer than `$12` run at once. The counters only rank: on that node the slots themselves
-# are locked and counted. They come from one NUMA node when one fits (the one with the fewest
-# free slots that fits, best-fit again), else from the NUMA nodes with the most free slots first.
-# If fewer slots than asked could be locked (a release in flight holds some), nothing is written
-# and it ranks again. With the slots, the project's slice VLAN (`_SLICE_VLAN`): no VLAN, nothing
-# written.
-_PLACE_SLICE = f"""
-WITH {_FUNDED}, best AS (
-  SELECT n.id, n.free_gpus_one_numa >= $3 AS numa_fit, n.free_gpus
-  FROM nodes n
+# that still fit), so big requests keep finding room; ties go to the lower node id. The ranking
+# is two walks down the `nodes_placement` index (region, sku, status, free_gpus, id,
+# free_gpus_one_numa; migration 0017), each in ranking order and stopping at the first node no
+# concurrent placement holds (`SKIP LOCKED`): the NUMA-fitting nodes first and, only when none of
+# them could be locked, the rest. The NUMA-fit test is checked on the index entries, so a walk
+# reads the row of the node it locks and of those it skips as locked, whatever the fleet's size:
+# its cost follows the placements running at once, not the fleet (bench/placement.py). Nodes
+# ranked before the first that fits but not fitting are passed over on their index entries alone,
+# and when no node fits in one NUMA node at all, that walk is not made (`_NUMA_FIT_ANYWHERE`). The
+# counters (kept by triggers on gpu_slots, migration 0013) only rank: on the locked node the slots
+# themselves are locked and counted. They come from one NUMA node when one fits (the one with the
+# fewest free slots that fits, best-fit again), else from the NUMA nodes with the most free slots
+# first. If fewer slots than asked could be locked (a release in flight holds some), nothing is
+# written and it ranks again. With the slots, the project's slice VLAN (`_SLICE_VLAN`): no VLAN,
+# nothing written. Nothing locked while some node of the SKU has room, locked or not, is
+# contention (`any_room`): retried, never answered sku_unavailable.
+def _slice_walk(numa_condition: str) -> str:
+    return f"""
+  SELECT n.id FROM nodes n
   WHERE n.region = $1 AND n.sku = $2 AND n.status = '{NodeStatus.ACTIVE}' AND n.free_gpus >= $3
-    AND EXISTS (SELECT 1 FROM funded)
-  ORDER BY numa_fit DESC, n.free_gpus, n.id
-  LIMIT $12
-), ranked AS (
-  SELECT id AS node_id, row_number() OVER (ORDER BY numa_fit DESC, free_gpus, id) AS position
-  FROM best
-), node AS (
-  SELECT n.id FROM nodes n JOIN ranked ON ranked.node_id = n.id
-  ORDER BY ranked.position
+    AND {numa_condition} AND EXISTS (SELECT 1 FROM funded)
+  ORDER BY n.free_gpus, n.id
   LIMIT 1
-  FOR UPDATE OF n SKIP LOCKED
+  FOR UPDATE OF n SKIP LOCKED"""
+
+
+# Some node of the SKU has room for the request, whether or not others hold it (`any_room`).
+_SLICE_ROOM = f"""
+SELECT 1 FROM nodes n
+WHERE n.region = $1 AND n.sku = $2 AND n.status = '{NodeStatus.ACTIVE}' AND n.free_gpus >= $3
+"""
+
+# The placement_reserved event's details, and the reservation of the `chosen` slots with their
+# claims, for the allocation `_WRITE_ALLOCATION` wrote.
+_SLOT_DETAILS = """
+details AS (
+  SELECT jsonb_build_object(
+           'claim', 'gpu_slots',
+           'numa_nodes', (SELECT jsonb_agg(DISTINCT numa_node ORDER BY numa_node) FROM chosen)
+         ) AS details
+)"""
+_RESERVE_CHOSEN = f"""
+reserved AS (
+  UPDATE gpu_slots g SET status = '{SlotStatus.RESERVED}', allocation_id = allocation.id,
+                         updated_at = clock_timestamp()
+  FROM allocation
+  WHERE g.id IN (SELECT id FROM chosen)
+), claims AS (
+  INSERT INTO allocation_resource_claims (id, allocation_id, node_id, slot_id, kind, footprint,
+                                          status)
+  SELECT gen_random_uuid(), allocation.id, allocation.node_id, c.id, '{ClaimKind.GPU_SLOT}',
+         int4range(c.gpu_index, c.gpu_index + 1), '{ClaimStatus.HELD}'
+  FROM allocation, chosen c
+)"""
+
+# Whether one NUMA node of any node of the SKU fits the request, from the `nodes_numa_fit` index:
+# when none does (eight GPUs on nodes of two NUMA nodes of four, say), the NUMA-fit walk is not
+# made, rather than passing over the index entry of every node with room.
+_NUMA_FIT_ANYWHERE = f"""
+SELECT 1 FROM nodes f
+WHERE f.region = $1 AND f.sku = $2 AND f.status = '{NodeStatus.ACTIVE}'
+  AND f.free_gpus_one_numa >= $3
+"""
+
+_PLACE_SLICE = f"""
+WITH {_FUNDED}, numa_fit_node AS ({
+    _slice_walk(f"n.free_gpus_one_numa >= $3 AND EXISTS ({_NUMA_FIT_ANYWHERE})")
+}
+), other_node AS ({
+    _slice_walk("n.free_gpus_one_numa < $3 AND NOT EXISTS (SELECT 1 FROM numa_fit_node)")
+}
+), node AS (
+  SELECT id FROM numa_fit_node UNION ALL SELECT id FROM other_node
 ), slots AS (
   SELECT g.id, g.gpu_index, g.numa_node, g.pci_address FROM gpu_slots g
   WHERE g.node_id = (SELECT id FROM node) AND g.status = '{SlotStatus.FREE}'
@@ -260,31 +306,31 @@ WITH {_FUNDED}, best AS (
   SELECT (SELECT count(*) FROM chosen) = $3 AS ok
 ), {_SLICE_VLAN}, placed AS (
   SELECT id AS node_id FROM node WHERE (SELECT ok FROM fits) AND EXISTS (SELECT 1 FROM vlan)
-), details AS (
-  SELECT jsonb_build_object(
-           'claim', 'gpu_slots',
-           'numa_nodes', (SELECT jsonb_agg(DISTINCT numa_node ORDER BY numa_node) FROM chosen)
-         ) AS details
-), {_WRITE_ALLOCATION}, reserved AS (
-  UPDATE gpu_slots g SET status = '{SlotStatus.RESERVED}', allocation_id = allocation.id,
-                         updated_at = clock_timestamp()
-  FROM allocation
-  WHERE g.id IN (SELECT id FROM chosen)
-), claims AS (
-  INSERT INTO allocation_resource_claims (id, allocation_id, node_id, slot_id, kind, footprint,
-                                          status)
-  SELECT gen_random_uuid(), allocation.id, allocation.node_id, c.id, '{ClaimKind.GPU_SLOT}',
-         int4range(c.gpu_index, c.gpu_index + 1), '{ClaimStatus.HELD}'
-  FROM allocation, chosen c
-)
+), {_SLOT_DETAILS}, {_WRITE_ALLOCATION}, {_RESERVE_CHOSEN}
 SELECT (SELECT id FROM node), (SELECT created_at FROM allocation),
-       EXISTS (SELECT 1 FROM ranked),
+       CASE WHEN (SELECT id FROM node) IS NULL THEN EXISTS ({_SLICE_ROOM}) ELSE true END,
        ARRAY(SELECT id FROM chosen ORDER BY pick),
        ARRAY(SELECT gpu_index FROM chosen ORDER BY pick),
        ARRAY(SELECT numa_node FROM chosen ORDER BY pick),
        ARRAY(SELECT pci_address FROM chosen ORDER BY pick),
        (SELECT ok FROM fits), (SELECT vlan_id FROM vlan), (SELECT vid FROM free_vid),
        EXISTS (SELECT 1 FROM funded)
+"""
+
+# Reservations of slots the caller chose, written by the same statement parts as a placement's
+# (allocation, events, host task, slots, claims) but without ranking, locking a node or taking a
+# VLAN: for benchmarks that fill a fleet in bulk before they time real placements
+# (bench/placement.py). `$12` the node, `$13` its free slots to reserve; a slot no longer free
+# writes nothing.
+_RESERVE_GIVEN_SLOTS = f"""
+WITH chosen AS (
+  SELECT g.id, g.gpu_index, g.numa_node FROM gpu_slots g
+  WHERE g.id = ANY($13::uuid[]) AND g.node_id = $12::uuid AND g.status = '{SlotStatus.FREE}'
+  FOR UPDATE
+), placed AS (
+  SELECT $12::uuid AS node_id WHERE (SELECT count(*) FROM chosen) = cardinality($13::uuid[])
+), {_SLOT_DETAILS}, {_WRITE_ALLOCATION}, {_RESERVE_CHOSEN}
+SELECT 1
 """
 
 
@@ -374,13 +420,11 @@ async def place_slice(
     pg: asyncpg.Connection,
     request: PlacementRequest,
     *,
-    candidates: int,
     default_vlan_pool: tuple[int, int] = DEFAULT_SLICE_VLAN_POOL,
 ) -> Placed:
     """Rank, lock the best free node and its slots, pick the slots, take the project's VLAN and
     reserve them, in one statement. Raises like place_baremetal."""
-    first_vid, last_vid = default_vlan_pool
-    row = await pg.fetchrow(_PLACE_SLICE, *request.parameters(), candidates, first_vid, last_vid)
+    row = await pg.fetchrow(_PLACE_SLICE, *request.parameters(), *default_vlan_pool)
     assert row is not None
     slots = [ReservedSlot(*fields) for fields in zip(row[3], row[4], row[5], row[6], strict=True)]
     return Placed(
@@ -392,4 +436,35 @@ async def place_slice(
         vlan_id=row[8],
         free_vid=row[9],
         funded=bool(row[10]),
+    )
+
+
+async def explain_place_slice(
+    pg: asyncpg.Connection,
+    request: PlacementRequest,
+    *,
+    default_vlan_pool: tuple[int, int] = DEFAULT_SLICE_VLAN_POOL,
+) -> list[str]:
+    """The plan of place_slice's statement for `request`, run with EXPLAIN (ANALYZE, BUFFERS) in
+    a transaction that is rolled back: a profile of one placement (bench/placement.py)."""
+    transaction = pg.transaction()
+    await transaction.start()
+    try:
+        rows = await pg.fetch(
+            f"EXPLAIN (ANALYZE, BUFFERS) {_PLACE_SLICE}", *request.parameters(), *default_vlan_pool
+        )
+    finally:
+        await transaction.rollback()
+    return [row[0] for row in rows]
+
+
+async def reserve_given_slots(
+    pg: asyncpg.Connection,
+    reservations: Sequence[tuple[PlacementRequest, uuid.UUID, Sequence[uuid.UUID]]],
+) -> None:
+    """Write each (request, node, slots) reservation as a placement writes it, with the slots
+    chosen by the caller (`_RESERVE_GIVEN_SLOTS`), pipelined: a benchmark's bulk fill."""
+    await pg.executemany(
+        _RESERVE_GIVEN_SLOTS,
+        [(*request.parameters(), node_id, list(slots)) for request, node_id, slots in reservations],
     )

@@ -111,14 +111,13 @@ async def test_a_slice_placement_is_written_whole_in_one_statement(
 
     rows = await _rows(db_sessions, request.allocation_id)
     allocation = rows["allocation"]
-    assert allocation.status == AllocationStatus.PROVISIONING
-    assert allocation.provisioning_started_at is not None
+    assert allocation.status == AllocationStatus.REQUESTED  # the workflow moves it on
+    assert allocation.provisioning_started_at is None
     assert str(allocation.node_id) == reservation.node_id
     assert sorted(allocation.ssh_key_ids) == sorted([newer.id, older.id])
     assert rows["events"] == [
         ("requested", None, "requested"),
         ("placement_reserved", None, None),
-        ("provisioning_started", "requested", "provisioning"),
     ]
     indexes = sorted(g.gpu_index for g in reservation.gpus)
     assert sorted(rows["slots"]) == indexes
@@ -246,12 +245,12 @@ async def test_a_rerun_answers_the_same_placement_and_writes_nothing_more(
         assert after[table] == before[table], table
 
 
-async def test_an_allocation_an_older_build_left_requested_moves_on_to_provisioning(
+async def test_an_allocation_an_older_build_left_requested_gets_its_host_task(
     db_sessions: Sessions, db_engine: AsyncEngine
 ) -> None:
     """Older builds reserved in one transaction and began provisioning in a second: a crash in
     between left the allocation `requested`, holding its slot, with no host task. The rerun
-    completes it rather than placing it again."""
+    queues the task rather than placing it again (allocation.begin_provisioning moves it on)."""
     nodes = await create_fleet(db_sessions, slice_nodes=1)
     project = await create_project(db_sessions)
     request = _input(project, gpus=1)
@@ -297,12 +296,8 @@ async def test_an_allocation_an_older_build_left_requested_moves_on_to_provision
     assert [g.gpu_index for g in rerun.reservation.gpus] == [5]  # the slot it held, no other
     assert rerun.plan.task_id == request.provision_task_id
     rows = await _rows(db_sessions, request.allocation_id)
-    assert rows["allocation"].status == AllocationStatus.PROVISIONING
-    assert [e[0] for e in rows["events"]] == [
-        "requested",
-        "placement_reserved",
-        "provisioning_started",
-    ]
+    assert rows["allocation"].status == AllocationStatus.REQUESTED
+    assert [e[0] for e in rows["events"]] == ["requested", "placement_reserved"]
     assert rows["slots"] == [5]
     assert [str(t) for t, _ in rows["tasks"]] == [request.provision_task_id]
 
@@ -396,3 +391,82 @@ async def test_an_account_depleted_while_placing_is_refused_by_the_reserving_sta
             select(func.count()).select_from(GpuSlot).where(GpuSlot.status != SlotStatus.FREE)
         )
         assert reserved == 0
+
+
+async def _disable_slots(sessions: Sessions, node_id: uuid.UUID, indexes: list[int]) -> None:
+    async with sessions() as session, session.begin():
+        await session.execute(
+            update(GpuSlot)
+            .where(GpuSlot.node_id == node_id, GpuSlot.gpu_index.in_(indexes))
+            .values(status=SlotStatus.DISABLED)
+        )
+
+
+async def test_nodes_where_one_numa_node_fits_rank_first_then_the_fullest(
+    db_sessions: Sessions, db_engine: AsyncEngine
+) -> None:
+    """Seed 000's ranking, read from the nodes' free-GPU counters through the placement index:
+    a node where two GPUs fit only across NUMA nodes comes last even though it is the fullest;
+    of the nodes where they fit in one, the fullest first; none with room is sku_unavailable."""
+    spread, roomy, snug = await create_fleet(db_sessions, slice_nodes=3)  # NUMA 0: 0-3, 1: 4-7
+    await _disable_slots(db_sessions, spread.id, [0, 1, 2, 4, 5, 6])  # free 3 | 7
+    await _disable_slots(db_sessions, roomy.id, [0, 1])  # free 2, 3 | 4-7
+    await _disable_slots(db_sessions, snug.id, [0, 1, 4, 5])  # free 2, 3 | 6, 7
+    project = await create_project(db_sessions)
+    activities = AllocationActivities(db_engine)
+
+    placed = [(await activities.place(_input(project, gpus=2))).reservation for _ in range(6)]
+
+    expected = [snug, snug, roomy, roomy, roomy, spread]
+    assert [r.node_id for r in placed] == [str(n.id) for n in expected]
+    assert sorted(g.gpu_index for g in placed[-1].gpus) == [3, 7]
+    with pytest.raises(ApplicationError) as refused:
+        await activities.place(_input(project, gpus=2))
+    assert refused.value.type == "sku_unavailable"
+
+
+HELD_NODES = 140  # more than any fixed number of candidates (the ranking used to lock among 128)
+
+
+async def test_nodes_other_transactions_hold_are_passed_over_however_many(
+    db_sessions: Sessions, db_engine: AsyncEngine
+) -> None:
+    """Placement walks the ranking past every node that concurrent placements or releases hold
+    locked, however many, to the best free one: it neither waits for them nor retries."""
+    nodes = await create_fleet(db_sessions, slice_nodes=HELD_NODES + 1)
+    last = max(nodes, key=lambda n: n.id)  # ranked last: equal counters, then by id
+    project = await create_project(db_sessions)
+    activities = AllocationActivities(db_engine, placement_deadline_seconds=5)
+
+    async with db_sessions() as holder, holder.begin():
+        await holder.execute(select(Node).where(Node.id != last.id).with_for_update())
+        placement = await asyncio.wait_for(activities.place(_input(project, gpus=1)), timeout=3)
+
+    assert placement.reservation.node_id == str(last.id)
+
+
+async def test_with_the_numa_fitting_nodes_held_the_rest_are_tried_and_none_free_is_waited_for(
+    db_sessions: Sessions, db_engine: AsyncEngine
+) -> None:
+    """The nodes where no NUMA node fits are tried when every one where one fits is held; and
+    when every node with room is held, placement waits for them (contention), never answering
+    sku_unavailable."""
+    spread, snug = await create_fleet(db_sessions, slice_nodes=2)
+    await _disable_slots(db_sessions, spread.id, [0, 1, 2, 4, 5, 6])  # free 3 | 7
+    await _disable_slots(db_sessions, snug.id, [0, 1, 4, 5])  # free 2, 3 | 6, 7
+    project = await create_project(db_sessions)
+    activities = AllocationActivities(db_engine)
+    held = select(Node).where(Node.id == snug.id).with_for_update()
+
+    async with db_sessions() as holder, holder.begin():
+        await holder.execute(held)
+        placement = await asyncio.wait_for(activities.place(_input(project, gpus=2)), timeout=3)
+    assert placement.reservation.node_id == str(spread.id)
+
+    async with db_sessions() as holder, holder.begin():  # the only node left with room
+        await holder.execute(held)
+        placing = asyncio.create_task(activities.place(_input(project, gpus=2)))
+        await asyncio.sleep(0.5)
+        assert not placing.done()  # neither refused nor placed while it is held
+    placement = await asyncio.wait_for(placing, timeout=10)
+    assert placement.reservation.node_id == str(snug.id)
