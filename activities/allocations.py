@@ -32,17 +32,24 @@ from activities.placement_sql import DEFAULT_SLICE_VLAN_POOL, PlacementRequest, 
 from contracts.allocation import (
     BALANCE_DEPLETED,
     NETWORK_POOL_EXHAUSTED,
+    NODE_UNAVAILABLE,
+    NOT_DETACHABLE,
     PROVISION_CLEANUP_UNCONFIRMED,
     REJECTION_TYPES,
+    RELEASE_CLEANUP_UNCONFIRMED,
     SKU_UNAVAILABLE,
+    DetachResult,
 )
 from contracts.allocation_activities import (
     ActivateInput,
+    BeginProvisioningInput,
     BeginReleaseInput,
+    DetachInput,
     FailProvisioningInput,
     FinishReleaseInput,
     PlaceInput,
     Placement,
+    ProvisioningStart,
     ProvisionPlan,
     ReleasePlan,
     Reservation,
@@ -65,6 +72,7 @@ from contracts.states import (
     SkuShape,
     SlotStatus,
 )
+from core.redaction import redact_optional
 from schema.db import driver_connection, session_factory
 from schema.models import (
     Allocation,
@@ -72,6 +80,7 @@ from schema.models import (
     AllocationResourceClaim,
     DomainEvent,
     GpuSlot,
+    Node,
     NodeTask,
     ProjectSliceVlan,
     Sku,
@@ -81,15 +90,14 @@ from schema.models import (
 log = logging.getLogger(__name__)
 CLOCK = func.clock_timestamp()
 MAX_MESSAGE = 500
-# Ranked slice nodes a placement may lock, the first one free of others' locks: more than the
-# placements that run at once (the worker runs up to 100 local activities), so a placement only
-# retries when the ranking changed under it. Contention beyond that retries with a fresh ranking.
-SLICE_CANDIDATES = 128
 # Who moves a node into quarantine after a failed provision (node.status_changed's actor).
 NODE_ACTOR = "allocation"
-# The allocation event a failed provision records when its cleanup was not proven: such an
-# allocation may still have a VM on its project's VLAN, so the VLAN stays with the project.
+# The allocation event a failed provision (or an admin detach after a failed release) records
+# when its cleanup was not proven: such an allocation may still have a VM on its project's VLAN,
+# so the VLAN stays with the project.
 CLEANUP_UNCONFIRMED_EVENT = "cleanup_unconfirmed"
+# The event of an admin detach: release_failed → released (seed 001 §1).
+DETACHED_EVENT = "detached"
 
 
 class PlacementContention(Exception):
@@ -109,7 +117,8 @@ def _reject(type_: str, message: str) -> ApplicationError:
 
 
 def _truncate(message: str | None) -> str | None:
-    return None if message is None else message[:MAX_MESSAGE]
+    """Free text bound for a record: bounded, and through the one sanitiser (seed 002)."""
+    return redact_optional(message, limit=MAX_MESSAGE)
 
 
 def username_for(allocation_id: str) -> str:
@@ -134,10 +143,10 @@ class AllocationActivities:
 
     @activity.defn(name="allocation.place")
     async def place(self, input: PlaceInput) -> Placement:
-        """Reserve capacity, move the allocation to `provisioning` and queue its host task, in one
-        transaction: the allocation row is created in `provisioning` with both transitions in its
-        event log (requested, then provisioning_started), so the reservation the POST answers
-        with and the host work it dispatches can never disagree. Its SQL is in placement_sql."""
+        """Reserve capacity and queue the allocation's host task, in one transaction: the
+        allocation row is created `requested` (seed 000: reserved, not yet provisioning), so the
+        reservation the POST answers with and the host work the workflow dispatches after
+        allocation.begin_provisioning can never disagree. Its SQL is in placement_sql."""
         deadline = time.monotonic() + self._placement_deadline
         attempt = 0
         while True:
@@ -198,10 +207,7 @@ class AllocationActivities:
             placed = await placement_sql.place_baremetal(pg, request)
         else:
             placed = await placement_sql.place_slice(
-                pg,
-                request,
-                candidates=SLICE_CANDIDATES,
-                default_vlan_pool=self._default_slice_vlan_pool,
+                pg, request, default_vlan_pool=self._default_slice_vlan_pool
             )
         if not placed.written:
             if not placed.funded:
@@ -233,12 +239,12 @@ class AllocationActivities:
             offer.ssh_public_keys,
             placed.vlan_id,
         )
-        return Placement(reservation=reservation, plan=plan)
+        return Placement(reservation, plan, AllocationStatus.REQUESTED)
 
     async def _existing_placement(self, input: PlaceInput) -> Placement | None:
         """What an earlier run of this activity placed, or None. An allocation an older build
-        left `requested` (it used to reserve and begin provisioning in two transactions) is
-        moved on to `provisioning` here."""
+        left `requested` without its host task (it reserved and queued the task in two
+        transactions) gets the task here; a placement's own task is already there."""
         allocation_id = uuid.UUID(input.allocation_id)
         async with self._sessions() as session, session.begin():
             allocation = await session.get(Allocation, allocation_id)
@@ -250,13 +256,6 @@ class AllocationActivities:
                 else BAREMETAL_PROVISION_USER
             )
             if allocation.status == AllocationStatus.REQUESTED:
-                allocation = await _transition(
-                    session,
-                    allocation_id,
-                    AllocationStatus.PROVISIONING,
-                    event="provisioning_started",
-                    values={"provisioning_started_at": CLOCK},
-                )
                 await _queue_task(
                     session,
                     input.provision_task_id,
@@ -309,7 +308,63 @@ class AllocationActivities:
         plan = _provision_plan(
             input.provision_task_id, kind, reservation, sizing, list(keys), vlan_id
         )
-        return Placement(reservation=reservation, plan=plan)
+        return Placement(reservation, plan, allocation.status)
+
+    @activity.defn(name="allocation.begin_provisioning")
+    async def begin_provisioning(self, input: BeginProvisioningInput) -> ProvisioningStart:
+        """`requested` → `provisioning` while the reserved node is still in service (`active`);
+        otherwise `requested` → `failed` as node_unavailable: nothing ran on the host, so the
+        queued host task fails with the allocation and its claims are freed at once. A rerun
+        answers from the row."""
+        allocation_id = uuid.UUID(input.allocation_id)
+        async with self._sessions() as session, session.begin():
+            allocation = await session.scalar(
+                select(Allocation).where(Allocation.id == allocation_id).with_for_update()
+            )
+            if allocation is None:
+                raise _reject("allocation_missing", f"allocation {allocation_id} does not exist")
+            if allocation.status == AllocationStatus.FAILED:
+                return ProvisioningStart(
+                    False, allocation.failure_reason, allocation.failure_message
+                )
+            if allocation.status != AllocationStatus.REQUESTED:
+                return ProvisioningStart(True)  # a rerun: provisioning already started
+            node_status = await session.scalar(
+                select(Node.status).where(Node.id == allocation.node_id)
+            )
+            if node_status == NodeStatus.ACTIVE:
+                await _transition(
+                    session,
+                    allocation_id,
+                    AllocationStatus.PROVISIONING,
+                    event="provisioning_started",
+                    values={"provisioning_started_at": CLOCK},
+                )
+                return ProvisioningStart(True)
+            message = f"node {allocation.node_id} is {node_status}, no longer in service"
+            await record_task_outcome(
+                session,
+                uuid.UUID(input.task_id),
+                NodeTaskStatus.FAILED,
+                error_type=NODE_UNAVAILABLE,
+                error_message=message,
+            )
+            await _transition(
+                session,
+                allocation_id,
+                AllocationStatus.FAILED,
+                event="failed",
+                reason=NODE_UNAVAILABLE,
+                details={"node_status": node_status},
+                values={
+                    "failed_at": CLOCK,
+                    "failure_reason": NODE_UNAVAILABLE,
+                    "failure_message": message,
+                },
+            )
+            await _free_claims(session, allocation_id)
+            await _return_slice_vlan(session, allocation)  # last, as in fail_provisioning
+        return ProvisioningStart(False, NODE_UNAVAILABLE, message)
 
     @activity.defn(name="allocation.activate")
     async def activate(self, input: ActivateInput) -> None:
@@ -354,6 +409,7 @@ class AllocationActivities:
                 session,
                 uuid.UUID(input.task_id),
                 NodeTaskStatus.FAILED,
+                phases=input.phases,
                 error_type=input.reason,
                 error_message=input.message,
             )
@@ -428,7 +484,7 @@ class AllocationActivities:
                 NodeTaskStatus.COMPLETED if succeeded else NodeTaskStatus.FAILED,
                 started_at=result.started_at if result else None,
                 finished_at=result.finished_at if result else None,
-                phases=result.phases if result else (),
+                phases=result.phases if result else input.phases,
                 output=(
                     {
                         "released": result.released,
@@ -477,6 +533,45 @@ class AllocationActivities:
                         "failure_message": _truncate(input.error_message),
                     },
                 )
+
+    @activity.defn(name="allocation.detach")
+    async def detach(self, input: DetachInput) -> DetachResult:
+        """release_failed → released by an admin (the `detach` update): what the allocation held
+        is quarantined as `release_cleanup_unconfirmed` (its GPU slots, or its node: active or
+        offline → quarantined), then its claims are freed; nothing claims the host was cleaned.
+        Billing stopped at release_failed and stays stopped (close_usage closes only an open
+        window). The project's slice VLAN stays with it, as after any unproven cleanup. A rerun
+        answers from the row."""
+        allocation_id = uuid.UUID(input.allocation_id)
+        async with self._sessions() as session, session.begin():
+            current = await session.scalar(
+                select(Allocation).where(Allocation.id == allocation_id).with_for_update()
+            )
+            if current is None:
+                raise _reject("allocation_missing", f"allocation {allocation_id} does not exist")
+            if current.detached_at is not None:
+                return _detach_result(current)  # a retried activity: all of it was committed
+            if current.status != AllocationStatus.RELEASE_FAILED:
+                raise _reject(NOT_DETACHABLE, f"allocation {allocation_id} is {current.status}")
+            cleanup_error = ": ".join(
+                p for p in (current.failure_reason, current.failure_message) if p
+            )
+            allocation = await _transition(
+                session,
+                allocation_id,
+                AllocationStatus.RELEASED,
+                event=DETACHED_EVENT,
+                actor=input.actor,
+                reason=input.reason,
+                details={"node_id": str(current.node_id), "shape": current.shape},
+                values={"released_at": CLOCK, "detached_at": CLOCK},
+            )
+            await close_usage(session, allocation_id)
+            await _quarantine_unconfirmed_cleanup(
+                session, allocation, cleanup_error, reason=RELEASE_CLEANUP_UNCONFIRMED
+            )
+            await _free_claims(session, allocation_id)
+            return _detach_result(allocation)
 
 
 # ---------------------------------------------------------------------- shared steps
@@ -563,7 +658,7 @@ async def _record(
             from_status=from_status,
             to_status=to_status,
             actor=actor,
-            reason=reason,
+            reason=redact_optional(reason, limit=MAX_MESSAGE),
             details=details or {},
         )
     )
@@ -649,15 +744,20 @@ async def _quarantine_slots(
 
 
 async def _quarantine_unconfirmed_cleanup(
-    session: AsyncSession, allocation: Allocation, cleanup_error: str
+    session: AsyncSession,
+    allocation: Allocation,
+    cleanup_error: str,
+    *,
+    reason: str = PROVISION_CLEANUP_UNCONFIRMED,
 ) -> None:
     """A failed provision whose cleanup the host did not prove (it failed, reported no proof,
-    or could not run: the node was unreachable) may have left a VM or a user holding what the
+    or could not run: the node was unreachable), or a release_failed allocation an admin
+    detached (`reason` says which), may have left a VM or a user holding what the
     allocation claimed. A slice's GPU slots are quarantined; a bare-metal allocation's claim is
     the node itself, so the node is (active or offline → quarantined; an operator brings it
-    back through a decommission, e.g. soft_reset). Either way the allocation records it and the
-    node gets a CRITICAL `node.provision_cleanup_unconfirmed` domain event."""
-    reason = PROVISION_CLEANUP_UNCONFIRMED
+    back through a decommission, e.g. soft_reset; a node already out of service stays as it
+    is). Either way the allocation records it and the node gets a CRITICAL `node.{reason}`
+    domain event."""
     details: dict[str, Any] = {
         "node_id": str(allocation.node_id),
         "shape": allocation.shape,
@@ -691,6 +791,15 @@ async def _quarantine_unconfirmed_cleanup(
             subject_id=str(allocation.node_id),
             payload={"severity": "CRITICAL", "allocation_id": str(allocation.id), **details},
         )
+    )
+
+
+def _detach_result(allocation: Allocation) -> DetachResult:
+    assert allocation.detached_at is not None
+    return DetachResult(
+        allocation_id=str(allocation.id),
+        status=allocation.status,
+        detached_at=allocation.detached_at.isoformat(),
     )
 
 
@@ -735,7 +844,8 @@ async def _queue_task(
 async def _return_slice_vlan(session: AsyncSession, allocation: Allocation) -> None:
     """Give the project's slice VLAN in the allocation's region back to the pool when nothing of
     the project there can still be on it: no slice allocation of the project in the region that
-    is not released, and no failed one whose cleanup was not proven (its VM may live on). Safe
+    is not released, and none that ended (failed, or released by an admin detach) without its
+    cleanup proven (its VM may live on). Safe
     against a concurrent placement of the project (activities/placement_sql.py, _SLICE_VLAN):
     the row is locked before anything is counted, and a placement that read it has committed by
     the time the lock is granted; one that comes later waits, then finds the row gone and takes
@@ -759,12 +869,10 @@ async def _return_slice_vlan(session: AsyncSession, allocation: Allocation) -> N
                 Allocation.shape == SkuShape.GPU_SLICE,
                 or_(
                     Allocation.status.not_in([AllocationStatus.RELEASED, AllocationStatus.FAILED]),
-                    and_(
-                        Allocation.status == AllocationStatus.FAILED,
-                        exists().where(
-                            AllocationEvent.allocation_id == Allocation.id,
-                            AllocationEvent.event == CLEANUP_UNCONFIRMED_EVENT,
-                        ),
+                    # Ended without proof of cleanup: failed, or released by an admin detach.
+                    exists().where(
+                        AllocationEvent.allocation_id == Allocation.id,
+                        AllocationEvent.event == CLEANUP_UNCONFIRMED_EVENT,
                     ),
                 ),
             )

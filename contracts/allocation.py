@@ -15,6 +15,7 @@ from contracts.states import AllocationStatus
 WORKFLOW_NAME = "AllocationWorkflow"
 RESERVE_UPDATE = "reserve"
 RELEASE_UPDATE = "request_release"
+DETACH_UPDATE = "detach"
 STATUS_QUERY = "status"
 
 # Error types the gateway maps to HTTP (see gateway/errors.py).
@@ -23,12 +24,17 @@ SSH_KEY_NOT_FOUND = "ssh_key_not_found"
 BALANCE_DEPLETED = "balance_depleted"
 IDEMPOTENCY_KEY_REUSED = "idempotency_key_reused"
 NOT_RELEASABLE = "allocation_not_releasable"
+# Detach is for a release_failed allocation only (nor while a release retry is queued or runs).
+NOT_DETACHABLE = "allocation_not_detachable"
 # The region's slice VLAN pool has no vid left for a project that holds none.
 NETWORK_POOL_EXHAUSTED = "network_pool_exhausted"
 REJECTION_TYPES = (SKU_UNAVAILABLE, SSH_KEY_NOT_FOUND, BALANCE_DEPLETED, NETWORK_POOL_EXHAUSTED)
 
 # Provisioning failure reasons beyond the host's own error types.
 NODE_UNREACHABLE = "node_unreachable"
+# The reserved node left service (offline, quarantined, draining, …) after the reservation and
+# before provisioning started: requested → failed, nothing ran on the host, the claims are freed.
+NODE_UNAVAILABLE = "node_unavailable"
 HOST_TIMEOUT = "host_timeout"
 PROVISIONING_ERROR = "provisioning_error"
 # AGENT_CAPABILITY_MISSING (imported above, defined with the other host-task failures in
@@ -38,6 +44,12 @@ PROVISIONING_ERROR = "provisioning_error"
 # held when the host did not prove its cleanup: they are not placed again until an operator
 # finishes the cleanup and returns them to service.
 PROVISION_CLEANUP_UNCONFIRMED = "provision_cleanup_unconfirmed"
+# The same for a release_failed allocation an admin detached (seed 001 §1, "removes the
+# assignment"): the release never proved its cleanup, so the assignment ends by quarantining
+# what it held, never by claiming the node was cleaned.
+RELEASE_CLEANUP_UNCONFIRMED = "release_cleanup_unconfirmed"
+# An AllocationResult's reason when the allocation ended `released` by an admin detach.
+DETACHED = "detached"
 
 
 def allocation_workflow_id(allocation_id: str) -> str:
@@ -95,6 +107,22 @@ class ReleaseAccepted:
 
 
 @dataclass
+class DetachRequest:
+    """An admin ends a release_failed allocation whose node cannot clean up (the `detach`
+    update); the reason is required and audited."""
+
+    reason: str
+    actor: str = "admin"  # ReleaseActor value
+
+
+@dataclass
+class DetachResult:
+    allocation_id: str
+    status: str  # released
+    detached_at: str  # ISO 8601, the database's clock
+
+
+@dataclass
 class AllocationView:
     allocation_id: str
     status: str
@@ -107,8 +135,11 @@ class AllocationView:
 # The outcome of a workflow whose placement was refused (no allocation row exists): its result's
 # status, and its AllocationStatus search attribute.
 REJECTED = "rejected"
-# The AllocationStatus the gateway starts the workflow with: placement creates the allocation
-# already `provisioning`, so the first workflow task (on every POST's path) upserts nothing.
+# The AllocationStatus the gateway starts the workflow with. Placement creates the allocation
+# `requested` and the workflow moves it to `provisioning` right after, off the POST's path; the
+# attribute names the state the workflow is heading for, so that neither the POST's workflow task
+# nor the next one upserts (a visibility write per allocation). Temporal Web shows `provisioning`
+# for the moment a placed allocation is `requested`; the API shows the row.
 STATUS_AT_START = AllocationStatus.PROVISIONING.value
 
 
@@ -116,4 +147,4 @@ STATUS_AT_START = AllocationStatus.PROVISIONING.value
 class AllocationResult:
     allocation_id: str
     status: str  # released | failed | rejected
-    reason: str | None = None
+    reason: str | None = None  # a failure or rejection type; DETACHED for a detach

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from contracts.host_tasks import (
     GpuAssignment,
+    HostPhase,
     HostProvisionInput,
     HostProvisionResult,
     HostReleaseResult,
@@ -52,11 +53,33 @@ class ProvisionPlan:
 @dataclass
 class Placement:
     """What the first activity did, in one transaction: reserved capacity (`reservation`, what
-    the POST answers with: `requested`), moved the allocation on to `provisioning` and queued
-    the host task described by `plan`."""
+    the POST answers with: the allocation is `requested`) and queued the host task described by
+    `plan`, which the workflow dispatches once it has moved the allocation on to `provisioning`
+    (allocation.begin_provisioning)."""
 
     reservation: Reservation
     plan: ProvisionPlan
+    # The allocation's status when placement answered: `requested` (then the workflow moves it
+    # on), or `provisioning`, the default, for a placement recorded by a build that created the
+    # allocation already provisioning (the workflow's history says which path it took).
+    allocation_status: str = "provisioning"
+
+
+@dataclass
+class BeginProvisioningInput:
+    allocation_id: str
+    # The provisioning host task the placement queued: failed with the allocation when
+    # provisioning cannot start.
+    task_id: str
+
+
+@dataclass
+class ProvisioningStart:
+    """`requested` → `provisioning` (started), or `requested` → `failed` with the reason."""
+
+    started: bool
+    reason: str | None = None
+    message: str | None = None
 
 
 @dataclass
@@ -81,6 +104,8 @@ class FailProvisioningInput:
     cleanup_error: str = ""
     # GPUs the proven cleanup found unhealthy: their slots are quarantined, the rest freed.
     unhealthy_gpus: list[UnhealthyGpu] = field(default_factory=list)
+    # The phases the failed host task went through, the failed one last (seed 002).
+    phases: list[HostPhase] = field(default_factory=list)
 
 
 @dataclass
@@ -109,3 +134,12 @@ class FinishReleaseInput:
     error_type: str | None
     error_message: str | None
     transition: bool = True
+    # Without a result: the phases the failed host task went through (seed 002).
+    phases: list[HostPhase] = field(default_factory=list)
+
+
+@dataclass
+class DetachInput:
+    allocation_id: str
+    actor: str
+    reason: str

@@ -36,8 +36,10 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from contracts.allocation import (
     BALANCE_DEPLETED,
+    DETACH_UPDATE,
     IDEMPOTENCY_KEY_REUSED,
     NETWORK_POOL_EXHAUSTED,
+    NOT_DETACHABLE,
     NOT_RELEASABLE,
     REJECTED,
     RELEASE_UPDATE,
@@ -49,12 +51,14 @@ from contracts.allocation import (
     AllocationInput,
     AllocationPolicy,
     AllocationResult,
+    DetachRequest,
+    DetachResult,
     ReleaseAccepted,
     ReleaseRequest,
     allocation_workflow_id,
 )
 from contracts.allocation_activities import Reservation
-from contracts.states import AllocationStatus, ReleaseActor
+from contracts.states import AllocationStatus, ReleaseActor, SkuShape
 from core import search_attributes
 from core.build_id import build_ids_at_start
 from core.config import Settings
@@ -74,11 +78,12 @@ from gateway.schemas import (
     AllocationDetail,
     AllocationList,
     AllocationSummary,
+    DetachResponse,
     ReleaseResponse,
 )
 from gateway.temporal import TemporalOps
 from schema.db import driver_connection
-from schema.models import Allocation
+from schema.models import Allocation, Node
 
 # Fixed forever: allocation ids derived from idempotency keys must not change between releases.
 ALLOCATION_ID_NAMESPACE = uuid.UUID("6f3c1f0e-5b7a-4d0c-9a61-2f8e9d4b7c15")
@@ -229,6 +234,7 @@ def detail(row: Allocation) -> AllocationDetail:
         released_at=row.released_at,
         release_failed_at=row.release_failed_at,
         failed_at=row.failed_at,
+        detached_at=row.detached_at,
         updated_at=row.updated_at,
     )
 
@@ -590,3 +596,61 @@ def user_release() -> ReleaseRequest:
 
 def admin_force_release(reason: str) -> ReleaseRequest:
     return ReleaseRequest(actor=ReleaseActor.ADMIN.value, reason=reason, force=True)
+
+
+# --- detach (admin) ---
+
+
+async def detach(
+    db: AsyncSession, temporal: TemporalOps, *, allocation_id: uuid.UUID, reason: str
+) -> tuple[DetachResponse, str, str]:
+    """Ask the workflow to detach a release_failed allocation (the `detach` update), and answer
+    from the read model the workflow's activity wrote: a repeated detach, even after the
+    workflow closed, gets the same answer. Returns the answer, the status the read model showed
+    before and the workflow id (for audit)."""
+    row = await get_row(db, allocation_id, None)
+    prior, workflow_id = row.status, row.workflow_id
+    if row.detached_at is None:
+        await db.close()  # no connection held across the Temporal call
+
+        async def update(client: Client) -> DetachResult:
+            detached: DetachResult = await _handle(client, workflow_id).execute_update(
+                DETACH_UPDATE,
+                DetachRequest(reason=reason, actor=ReleaseActor.ADMIN.value),
+                result_type=DetachResult,
+                rpc_timeout=temporal.rpc_timeout,
+            )
+            return detached
+
+        try:
+            await temporal.update(update)
+        except WorkflowUpdateFailedError as err:
+            cause = err.cause
+            if isinstance(cause, ApplicationError) and cause.type == NOT_DETACHABLE:
+                raise _not_detachable(prior, cause.message) from None
+            raise
+        except RPCError as err:
+            # The workflow has completed: only a detach it did can be answered (below).
+            if err.status != RPCStatusCode.NOT_FOUND:
+                raise
+        row = await get_row(db, allocation_id, None)
+    if row.detached_at is None:
+        raise _not_detachable(row.status)
+    node_status = await db.scalar(select(Node.status).where(Node.id == row.node_id))
+    response = DetachResponse(
+        allocation_id=row.id,
+        status=row.status,
+        detached_at=row.detached_at,
+        node_id=row.node_id,
+        quarantined="node" if row.shape == SkuShape.BAREMETAL else "gpu_slots",
+        node_status=node_status or "",
+    )
+    return response, prior, workflow_id
+
+
+def _not_detachable(status: str, message: str | None = None) -> Conflict:
+    return Conflict(
+        message or f"allocation is {status}; only a release_failed allocation can be detached",
+        code=NOT_DETACHABLE,
+        details={"status": status},
+    )

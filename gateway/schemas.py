@@ -208,6 +208,9 @@ class AllocationDetail(msgspec.Struct, kw_only=True):
     released_at: dt.datetime | None
     release_failed_at: dt.datetime | None
     failed_at: dt.datetime | None
+    # Set when an admin detached it from release_failed: `released` without a cleanup the node
+    # proved; its node or GPU slots were quarantined instead.
+    detached_at: dt.datetime | None
     updated_at: dt.datetime
 
 
@@ -219,6 +222,22 @@ class AllocationList(msgspec.Struct, kw_only=True):
 
 class ForceRelease(Request):
     reason: Reason
+
+
+class Detach(Request):
+    reason: Reason
+
+
+class DetachResponse(msgspec.Struct, kw_only=True):
+    allocation_id: uuid.UUID
+    status: str  # released
+    detached_at: dt.datetime
+    node_id: uuid.UUID
+    # What the detach took out of placement for an operator's cleanup: "node" (bare metal) or
+    # "gpu_slots" (the allocation's slots on the node, now disabled).
+    quarantined: str
+    # The node's status now (bare metal: quarantined, unless it was already out of service).
+    node_status: str
 
 
 class ReleaseResponse(msgspec.Struct, kw_only=True):
@@ -239,6 +258,8 @@ class TimelinePhase(msgspec.Struct, kw_only=True):
     status: str
     at: dt.datetime | None
     message: str | None = None
+    # The host task's attempt that went through it (None: not known, for older records).
+    attempt: int | None = None
 
 
 class TimelineStateItem(msgspec.Struct, kw_only=True, tag_field="kind", tag="allocation_state"):

@@ -269,13 +269,18 @@ async def test_lease_conflict_is_retried_by_the_workflow(
 
 
 async def test_dead_node_fails_provisioning_as_node_unreachable(
-    tenant: Tenant, db_sessions: Any
+    tenant: Tenant, db_sessions: Any, temporal_client: Any
 ) -> None:
     await create_fleet(db_sessions, slice_nodes=1)  # no agent runs for this node
     allocation_id = (await allocate(tenant, slice_request(1)))["allocation_id"]
     failed = await wait_status(tenant.client, allocation_id, "failed", timeout=30)
     assert failed["failure_reason"] == "node_unreachable"
     assert await held_claims(db_sessions, allocation_id) == 0
+    await record_history(
+        temporal_client.get_workflow_handle(allocation_workflow_id(allocation_id)),
+        "allocation",
+        "provision_failed_node_unreachable",
+    )
 
 
 async def test_release_hard_stop_still_counts_as_released(
@@ -330,7 +335,7 @@ async def test_release_failed_then_user_retry_releases(
 
 
 async def test_admin_force_release_from_release_failed_and_from_active(
-    tenant: Tenant, db_sessions: Any, start_node_agent: Any, admin: Any
+    tenant: Tenant, db_sessions: Any, start_node_agent: Any, admin: Any, temporal_client: Any
 ) -> None:
     (node,) = await create_fleet(db_sessions, slice_nodes=1)
     agent = await start_node_agent(node.id)
@@ -367,6 +372,12 @@ async def test_admin_force_release_from_release_failed_and_from_active(
     assert all(a.reason == "INC-42 node cleanup" and a.role == "admin" for a in audits)
     assert all(a.workflow_ids == [allocation_workflow_id(a.target_id)] for a in audits)
     assert {a.prior_state for a in audits} == {"release_failed", "active"}
+    for allocation_id, name in ((first, "release_failed"), (second, "active")):
+        await record_history(
+            temporal_client.get_workflow_handle(allocation_workflow_id(allocation_id)),
+            "allocation",
+            f"admin_force_release_from_{name}",
+        )
 
 
 async def test_tenant_cannot_force_release(tenant: Tenant, db_sessions: Any) -> None:
@@ -412,7 +423,7 @@ async def test_idempotent_create_and_release(
 
 
 async def test_release_requested_while_provisioning_runs_after_activation(
-    tenant: Tenant, db_sessions: Any, start_node_agent: Any, sim_hosts: Any
+    tenant: Tenant, db_sessions: Any, start_node_agent: Any, sim_hosts: Any, temporal_client: Any
 ) -> None:
     from sim.config import SimHostConfig
     from sim.host import SimulatedHost
@@ -428,6 +439,11 @@ async def test_release_requested_while_provisioning_runs_after_activation(
     await wait_status(tenant.client, allocation_id, "released", timeout=30)
     events = await events_of(db_sessions, allocation_id)
     assert events[-3:] == ["active", "releasing", "released"]
+    await record_history(
+        temporal_client.get_workflow_handle(allocation_workflow_id(allocation_id)),
+        "allocation",
+        "release_requested_during_provisioning",
+    )
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ import pytest
 from sqlalchemy import func, select
 
 from activities.billing.metering import BillingActivities, cumulative_charge
+from contracts.allocation import allocation_workflow_id
 from contracts.billing_meter import MeterInput
 from contracts.host_tasks import SLICE_VM_RELEASE, HostErrorType
 from schema.models import (
@@ -177,6 +178,11 @@ async def test_low_then_depleted_force_releases_through_the_workflows(
     for allocation_id in ids:
         final = await wait_status(client, allocation_id, "released")
         assert final["release_requested_by"] == "billing"
+    await record_history(
+        temporal_client.get_workflow_handle(allocation_workflow_id(ids[0])),
+        "allocation",
+        "billing_force_release",
+    )
     assert (await client.get("/api/v1/billing/balance")).json()["state"] == "depleted"
     refused = await client.post("/api/v1/allocations", json=slice_request(1))
     assert refused.status_code == 402

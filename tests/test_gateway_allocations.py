@@ -23,7 +23,7 @@ DETAIL_FIELDS = {
     "ssh_key_ids", "idempotency_key", "workflow_id", "failure_reason", "failure_message",
     "connect_host", "hard_stopped", "release_requested_by", "release_attempts", "created_at",
     "provisioning_started_at", "active_at", "releasing_at", "released_at", "release_failed_at",
-    "failed_at", "updated_at",
+    "failed_at", "detached_at", "updated_at",
 }  # fmt: skip
 
 

@@ -24,9 +24,12 @@ from temporalio.exceptions import (
 with workflow.unsafe.imports_passed_through():
     from contracts.allocation import (
         AGENT_CAPABILITY_MISSING,
+        DETACH_UPDATE,
+        DETACHED,
         HOST_TIMEOUT,
         IDEMPOTENCY_KEY_REUSED,
         NODE_UNREACHABLE,
+        NOT_DETACHABLE,
         NOT_RELEASABLE,
         PROVISIONING_ERROR,
         REJECTED,
@@ -39,28 +42,37 @@ with workflow.unsafe.imports_passed_through():
         AllocationInput,
         AllocationResult,
         AllocationView,
+        DetachRequest,
+        DetachResult,
         ReleaseAccepted,
         ReleaseRequest,
     )
     from contracts.allocation_activities import (
         ActivateInput,
+        BeginProvisioningInput,
         BeginReleaseInput,
+        DetachInput,
         FailProvisioningInput,
         FinishReleaseInput,
         PlaceInput,
         Placement,
+        ProvisioningStart,
         ProvisionPlan,
         ReleasePlan,
         Reservation,
     )
     from contracts.host_task_errors import agent_capability_missing, host_task_non_retryable
     from contracts.host_tasks import (
+        HOST_TASK_PROGRESS_SIGNAL,
         NON_RETRYABLE_HOST_ERRORS,
+        RECORD_TASK_PROGRESS,
         HostErrorType,
         HostProvisionResult,
         HostReleaseInput,
         HostReleaseResult,
+        HostTaskProgress,
         UnhealthyGpu,
+        phases_of_failure,
     )
     from contracts.states import AllocationStatus, ReleaseActor
     from core import search_attributes as sa
@@ -86,6 +98,10 @@ class AllocationWorkflow:
         self._failure_reason: str | None = None
         self._release_attempts = 0
         self._pending_release: ReleaseRequest | None = None
+        self._release_running = False
+        # An admin detach of a release_failed allocation: accepted, then done (seed 001 §1).
+        self._detach: DetachRequest | None = None
+        self._detached: DetachResult | None = None
 
     # ------------------------------------------------------------------ handlers
 
@@ -108,6 +124,16 @@ class AllocationWorkflow:
     @workflow.update(name=RELEASE_UPDATE)
     async def request_release(self, request: ReleaseRequest) -> ReleaseAccepted:
         prior = self._status or AllocationStatus.REQUESTED
+        if self._detach is not None:
+            # A detach is ending it (released): there is no release left to run.
+            return ReleaseAccepted(
+                self._input.allocation_id, prior, AllocationStatus.RELEASED, False
+            )
+        if prior == AllocationStatus.RELEASING and request.force:
+            # Seed 001 §1: an admin force-release is a new attempt. One that arrives while a
+            # release runs waits for it: if that one ends release_failed, this one runs next.
+            self._pending_release = request
+            return ReleaseAccepted(self._input.allocation_id, prior, prior, True)
         if prior in (AllocationStatus.RELEASING, AllocationStatus.RELEASED):
             return ReleaseAccepted(self._input.allocation_id, prior, prior, False)
         if prior in (AllocationStatus.REQUESTED, AllocationStatus.PROVISIONING):
@@ -126,6 +152,39 @@ class AllocationWorkflow:
                 f"allocation is {self._status or 'rejected'}; there is nothing to release",
                 type=NOT_RELEASABLE,
             )
+
+    @workflow.update(name=DETACH_UPDATE)
+    async def detach(self, request: DetachRequest) -> DetachResult:
+        """Seed 001 §1's "admin removes the assignment" for a release_failed allocation whose
+        node cannot clean up: the lifecycle loop ends it `released` by quarantining what it held.
+        A repeated detach answers the first one's result."""
+        if self._detach is None:
+            self._detach = request
+        await workflow.wait_condition(lambda: self._detached is not None)
+        assert self._detached is not None
+        return self._detached
+
+    @detach.validator
+    def _validate_detach(self, request: DetachRequest) -> None:
+        if self._detach is not None:
+            return  # accepted before: answered with its result
+        idle = self._pending_release is None and not self._release_running
+        if self._status != AllocationStatus.RELEASE_FAILED or not idle:
+            status = self._status or "rejected"
+            if self._status == AllocationStatus.RELEASE_FAILED:
+                status = AllocationStatus.RELEASING  # a retry is queued or running
+            raise ApplicationError(
+                f"allocation is {status}; only a release_failed allocation can be detached",
+                type=NOT_DETACHABLE,
+            )
+
+    @workflow.signal(name=HOST_TASK_PROGRESS_SIGNAL)
+    async def host_task_progress(self, report: HostTaskProgress) -> None:
+        """The node's agent started an attempt of one of this workflow's host tasks, or its
+        phases moved on: recorded for the timeline (seed 002), nothing decided on it."""
+        await workflow.execute_local_activity(
+            RECORD_TASK_PROGRESS, report, start_to_close_timeout=_LOCAL, retry_policy=_DB_RETRY
+        )
 
     @workflow.query(name=STATUS_QUERY)
     def status(self) -> AllocationView:
@@ -154,6 +213,14 @@ class AllocationWorkflow:
             return AllocationResult(input.allocation_id, REJECTED, self._rejection.type)
         reservation = self._reservation = placement.reservation
         self._set_status(AllocationStatus.REQUESTED)
+        # A placement recorded by an older build created the allocation already `provisioning`
+        # (its history then goes on with the host task). Not workflow.patched(): its marker
+        # upserts a search attribute, a visibility write per allocation.
+        requested = placement.allocation_status == AllocationStatus.REQUESTED
+        if requested and not await self._begin_provisioning(input, placement.plan):
+            return AllocationResult(
+                input.allocation_id, AllocationStatus.FAILED, self._failure_reason
+            )
 
         if not await self._provision(input, reservation, placement.plan):
             return AllocationResult(
@@ -161,10 +228,18 @@ class AllocationWorkflow:
             )
 
         while True:
-            await workflow.wait_condition(lambda: self._pending_release is not None)
+            await workflow.wait_condition(
+                lambda: self._pending_release is not None or self._detach is not None
+            )
+            if self._detach is not None:
+                await self._detach_after_release_failed(input, self._detach)
+                return AllocationResult(input.allocation_id, AllocationStatus.RELEASED, DETACHED)
             request, self._pending_release = self._pending_release, None
             assert request is not None
-            if await self._release(input, reservation, request):
+            self._release_running = True
+            released = await self._release(input, reservation, request)
+            self._release_running = False
+            if released:
                 return AllocationResult(input.allocation_id, AllocationStatus.RELEASED)
 
     async def _place(self, input: AllocationInput) -> Placement | None:
@@ -200,6 +275,22 @@ class AllocationWorkflow:
                 )
                 return None
             raise
+
+    async def _begin_provisioning(self, input: AllocationInput, plan: ProvisionPlan) -> bool:
+        """requested → provisioning, or → failed when the reserved node left service meanwhile.
+        A regular activity, not a local one: the POST's workflow task answers with the
+        reservation without waiting for it."""
+        start: ProvisioningStart = await workflow.execute_activity(
+            "allocation.begin_provisioning",
+            BeginProvisioningInput(input.allocation_id, plan.task_id),
+            result_type=ProvisioningStart,
+            start_to_close_timeout=_LOCAL,
+            retry_policy=_DB_RETRY,
+        )
+        if not start.started:
+            self._failure_reason = start.reason
+            self._set_status(AllocationStatus.FAILED)
+        return start.started
 
     async def _provision(
         self, input: AllocationInput, reservation: Reservation, plan: ProvisionPlan
@@ -241,6 +332,7 @@ class AllocationWorkflow:
                     cleanup_proven=cleanup.proven,
                     cleanup_error=cleanup.error,
                     unhealthy_gpus=cleanup.unhealthy_gpus,
+                    phases=phases_of_failure(err),
                 ),
                 start_to_close_timeout=_LOCAL,
                 retry_policy=_DB_RETRY,
@@ -308,6 +400,21 @@ class AllocationWorkflow:
         await self._finish_release(input, plan, result, None, final=True)
         self._set_status(AllocationStatus.RELEASED)
         return True
+
+    async def _detach_after_release_failed(
+        self, input: AllocationInput, request: DetachRequest
+    ) -> None:
+        """release_failed → released without a cleanup the host proved: the activity
+        quarantines the node (bare metal) or the GPU slots (slice) and only then frees the
+        claims; billing stays closed (it stopped at release_failed)."""
+        self._detached = await workflow.execute_local_activity(
+            "allocation.detach",
+            DetachInput(input.allocation_id, request.actor, request.reason),
+            result_type=DetachResult,
+            start_to_close_timeout=_LOCAL,
+            retry_policy=_DB_RETRY,
+        )
+        self._set_status(AllocationStatus.RELEASED)
 
     async def _begin_release_task(
         self, input: AllocationInput, request: ReleaseRequest, transition: bool
@@ -386,14 +493,16 @@ class AllocationWorkflow:
                 error_type=error_type,
                 error_message=message,
                 transition=final,
+                phases=[] if error is None else phases_of_failure(error),
             ),
             start_to_close_timeout=_LOCAL,
             retry_policy=_DB_RETRY,
         )
 
     # Search attributes mirror the allocation in Temporal Web. A workflow is started with the
-    # status placement will give it (STATUS_AT_START), so nothing is upserted while the POST
-    # waits: an upsert is a second visibility write per allocation, on the POST path. NodeId is
+    # status it heads for once placed (STATUS_AT_START: `provisioning`, which follows
+    # `requested` at once), so nothing is upserted while the POST waits or when provisioning
+    # begins: an upsert is a second visibility write per allocation. NodeId is
     # therefore upserted with the next status (active, failed, releasing); until then the node
     # is the task queue (`node-{id}`) of the pending host activity, and the read model has it.
     # Workflows an older gateway started as `requested` upsert `provisioning` with NodeId as
@@ -402,7 +511,7 @@ class AllocationWorkflow:
     def _set_status(self, status: AllocationStatus) -> None:
         self._status = status
         if status == AllocationStatus.REQUESTED:
-            return  # placement answered; the row is already `provisioning`, which comes next
+            return  # placement answered; the attribute already reads `provisioning`, next
         current = workflow.info().typed_search_attributes
         if current.get(sa.ALLOCATION_STATUS) == status.value:
             return

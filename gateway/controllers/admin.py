@@ -23,6 +23,8 @@ from gateway.schemas import (
     AllocationList,
     AuditList,
     AuditView,
+    Detach,
+    DetachResponse,
     ForceRelease,
     ProjectCreate,
     ProjectList,
@@ -344,3 +346,44 @@ class AdminAllocationsController(Controller):
         )
         await db.commit()
         return Response(answer, status_code=202)
+
+    @post(
+        "/{allocation_id:uuid}/detach",
+        status_code=200,
+        summary=(
+            "Detach a release_failed allocation whose node cannot clean up (workflow update "
+            "detach): released, its node or GPU slots quarantined for cleanup; audited"
+        ),
+        responses=errors(400, 403, 404, 409),
+    )
+    async def detach(
+        self,
+        data: JSONBody[Detach],
+        db: NamedDependency[AsyncSession],
+        temporal: NamedDependency[TemporalOps],
+        principal: NamedDependency[Principal],
+        allocation_id: FromPath[uuid.UUID],
+    ) -> DetachResponse:
+        """Seed 001 §1's "admin removes the assignment". Only from release_failed (409
+        allocation_not_detachable otherwise); a repeated detach answers the same."""
+        answer, prior, workflow_id = await allocations.detach(
+            db, temporal, allocation_id=allocation_id, reason=data.reason
+        )
+        audit.record_by(
+            db,
+            principal,
+            action="allocation.detach",
+            target_type="allocation",
+            target_id=str(allocation_id),
+            reason=data.reason,
+            prior_state=prior,
+            expected_state=answer.status,
+            workflow_ids=[workflow_id],
+            details={
+                "quarantined": answer.quarantined,
+                "node_id": str(answer.node_id),
+                "node_status": answer.node_status,
+            },
+        )
+        await db.commit()
+        return answer
