@@ -6,7 +6,8 @@ rotated token is used by the next run), ONE `GET machines/`, the site's bindings
 nodes (1 query), the check that the list can be whole (`judge_list`, below), then a pure
 decision per binding (`decide`), the few MAAS actions (release + power off of retired
 nodes), and batched writes: node status changes as one compare-and-set statement per chunk
-(`UPDATE … FROM jsonb_to_recordset(…) WHERE status = expected RETURNING id`), host updates
+through the one transition function (node_lifecycle.transition_nodes: each node moved only from
+the status it was decided on, with its `node.status_changed` event), host updates
 likewise, drift events as one multi-row INSERT, node_maas_state as one UPDATE, all of a chunk in
 one transaction. Round trips do not grow with the number of machines (except per CHUNK rows).
 
@@ -68,13 +69,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import select, text
+from sqlalchemy import select, text, tuple_
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from temporalio import activity
 
 from activities.maas.client import MaasClient
 from activities.maas.errors import MaasError
 from activities.maas.types import SYNC_GRACE_FACTOR, Machine, MachineStatus, PowerState
+from activities.node_lifecycle import transition_nodes
 from contracts.maas_reconciler import ReconcileInput, ReconcileResult
 from contracts.states import NodeStatus, node_transition_allowed
 from core.secrets import SecretStore
@@ -104,6 +106,7 @@ IN_FLIGHT = frozenset(
     }
 )
 _WATCHED = frozenset({NodeStatus.ACTIVE, NodeStatus.OFFLINE})
+RECONCILER_ACTOR = "maas_reconciler"  # who moved the node, in its node.status_changed events
 
 _RELEASED = frozenset(
     {
@@ -562,17 +565,25 @@ async def _load_bindings(session: AsyncSession, site_id: uuid.UUID) -> list[Bind
 
 
 async def _quarantine(session: AsyncSession, decisions: Sequence[Decision]) -> set[uuid.UUID]:
-    """active|offline → quarantined, compare-and-set, one statement; the ids that moved."""
-    rows = [{"id": str(d.binding.node_id), "expected": d.binding.node_status} for d in decisions]
-    won = await session.scalars(
-        text(
-            "UPDATE nodes n SET status = 'quarantined', updated_at = clock_timestamp()"
-            " FROM jsonb_to_recordset(CAST(:rows AS jsonb)) AS v(id uuid, expected text)"
-            " WHERE n.id = v.id AND n.status = v.expected RETURNING n.id"
-        ),
-        {"rows": json.dumps(rows)},
-    )
-    return set(won)
+    """active|offline → quarantined, each node compare-and-set against the status it was decided
+    on, through the one transition function (each moved node gets its node.status_changed
+    event, whose reason is its rule): one statement per rule; the ids that moved."""
+    by_rule: dict[str, list[tuple[uuid.UUID, str]]] = {}
+    for d in decisions:
+        assert d.rule is not None
+        by_rule.setdefault(d.rule.name, []).append((d.binding.node_id, d.binding.node_status))
+    won: set[uuid.UUID] = set()
+    for rule, expected in sorted(by_rule.items()):
+        moved = await transition_nodes(
+            session,
+            _WATCHED,
+            NodeStatus.QUARANTINED,
+            tuple_(Node.id, Node.status).in_(expected),
+            actor=RECONCILER_ACTOR,
+            reason=f"MAAS drift: {rule}",
+        )
+        won |= {m.node_id for m in moved}
+    return won
 
 
 async def _update_hosts(session: AsyncSession, decisions: Sequence[Decision]) -> set[uuid.UUID]:

@@ -7,6 +7,11 @@ together with a `node.status_changed` domain event in the caller's transaction. 
 updated means the node is not where the caller expected: the caller gets the node's current
 status back and decides (adopt, or fail as state ambiguity); nothing is written.
 
+`transition_nodes` is the same compare-and-set for a set of nodes at once (the liveness sweep,
+the reconciler's quarantines): ONE statement locks the matching rows, moves them and writes one
+`node.status_changed` event per node moved, however many there are; `transition_node` is its
+one-node case.
+
 `transition_path` walks several allowed hops in one transaction, for moves the table only
 allows through an intermediate state, e.g. a failed validation while draining:
 draining → offline ("drain failed", §3.3) → quarantined ("cleanup validation", §3.3).
@@ -18,7 +23,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import func, insert, select, update
+from sqlalchemy import ColumnElement, Text, cast, func, insert, literal, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from contracts.states import NODE_TRANSITIONS, NodeStatus, node_transition_allowed
@@ -36,6 +41,81 @@ class Transition:
     current: NodeStatus | None
 
 
+@dataclass(frozen=True)
+class Moved:
+    """One node `transition_nodes` moved, and the status it left."""
+
+    node_id: uuid.UUID
+    prior: NodeStatus
+
+
+STATUS_CHANGED = "node.status_changed"
+
+
+def _allowed_sources(sources: Iterable[NodeStatus], target: NodeStatus) -> list[NodeStatus]:
+    allowed = [s for s in sources if s != target]
+    for source in allowed:
+        if not node_transition_allowed(source, target):
+            raise TransitionNotAllowed(f"{source.value} -> {target.value} is not a node transition")
+    return allowed
+
+
+async def transition_nodes(
+    session: AsyncSession,
+    sources: Iterable[NodeStatus],
+    target: NodeStatus,
+    where: ColumnElement[bool],
+    *,
+    actor: str,
+    reason: str = "",
+) -> list[Moved]:
+    """Move every node matching `where` that stands in one of `sources` to `target`, in one
+    statement: the rows are locked (a row another transaction moved meanwhile is re-checked and
+    skipped), moved, and each gets its `node.status_changed` event. Each source→target pair must
+    be allowed by NODE_TRANSITIONS. Returns the nodes moved, with the status each left."""
+    allowed = _allowed_sources(sources, target)
+    if not allowed:
+        return []
+    locked = (
+        select(Node.id, Node.status)
+        .where(Node.status.in_([s.value for s in allowed]), where)
+        .with_for_update()
+        .cte("locked")
+    )
+    moved = (
+        update(Node)
+        .where(Node.id == locked.c.id, Node.status == locked.c.status)
+        .values(status=target.value, updated_at=func.clock_timestamp())
+        .returning(Node.id.label("node_id"), locked.c.status.label("prior"))
+        .cte("moved")
+    )
+    payload = func.jsonb_build_object(
+        "from",
+        moved.c.prior,
+        "to",
+        cast(literal(target.value), Text),
+        "actor",
+        cast(literal(actor), Text),
+        "reason",
+        cast(literal(reason[:500]), Text),
+    )
+    events = (
+        insert(DomainEvent)
+        .from_select(
+            ["type", "subject_type", "subject_id", "payload"],
+            select(
+                cast(literal(STATUS_CHANGED), Text),
+                cast(literal("node"), Text),
+                cast(moved.c.node_id, Text),
+                payload,
+            ),
+        )
+        .returning(DomainEvent.subject_id, DomainEvent.payload["from"].astext)
+    )
+    rows = await session.execute(events)
+    return [Moved(uuid.UUID(node_id), NodeStatus(prior)) for node_id, prior in rows]
+
+
 async def transition_node(
     session: AsyncSession,
     node_id: uuid.UUID,
@@ -48,39 +128,14 @@ async def transition_node(
     """Move the node from any of `sources` to `target` (compare-and-set). Each source→target pair
     must be allowed by NODE_TRANSITIONS. Already at `target`: not applied, current == target
     (callers treat that as done: re-entry converges)."""
-    allowed = [s for s in sources if s != target]
-    for source in allowed:
-        if not node_transition_allowed(source, target):
-            raise TransitionNotAllowed(f"{source.value} -> {target.value} is not a node transition")
-    prior = await session.scalar(select(Node.status).where(Node.id == node_id).with_for_update())
-    if prior is None:
-        return Transition(False, None, None)
-    prior_status = NodeStatus(prior)
-    if prior_status not in allowed:
-        return Transition(False, prior_status, prior_status)
-    changed = await session.scalar(
-        update(Node)
-        .where(Node.id == node_id, Node.status == prior_status.value)
-        .values(status=target.value, updated_at=func.clock_timestamp())
-        .returning(Node.id)
+    moved = await transition_nodes(
+        session, sources, target, Node.id == node_id, actor=actor, reason=reason
     )
-    if changed is None:  # lost a race after the lock: cannot happen, but never pretend
-        current = await session.scalar(select(Node.status).where(Node.id == node_id))
-        return Transition(False, prior_status, NodeStatus(current) if current else None)
-    await session.execute(
-        insert(DomainEvent).values(
-            type="node.status_changed",
-            subject_type="node",
-            subject_id=str(node_id),
-            payload={
-                "from": prior_status.value,
-                "to": target.value,
-                "actor": actor,
-                "reason": reason[:500],
-            },
-        )
-    )
-    return Transition(True, prior_status, target)
+    if moved:
+        return Transition(True, moved[0].prior, target)
+    current = await session.scalar(select(Node.status).where(Node.id == node_id))
+    status = NodeStatus(current) if current is not None else None
+    return Transition(False, status, status)
 
 
 async def transition_path(

@@ -39,6 +39,10 @@ ROCE_DELETE = "admin.roce_delete"
 POWER_OVERRIDE_CREATE = "admin.power_override_create"
 POWER_OVERRIDE_UPDATE = "admin.power_override_update"
 POWER_OVERRIDE_DELETE = "admin.power_override_delete"
+# Node lifecycle actions of seed 004 §3.3 (activities/node_admin.py).
+NODE_ACTIVATE = "admin.node_activate"  # quarantined → active, after a health proof
+NODE_RETIRE = "admin.node_retire"  # → draining, with its NodeDrainWorkflow; → retired
+NODE_REACTIVATE = "admin.node_reactivate"  # retired → active, after a health proof
 # Mutations of other requests the gateway answers, run the same way (their types live beside
 # their lifecycle: contracts.enrollment, .lifecycle_submissions, .payment_session).
 ENROLLMENT_ISSUE_TOKEN = "enrollment.issue_token"  # noqa: S105 - an operation name
@@ -59,6 +63,9 @@ OPERATIONS = (
     POWER_OVERRIDE_CREATE,
     POWER_OVERRIDE_UPDATE,
     POWER_OVERRIDE_DELETE,
+    NODE_ACTIVATE,
+    NODE_RETIRE,
+    NODE_REACTIVATE,
     ENROLLMENT_ISSUE_TOKEN,
     ENROLLMENT_REDEEM_TOKEN,
     ONBOARDING_SUBMIT,
@@ -82,6 +89,9 @@ CREDENTIALS_INVALID = "credentials_invalid"
 SECRET_STORE_UNAVAILABLE = "secret_store_unavailable"  # noqa: S105 - an error code
 DATABASE_UNAVAILABLE = "database_unavailable"
 UNKNOWN_OPERATION = "unknown_operation"
+NODE_STATUS_CONFLICT = "node_status_conflict"  # the node is not where the action moves from
+NODE_NOT_PROVEN_HEALTHY = "node_not_proven_healthy"
+NODE_LIFECYCLE_IN_PROGRESS = "node_lifecycle_in_progress"  # an onboarding/decommission owns it
 # Retried by the workflow (bounded); every other type above is a final answer.
 RETRYABLE_ERRORS = (DATABASE_UNAVAILABLE,)
 
@@ -307,3 +317,30 @@ class PowerOverrideState:
     status: str
     created_at: str  # ISO 8601
     updated_at: str  # ISO 8601
+
+
+# --- node lifecycle actions ---------------------------------------------------------------------
+
+
+@dataclass
+class NodeActionInput:
+    actor: Actor  # reason required: every node lifecycle action is audited with it
+    node_id: str
+
+
+@dataclass
+class HealthCheck:
+    """One check of a node's health proof (activities/node_admin.py)."""
+
+    name: str
+    passed: bool
+    detail: str = ""
+
+
+@dataclass
+class NodeActionResult:
+    node_id: str
+    prior_status: str
+    status: str
+    health: list[HealthCheck] = field(default_factory=list)
+    drain_id: str | None = None  # retire: the drain lifecycle that owns `draining`

@@ -23,10 +23,16 @@ ALLOCATION_TRANSITIONS: dict[AllocationStatus, frozenset[AllocationStatus]] = {
     AllocationStatus.RELEASING: frozenset(
         {AllocationStatus.RELEASED, AllocationStatus.RELEASE_FAILED}
     ),
-    AllocationStatus.RELEASE_FAILED: frozenset({AllocationStatus.RELEASING}),
+    # → releasing: a user retry or an admin force-release; → released: an admin detach (seed 001
+    # §1, "removes the assignment"), which quarantines what the node could not clean.
+    AllocationStatus.RELEASE_FAILED: frozenset(
+        {AllocationStatus.RELEASING, AllocationStatus.RELEASED}
+    ),
     AllocationStatus.RELEASED: frozenset(),
     AllocationStatus.FAILED: frozenset(),
 }
+# An allocation that still holds (or may still hold) its node: one with a way on.
+LIVE_ALLOCATION_STATUSES = frozenset(s for s, onward in ALLOCATION_TRANSITIONS.items() if onward)
 
 
 class NodeStatus(StrEnum):

@@ -41,6 +41,7 @@ from gateway.controllers.enrollment import (
 from gateway.controllers.gpu_slots import AdminGpuSlotsController
 from gateway.controllers.health import HealthController
 from gateway.controllers.maas_sites import AdminMaasSitesController
+from gateway.controllers.nodes import AdminNodesController
 from gateway.controllers.notifications import NotificationsController
 from gateway.controllers.onboardings import AdminOnboardingsController
 from gateway.controllers.payments import (
@@ -153,6 +154,7 @@ def create_app(
             AdminNodeEnrollmentController,
             AgentEnrollmentController,
             AdminGpuSlotsController,
+            AdminNodesController,
             BillingController,
             AdminBillingController,
             PaymentsController,

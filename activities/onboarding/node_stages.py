@@ -40,6 +40,7 @@ from activities.enrollment_tokens import issue_enrollment_token
 from activities.maas.client import MaasClient
 from activities.maas.errors import MaasNotAdmin, MaasNotFound
 from activities.maas.types import Machine, MachineStatus
+from activities.node_lifecycle import transition_node
 from activities.onboarding import read_model
 from activities.onboarding.host_access import SshLogin
 from activities.onboarding.maas_stages import (
@@ -82,6 +83,7 @@ from schema.models import (
 
 S = MachineStatus
 CREATED_BY = "onboarding"
+ONBOARDING_ACTOR = "onboarding"  # who moved the node, in its node.status_changed events
 
 
 class NodeStageActivities(StageActivitiesBase):
@@ -230,10 +232,13 @@ class NodeStageActivities(StageActivitiesBase):
                         non_retryable=True,
                     )
                 # §4.6: a duplicate node record is recovered, not duplicated.
-                await session.execute(
-                    update(Node)
-                    .where(Node.id == existing.id)
-                    .values(status=NodeStatus.ENROLLING, updated_at=func.now())
+                await transition_node(
+                    session,
+                    existing.id,
+                    [NodeStatus.BOOTSTRAP_ISSUED],
+                    NodeStatus.ENROLLING,
+                    actor=ONBOARDING_ACTOR,
+                    reason="onboarding recovered the node record",
                 )
                 await self._set_job_node(session, run, existing.id)
                 run.input.onboarding.node_id = str(existing.id)
@@ -671,10 +676,13 @@ class NodeStageActivities(StageActivitiesBase):
                     {"numa_node": numa, "gpus": count} for numa, count in sorted(per_numa.items())
                 ]
             await session.execute(update(Node).where(Node.id == node_id).values(**node_values))
-            await session.execute(
-                update(Node)
-                .where(Node.id == node_id, Node.status == NodeStatus.ENROLLING)
-                .values(status=NodeStatus.ACTIVE, updated_at=func.now())
+            await transition_node(
+                session,
+                node_id,
+                [NodeStatus.ENROLLING],
+                NodeStatus.ACTIVE,
+                actor=ONBOARDING_ACTOR,
+                reason="agent enrolled and reported its inventory",
             )
             binding = {
                 "site_id": uuid.UUID(site.site_id),
@@ -825,10 +833,13 @@ class NodeStageActivities(StageActivitiesBase):
                 )
                 notes.append("node enrollment reset")
             elif node is not None and node.status == NodeStatus.ENROLLING:
-                await session.execute(
-                    update(Node)
-                    .where(Node.id == node_id, Node.status == NodeStatus.ENROLLING)
-                    .values(status=NodeStatus.QUARANTINED, updated_at=func.now())
+                await transition_node(
+                    session,
+                    node_id,
+                    [NodeStatus.ENROLLING],
+                    NodeStatus.QUARANTINED,
+                    actor=ONBOARDING_ACTOR,
+                    reason=f"onboarding {input.compensation or 'compensation'}: OS running",
                 )
                 notes.append("node quarantined (its OS is running; MAAS left alone)")
             await read_model.add_event(
