@@ -151,8 +151,16 @@ STAGES_BY_MODE: dict[Mode, tuple[Stage, ...]] = {
         Stage.CLEANUP_SECRETS,
         Stage.REMOVE_MAAS_RECORD,
     ),
-    # §5.5
-    Mode.STORAGE_CLEANUP: (Stage.CLEANUP_STORAGE, Stage.VALIDATE_CLEAN_NODE),
+    # §5.5, inside the same guard as soft reset: the node takes no new placements while its
+    # scratch is wiped, and the live allocations are released first (force_release_allocations)
+    # or the job stops before cleanup_storage, so a tenant's scratch is never wiped under it.
+    Mode.STORAGE_CLEANUP: (
+        Stage.DISABLE_NODE,
+        Stage.FORCE_RELEASE_ALLOCATIONS,
+        Stage.CLEANUP_STORAGE,
+        Stage.VALIDATE_CLEAN_NODE,
+        Stage.ENABLE_NODE,
+    ),
 }
 
 # Stages whose body is a host task on the node's queue (node-{id}).

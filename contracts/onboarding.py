@@ -49,6 +49,13 @@ from contracts.lifecycle import OperatorRequest as OperatorRequest
 WORKFLOW_NAME = "MaasNodeOnboardWorkflow"
 BATCH_WORKFLOW_NAME = "MaasNodeBatchOnboardWorkflow"
 CHILD_SETTLED_SIGNAL = "child_settled"
+# Per-site concurrency (seed 003 §4.4, open question 5): a run holds one of its site's
+# batch_max_parallel permits while its stages run. A permit not free yet is the acquire
+# activity's retryable SITE_AT_CAPACITY error: the workflow's retry policy is the wait queue.
+ACQUIRE_SITE_SLOT_ACTIVITY = "onboarding.acquire_site_slot"
+RELEASE_SITE_SLOT_ACTIVITY = "onboarding.release_site_slot"
+SITE_AT_CAPACITY = "site_at_capacity"
+SITE_SLOT_PATCH = "onboarding-holds-a-site-slot"
 
 
 def onboarding_workflow_id(onboarding_id: str) -> str:
@@ -299,6 +306,18 @@ class BatchInput:
     nodes: list[BatchNode]
     max_parallel: int = 10
     requested_by: str = ""
+
+
+@dataclass
+class SiteSlotRequest:
+    site_id: str
+    onboarding_id: str
+
+
+@dataclass
+class SiteSlotGrant:
+    in_flight: int  # this run's included
+    limit: int
 
 
 @dataclass

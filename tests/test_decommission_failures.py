@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio.client import Client
 from temporalio.worker import Worker
@@ -22,7 +22,15 @@ from temporalio.worker import Worker
 from contracts.allocation import allocation_workflow_id
 from contracts.host_tasks import BAREMETAL_DEPROVISION_USER, NODE_STORAGE_CLEANUP, HostErrorType
 from contracts.states import SkuShape
-from schema.models import Allocation, DomainEvent, Node, NodeDriftEvent, NodeMaasState, NodeTask
+from schema.models import (
+    Allocation,
+    DomainEvent,
+    Node,
+    NodeDecommission,
+    NodeDriftEvent,
+    NodeMaasState,
+    NodeTask,
+)
 from tests.decommission_fixtures import DecommissionRig
 from tests.factories import BAREMETAL_SKU, create_node, create_sku
 from tests.histories import record_history
@@ -527,3 +535,86 @@ async def test_an_agent_without_the_maintenance_tasks_is_agent_capability_missin
     assert row.recommended_action == "resume"
     drains = [t.status for t in await _tasks(decommission, node_id, "node.drain")]
     assert drains == ["failed"]
+
+
+# --------------------------------------------------------------------------- storage-only cleanup
+
+
+async def test_storage_cleanup_with_force_releases_allocations_before_wiping(
+    decommission: DecommissionRig, tenant: Tenant, api: Any, make_token: Any
+) -> None:
+    """Seed 003 §5.5 inside soft reset's guard: the node is disabled (draining, so nothing new
+    is placed on it) and its live allocation released through its own workflow before the
+    tenant scratch is wiped; the node is back in service afterwards."""
+    node_id, allocation_id = await _allocate_baremetal(decommission, tenant)
+    (agent,) = [a for a in decommission.agents if a.node_id == node_id]
+    gate = threading.Event()
+    agent.maintenance.hang["storage_cleanup"] = gate
+    admin = await api(token=await make_token("admin"))
+    created = await admin.post(
+        f"/api/v1/admin/nodes/{node_id}/storage-cleanup",
+        json={"scope": "local", "force_release_allocations": True, "reason": "tenant turnover"},
+    )
+    assert created.status_code == 201, created.text
+    job = decommission.track(created.json()["decommission_id"], node_id, "storage_cleanup")
+
+    await decommission.wait_stage(job, "cleanup_storage")
+
+    async def wiping() -> int | None:
+        return agent.maintenance.calls.get("storage_cleanup")
+
+    await eventually(wiping)
+    # The wipe has begun: the node takes no placements, and no allocation is live on it.
+    assert await _node_status(decommission, node_id) == "draining"
+    async with decommission.sessions() as session:
+        allocation = await session.get(Allocation, uuid.UUID(allocation_id))
+    assert allocation is not None
+    assert (allocation.status, allocation.release_requested_by) == ("released", "admin")
+    gate.set()
+    await decommission.wait_status(job, "completed")
+    await record_history(decommission.handle(job), "decommission", "storage_cleanup_forced")
+    stages = [e.stage for e in await decommission.events(job) if e.status == "succeeded"]
+    assert stages[0] == "disable_node"
+    assert stages.index("force_release_allocations") < stages.index("cleanup_storage")
+    assert stages[-1] == "enable_node"
+    assert not (agent.root / "scratch/tenant-job").exists()
+    assert await _node_status(decommission, node_id) == "active"
+
+
+async def test_storage_cleanup_never_wipes_scratch_under_a_live_allocation(
+    decommission: DecommissionRig, tenant: Tenant, api: Any, make_token: Any
+) -> None:
+    """Without force_release_allocations: the API refuses (409 node_has_allocations) and writes
+    nothing; a job that finds an allocation on the node once it is disabled (one placed after
+    the API's check) stops before cleanup_storage, with the scratch and the allocation intact."""
+    node_id, allocation_id = await _allocate_baremetal(decommission, tenant)
+    (agent,) = [a for a in decommission.agents if a.node_id == node_id]
+    admin = await api(token=await make_token("admin"))
+    refused = await admin.post(
+        f"/api/v1/admin/nodes/{node_id}/storage-cleanup",
+        json={"scope": "local", "reason": "tenant turnover"},
+    )
+    assert refused.status_code == 409, refused.text
+    assert refused.json()["error"]["code"] == "node_has_allocations"
+    async with decommission.sessions() as session:
+        rows = await session.scalar(
+            select(func.count())
+            .select_from(NodeDecommission)
+            .where(NodeDecommission.node_id == uuid.UUID(node_id))
+        )
+    assert rows == 0
+
+    job = await decommission.start(node_id, "storage_cleanup", storage_cleanup="local")
+    row = await decommission.wait_status(job, "failed_manual_intervention")
+    await record_history(decommission.handle(job), "decommission", "storage_cleanup_refused")
+    assert (row.current_stage, row.error_code) == (
+        "force_release_allocations",
+        "allocations_attached",
+    )
+    assert "storage_cleanup" not in agent.maintenance.calls
+    assert (agent.root / "scratch/tenant-job").exists()
+    async with decommission.sessions() as session:
+        allocation = await session.get(Allocation, uuid.UUID(allocation_id))
+    assert allocation is not None
+    assert allocation.status == "active"
+    assert await _node_status(decommission, node_id) == "draining"

@@ -110,9 +110,21 @@ async def test_soft_reset_cleans_the_node_and_returns_it_to_service(
         "node.decommission.started",
         "node.decommission.completed",
     ]
-    # The node went draining -> retired -> active through the transition table.
-    transitions = await _domain_events(decommission, node_id)
-    assert transitions == ["node.status_changed"] * 3
+    # The node went draining -> offline -> active through the transition table: a soft reset
+    # stops the drain short of retirement and never passes through `retired`.
+    async with decommission.sessions() as session:
+        moves = [
+            (p["from"], p["to"])
+            for p in await session.scalars(
+                select(DomainEvent.payload)
+                .where(
+                    DomainEvent.subject_id == node_id,
+                    DomainEvent.type == "node.status_changed",
+                )
+                .order_by(DomainEvent.id)
+            )
+        ]
+    assert moves == [("active", "draining"), ("draining", "offline"), ("offline", "active")]
     result = await decommission.handle(job).result()
     assert result.status == "completed"
     assert result.node_status == "active"
@@ -247,21 +259,25 @@ async def test_reimage_keeps_the_node_identity(decommission: DecommissionRig) ->
     assert nodes == 1
 
 
-async def test_storage_cleanup_mode_cleans_and_validates_only(
+async def test_storage_cleanup_mode_disables_cleans_validates_and_enables(
     decommission: DecommissionRig,
 ) -> None:
     node_id = await decommission.plain_node()
     agent = await decommission.agent(node_id)
     job = await decommission.start(node_id, "storage_cleanup", storage_cleanup="local")
     await decommission.wait_status(job, "completed")
-    await record_history(decommission.handle(job), "decommission", "storage_cleanup")
+    await record_history(decommission.handle(job), "decommission", "storage_cleanup_guarded")
     assert _done_stages(await decommission.events(job)) == [
+        "disable_node",
+        "force_release_allocations",  # skipped: nothing live on the node
         "cleanup_storage",
         "validate_clean_node",
+        "enable_node",
     ]
     assert not (agent.root / "scratch/tenant-job").exists()
+    assert "drain" not in agent.maintenance.calls  # the OS and the agent are left as they are
     node = await _node(decommission, node_id)
-    assert node.status == "active"  # never taken out of service
+    assert node.status == "active"  # back in service
 
 
 @pytest.mark.maas_scenario(MACHINES)

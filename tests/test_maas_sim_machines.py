@@ -4,6 +4,7 @@ allocation, power operations and power parameters."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httpx
@@ -300,3 +301,51 @@ async def test_power_off_answers_null_when_maas_cannot_control_power(maas_sim: M
         assert created.json()["status_name"] == "New"
         off = await maas.post(f"machines/{created.json()['system_id']}/?op=power_off")
         assert (off.status_code, off.json()) == (200, None)
+
+
+def _nat_machine() -> dict[str, Any]:
+    machine = sim_machine("c07u47", "10.176.16.47", enlisted=False)
+    machine["bmc"]["detected_address"] = "10.176.99.47"
+    return machine
+
+
+@pytest.mark.maas_scenario(sim_scenario(_nat_machine()))
+async def test_enlistment_matches_records_by_the_detected_bmc_address(maas_sim: MaasSim) -> None:
+    """A BMC whose detection reports another address than the one operators use: the IPMI-only
+    record made with the operator's address is not the one the machine enlists into; another
+    New machine (petname, detected address) appears, and only `status=new`/filters find it
+    without reading the whole list (counted apart as machines.read_unfiltered)."""
+    async with maas_sim.client() as maas:
+        created = await maas.post(
+            "machines/",
+            data={"hostname": "c07u47", "power_type": "ipmi",
+                  "power_parameters_power_address": "10.176.16.47"},
+        )  # fmt: skip
+        assert created.status_code == 200, created.text
+        ours = created.json()["system_id"]
+        assert await maas_sim.power_cycle_bmc("10.176.16.47") == "enlisting"
+        await maas_sim.reset_counters()
+        enlisted: list[dict[str, Any]] = []
+        for _ in range(200):
+            new = (await maas.get("machines/", params={"status": "new"})).json()
+            enlisted = [m for m in new if m["system_id"] != ours]
+            if enlisted:
+                break
+            await asyncio.sleep(0.02)
+        (other,) = enlisted
+        assert other["hostname"] != "c07u47"  # a petname
+        assert other["interface_set"]
+        params = await maas.get(
+            f"machines/{other['system_id']}/", params={"op": "power_parameters"}
+        )
+        assert params.json()["power_address"] == "10.176.99.47"
+        assert (await maas.get(f"machines/{ours}/")).json()["interface_set"] == []
+        # Our record still holds the hostname: renaming the enlisted one collides.
+        renamed = await maas.put(f"machines/{other['system_id']}/", data={"hostname": "c07u47"})
+        assert renamed.status_code == 400
+        assert renamed.json() == {"hostname": ["Node with this Hostname already exists."]}
+        counters = await maas_sim.counters()
+        assert counters["ops"].get("machines.read_unfiltered", 0) == 0
+        await maas.get("machines/")
+        counters = await maas_sim.counters()
+        assert counters["ops"]["machines.read_unfiltered"] == 1

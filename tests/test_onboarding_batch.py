@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import func, select
 
-from schema.models import Node
+from schema.models import Node, OnboardingSiteSlot
 from tests.histories import record_history
 from tests.maas_fixtures import sim_machine, sim_scenario
 from tests.onboarding_fixtures import OnboardingRig
@@ -133,3 +133,50 @@ async def test_batch_of_twenty_with_mixed_faults(onboarding: OnboardingRig) -> N
     # Per-node history stays in the read model under the batch (seed 003 §4.4).
     for job in jobs:
         assert str((await onboarding.row(job)).batch_id) == batch_id
+
+
+SITE_WIDE = [(f"sw-{i}", f"10.176.19.{10 + i}") for i in range(5)]
+
+
+def _max_overlap(intervals: list[tuple[Any, Any]]) -> int:
+    """The most intervals open at one instant (an end before a start at the same instant)."""
+    edges = sorted([(start, 1) for start, _ in intervals] + [(end, -1) for _, end in intervals])
+    open_now = most = 0
+    for _, step in edges:
+        open_now += step
+        most = max(most, open_now)
+    return most
+
+
+@pytest.mark.maas_scenario(sim_scenario(*(sim_machine(h, ip) for h, ip in SITE_WIDE)))
+async def test_batch_max_parallel_bounds_every_onboarding_on_the_site(
+    onboarding: OnboardingRig,
+) -> None:
+    """Seed 003 §4.4 / open question 5: the site's batch_max_parallel bounds the onboardings
+    whose stages run on it, across two batches and a single onboarding started together (each
+    batch alone would allow 2). Read from the stage events: from each job's first stage after
+    load_site_config to its last event, never more than 2 at once; all of them finish."""
+    await onboarding.set_policy(batch_max_parallel=2)
+    _, first, first_handle = await onboarding.start_batch(SITE_WIDE[:2], max_parallel=2)
+    _, second, second_handle = await onboarding.start_batch(SITE_WIDE[2:4], max_parallel=2)
+    single = await onboarding.start(*SITE_WIDE[4])
+
+    summaries = [await first_handle.result(), await second_handle.result()]
+    assert [s.succeeded for s in summaries] == [2, 2]
+    await onboarding.wait_status(single, "completed", timeout=120)
+    await record_history(
+        onboarding.client.get_workflow_handle(single.workflow_id), "onboarding", "site_slot"
+    )
+
+    intervals = []
+    for job in [*first, *second, single]:
+        row = await onboarding.row(job)
+        assert row.status == "completed", (job.hostname, row.error_code, row.error_message)
+        times = [
+            e.occurred_at for e in await onboarding.events(job) if e.stage != "load_site_config"
+        ]
+        intervals.append((min(times), max(times)))
+    assert _max_overlap(intervals) == 2
+    async with onboarding.sessions() as session:
+        held = await session.scalar(select(func.count()).select_from(OnboardingSiteSlot))
+    assert held == 0  # every permit given back

@@ -15,8 +15,9 @@ from contracts.maas_reconciler import ReconcileInput
 from core.secret_paths import site_api_token_path
 from schema.models import DomainEvent, Node, NodeDriftEvent, NodeMaasState
 from tests.histories import record_history
+from tests.lifecycle_support import eventually
 from tests.maas_fixtures import sim_machine, sim_scenario
-from tests.onboarding_fixtures import DEPLOY_PASSWORD, OnboardingRig
+from tests.onboarding_fixtures import DEPLOY_PASSWORD, TEST_POLICY, OnboardingRig
 from workflows.maas_reconciler import MaasSiteReconcilerWorkflow
 
 HAPPY = sim_scenario(
@@ -203,3 +204,86 @@ async def test_an_onboarded_node_has_its_deployed_address_and_no_drift_on_first_
     node = await _node(onboarding, job.node_id)
     assert node is not None
     assert node.host_address == machine["ip_addresses"][0]
+
+
+def _behind_nat(hostname: str, address: str, detected: str) -> dict[str, Any]:
+    """A dark machine whose BMC detection reports another address than operators reach it at:
+    when it PXE-boots, MAAS cannot match it to a record made with `address` and enlists it as
+    another New machine with a petname (seed 003 §4.16 "a machine that appears")."""
+    machine = sim_machine(hostname, address, enlisted=False)
+    machine["bmc"]["detected_address"] = detected
+    return machine
+
+
+DISCOVERY = sim_scenario(
+    _behind_nat("onb-nat", "10.176.16.44", "10.176.99.44"),
+    _behind_nat("onb-early", "10.176.16.45", "10.176.99.45"),
+)
+
+
+async def _create_or_find(rig: OnboardingRig, job: Any) -> Any:
+    (event,) = [
+        e
+        for e in await rig.events(job)
+        if e.stage == "create_or_find_in_maas" and e.status == "succeeded"
+    ]
+    return event
+
+
+async def _maas_hostnames(rig: OnboardingRig) -> list[str]:
+    return sorted(m["hostname"] for m in (await rig.maas_sim.state())["machines"])
+
+
+@pytest.mark.maas_scenario(DISCOVERY)
+async def test_discovery_claims_the_machine_that_appears_without_a_hostname_collision(
+    onboarding: OnboardingRig,
+) -> None:
+    """Our IPMI-only record stays unusable; the machine enlists as another New record. It is
+    claimed, and our record (which holds the hostname) is deleted, so commissioning can name
+    the claimed machine. Discovery polls with MAAS filters, never the whole machine list."""
+    await onboarding.maas_sim.reset_counters()
+    job = await onboarding.start("onb-nat", "10.176.16.44")
+    row = await onboarding.wait_status(job, "completed")
+    event = await _create_or_find(onboarding, job)
+    assert event.details["how"] == "discovery"
+    placeholder = event.details["placeholder_deleted"]
+    assert placeholder != row.maas_system_id
+    machine = await onboarding.maas_sim.machine(row.maas_system_id)
+    assert machine["hostname"] == "onb-nat"
+    assert await _maas_hostnames(onboarding) == ["onb-nat"]  # one record, no placeholder
+    counters = await onboarding.maas_sim.counters()
+    assert counters["ops"].get("machines.create", 0) == 1
+    assert counters["ops"].get("machines.read", 0) >= 2  # the polls, each filtered
+    assert counters["ops"].get("machines.read_unfiltered", 0) == 0
+
+
+@pytest.mark.maas_scenario(DISCOVERY)
+async def test_auto_claim_takes_the_sole_new_machine_at_once(onboarding: OnboardingRig) -> None:
+    """The site opted in (auto_claim_single_new_machine) and the machine had enlisted before,
+    under a BMC address we do not know: it is claimed at once (not after the discovery timeout),
+    without creating a record of ours that it would collide with on hostname."""
+    sim = onboarding.maas_sim
+    assert await sim.power_cycle_bmc("10.176.16.45") == "enlisting"
+    async with sim.client() as maas:
+
+        async def enlisted() -> list[Any] | None:
+            found = (await maas.get("machines/", params={"status": "new"})).json()
+            return found or None
+
+        (early,) = await eventually(enlisted)
+    assert early["hostname"] != "onb-early"  # a petname
+    await onboarding.set_policy(auto_claim_single_new_machine=True)
+    await sim.reset_counters()
+
+    job = await onboarding.start("onb-early", "10.176.16.45")
+    row = await onboarding.wait_status(job, "completed")
+    assert row.maas_system_id == early["system_id"]
+    event = await _create_or_find(onboarding, job)
+    assert event.details["how"] == "auto_claim"
+    started = min(e.occurred_at for e in await onboarding.events(job))
+    discovery_timeout = TEST_POLICY["discovery_timeout_seconds"]
+    assert (event.occurred_at - started).total_seconds() < discovery_timeout / 2
+    assert await _maas_hostnames(onboarding) == ["onb-early"]
+    counters = await sim.counters()
+    assert counters["ops"].get("machines.create", 0) == 0
+    assert counters["ops"].get("machines.read_unfiltered", 0) == 0

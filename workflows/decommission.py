@@ -122,6 +122,10 @@ STOP_BEFORE_NEXT_HOST_TASK_PATCH = "operator-interrupt-stops-before-the-next-hos
 # before adopting, MAAS that cannot be seen refuses the adopt instead of counting as "machine
 # gone", and node and erase state are checked as well. Runs that adopted before go on as they did.
 ADOPT_ONLY_OBSERVED_PATCH = "adopt-only-what-was-observed"
+# Storage-only cleanup disables the node and releases (or refuses over) its live allocations
+# before wiping scratch, and enables it after. Runs started before go on with their two stages.
+STORAGE_CLEANUP_GUARD_PATCH = "storage-cleanup-disables-the-node"
+LEGACY_STORAGE_CLEANUP_STAGES = (Stage.CLEANUP_STORAGE, Stage.VALIDATE_CLEAN_NODE)
 
 
 @workflow.defn(name=WORKFLOW_NAME)
@@ -136,10 +140,13 @@ class NodeDecommissionWorkflow(OperatorControlledJob[Stage, OperatorAction, Deco
         self._task: NodeTaskRef | None = None
         self._skip_uninstall = False
         self._agent_drained = False
+        self._legacy_storage_cleanup = False
 
     @property
     def _stages(self) -> tuple[Stage, ...]:
         assert self._input is not None
+        if self._legacy_storage_cleanup:
+            return LEGACY_STORAGE_CLEANUP_STAGES
         return STAGES_BY_MODE[Mode(self._input.mode)]
 
     # ------------------------------------------------------------------ run
@@ -147,6 +154,9 @@ class NodeDecommissionWorkflow(OperatorControlledJob[Stage, OperatorAction, Deco
     @workflow.run
     async def run(self, input: DecommissionInput) -> DecommissionResult:
         self._input = input
+        self._legacy_storage_cleanup = Mode(
+            input.mode
+        ) == Mode.STORAGE_CLEANUP and not workflow.patched(STORAGE_CLEANUP_GUARD_PATCH)
         self._stage = self._stages[0]
         await self._set_status(
             JobStatus.RUNNING,
@@ -203,7 +213,8 @@ class NodeDecommissionWorkflow(OperatorControlledJob[Stage, OperatorAction, Deco
         if start is None:
             return
         assert self._input is not None
-        if Mode(self._input.mode) == Mode.STORAGE_CLEANUP and self._state.hostname is None:
+        # The guarded storage cleanup loads the node in disable_node, like the other modes.
+        if self._legacy_storage_cleanup and self._state.hostname is None:
             result = await self._call("decommission.load_node", self._stage_input(), QUICK)
             self._state = result.state
         for stage in stages[stages.index(start) :]:
@@ -644,7 +655,7 @@ class NodeDecommissionWorkflow(OperatorControlledJob[Stage, OperatorAction, Deco
         assert self._input is not None
         if (
             failed == Stage.VALIDATE_CLEAN_NODE
-            and Mode(self._input.mode) == Mode.STORAGE_CLEANUP
+            and self._legacy_storage_cleanup  # (else enable_node is the next stage)
             and self._state.quarantined
         ):
             await self._cp_stage(Stage.ENABLE_NODE)

@@ -22,6 +22,12 @@ Enrollment gets one token refresh before it fails.
 
 A child of a batch signals its parent once, the first time it settles (completed, a failed
 state, or cancelled), so the batch can move on while a failed node waits for an operator.
+
+Per-site concurrency (§4.4, open question 5): after load_site_config a run takes one of its
+site's batch_max_parallel permits (activities/onboarding/site_slots.py) before its next stage,
+waiting in the acquire activity's retries while the site is full, and gives it back whenever
+the run stops: completed, failed (waiting for an operator holds no permit), frozen or
+cancelled. An operator action that runs stages again takes a permit again.
 """
 
 from __future__ import annotations
@@ -37,9 +43,12 @@ from temporalio.exceptions import ActivityError
 with workflow.unsafe.imports_passed_through():
     from contracts.lifecycle import STOP_BEFORE_NEXT_STAGE_PATCH
     from contracts.onboarding import (
+        ACQUIRE_SITE_SLOT_ACTIVITY,
         CHILD_SETTLED_SIGNAL,
         DEPLOY_STAGES,
         POST_DEPLOY_STAGES,
+        RELEASE_SITE_SLOT_ACTIVITY,
+        SITE_SLOT_PATCH,
         STAGE_ORDER,
         WORKFLOW_NAME,
         ChildSettled,
@@ -52,6 +61,7 @@ with workflow.unsafe.imports_passed_through():
         Progress,
         ProgressRecord,
         SiteConfig,
+        SiteSlotRequest,
         Stage,
         StageInput,
         StageResult,
@@ -92,6 +102,7 @@ class MaasNodeOnboardWorkflow(OperatorControlledJob[Stage, OperatorAction, Onboa
         self._site: SiteConfig | None = None
         self._state = OnboardState()
         self._parent_told = False
+        self._holds_site_slot = False
 
     # ------------------------------------------------------------------ run
 
@@ -134,6 +145,7 @@ class MaasNodeOnboardWorkflow(OperatorControlledJob[Stage, OperatorAction, Onboa
             return await self._interrupted()
         finally:
             self._stage_task = None
+            await self._release_site_slot()
         if self._interrupt is not None:
             return await self._interrupted()
         final = JobStatus.RECONCILED if self._adopted else JobStatus.COMPLETED
@@ -149,6 +161,8 @@ class MaasNodeOnboardWorkflow(OperatorControlledJob[Stage, OperatorAction, Onboa
         for stage in order[order.index(Stage.WAIT_FOR_DEPLOYED if in_group else start) :]:
             if stage == Stage.DEPLOY_VIA_MAAS:
                 continue
+            if stage != Stage.LOAD_SITE_CONFIG:
+                await self._hold_site_slot(stage)
             if stage == Stage.WAIT_FOR_DEPLOYED:
                 await self._deploy_group(start if in_group else Stage.DEPLOY_VIA_MAAS)
             elif stage == Stage.WAIT_FOR_AGENT_ENROLLMENT:
@@ -252,6 +266,44 @@ class MaasNodeOnboardWorkflow(OperatorControlledJob[Stage, OperatorAction, Onboa
         if isinstance(node_id, str) and node_id != self._input.node_id:
             self._input.node_id = node_id  # a recovered duplicate node record (§4.6)
         return result
+
+    async def _hold_site_slot(self, stage: Stage) -> None:
+        """Take one of the site's permits before `stage` (a no-op while held). The acquire
+        activity answers SITE_AT_CAPACITY until one is free; its retries are the queue, at
+        the site's poll interval, for as long as it takes (an operator cancel stops it)."""
+        if self._holds_site_slot or not workflow.patched(SITE_SLOT_PATCH):
+            return
+        assert self._input is not None
+        poll_s = self._site.policy.maas_poll_interval_ms / 1000.0 if self._site else 10.0
+        interval = timedelta(seconds=min(max(poll_s, 0.2), 10.0))
+        try:
+            await workflow.execute_activity(
+                ACQUIRE_SITE_SLOT_ACTIVITY,
+                SiteSlotRequest(self._input.site_id, self._input.onboarding_id),
+                start_to_close_timeout=timedelta(seconds=30),
+                retry_policy=RetryPolicy(
+                    initial_interval=interval,
+                    backoff_coefficient=1.0,
+                    maximum_interval=interval,
+                    maximum_attempts=0,
+                    non_retryable_error_types=["site_policy_missing"],
+                ),
+            )
+        except ActivityError as err:
+            raise stage_failure_from(stage, err) from None
+        self._holds_site_slot = True
+
+    async def _release_site_slot(self) -> None:
+        if not self._holds_site_slot:
+            return
+        assert self._input is not None
+        await workflow.execute_activity(
+            RELEASE_SITE_SLOT_ACTIVITY,
+            SiteSlotRequest(self._input.site_id, self._input.onboarding_id),
+            start_to_close_timeout=timedelta(seconds=30),
+            retry_policy=RetryPolicy(maximum_interval=timedelta(seconds=30)),
+        )
+        self._holds_site_slot = False
 
     def _wait_seconds(self, stage: Stage) -> int:
         return self._site.policy.stage_wait_seconds(stage) if self._site else 0

@@ -1,5 +1,8 @@
 """MaasNodeBatchOnboardWorkflow `onboarding-batch-{id}` (seed 003 §4.4): one
-MaasNodeOnboardWorkflow child per node, at most `max_parallel` in flight.
+MaasNodeOnboardWorkflow child per node, at most `max_parallel` in flight. Across batches and
+single onboardings the site's batch_max_parallel is enforced by the children themselves (each
+holds a site permit while its stages run, workflows/onboarding.py), so several batches started
+together never exceed it.
 
 A child is in flight until it *settles* (its first completed / failed_* / cancelled state, told
 by signal): a failed node then waits for an operator without holding a slot, so one node's

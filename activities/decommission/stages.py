@@ -353,7 +353,8 @@ class DecommissionActivities:
 
     @activity.defn(name="decommission.load_node")
     async def load_node(self, input: StageInput) -> StageResult:
-        """What storage_cleanup (which does not disable the node) needs to know about it."""
+        """What a storage_cleanup started before it disabled the node (the legacy two-stage
+        run, workflows/decommission.py LEGACY_STORAGE_CLEANUP_STAGES) needs to know about it."""
         run = Run(input=input, stage=Stage.CLEANUP_STORAGE)
         await self._load_node(run)
         return StageResult(state=run.state, message="node loaded")
@@ -386,9 +387,11 @@ class DecommissionActivities:
 
     @activity.defn(name="decommission.enable_node")
     async def enable_node(self, input: StageInput) -> StageResult:
-        """§5.2/§5.3 EnableNode: back to `active`, through the table's own path: draining →
-        retired ("drain lifecycle completes") → active ("reactivate, same identity"); a node an
-        operator released from quarantine (adopt after validation) goes quarantined → active."""
+        """§5.2/§5.3 EnableNode: back to `active`, through the table's own path without ever
+        passing `retired` (a soft reset or reimage retires nothing): draining → offline (the
+        drain stops short of retirement, seed 004 §3.3) → active (the node was just validated
+        clean: proven healthy); a node an operator released from quarantine (adopt after
+        validation) goes quarantined → active."""
         async with self.stage(input, Stage.ENABLE_NODE) as run:
             async with self.deps.sessions() as session, session.begin():
                 current = await session.scalar(select(Node.status).where(Node.id == run.node_id))
@@ -405,7 +408,7 @@ class DecommissionActivities:
                     moved = await transition_path(
                         session,
                         run.node_id,
-                        [NodeStatus.DRAINING, NodeStatus.RETIRED, NodeStatus.ACTIVE],
+                        [NodeStatus.DRAINING, NodeStatus.OFFLINE, NodeStatus.ACTIVE],
                         actor=ACTOR,
                         reason=input.decommission.reason,
                     )

@@ -45,6 +45,7 @@ from activities.maas.types import (
     MaasUser,
     MaasVersion,
     Machine,
+    MachineStatus,
     MachineToken,
     PowerState,
     RackController,
@@ -212,13 +213,16 @@ class MaasClient:
         hostnames: Sequence[str] = (),
         system_ids: Sequence[str] = (),
         mac_addresses: Sequence[str] = (),
+        statuses: Sequence[MachineStatus] = (),
     ) -> list[Machine]:
-        """Machines, filtered by MAAS when filters are given. The same exact match is applied
-        here as well, so a MAAS that ignores a filter cannot widen the answer."""
+        """Machines, filtered by MAAS when filters are given (ReadNodesForm; a status by its
+        short label, e.g. `status=new`). The same exact match is applied here as well, so a
+        MAAS that ignores a filter cannot widen the answer."""
         query = [
             *(("hostname", h) for h in hostnames),
             *(("id", s) for s in system_ids),
             *(("mac_address", m) for m in mac_addresses),
+            *(("status", s.name.lower()) for s in statuses),
         ]
         machines = self._many(
             "machines", Machine.from_json, await self._get("machines/", query=query)
@@ -230,6 +234,7 @@ class MaasClient:
             if (not hostnames or m.hostname in hostnames)
             and (not system_ids or m.system_id in system_ids)
             and (not macs or any(i.mac_address.lower() in macs for i in m.interfaces))
+            and (not statuses or m.status in statuses)
         ]
 
     async def get_machine(self, system_id: str) -> Machine:

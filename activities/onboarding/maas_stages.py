@@ -126,11 +126,12 @@ class MaasStageActivities(StageActivitiesBase):
                 if found is not None and _usable(found):
                     run.done(observe(_with_system(input, found), found), f"found by {how}", how=how)
                 else:
-                    machine = await self._discover(run, maas, found)
+                    machine, how, details = await self._discover(run, maas, found)
                     run.done(
                         observe(_with_system(input, machine), machine),
-                        "claimed after PXE discovery",
-                        how="discovery",
+                        f"claimed by {how}",
+                        how=how,
+                        **details,
                     )
         assert run.result is not None
         return run.result
@@ -158,11 +159,19 @@ class MaasStageActivities(StageActivitiesBase):
                 return by_mac[0], "pxe_mac"
         return None, "none"
 
-    async def _discover(self, run: StageRun, maas: MaasClient, record: Machine | None) -> Machine:
+    async def _discover(
+        self, run: StageRun, maas: MaasClient, record: Machine | None
+    ) -> tuple[Machine, str, dict[str, Any]]:
+        """(machine, how it was claimed, details). Every poll asks MAAS for our own record and
+        for New machines only (`status=new`, and `mac_address=` when the PXE MAC is known),
+        never for the whole inventory."""
         site, ob = run.site, run.input.onboarding
-        known = await maas.list_machines()
-        before = {m.system_id for m in known}
-        preexisting_new = [m for m in known if m.status == S.NEW and _usable(m)]
+        auto_claim = site.policy.auto_claim_single_new_machine
+        new_before = await self._new_machines(maas, exclude=record)
+        if record is None and auto_claim and len(new_before) == 1:
+            # The site opted in and the sole New machine is already there: claim it now,
+            # without an IPMI record of ours that it would then collide with on hostname.
+            return new_before[0], "auto_claim", {}
         login, _ = await self._bmc_login(run)
         if record is None:
             record = await maas.create_machine(
@@ -172,50 +181,70 @@ class MaasStageActivities(StageActivitiesBase):
                 ),
             )
         if _usable(record):
-            return record
+            return record, "discovery", {}
         await self.deps.host_access.bmc.power_cycle(login)
-        created = record.system_id
+        placeholder = record.system_id
+        before = {m.system_id for m in new_before}
+        seen_new: list[Machine] = []
 
-        async def check() -> Machine | None:
-            ours = await maas.get_machine(created)
+        async def check() -> tuple[Machine, str] | None:
+            ours = await maas.get_machine(placeholder)
             if _usable(ours):
-                return ours
-            appeared = [
-                m
-                for m in await maas.list_machines()
-                if m.system_id not in before and m.system_id != created and _usable(m)
-            ]
-            if len(appeared) == 1:
-                return appeared[0]
+                return ours, "discovery"
+            if ob.pxe_mac:
+                by_mac = await maas.list_machines(mac_addresses=[ob.pxe_mac])
+                if len(by_mac) == 1:
+                    return by_mac[0], "pxe_mac"
+            seen_new[:] = await self._new_machines(maas, exclude=ours)
+            appeared = [m for m in seen_new if m.system_id not in before]
             if len(appeared) > 1:
                 raise _ambiguity(
                     "discovery_ambiguous",
                     f"{len(appeared)} machines appeared during discovery",
                     candidates=sorted(m.system_id for m in appeared),
                 )
+            if appeared:
+                return appeared[0], "discovery"
+            if auto_claim and len(seen_new) == 1:
+                return seen_new[0], "auto_claim"
             return None
 
-        machine = await poll_until(
+        found = await poll_until(
             site,
             site.policy.discovery_timeout_seconds,
             check,
-            progress=lambda: {"stage": "discovery", "system_id": created},
+            progress=lambda: {"stage": "discovery", "system_id": placeholder},
         )
-        if machine is not None:
-            return machine
-        if site.policy.auto_claim_single_new_machine and len(preexisting_new) == 1:
-            return preexisting_new[0]
-        if len(preexisting_new) > 1 and site.policy.auto_claim_single_new_machine:
+        if found is not None:
+            machine, how = found
+            if machine.system_id == placeholder:
+                return machine, how, {}
+            # Another record is the machine: ours, still IPMI-only, would keep the hostname
+            # commission_node gives the claimed one (MAAS refuses a duplicate hostname) and
+            # a second record at this BMC.
+            deleted = await _delete_placeholder(maas, placeholder)
+            return machine, how, {"placeholder_deleted": placeholder} if deleted else {}
+        if len(seen_new) > 1 and auto_claim:
             raise _ambiguity(
                 "discovery_ambiguous",
                 "several New machines and none matched this node",
-                candidates=sorted(m.system_id for m in preexisting_new),
+                candidates=sorted(m.system_id for m in seen_new),
             )
         raise timeout_error(
             "discovery",
             f"no machine PXE-booted into MAAS from BMC {ob.ipmi_ip} in time",
-            system_id=created,
+            system_id=placeholder,
         )
+
+    @staticmethod
+    async def _new_machines(maas: MaasClient, *, exclude: Machine | None) -> list[Machine]:
+        """The New machines MAAS could commission, other than `exclude` (our own record)."""
+        skip = exclude.system_id if exclude is not None else None
+        return [
+            m
+            for m in await maas.list_machines(statuses=[S.NEW])
+            if m.system_id != skip and _usable(m)
+        ]
 
     # ------------------------------------------------------------------ commissioning
 
@@ -658,6 +687,19 @@ def deployed_host(machine: Machine, ssh_iface: str, current: str | None) -> str 
         if link.ip_address and str(link.ip_address) in ips:
             return str(link.ip_address)
     return ips[0]
+
+
+async def _delete_placeholder(maas: MaasClient, system_id: str) -> bool:
+    """Delete the IPMI-only record discovery made (or found) for this node, once another
+    record turned out to be the machine; only while it is still New without interfaces."""
+    try:
+        current = await maas.get_machine(system_id)
+    except MaasNotFound:
+        return False
+    if current.status != S.NEW or current.interfaces:
+        return False
+    await maas.delete_machine(system_id)
+    return True
 
 
 def _usable(machine: Machine) -> bool:

@@ -95,10 +95,12 @@ class AdminDecommissionsController(Controller):
     @post(
         "/nodes/{node_id:uuid}/storage-cleanup",
         status_code=201,
-        summary="Storage-only cleanup between tenants (seed 003 §5.5): cleanup_storage + "
-        "validate_clean_node",
-        description="Body {scope: local|weka|all, reason}; an unknown scope is 422 "
-        "invalid_storage_scope." + _START_NOTES,
+        summary="Storage-only cleanup between tenants (seed 003 §5.5): disable_node, "
+        "force_release_allocations, cleanup_storage, validate_clean_node, enable_node",
+        description="Body {scope: local|weka|all, force_release_allocations, reason}; an "
+        "unknown scope is 422 invalid_storage_scope. The node takes no new placements while it "
+        "runs; live allocations are released through their workflows with "
+        "force_release_allocations, else the request is 409 node_has_allocations." + _START_NOTES,
         responses=errors(400, 403, 404, 409, 410, 413, 422),
     )
     async def storage_cleanup(

@@ -34,6 +34,14 @@ def _json(ctx: Ctx, machine: Machine) -> dict[str, Any]:
 # --- machines/ ---
 
 
+# ReadNodesForm's filters (src/maasserver/forms/__init__.py); any other key is ignored.
+LIST_FILTERS = ("id", "hostname", "mac_address", "status", "agent_name", "zone", "pool", "arch")
+
+
+def is_filtered(params: Params) -> bool:
+    return any(params.getlist(key) for key in LIST_FILTERS)
+
+
 def list_machines(ctx: Ctx) -> list[dict[str, Any]]:
     """GET machines/ with ReadNodesForm filters: id, hostname, mac_address, status, agent_name,
     zone, pool, arch (each may repeat)."""

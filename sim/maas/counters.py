@@ -3,7 +3,9 @@
 Every request that reaches a MAAS API resource is counted when it arrives, whatever its answer
 (refusals, injected 5xx and auth failures included), under "<resource>.<op>": "machine.deploy",
 "machines.read", "machine.read", "interface.link_subnet", "events.query" (an operation without
-`op` is read/create/update/delete by its method). Unknown URLs count as "unknown"."""
+`op` is read/create/update/delete by its method). Unknown URLs count as "unknown". A machines
+list read without any of MAAS's filters (hostname=, mac_address=, status=, id=, ...) is also
+counted as "machines.read_unfiltered": the whole inventory, which a poll should not fetch."""
 
 from __future__ import annotations
 

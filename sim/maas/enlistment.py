@@ -28,21 +28,16 @@ def power_cycle_bmc(region: Region, hardware: Hardware) -> str:
 
 def enlist(region: Region, hardware: Hardware) -> Machine:
     """AnonMachinesHandler.create from the enlistment environment: an existing New machine with
-    the same power address is completed, else a New machine with a petname is created; BMC
-    detection leaves a `maas` IPMI user behind."""
+    the power address BMC detection reports is completed, else a New machine with a petname is
+    created; BMC detection leaves a `maas` IPMI user behind."""
+    detected = hardware.spec.bmc.enlists_as
     existing = next(
-        (
-            m
-            for m in region.machines_at_bmc(hardware.bmc_address)
-            if m.status in (S.NEW, S.COMMISSIONING)
-        ),
+        (m for m in region.machines_at_bmc(detected) if m.status in (S.NEW, S.COMMISSIONING)),
         None,
     )
     machine = existing or new_machine(region, region.petname(), S.NEW)
     if existing is None:
-        machine.power_parameters = ipmi_parameters(
-            hardware.bmc_address, "maas", region.token_string(12)
-        )
+        machine.power_parameters = ipmi_parameters(detected, "maas", region.token_string(12))
     link_hardware(region, machine)
     discover_hardware(region, machine)
     for iface in machine.interfaces:

@@ -24,7 +24,7 @@ def link_hardware(region: Region, machine: Machine) -> None:
     """Machines with power_type ipmi are the physical machine whose BMC has that address."""
     address = machine.power_address
     machine.hardware = (
-        region.hardware.get(address) if address and machine.power_type == "ipmi" else None
+        region.hardware_at(address) if address and machine.power_type == "ipmi" else None
     )
 
 

@@ -193,6 +193,16 @@ class Region:
         short = hostname.split(".")[0]
         return next((m for m in self.machines.values() if m.hostname == short), None)
 
+    def hardware_at(self, address: str) -> Hardware | None:
+        """The physical machine whose BMC answers at `address` (or reports it at enlistment)."""
+        found = self.hardware.get(address)
+        if found is None:
+            found = next(
+                (h for h in self.hardware.values() if h.spec.bmc.detected_address == address),
+                None,
+            )
+        return found
+
     def machines_at_bmc(self, address: str) -> list[Machine]:
         return [m for m in self.machines.values() if m.power_address == address]
 

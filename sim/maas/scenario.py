@@ -38,6 +38,8 @@
     memory = 1048576                  # MiB
     boot_disk = "sda"                 # optional: the disk layouts go on (default: first disk)
     bmc = { address = "10.176.16.128", user = "root", password = "calvin" }
+    # detected_address = "10.176.99.128": what BMC detection reports at enlistment when it is
+    # not the address operators reach the BMC at (NAT, a second BMC port); default: address
     interfaces = [
       { name = "eno8303", mac = "b0:7b:25:00:00:01", subnet = "pxe", pxe = true },
       { name = "ens1f0np0", mac = "b0:7b:25:00:01:01", fabric = "roce", vid = 0 },
@@ -247,6 +249,14 @@ class BmcSpec:
     address: str
     user: str = "root"
     password: str = "calvin"  # noqa: S105 - the simulated BMC's factory default
+    # The address enlistment's BMC detection reports (None: `address`). When it differs, real
+    # MAAS cannot match the enlisting machine to a New record made with `address`, and the
+    # machine enlists as another New machine with a petname.
+    detected_address: str | None = None
+
+    @property
+    def enlists_as(self) -> str:
+        return self.detected_address or self.address
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> BmcSpec:
@@ -364,7 +374,11 @@ class Scenario:
             raise ScenarioError("time_scale must be positive")
         _unique("subnet name", [s.name for s in self.subnets])
         _unique("machine hostname", [m.hostname for m in self.machines])
-        _unique("BMC address", [m.bmc.address for m in self.machines])
+        _unique(
+            "BMC address",
+            [m.bmc.address for m in self.machines]
+            + [m.bmc.detected_address for m in self.machines if m.bmc.detected_address],
+        )
         _unique("MAC address", [i.mac for m in self.machines for i in m.interfaces])
         subnet_refs = {s.name for s in self.subnets} | {s.cidr for s in self.subnets}
         for machine in self.machines:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl
 
-from sim.maas import control, routes
+from sim.maas import api_machines, control, routes
 from sim.maas.auth import Authenticator, RequestFacts
 from sim.maas.build import build_region
 from sim.maas.context import Ctx
@@ -122,6 +122,8 @@ class MaasApp:
         op_name = f"{resource.name}.{op or routes.DEFAULT_OP_NAMES.get(method, method.lower())}"
         system_id = found.args.get("system_id")
         sim.counters.request(op_name, system_id)
+        if op_name == "machines.read" and not api_machines.is_filtered(request.params):
+            sim.counters.request("machines.read_unfiltered", None)
         if method not in resource.methods:
             return self._answer(
                 op_name, Response(405, b"", TEXT, {"Allow": ", ".join(sorted(resource.methods))})
