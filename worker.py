@@ -26,11 +26,15 @@ from activities.decommission.stages import DecommissionActivities, DecommissionD
 from activities.enrollment_tokens import EnrollmentActivities
 from activities.lifecycle_submissions import LifecycleSubmissionActivities
 from activities.maas_reconcile import MaasReconcileActivities
+from activities.node_admin import NodeAdminActivities
+from activities.node_drain import NodeDrainActivities
 from activities.node_liveness import NodeLivenessActivities
 from activities.node_presence import NodePresenceActivities
+from activities.node_task_log import NodeTaskLogActivities
 from activities.onboarding.host_access import HostAccess
 from activities.onboarding.maas_stages import MaasStageActivities
 from activities.onboarding.node_stages import NodeStageActivities
+from activities.onboarding.site_slots import SiteSlotActivities
 from activities.onboarding.stage_runtime import OnboardingDeps
 from activities.payments.activities import PaymentActivities
 from activities.payments.schedule import ensure_stripe_reconciliation_schedule
@@ -52,6 +56,7 @@ from workflows.billing_meter import SCHEDULE_ID as BILLING_SCHEDULE_ID
 from workflows.billing_meter import BillingMeterWorkflow
 from workflows.decommission import NodeDecommissionWorkflow
 from workflows.maas_reconciler import MaasSiteReconcilerWorkflow
+from workflows.node_drain import NodeDrainWorkflow
 from workflows.node_liveness import SCHEDULE_ID as LIVENESS_SCHEDULE_ID
 from workflows.node_liveness import NodeLivenessWorkflow
 from workflows.node_presence import NodePresenceWorkflow
@@ -72,6 +77,7 @@ WORKFLOWS = [
     MaasNodeBatchOnboardWorkflow,
     NodeDecommissionWorkflow,
     AdminOperationWorkflow,
+    NodeDrainWorkflow,
 ]
 
 # Workflow modules stay sandboxed; every other module (our contracts, the SDK, the standard
@@ -114,6 +120,7 @@ def operation_activities(
         *LifecycleSubmissionActivities(sessions, client).activities(),
         *StripeWebhookActivities(sessions, client).activities(),
         *NotificationWebhookActivities(sessions, secret_store).activities(),
+        *NodeAdminActivities(sessions, client).activities(),
     ]
 
 
@@ -134,6 +141,7 @@ def worker_config(
     presence = NodePresenceActivities(sessions)
     maas_reconcile = MaasReconcileActivities(sessions, secret_store)
     liveness = NodeLivenessActivities(sessions)
+    drain = NodeDrainActivities(sessions)
     billing = BillingActivities(sessions, client)
     host_access = dependencies.get("host_access")
     if host_access is None:
@@ -149,6 +157,7 @@ def worker_config(
     )
     maas_stages = MaasStageActivities(onboarding_deps)
     node_stages = NodeStageActivities(onboarding_deps)
+    site_slots = SiteSlotActivities(sessions)
     decommission = DecommissionActivities(
         DecommissionDeps(sessions, secret_store, host_access, settings.public_api_url, client)
     )
@@ -161,13 +170,18 @@ def worker_config(
         workflow_runner=WORKFLOW_RUNNER,
         activities=[
             allocations.place,
+            allocations.begin_provisioning,
             allocations.activate,
             allocations.fail_provisioning,
             allocations.begin_release,
             allocations.finish_release,
+            allocations.detach,
+            NodeTaskLogActivities(sessions).record_progress,
             presence.record_heartbeat,
             maas_reconcile.reconcile,
             liveness.check_liveness,
+            drain.drain_check,
+            drain.drain_finish,
             billing.meter,
             billing.force_release,
             NotificationActivities(sessions, secret_store, NotificationSettings.from_env()).deliver,
@@ -178,6 +192,8 @@ def worker_config(
             payments.expire,
             payments.reconciliation_scan,
             node_stages.load_site_config,
+            site_slots.acquire,
+            site_slots.release,
             maas_stages.resolve_power_credentials,
             maas_stages.create_or_find_in_maas,
             maas_stages.commission_node,

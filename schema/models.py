@@ -25,6 +25,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY, INET, INT4RANGE, JSONB, UUID
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from contracts.node_drain import DrainStatus
 from contracts.states import (
     AllocationStatus,
     ClaimKind,
@@ -183,7 +184,19 @@ class Node(Base):
     updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=NOW)
     __table_args__ = (
         CheckConstraint(_check_in("status", NodeStatus), name="nodes_status"),
-        Index("nodes_placement", "region", "sku", "status"),
+        # In placement's ranking order, with the NUMA-fit counter checked on its entries
+        # (migration 0017, activities/placement_sql.py).
+        Index(
+            "nodes_placement",
+            "region",
+            "sku",
+            "status",
+            "free_gpus",
+            "id",
+            "free_gpus_one_numa",
+        ),
+        Index("nodes_numa_fit", "region", "sku", "status", "free_gpus_one_numa"),
+        Index("nodes_inventory_order", "created_at", "id"),  # the admin inventory's pages
         Index(
             "nodes_hostname_live",
             "hostname",
@@ -249,9 +262,15 @@ class Allocation(Base):
     released_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
     release_failed_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
     failed_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    # Set when an admin detached it from release_failed (it is then `released`, its node or GPU
+    # slots quarantined for cleanup; seed 001 §1).
+    detached_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
     updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=CLOCK)
     __table_args__ = (
         CheckConstraint(_check_in("status", AllocationStatus), name="allocations_status"),
+        CheckConstraint(
+            "detached_at IS NULL OR status = 'released'", name="allocations_detached_released"
+        ),
         CheckConstraint(_check_in("shape", SkuShape), name="allocations_shape"),
         UniqueConstraint("project_id", "idempotency_key", name="allocations_idempotency"),
         Index("allocations_project_created", "project_id", "created_at", "id"),
@@ -368,9 +387,13 @@ class NodeTaskEvent(Base):
     message: Mapped[str | None] = mapped_column(Text)
     details: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
     occurred_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    # The host activity's attempt that went through the phase (0: recorded before attempts were).
+    attempt: Mapped[int] = mapped_column(Integer, server_default=text("0"))
     __table_args__ = (
         Index("node_task_events_task", "node_task_id", "occurred_at"),
-        UniqueConstraint("node_task_id", "phase", "status", name="node_task_events_once"),
+        UniqueConstraint(
+            "node_task_id", "attempt", "phase", "status", name="node_task_events_once"
+        ),
     )
 
 
@@ -890,6 +913,21 @@ class NodeOnboardingEvent(Base):
     )
 
 
+class OnboardingSiteSlot(Base):
+    """A permit to run onboarding stages on a site (seed 003 §4.4, open question 5): at most the
+    site policy's batch_max_parallel rows per site, across every batch and single onboarding.
+    Taken by the job's workflow before its first stage after load_site_config, given back when
+    the run stops (settles, fails, is cancelled)."""
+
+    __tablename__ = "onboarding_site_slots"
+    onboarding_id: Mapped[uuid.UUID] = mapped_column(
+        ForeignKey("node_onboardings.onboarding_id", ondelete="CASCADE"), primary_key=True
+    )
+    site_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("maas_sites.id", ondelete="CASCADE"))
+    acquired_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=CLOCK)
+    __table_args__ = (Index("onboarding_site_slots_site", "site_id"),)
+
+
 class DomainEvent(Base):
     """Append-only domain events (node.onboarding.*, node.decommission.*), written in the same
     transaction as the state change they announce."""
@@ -904,6 +942,34 @@ class DomainEvent(Base):
     __table_args__ = (
         Index("domain_events_subject", "subject_type", "subject_id", "occurred_at"),
         Index("domain_events_type", "type", "occurred_at"),
+    )
+
+
+class NodeDrain(Base):
+    """The drain lifecycle's read model (NodeDrainWorkflow, contracts/node_drain.py): a node
+    retired without being removed. At most one running drain per node."""
+
+    __tablename__ = "node_drains"
+    drain_id: Mapped[uuid.UUID] = mapped_column(UUID, primary_key=True)
+    node_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("nodes.id"))
+    status: Mapped[str] = mapped_column(String(32))
+    reason: Mapped[str] = mapped_column(Text)
+    requested_by: Mapped[str | None] = mapped_column(Text)
+    workflow_id: Mapped[str] = mapped_column(Text)
+    # Allocations still on the node at the drain's last look.
+    live_allocations: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    requested_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=NOW)
+    completed_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=NOW)
+    __table_args__ = (
+        CheckConstraint(_check_in("status", DrainStatus), name="node_drains_status"),
+        Index(
+            "node_drains_running_node",
+            "node_id",
+            unique=True,
+            postgresql_where=text("status = 'running'"),
+        ),
+        Index("node_drains_node", "node_id", "requested_at"),
     )
 
 
