@@ -1,11 +1,14 @@
-"""Tools the stack builds once from Go modules (the temporal CLI, stripe-mock): found on PATH, or
-in the cached tools folder, or built there with `go install`."""
+"""Tools the stack builds once from Go modules (the temporal CLI, stripe-mock, the Temporal
+server and its SQL tool): found on PATH, or in the cached tools folder, or built there with
+`go install`."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 TOOLS_DIR = Path(
@@ -13,17 +16,34 @@ TOOLS_DIR = Path(
 )
 
 
-def go_tool_path(name: str, module: str, *, build: bool = True) -> Path:
-    on_path = shutil.which(name)
-    if on_path:
-        return Path(on_path)
+def go_tool_path(name: str, module: str, *, build: bool = True, on_path: bool = True) -> Path:
+    """`name` from PATH (unless `on_path` is false: a generic or versioned name), else the cached
+    build, else `go install module` into the cache under that name (whatever the module's own
+    binary is called: the Temporal server's is `server`)."""
+    found = shutil.which(name) if on_path else None
+    if found:
+        return Path(found)
     cached = TOOLS_DIR / name
     if cached.exists():
         return cached
     if not build:
         raise RuntimeError(f"{name} not found; run bin/bootstrap")
     TOOLS_DIR.mkdir(parents=True, exist_ok=True)
-    subprocess.run(
-        ["go", "install", module], check=True, env={**os.environ, "GOBIN": str(TOOLS_DIR)}
-    )
+    with tempfile.TemporaryDirectory(dir=TOOLS_DIR, prefix=f".build-{name}-") as gobin:
+        subprocess.run(["go", "install", module], check=True, env={**os.environ, "GOBIN": gobin})
+        (built,) = Path(gobin).iterdir()
+        built.replace(cached)
     return cached
+
+
+def go_module_dir(module_at_version: str) -> Path:
+    """Where a module's source lies in Go's module cache (downloaded if it is not there): the
+    Temporal server's SQL schemas and sample configurations ship in its module."""
+    result = subprocess.run(
+        ["go", "mod", "download", "-json", module_at_version],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=tempfile.gettempdir(),  # outside any go.mod: the module is named with its version
+    )
+    return Path(json.loads(result.stdout)["Dir"])

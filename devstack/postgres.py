@@ -239,7 +239,9 @@ class PostgresCluster:
         )
         return result.stdout
 
-    def create_database(self, name: str, *, recreate: bool = False) -> None:
+    def create_database(
+        self, name: str, *, recreate: bool = False, owner: str | None = None
+    ) -> None:
         if recreate:
             self.psql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         # Database names come from our own code, never from a request.
@@ -247,7 +249,7 @@ class PostgresCluster:
         if not exists.strip():
             # Owned by the application's role: it creates its schema and extensions there
             # (btree_gist is a trusted extension) without being a superuser.
-            self.psql(f'CREATE DATABASE "{name}" OWNER "{self.user}"')
+            self.psql(f'CREATE DATABASE "{name}" OWNER "{owner or self.user}"')
 
 
 @contextlib.contextmanager

@@ -64,6 +64,7 @@ from devstack.postgres import LegacyClusterError, PostgresCluster
 from devstack.processes import Child, port_in_use, python_entry, tail
 from devstack.stripe_mock import stripe_mock_argv
 from devstack.temporal import DEV_SERVER_ENV, dev_server_extra_args, temporal_cli_path
+from devstack.temporal_cluster import TemporalCluster
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DATABASE = "gpucloud"
@@ -102,6 +103,9 @@ class StackOptions:
     stripe_port: int = 12111  # stripe-mock's HTTP port; its HTTPS listener takes the next one
     hosts: str = "simulated"  # sim.fleet --hosts: "simulated" | "libvirt-test"
     worker_metrics_port: int = 9464  # the worker's Temporal SDK metrics, for Prometheus
+    # "dev": `temporal server start-dev` on SQLite (with Temporal Web); "cluster": the Temporal
+    # server on the stack's PostgreSQL (devstack/temporal_cluster.py).
+    temporal: str = "dev"
 
     @property
     def worker_metrics_address(self) -> str:
@@ -528,6 +532,24 @@ class Stack:
         upgrade(url)
         return url
 
+    async def _start_temporal_cluster(self) -> Child:
+        """The Temporal server on the stack's PostgreSQL: schema set up or upgraded, then the
+        server, then the namespace and search attributes (devstack/temporal_cluster.py)."""
+        assert self.cluster is not None
+        cluster = TemporalCluster(
+            self.cluster, self.o.state_dir / "temporal-cluster", self.o.temporal_port,
+            namespace=self.o.namespace,
+        )  # fmt: skip
+        argv = await asyncio.to_thread(cluster.prepare)
+        temporal = Child("temporal", argv, self.o.logs_dir / "temporal.log", dict(os.environ),
+                         cluster.root)  # fmt: skip
+        self.children.append(temporal)
+        await temporal.start()
+        _say(f"  temporal   cluster on PostgreSQL starting (pid {temporal.pid}), "
+             f"log {temporal.log_path}")  # fmt: skip
+        await asyncio.to_thread(cluster.register)
+        return temporal
+
     async def _connect_temporal(self) -> bool:
         if self.client is None:
             self.client = await Client.connect(
@@ -544,7 +566,8 @@ class Stack:
         o.logs_dir.mkdir(parents=True, exist_ok=True)
         self._preflight()
 
-        # Temporal first: it takes a few seconds, PostgreSQL and the migrations run meanwhile.
+        # The dev server first: it takes a few seconds, PostgreSQL and the migrations run
+        # meanwhile. A cluster needs PostgreSQL first (below).
         temporal_argv = [
             str(temporal_cli_path(build=False)),
             "server",
@@ -558,9 +581,10 @@ class Stack:
         ]  # fmt: skip
         temporal = Child("temporal", temporal_argv, o.logs_dir / "temporal.log",
                          {**os.environ, **DEV_SERVER_ENV}, REPO_ROOT)  # fmt: skip
-        self.children.append(temporal)
-        await temporal.start()
-        _say(f"  temporal   starting (pid {temporal.pid}), log {temporal.log_path}")
+        if o.temporal == "dev":
+            self.children.append(temporal)
+            await temporal.start()
+            _say(f"  temporal   starting (pid {temporal.pid}), log {temporal.log_path}")
         vault_argv = [sys.executable, "-m", "sim.vault", "--host", "127.0.0.1",
                       "--port", str(o.vault_port), "--root-token-file", str(o.vault_token_file),
                       "--data-file", str(o.vault_data_file)]  # fmt: skip
@@ -600,16 +624,20 @@ class Stack:
         tokens = await seed(database_url, o.tokens_file)
         _say("  demo data  catalog, fleet, project 'demo' and tokens in place")
 
+        if o.temporal == "cluster":
+            temporal = await self._start_temporal_cluster()
         await self._wait_for("Temporal", self._connect_temporal, temporal)
-        await self._wait_for("Temporal Web", lambda: _http_ok(o.ui_url.replace("localhost",
-                             "127.0.0.1")), temporal, limit_s=30)  # fmt: skip
+        if o.temporal == "dev":
+            await self._wait_for("Temporal Web", lambda: _http_ok(o.ui_url.replace("localhost",
+                                 "127.0.0.1")), temporal, limit_s=30)  # fmt: skip
         _say(f"  temporal   ready on {o.temporal_address} ({time.monotonic() - t0:.1f}s)")
-        temporal_db = o.state_dir / "temporal.db"
-        dropped = await asyncio.to_thread(drop_unused_visibility_indexes, temporal_db)
-        if dropped:
-            _say(f"  temporal   dropped {dropped} visibility indexes nothing queries")
-        if await asyncio.to_thread(guard_full_text_triggers, temporal_db):
-            _say("  temporal   full-text visibility triggers now write only what changed")
+        if o.temporal == "dev":
+            temporal_db = o.state_dir / "temporal.db"
+            dropped = await asyncio.to_thread(drop_unused_visibility_indexes, temporal_db)
+            if dropped:
+                _say(f"  temporal   dropped {dropped} visibility indexes nothing queries")
+            if await asyncio.to_thread(guard_full_text_triggers, temporal_db):
+                _say("  temporal   full-text visibility triggers now write only what changed")
         # Before the worker and the gateway: they read secrets from it at call time.
         await self._wait_for("Vault", lambda: _http_ok(f"{o.vault_addr}/v1/sys/health"), vault,
                              limit_s=30)  # fmt: skip
@@ -736,6 +764,11 @@ def _shown(path: Path) -> str:
 def print_summary(o: StackOptions, tokens: dict[str, str], stack: Stack) -> None:
     api = o.gateway_url
     logs = [c.log_path.name for c in stack.children] + ["postgres.log"]
+    if o.temporal == "cluster":
+        temporal_kind = "Temporal server on PostgreSQL"
+        temporal_web = "not started with --temporal cluster (use the temporal CLI)"
+    else:
+        temporal_kind, temporal_web = "dev server on SQLite", o.ui_url
     cluster = PostgresCluster(pg_datadir(o.state_dir), o.pg_port)
     pg_password_file = _shown(cluster.password_file)
     pg_url = f"postgresql://gpucloud@127.0.0.1:{o.pg_port}/{DATABASE}"
@@ -755,8 +788,8 @@ def print_summary(o: StackOptions, tokens: dict[str, str], stack: Stack) -> None
 ================================================================================
  gpucloud embedded stack is up ({agents}, phase delay {o.phase_delay:g}s)
 
- Temporal Web       {o.ui_url}
- Temporal gRPC      {o.temporal_address}  (namespace {o.namespace})
+ Temporal Web       {temporal_web}
+ Temporal gRPC      {o.temporal_address}  (namespace {o.namespace}; {temporal_kind})
  Gateway            {api}
  OpenAPI docs       {api}/schema/swagger
  Worker metrics     http://{o.worker_metrics_address}/metrics  (Temporal SDK, Prometheus)
@@ -891,10 +924,18 @@ def parse_args(argv: list[str] | None = None) -> StackOptions:
         help="the fleet's hosts: simulated, or real backends on libvirt's test driver "
         "(default: %(default)s)",
     )
+    add(
+        "--temporal",
+        choices=("dev", "cluster"),
+        default=env.get("GPUCLOUD_STACK_TEMPORAL") or "dev",
+        help="dev: the Temporal dev server on SQLite, with Temporal Web; cluster: the Temporal "
+        "server on the stack's PostgreSQL, as production runs it (default: %(default)s)",
+    )
     args = parser.parse_args(argv)  # fmt: skip
     return StackOptions(
         state_dir=args.state_dir.resolve(),
         pg_port=args.pg_port,
+        temporal=args.temporal,
         temporal_port=args.temporal_port,
         ui_port=args.ui_port,
         gateway_host=args.gateway_host,

@@ -25,6 +25,7 @@ from core.temporal import data_converter
 from devstack.postgres import PostgresCluster, throwaway_cluster
 from devstack.processes import free_port
 from devstack.temporal import dev_server_extra_args, temporal_cli_path
+from devstack.temporal_cluster import running_cluster
 from schema.db import create_engine, session_factory
 from schema.migrate import upgrade
 from schema.models import Base
@@ -79,8 +80,26 @@ async def clean_db(db_engine: AsyncEngine) -> None:
         await conn.execute(text(f"TRUNCATE {tables} CASCADE"))
 
 
+# GPUCLOUD_TEST_TEMPORAL=cluster runs the session against a Temporal server on PostgreSQL (the
+# production persistence, devstack/temporal_cluster.py) instead of the dev server; bin/test's
+# cluster tier sets it for the lifecycle suites.
+TEST_TEMPORAL = os.environ.get("GPUCLOUD_TEST_TEMPORAL", "dev")
+
+
 @pytest.fixture(scope="session")
-async def temporal_env() -> AsyncIterator[WorkflowEnvironment]:
+async def temporal_env(request: pytest.FixtureRequest) -> AsyncIterator[WorkflowEnvironment]:
+    if TEST_TEMPORAL == "cluster":
+        pg: PostgresCluster = request.getfixturevalue("pg_cluster")
+        root = pg.datadir.parent / "temporal"
+        root.mkdir(exist_ok=True)
+        with running_cluster(pg, root, free_port()) as cluster:
+            client = await Client.connect(
+                cluster.address,
+                namespace=cluster.namespace,
+                data_converter=data_converter(TEST_CODEC_KEY),
+            )
+            yield WorkflowEnvironment.from_client(client)
+        return
     env = await WorkflowEnvironment.start_local(
         namespace="default",
         data_converter=data_converter(TEST_CODEC_KEY),

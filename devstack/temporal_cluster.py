@@ -1,0 +1,353 @@
+"""A Temporal server on PostgreSQL, as a production cluster runs it, on this machine.
+
+The dev server (`temporal server start-dev`, SQLite) stays the default; this is the other mode:
+the server binary and `temporal-sql-tool` built once from the server's Go module, its two
+databases (`temporal`, `temporal_visibility`) on the stack's PostgreSQL, owned by a role of its
+own that is no superuser and logs in with a password; the schema set up and upgraded to the
+module's latest version by the SQL tool; the namespace and our search attributes (SQL visibility)
+registered through the CLI. Everything a production deployment would set is in
+`server_config` and `DYNAMIC_CONFIG`, one place, and docker-compose.temporal.yml is checked
+against them (tests/test_temporal_cluster.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import secrets
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from core.search_attributes import ALL as SEARCH_ATTRIBUTES
+from devstack.go_tools import TOOLS_DIR, go_module_dir, go_tool_path
+from devstack.postgres import PostgresCluster
+from devstack.processes import port_in_use
+from devstack.temporal import temporal_cli_path
+
+TEMPORAL_SERVER_MODULE = "go.temporal.io/server"
+TEMPORAL_SERVER_VERSION = "v1.29.1"
+DATABASES = ("temporal", "temporal_visibility")
+ROLE = "temporal"
+# Postgres 12+ plugin of the SQL persistence (the schema folder has the same name).
+SQL_PLUGIN = "postgres12"
+# History shards are fixed for a cluster's life. Four is the development default; a production
+# cluster sizes them for its peak (about one per 10-20 workflow updates/s; 512 is common).
+DEFAULT_HISTORY_SHARDS = 4
+ENV_NAME = "gpucloud"
+
+# Dynamic config: what our workflows need (update-with-start = ExecuteMultiOperation, updates)
+# and the tuning measured for this workload (bench/README.md, "Temporal on PostgreSQL").
+DYNAMIC_CONFIG: dict[str, Any] = {
+    "frontend.enableExecuteMultiOperation": True,
+    "frontend.enableUpdateWorkflowExecution": True,
+    # One partition per task queue: each node queue has one poller (its agent) and the control
+    # plane's queue has one worker per process; more partitions only spread sync matches thin.
+    "matching.numTaskqueueReadPartitions": 1,
+    "matching.numTaskqueueWritePartitions": 1,
+}
+
+
+@dataclass(frozen=True)
+class ServerTools:
+    server: Path
+    sql_tool: Path
+    schema_root: Path  # schema/postgresql/v12 of the server's module
+
+    def schema_dir(self, database: str) -> Path:
+        """The versioned schema folder of one of the two databases."""
+        kind = "visibility" if database.endswith("visibility") else "temporal"
+        return self.schema_root / kind / "versioned"
+
+
+def server_tools(*, build: bool = True) -> ServerTools:
+    """The Temporal server, `temporal-sql-tool` and the server's PostgreSQL schemas, built and
+    copied once into the tools cache (so that running them needs no Go)."""
+    at = f"@{TEMPORAL_SERVER_VERSION}"
+    server = go_tool_path(
+        f"temporal-server-{TEMPORAL_SERVER_VERSION}",
+        f"{TEMPORAL_SERVER_MODULE}/cmd/server{at}",
+        build=build,
+        on_path=False,
+    )
+    sql_tool = go_tool_path(
+        f"temporal-sql-tool-{TEMPORAL_SERVER_VERSION}",
+        f"{TEMPORAL_SERVER_MODULE}/cmd/tools/sql{at}",
+        build=build,
+        on_path=False,
+    )
+    schema_root = TOOLS_DIR / f"temporal-schema-{TEMPORAL_SERVER_VERSION}"
+    if not schema_root.exists():
+        if not build:
+            raise RuntimeError(f"{schema_root.name} not found; run bin/bootstrap")
+        module = go_module_dir(f"{TEMPORAL_SERVER_MODULE}{at}")
+        staging = schema_root.with_name(schema_root.name + ".tmp")
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.copytree(module / "schema" / "postgresql" / "v12", staging)
+        staging.replace(schema_root)
+    return ServerTools(server, sql_tool, schema_root)
+
+
+@dataclass
+class Ports:
+    frontend: int
+    frontend_http: int
+    frontend_membership: int
+    history: int
+    history_membership: int
+    matching: int
+    matching_membership: int
+    worker: int
+    worker_membership: int
+
+    @classmethod
+    def around(cls, frontend: int) -> Ports:
+        """The frontend where asked; every other service on a free port (nothing dials them
+        but the cluster itself, which finds them through its membership table). Below 32768:
+        the membership table keeps ports in a smallint, and the kernel's ephemeral range (where
+        a port the kernel picks lands) starts above it."""
+        taken: set[int] = {frontend}
+        picked: list[int] = []
+        while len(picked) < 8:
+            port = random.randrange(20000, 32000)  # a port, not a secret
+            if port not in taken and not port_in_use("127.0.0.1", port):
+                taken.add(port)
+                picked.append(port)
+        return cls(frontend, *picked)
+
+
+def server_config(
+    pg: PostgresCluster, password: str, ports: Ports, *, shards: int, dynamic_config: Path
+) -> dict[str, Any]:
+    """The server's static configuration (JSON is YAML)."""
+
+    def datastore(database: str, max_conns: int) -> dict[str, Any]:
+        return {
+            "sql": {
+                "pluginName": SQL_PLUGIN,
+                "databaseName": database,
+                "connectAddr": f"127.0.0.1:{pg.port}",
+                "connectProtocol": "tcp",
+                "user": ROLE,
+                "password": password,
+                "maxConns": max_conns,
+                "maxIdleConns": max_conns,
+                "maxConnLifetime": "1h",
+            }
+        }
+
+    def service(grpc: int, membership: int, **extra: int) -> dict[str, Any]:
+        rpc = {"grpcPort": grpc, "membershipPort": membership, "bindOnLocalHost": True, **extra}
+        return {"rpc": rpc}
+
+    return {
+        "log": {"stdout": True, "level": "warn"},
+        "persistence": {
+            "defaultStore": "default",
+            "visibilityStore": "visibility",
+            "numHistoryShards": shards,
+            "datastores": {
+                "default": datastore(DATABASES[0], 20),
+                "visibility": datastore(DATABASES[1], 10),
+            },
+        },
+        "global": {
+            "membership": {"maxJoinDuration": "30s", "broadcastAddress": "127.0.0.1"},
+        },
+        "services": {
+            "frontend": service(
+                ports.frontend, ports.frontend_membership, httpPort=ports.frontend_http
+            ),
+            "history": service(ports.history, ports.history_membership),
+            "matching": service(ports.matching, ports.matching_membership),
+            "worker": service(ports.worker, ports.worker_membership),
+        },
+        "clusterMetadata": {
+            "enableGlobalNamespace": False,
+            "failoverVersionIncrement": 10,
+            "masterClusterName": "active",
+            "currentClusterName": "active",
+            "clusterInformation": {
+                "active": {
+                    "enabled": True,
+                    "initialFailoverVersion": 1,
+                    "rpcName": "frontend",
+                    "rpcAddress": f"127.0.0.1:{ports.frontend}",
+                }
+            },
+        },
+        "dcRedirectionPolicy": {"policy": "noop"},
+        "dynamicConfigClient": {"filepath": str(dynamic_config), "pollInterval": "10s"},
+    }
+
+
+def dynamic_config_document(values: dict[str, Any]) -> dict[str, Any]:
+    return {key: [{"value": value}] for key, value in values.items()}
+
+
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+@dataclass
+class TemporalCluster:
+    """One Temporal server process (all four services) on `pg`, configured under `root`."""
+
+    pg: PostgresCluster
+    root: Path
+    frontend_port: int
+    namespace: str = "default"
+    shards: int = DEFAULT_HISTORY_SHARDS
+    dynamic_config: dict[str, Any] = field(default_factory=lambda: dict(DYNAMIC_CONFIG))
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.frontend_port}"
+
+    @property
+    def password_file(self) -> Path:
+        return self.root / "db-password"
+
+    def _password(self) -> str:
+        if not self.password_file.exists():
+            self.root.mkdir(parents=True, exist_ok=True)
+            _write_private(self.password_file, secrets.token_hex(24) + "\n")
+        return self.password_file.read_text().strip()
+
+    def prepare(self) -> list[str]:
+        """Databases, role, schema at the module's latest version, configuration files; returns
+        the server's command line. Idempotent: a restart upgrades the schema if the binary is
+        newer and keeps the history."""
+        tools = server_tools()
+        password = self._password()
+        self.pg.psql(
+            f"""DO $$ BEGIN
+              IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{ROLE}') THEN
+                CREATE ROLE "{ROLE}" LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE;
+              END IF;
+            END $$;
+            ALTER ROLE "{ROLE}" PASSWORD '{password}'"""
+        )
+        for database in DATABASES:
+            self.pg.create_database(database, owner=ROLE)
+            self._schema(tools, database, password)
+        config_dir = self.root / "config"
+        config_dir.mkdir(parents=True, exist_ok=True)
+        dynamic = config_dir / "dynamic.yaml"
+        dynamic.write_text(json.dumps(dynamic_config_document(self.dynamic_config), indent=1))
+        config = server_config(
+            self.pg,
+            password,
+            Ports.around(self.frontend_port),
+            shards=self.shards,
+            dynamic_config=dynamic,
+        )
+        _write_private(config_dir / f"{ENV_NAME}.yaml", json.dumps(config, indent=1))
+        return [
+            str(tools.server),
+            "--root",
+            str(self.root),
+            "--config",
+            "config",
+            "--env",
+            ENV_NAME,
+            "--allow-no-auth",
+            "start",
+        ]
+
+    def _schema(self, tools: ServerTools, database: str, password: str) -> None:
+        env = {
+            **os.environ,
+            "SQL_PLUGIN": SQL_PLUGIN,
+            "SQL_HOST": "127.0.0.1",
+            "SQL_PORT": str(self.pg.port),
+            "SQL_USER": ROLE,
+            "SQL_PASSWORD": password,  # the environment, not the command line `ps` shows
+            "SQL_DATABASE": database,
+        }
+
+        def tool(*args: str) -> None:
+            subprocess.run(
+                [str(tools.sql_tool), *args], env=env, check=True, capture_output=True, text=True
+            )
+
+        version = self.pg.psql(
+            "SELECT to_regclass('schema_version') IS NOT NULL", database=database
+        ).strip()
+        if version != "t":
+            tool("setup-schema", "-v", "0.0")
+        tool("update-schema", "-d", str(tools.schema_dir(database)))
+
+    def register(self, timeout: float = 60.0) -> None:
+        """Once the frontend answers: the namespace and our search attributes (SQL visibility
+        maps each onto one of its pre-made Keyword columns). Both are idempotent."""
+        cli = str(temporal_cli_path(build=False))
+        address = ["--address", self.address]
+        deadline = time.monotonic() + timeout
+        while True:
+            health = subprocess.run(
+                [cli, "operator", "cluster", "health", *address], capture_output=True, text=True
+            )
+            if health.returncode == 0 and "SERVING" in health.stdout:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Temporal cluster not serving: {health.stderr.strip()}")
+            time.sleep(0.5)
+        described = subprocess.run(
+            [cli, "operator", "namespace", "describe", "--namespace", self.namespace, *address],
+            capture_output=True,
+            text=True,
+        )
+        if described.returncode != 0:
+            subprocess.run(
+                [cli, "operator", "namespace", "create", "--namespace", self.namespace,
+                 "--retention", "72h", *address],
+                check=True, capture_output=True, text=True,
+            )  # fmt: skip
+        wanted: list[str] = []
+        for key in SEARCH_ATTRIBUTES:
+            wanted += ["--name", key.name, "--type", "Keyword"]
+        deadline = time.monotonic() + timeout
+        while True:
+            # A namespace just created takes a moment to reach every service's cache.
+            created = subprocess.run(
+                [cli, "operator", "search-attribute", "create", "--namespace", self.namespace,
+                 *wanted, *address],
+                capture_output=True, text=True,
+            )  # fmt: skip
+            if created.returncode == 0 or "already" in created.stderr:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"search attributes not registered: {created.stderr.strip()}")
+            time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def running_cluster(
+    pg: PostgresCluster, root: Path, frontend_port: int
+) -> Iterator[TemporalCluster]:
+    """A prepared, started and registered cluster for tests and benchmarks; the server is
+    stopped on exit (its databases stay on `pg`, which the caller owns). Its log is
+    `root/server.log`."""
+    cluster = TemporalCluster(pg, root, frontend_port)
+    argv = cluster.prepare()
+    with (root / "server.log").open("ab") as log:
+        server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=root)
+    try:
+        cluster.register()
+        yield cluster
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
