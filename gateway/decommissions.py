@@ -43,7 +43,7 @@ from contracts.decommission import (
 )
 from contracts.lifecycle_submissions import DecommissionRecorded, DecommissionSubmission
 from contracts.onboarding import LIVE_JOB_STATUSES, JobStatus
-from contracts.states import AllocationStatus, NodeStatus
+from contracts.states import LIVE_ALLOCATION_STATUSES, AllocationStatus, NodeStatus
 from core.config import Settings
 from gateway import audit
 from gateway.admin_operations import run_admin_operation
@@ -71,13 +71,6 @@ from schema.models import Allocation, Node, NodeDecommission, NodeMaasState
 
 log = logging.getLogger("gateway.decommissions")
 _LIVE = [s.value for s in LIVE_JOB_STATUSES]
-_LIVE_ALLOCATION = [
-    AllocationStatus.REQUESTED.value,
-    AllocationStatus.PROVISIONING.value,
-    AllocationStatus.ACTIVE.value,
-    AllocationStatus.RELEASING.value,
-    AllocationStatus.RELEASE_FAILED.value,
-]
 # Node states each mode may start from. draining/removing: a lost owning operation is resumed
 # (seed 004 §3.3 guardrail), never left stranded.
 _STARTABLE: dict[Mode, frozenset[str]] = {
@@ -388,7 +381,7 @@ async def start(
     if plan.mode != Mode.FULL_DECOMMISSION and not plan.force_release_allocations:
         held = await db.scalar(
             select(exists().where(Allocation.node_id == node_id, Allocation.status.in_(
-                [s for s in _LIVE_ALLOCATION if s != AllocationStatus.RELEASING.value]
+                [s.value for s in LIVE_ALLOCATION_STATUSES - {AllocationStatus.RELEASING}]
             )))
         )  # fmt: skip
         if held:

@@ -17,19 +17,17 @@ from temporalio.client import Client
 
 from activities.node_admin import DRAIN_POLL_ENV
 from agent.heartbeat import send_heartbeat
-from contracts.maas_reconciler import ReconcileInput
 from contracts.node_drain import NodeDrainResult, node_drain_workflow_id
 from contracts.node_liveness import LivenessInput
 from contracts.node_presence import ReportedGpu
 from core.config import Settings
-from core.secret_paths import site_api_token_path
-from schema.models import AuditEntry, DomainEvent, GpuSlot, MaasSite, Node, NodeMaasState
+from schema.models import AuditEntry, DomainEvent, GpuSlot, Node, NodeMaasState
 from tests.factories import BAREMETAL_SKU, create_node
 from tests.histories import record_history
 from tests.lifecycle_support import Tenant, create_fleet, eventually, slice_request, wait_status
 from tests.maas_fixtures import sim_machine, sim_scenario
 from tests.onboarding_fixtures import OnboardingRig
-from workflows.maas_reconciler import MaasSiteReconcilerWorkflow
+from tests.test_maas_reconciler import make_site, run_once
 from workflows.node_liveness import NodeLivenessWorkflow
 
 REASON = {"reason": "node checked by ops; ticket OPS-9"}
@@ -129,23 +127,7 @@ async def worker_with_vault(
 
 async def maas_node(sessions: Any, secret_store: Any, maas_sim: Any) -> tuple[uuid.UUID, Any]:
     """A site on the simulator and an active node bound to its Deployed machine nsm-a."""
-    site_id = uuid.uuid4()
-    async with sessions() as session, session.begin():
-        session.add(
-            MaasSite(
-                id=site_id,
-                name=f"nsm-{site_id.hex[:6]}",
-                region_code="us-east-1",
-                api_base_url=maas_sim.base_url,
-                api_token_vault_path=site_api_token_path(site_id),
-                default_power_creds_vault_path=f"kv/maas-sites/{site_id}/power/default",
-                deploy_password_vault_path=f"kv/maas-sites/{site_id}/deploy-password",
-                pxe_iface="ens19",
-                pxe_vlan_vid=46,
-                node_pxe_iface="eno8303",
-            )
-        )
-    await secret_store.write(site_api_token_path(site_id), {"token": maas_sim.api_key})
+    site_id = await make_site(sessions, secret_store, maas_sim)
     node = await create_node(sessions)
     machine = await maas_sim.machine("nsm-a")
     async with sessions() as session, session.begin():
@@ -156,16 +138,6 @@ async def maas_node(sessions: Any, secret_store: Any, maas_sim: Any) -> tuple[uu
             NodeMaasState(node_id=node.id, site_id=site_id, maas_system_id=machine["system_id"])
         )
     return site_id, node
-
-
-async def reconcile(client: Client, settings: Settings, site_id: uuid.UUID) -> Any:
-    handle = await client.start_workflow(
-        MaasSiteReconcilerWorkflow.run,
-        ReconcileInput(str(site_id)),
-        id=f"maas-reconciler-test-{uuid.uuid4()}",
-        task_queue=settings.control_plane_task_queue,
-    )
-    return await handle.result()
 
 
 @pytest.mark.maas_scenario(SCENARIO)
@@ -182,7 +154,7 @@ async def test_a_quarantined_node_returns_to_service_only_with_a_health_proof(
     admin = await api(token=await make_token("admin"))
     site_id, node = await maas_node(db_sessions, secret_store, maas_sim)
     await maas_sim.release("nsm-a")  # out of band, as an admin in the MAAS UI would
-    await reconcile(temporal_client, settings, site_id)
+    await run_once(temporal_client, settings, site_id)
     assert await status_of(db_sessions, node.id) == "quarantined"
     assert await moves(db_sessions, node.id) == [("active", "quarantined", "maas_reconciler")]
 
@@ -213,7 +185,7 @@ async def test_a_quarantined_node_returns_to_service_only_with_a_health_proof(
 
     # The operator fixes the machine, acknowledges the drift; the agent heartbeats.
     await maas_sim.set_status("nsm-a", "Deployed")
-    await reconcile(temporal_client, settings, site_id)
+    await run_once(temporal_client, settings, site_id)
     resolved = await admin.post(
         f"/api/v1/admin/reconciliation/drift/{node.id}/resolve", json=REASON
     )

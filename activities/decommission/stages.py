@@ -52,7 +52,13 @@ from contracts.decommission import (
     StageInput,
     StageResult,
 )
-from contracts.states import AllocationStatus, NodeStatus, NodeTaskStatus, ReleaseActor
+from contracts.states import (
+    LIVE_ALLOCATION_STATUSES,
+    AllocationStatus,
+    NodeStatus,
+    NodeTaskStatus,
+    ReleaseActor,
+)
 from core.failures import ClassifiedError, FailureClass
 from core.secret_paths import node_secret_paths
 from core.secrets import SecretStore, SecretStoreError
@@ -71,13 +77,6 @@ from schema.models import (
 S = MachineStatus
 ACTOR = "decommission"
 MAAS_TIMEOUT_SECONDS = 30.0
-LIVE_ALLOCATION = (
-    AllocationStatus.REQUESTED,
-    AllocationStatus.PROVISIONING,
-    AllocationStatus.ACTIVE,
-    AllocationStatus.RELEASING,
-    AllocationStatus.RELEASE_FAILED,
-)
 _ERASE = {
     Erase.NONE: EraseMode.NONE,
     Erase.QUICK: EraseMode.QUICK,
@@ -524,7 +523,7 @@ class DecommissionActivities:
             rows = await session.execute(
                 select(Allocation.id, Allocation.status).where(
                     Allocation.node_id == node_id,
-                    Allocation.status.in_([s.value for s in LIVE_ALLOCATION]),
+                    Allocation.status.in_([s.value for s in LIVE_ALLOCATION_STATUSES]),
                 )
             )
             return [(i, s) for i, s in rows.all()]
