@@ -137,6 +137,10 @@ class JobTables(LifecycleTables):
             )
         if status in CLOSED:
             values["completed_at"] = func.clock_timestamp()
+            # A closed job takes no operator action (seed 004 §8): a cancelled one keeps the
+            # failure it was cancelled from, but not that failure's recommendation (a rerun is
+            # a new request now).
+            values["recommended_action"] = None
         return values
 
     async def domain_event(

@@ -24,8 +24,8 @@ Rules as implemented (node status → MAAS status → rule, severity, action):
     active          Deployed, host not in its IPs   ip_changed                 INFO host updated
     active|offline  Deployed, no host yet           (none: host set, no drift)
     active          Deployed, power off             deployed_powered_off       WARN (§6.2 row)
-    active          Deployed, enable_hw_sync on,    hw_sync_stale              WARN, recommends
-                    no sync in 1.5 * sync_interval                             node.hw_sync_reseed
+    active          Deployed, enable_hw_sync on,    hw_sync_stale              WARN, re-seed
+                    no sync in 1.5 * sync_interval                             (below)
                     (only where the site requires hardware sync and MAAS shows the sync fields)
     active          Deployed                        ok
     retired         Deployed                        retired_cleanup            INFO release+off
@@ -57,6 +57,17 @@ no rule matches any more and the node is not quarantined, the drift heals: drift
 drift_resolved_at set (ip_changed and retired_cleanup therefore heal on the next run, once MAAS
 shows the fixed state). A compare-and-set that loses a race (the node changed status meanwhile)
 writes neither event nor drift: the next run decides again.
+
+Sync drift is acted on (§9.1 "whenever reconciliation detects sync drift on a deployed node"):
+after the writes, one statement claims the open hw_sync_stale drift events that no run has
+claimed yet (`reseed` absent from their details; at most MAX_RESEEDS_PER_RUN, the rest next run),
+marking each `reseed.status` dispatched, with the host task's id, or skipped (the node is no
+longer active, or no agent of it was ever heard from), in the event and in node_maas_state. The
+dispatched ones are returned (`ReconcileResult.reseeds`): the workflow runs `node.hw_sync_reseed`
+on each node's queue and writes the outcome back (`record_reseeds`). So a drift event is
+re-seeded at most once, however many runs see it open; a failure is recorded, not retried; the
+drift heals on the first run that finds the sync healthy again, and a later drift is a new event
+with a re-seed of its own.
 """
 
 from __future__ import annotations
@@ -77,8 +88,17 @@ from activities.maas.client import MaasClient
 from activities.maas.errors import MaasError
 from activities.maas.types import SYNC_GRACE_FACTOR, Machine, MachineStatus, PowerState
 from activities.node_lifecycle import transition_nodes
-from contracts.maas_reconciler import ReconcileInput, ReconcileResult
+from contracts.host_tasks import NODE_HW_SYNC_RESEED
+from contracts.maas_reconciler import (
+    RECORD_RESEEDS_ACTIVITY,
+    ReconcileInput,
+    ReconcileResult,
+    ReseedOutcomes,
+    ReseedRequest,
+    ReseedStatus,
+)
 from contracts.states import NodeStatus, node_transition_allowed
+from core.redaction import redact
 from core.secrets import SecretStore
 from schema.models import DomainEvent, MaasSite, MaasSitePolicy, Node, NodeMaasState
 
@@ -139,9 +159,10 @@ DEPLOYED_OFFLINE = Rule("deployed_offline", WARN, "agent not polling")
 POWERED_OFF = Rule("deployed_powered_off", WARN, "node powered off outside workflow")
 IP_CHANGED = Rule("ip_changed", INFO, "IP change detected")
 HW_SYNC_STALE = Rule("hw_sync_stale", WARN, "hardware sync enabled but MAAS has no recent sync")
-# What an operator (or the reconciler workflow, once it runs host tasks) does about it: §9.1
-# re-sync through the node's agent.
-HW_SYNC_RESEED_ACTION = "node.hw_sync_reseed"
+# What the reconciler workflow does about it: §9.1 re-sync through the node's agent.
+HW_SYNC_RESEED_ACTION = NODE_HW_SYNC_RESEED
+# Re-seeds claimed by one run: a bounded fan-out of host tasks per workflow run.
+MAX_RESEEDS_PER_RUN = 50
 RETIRED_CLEANUP = Rule("retired_cleanup", INFO, "cleaning up retired node")
 
 
@@ -172,6 +193,11 @@ class SyncPolicy:
 
     required: bool = True
     interval: dt.timedelta = dt.timedelta(minutes=15)
+
+    @property
+    def interval_minutes(self) -> int:
+        """The interval as the re-seeded timer takes it: whole minutes, 1..1440."""
+        return min(max(-(-int(self.interval.total_seconds()) // 60), 1), 1440)
 
     @classmethod
     def of(cls, policy: MaasSitePolicy | None) -> SyncPolicy:
@@ -384,11 +410,61 @@ class MaasReconcileActivities:
                     cleanup_done[d.binding.node_id] = await _cleanup_retired(maas, d)
         for start in range(0, len(decisions), CHUNK):
             await self._write(site_id, decisions[start : start + CHUNK], cleanup_done, result)
+        await self._claim_reseeds(site_id, sync_policy, result)
         if result.unmanaged_machines:
             log.debug(
                 "site %s: %d unmanaged MAAS machines", input.site_id, result.unmanaged_machines
             )
         return result
+
+    async def _claim_reseeds(
+        self, site_id: uuid.UUID, sync: SyncPolicy, result: ReconcileResult
+    ) -> None:
+        """The open hw_sync_stale drift events no run has claimed: dispatched (returned for the
+        workflow to run) or skipped, each marked in one statement (module docstring)."""
+        async with self._sessions() as session, session.begin():
+            claimed = (
+                await session.execute(
+                    _CLAIM_RESEEDS,
+                    {"site": site_id, "rule": HW_SYNC_STALE.name, "limit": MAX_RESEEDS_PER_RUN},
+                )
+            ).all()
+        for event_id, node_id, reseed in claimed:
+            if reseed["status"] == ReseedStatus.DISPATCHED:
+                result.reseeds.append(
+                    ReseedRequest(
+                        node_id=str(node_id),
+                        drift_event_id=event_id,
+                        task_id=reseed["task_id"],
+                        interval_minutes=sync.interval_minutes,
+                    )
+                )
+            result.actions.append(f"reseed_{reseed['status']}:{node_id}")
+
+    @activity.defn(name=RECORD_RESEEDS_ACTIVITY)
+    async def record_reseeds(self, input: ReseedOutcomes) -> None:
+        """Each re-seed's outcome onto its drift event, and onto node_maas_state while that
+        drift is still the node's open one (idempotent: a repeat writes the same)."""
+        rows = [
+            {
+                "id": o.drift_event_id,
+                "reseed": {
+                    "status": o.status,
+                    "error_type": o.error_type,
+                    "message": redact(o.message),
+                    "units_written": o.units_written,
+                    "credentials_present": o.credentials_present,
+                    "restarted": o.restarted,
+                },
+            }
+            for o in input.outcomes
+        ]
+        if not rows:
+            return
+        async with self._sessions() as session, session.begin():
+            await session.execute(
+                _RECORD_RESEEDS, {"rows": json.dumps(rows), "rule": HW_SYNC_STALE.name}
+            )
 
     async def _record_suspect(self, site_id: uuid.UUID, suspicion: Suspicion) -> None:
         """The reconcile_suspect alert: one domain event on the site, nothing else written."""
@@ -507,6 +583,61 @@ _UPDATE_STATE = text(
 )
 
 
+# The latest drift event of each node whose open drift is sync drift, unclaimed, is claimed:
+# `reseed` set on the event (dispatched with a fresh task id, or skipped with its reason) and
+# mirrored onto node_maas_state.drift_details.
+_CLAIM_RESEEDS = text(
+    "WITH latest AS ("
+    "  SELECT DISTINCT ON (e.node_id) e.id, e.node_id, e.details"
+    "  FROM node_maas_state s JOIN node_drift_events e"
+    "    ON e.node_id = s.node_id AND e.site_id = s.site_id AND e.rule = s.drift_rule"
+    "  WHERE s.site_id = :site AND s.drift_detected AND s.drift_rule = :rule"
+    "  ORDER BY e.node_id, e.id DESC"
+    "), due AS ("
+    "  SELECT l.id, n.status, n.last_agent_contact_at IS NOT NULL AS has_agent"
+    "  FROM latest l JOIN nodes n ON n.id = l.node_id"
+    "  WHERE l.details -> 'reseed' IS NULL"
+    "  ORDER BY l.id LIMIT :limit"
+    "), claimed AS ("
+    "  UPDATE node_drift_events e SET details = e.details || jsonb_build_object('reseed',"
+    "    CASE"
+    "      WHEN due.status <> 'active' THEN jsonb_build_object("
+    "        'status', 'skipped', 'reason', 'node_not_active', 'node_status', due.status)"
+    "      WHEN NOT due.has_agent THEN jsonb_build_object("
+    "        'status', 'skipped', 'reason', 'no_agent')"
+    "      ELSE jsonb_build_object('status', 'dispatched', 'task_id', gen_random_uuid()::text)"
+    "    END || jsonb_build_object('at', clock_timestamp()))"
+    "  FROM due WHERE e.id = due.id"
+    "  RETURNING e.id, e.node_id, e.details -> 'reseed' AS reseed"
+    "), mirrored AS ("
+    "  UPDATE node_maas_state s"
+    "  SET drift_details = COALESCE(s.drift_details, '{}'::jsonb)"
+    "    || jsonb_build_object('reseed', c.reseed)"
+    "  FROM claimed c WHERE s.node_id = c.node_id"
+    ")"
+    " SELECT id, node_id, reseed FROM claimed ORDER BY id"
+)
+
+# A re-seed's outcome merged into its event's `reseed` (and node_maas_state's, while that drift
+# is the node's open one).
+_RECORD_RESEEDS = text(
+    "WITH v AS ("
+    "  SELECT * FROM jsonb_to_recordset(CAST(:rows AS jsonb)) AS v(id bigint, reseed jsonb)"
+    "), recorded AS ("
+    "  UPDATE node_drift_events e SET details = e.details || jsonb_build_object('reseed',"
+    "    COALESCE(e.details -> 'reseed', '{}'::jsonb) || v.reseed"
+    "    || jsonb_build_object('finished_at', clock_timestamp()))"
+    "  FROM v WHERE e.id = v.id"
+    "  RETURNING e.node_id, e.details -> 'reseed' AS reseed"
+    ")"
+    " UPDATE node_maas_state s"
+    " SET drift_details = COALESCE(s.drift_details, '{}'::jsonb)"
+    "   || jsonb_build_object('reseed', r.reseed)"
+    " FROM recorded r"
+    " WHERE s.node_id = r.node_id AND s.drift_detected AND s.drift_rule = :rule"
+)
+
+
 def _is_new_drift(d: Decision) -> bool:
     """A rule that starts to match. An IP change is new every time it is applied: a second
     change while the first's drift is still open writes its own event."""
@@ -538,8 +669,8 @@ def _details(d: Decision, cleanup: list[str] | None) -> dict[str, Any]:
             last_sync=hw.last_sync.isoformat() if hw.last_sync else None,
             next_sync=hw.next_sync.isoformat() if hw.next_sync else None,
             sync_interval_s=int(hw.sync_interval.total_seconds()) if hw.sync_interval else None,
-            # The reconciler runs no host tasks: the re-seed is recommended, through the
-            # node's agent (task queue node-{id}).
+            # The re-seed the workflow runs through the node's agent (task queue node-{id});
+            # its outcome is recorded here as `reseed`.
             recommended_action=HW_SYNC_RESEED_ACTION,
             task_queue=f"node-{d.binding.node_id}",
         )

@@ -21,6 +21,10 @@ class PowerCredentialsMissing(LookupError):
     """No secret where the site says one is: the site lacks a capability an operator must add."""
 
 
+# The start of a source naming a per-node override ("override:<selector type>").
+OVERRIDE_SOURCE_PREFIX = "override:"
+
+
 @dataclass(frozen=True)
 class PowerCredentials:
     user: str
@@ -64,7 +68,7 @@ async def resolve_power_credentials(
     for kind in SELECTOR_ORDER:
         match = next((o for o in overrides if o.selector_type == kind), None)
         if match is not None:
-            return await _read(secrets, match.vault_path, f"override:{kind}")
+            return await _read(secrets, match.vault_path, f"{OVERRIDE_SOURCE_PREFIX}{kind}")
     default_path = await session.scalar(
         select(MaasSite.default_power_creds_vault_path).where(MaasSite.id == site_id)
     )

@@ -4,7 +4,8 @@ hardware-sync re-seed.
 
 Under a host root other than "/" (a MAAS-simulator machine, GPUCLOUD_AGENT_ROOT) nothing
 outside that root may be touched: sessions are counted from its proc/ but no signal is sent, and
-no systemd call is made (the units are only written).
+no systemd call is made: the units are written and each restart is left as a request under the
+root (`UnitRestartRequests`), for the simulated OS to carry out.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import subprocess
 
 from agent.backends.system_root import SystemRoot
 from agent.maintenance import ProcProcessLister
+from contracts.node_files import UNIT_RESTART_REQUESTS_DIR
 
 logger = logging.getLogger("agent.host")
 
@@ -63,3 +65,20 @@ class SystemctlUnits:
             raise RuntimeError("systemctl is not available on this host")
         for argv in ([systemctl, "daemon-reload"], [systemctl, "restart", *units]):
             subprocess.run(argv, check=True, capture_output=True, timeout=SYSTEMCTL_TIMEOUT_S)
+
+
+class UnitRestartRequests:
+    """`UnitManager` under a host root other than "/": no systemd runs there, so each restart is
+    an empty file named after the unit in UNIT_RESTART_REQUESTS_DIR under the root, which the
+    simulated OS (sim/first_boot.py) picks up as systemd would carry it out."""
+
+    def __init__(self, root: SystemRoot) -> None:
+        self._root = root
+
+    def reload_and_restart(self, units: list[str]) -> None:
+        path = ""
+        for part in UNIT_RESTART_REQUESTS_DIR.parts[1:]:
+            path += f"/{part}"
+            self._root.ensure_dir(path, mode=0o755)
+        for unit in units:
+            self._root.write_atomic(f"{path}/{unit}", "", mode=0o644)

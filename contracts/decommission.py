@@ -213,6 +213,21 @@ class OperatorAction(StrEnum):
     MARK_MANUAL_INTERVENTION = FREEZE_ACTION
 
 
+# Which operator actions each job state accepts (the workflow's update validator; the console
+# offers exactly these).
+_FAILED = {JobStatus.FAILED_RETRYABLE, JobStatus.FAILED_MANUAL_INTERVENTION}
+ALLOWED_ACTIONS: dict[OperatorAction, frozenset[JobStatus]] = {
+    OperatorAction.RETRY_STAGE: frozenset(_FAILED),
+    # resume while pending/running is an idempotent no-op (seed 004 §8: a live task exists).
+    OperatorAction.RESUME: frozenset({JobStatus.PENDING, JobStatus.RUNNING, *_FAILED}),
+    OperatorAction.ADOPT: frozenset(_FAILED),
+    OperatorAction.CANCEL: frozenset({JobStatus.PENDING, JobStatus.RUNNING, *_FAILED}),
+    OperatorAction.MARK_MANUAL_INTERVENTION: frozenset(
+        {JobStatus.PENDING, JobStatus.RUNNING, *_FAILED}
+    ),
+}
+
+
 @dataclass
 class DecommissionPolicy:
     """Timeouts and bounds fixed at start, so the workflow stays deterministic and tests can
@@ -240,6 +255,9 @@ class DecommissionInput:
     reason: str = ""
     requested_by: str = ""
     policy: DecommissionPolicy = field(default_factory=DecommissionPolicy)
+    # The site profile whose policy the MAAS stages resolve (seed 003 §3.7); None: the one the
+    # node was onboarded with, else the site's default.
+    profile_id: str | None = None
 
 
 @dataclass

@@ -9,6 +9,10 @@ from pathlib import Path, PurePosixPath
 
 DEFAULT_CONFIG_PATH = Path("/etc/gpucloud/agent.toml")
 DEFAULT_STATE_DIR = Path("/var/lib/gpucloud-agent")
+# Under a host root other than "/" (a simulated machine's disk) no systemd runs: the agent leaves
+# each unit restart it would make as an empty file named after the unit here, for whatever plays
+# systemd for that tree (sim/first_boot.py) to act on.
+UNIT_RESTART_REQUESTS_DIR = PurePosixPath("/run/gpucloud-agent/unit-restarts")
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,9 @@ the request makes a repeated call answer the first call's result.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
+from typing import Any
 
 from contracts.lifecycle import (
     ADOPT_ACTION,
@@ -56,6 +57,9 @@ ACQUIRE_SITE_SLOT_ACTIVITY = "onboarding.acquire_site_slot"
 RELEASE_SITE_SLOT_ACTIVITY = "onboarding.release_site_slot"
 SITE_AT_CAPACITY = "site_at_capacity"
 SITE_SLOT_PATCH = "onboarding-holds-a-site-slot"
+# The datasource redeploy allowance counts the deploys since the last operator action, not
+# every deploy of the job (histories recorded before it replay with the old count).
+REDEPLOY_SINCE_OPERATOR_PATCH = "onboarding-redeploys-since-operator"
 
 
 def onboarding_workflow_id(onboarding_id: str) -> str:
@@ -190,6 +194,24 @@ class SitePolicyView:
         return waits.get(stage, 0)
 
 
+# Every knob a run uses; a site profile may override each (seed 003 §3.7).
+POLICY_KNOBS: tuple[str, ...] = tuple(f.name for f in fields(SitePolicyView))
+
+
+def profile_value(profile: object, site: object, name: str) -> Any:
+    """The profile's own value of `name` when it sets one (not None), else the site's."""
+    value = getattr(profile, name, None)
+    return getattr(site, name) if value is None else value
+
+
+def resolve_policy(site_policy: object, profile: object) -> SitePolicyView:
+    """The policy a run with `profile` uses, resolved once (an activity, or the gateway's
+    view) so the workflow only ever sees the snapshot."""
+    return SitePolicyView(
+        **{name: profile_value(profile, site_policy, name) for name in POLICY_KNOBS}
+    )
+
+
 @dataclass
 class SiteConfig:
     """load_site_config's answer: where things are, never what the secrets are."""
@@ -233,6 +255,9 @@ class OnboardState:
     cloud_init_layers: list[str] = field(default_factory=list)
     deployed_since: str | None = None  # ISO time the (latest) deploy was issued
     deploy_attempts: int = 0
+    # deploy_attempts when an operator last sent the job on (retry, resume, rerun, adopt): the
+    # datasource redeploy allowance counts the deploys since then (seed 003 §4.6, §4.9).
+    deploys_before_operator: int = 0
     enrollment_attempts: int = 0
     roce_applied: int = 0
     os_running: bool = False  # post-deploy stages began: cancel leaves MAAS alone (§4.6)

@@ -67,7 +67,7 @@ from gateway.pagination import newest_first_page
 from gateway.schemas import Reason, Request
 from gateway.temporal import TemporalOps
 from schema.lifecycle_tables import DECOMMISSION_TABLES
-from schema.models import Allocation, Node, NodeDecommission, NodeMaasState
+from schema.models import Allocation, MaasSiteProfile, Node, NodeDecommission, NodeMaasState
 
 log = logging.getLogger("gateway.decommissions")
 _LIVE = [s.value for s in LIVE_JOB_STATUSES]
@@ -95,6 +95,9 @@ class DecommissionCreate(Request):
     storage_cleanup: bool | str = False
     remove_maas_record: bool = False
     force_release_allocations: bool = False
+    # A profile of the node's MAAS site (seed 003 §3.7): its policy governs the MAAS stages.
+    # Absent: the profile the node was onboarded with, else the site's default.
+    profile_id: uuid.UUID | None = None
 
 
 class StorageCleanupCreate(Request):
@@ -207,6 +210,7 @@ class Plan:
     remove_maas_record: bool
     force_release_allocations: bool
     reason: str
+    profile_id: uuid.UUID | None = None
 
 
 def plan_from(body: DecommissionCreate) -> Plan:
@@ -269,6 +273,7 @@ def plan_from(body: DecommissionCreate) -> Plan:
         body.remove_maas_record,
         body.force_release_allocations or mode == Mode.FULL_DECOMMISSION,
         reason,
+        body.profile_id,
     )
 
 
@@ -302,6 +307,25 @@ def policy_from(settings: Settings) -> DecommissionPolicy:
 
 
 # --- start -------------------------------------------------------------------------------------
+
+
+async def _check_profile(
+    db: AsyncSession, profile_id: uuid.UUID, binding: NodeMaasState | None
+) -> None:
+    """422 unless the profile is an active one of the node's MAAS site."""
+    profile = await db.get(MaasSiteProfile, profile_id)
+    if profile is None or binding is None or profile.site_id != binding.site_id:
+        raise unprocessable(
+            [
+                FieldError(
+                    "profile_id", "unknown_profile", "the node's MAAS site has no such profile"
+                )
+            ]
+        )
+    if profile.status != "active":
+        raise unprocessable(
+            [FieldError("profile_id", "profile_disabled", "this profile is disabled")]
+        )
 
 
 def _same(row: NodeDecommission, plan: Plan) -> bool:
@@ -373,11 +397,14 @@ async def start(
             code="node_not_decommissionable",
             details={"node_status": node.status, "mode": plan.mode.value},
         )
-    if plan.mode == Mode.REIMAGE and await db.get(NodeMaasState, node_id) is None:
+    binding = await db.get(NodeMaasState, node_id)
+    if plan.mode == Mode.REIMAGE and binding is None:
         raise Conflict(
             "reimage needs a MAAS-managed node (this one has no MAAS binding)",
             code="node_not_maas_managed",
         )
+    if plan.profile_id is not None:
+        await _check_profile(db, plan.profile_id, binding)
     if plan.mode != Mode.FULL_DECOMMISSION and not plan.force_release_allocations:
         held = await db.scalar(
             select(exists().where(Allocation.node_id == node_id, Allocation.status.in_(
@@ -405,6 +432,7 @@ async def start(
         reason=plan.reason,
         requested_by=principal.name,
         policy=policy_from(settings),
+        profile_id=str(plan.profile_id) if plan.profile_id is not None else None,
     )
     # The worker writes the pending row and starts the workflow, together.
     submitted = await run_admin_operation(
@@ -441,6 +469,7 @@ async def start(
             "storage_cleanup": plan.scope.value,
             "remove_maas_record": plan.remove_maas_record,
             "force_release_allocations": plan.force_release_allocations,
+            "profile_id": str(plan.profile_id) if plan.profile_id is not None else None,
             "actor_role": principal.role,
         },
     )

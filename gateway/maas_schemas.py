@@ -30,21 +30,30 @@ DistroSeries = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 Architecture = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 
 
-class SitePolicy(msgspec.Struct, kw_only=True):
-    """Every knob of seed 003 §3.6, with its default."""
+HwSyncInterval = Annotated[str, msgspec.Meta(pattern=r"^[0-9]{1,5}[smh]$")]
+DeployRetries = Annotated[int, msgspec.Meta(ge=0, le=10)]
+BatchParallel = Annotated[int, msgspec.Meta(ge=1, le=500)]
+BundleRef = Annotated[str, msgspec.Meta(max_length=300)]
+EnrollmentTtl = Annotated[int, msgspec.Meta(ge=60, le=7 * 24 * 3600)]
+VlanVid = Annotated[int, msgspec.Meta(ge=0, le=4094)]
+Description = Annotated[str, msgspec.Meta(max_length=2000)]
+
+
+class RunPolicy(msgspec.Struct, kw_only=True):
+    """Every knob an onboarding or decommission run uses (seed 003 §3.6, §4.14), with its
+    default: the site policy's, which a profile may override knob by knob (§3.7)."""
 
     strict_pxe_preflight: bool = True
     enable_phase2_roce: bool = True
     require_hw_sync: bool = True
-    hardware_sync_interval: Annotated[str, msgspec.Meta(pattern=r"^[0-9]{1,5}[smh]$")] = "15m"
+    hardware_sync_interval: HwSyncInterval = "15m"
     release_fallback_no_erase: bool = True
     enable_deploy_retry_on_datasource_failure: bool = True
-    max_deploy_retry_attempts: Annotated[int, msgspec.Meta(ge=0, le=10)] = 1
+    max_deploy_retry_attempts: DeployRetries = 1
     auto_claim_single_new_machine: bool = False
-    batch_max_parallel: Annotated[int, msgspec.Meta(ge=1, le=500)] = 10
-    site_bootstrap_bundle_ref: Annotated[str, msgspec.Meta(max_length=300)] | None = None
-    enrollment_token_ttl_seconds: Annotated[int, msgspec.Meta(ge=60, le=7 * 24 * 3600)] = 7200
-    reconcile_interval_seconds: Annotated[int, msgspec.Meta(ge=30, le=86400)] = 300
+    batch_max_parallel: BatchParallel = 10
+    site_bootstrap_bundle_ref: BundleRef | None = None
+    enrollment_token_ttl_seconds: EnrollmentTtl = 7200
     # Seed 003 §4.14: how often onboarding waits poll MAAS, and how long each wait may take.
     maas_poll_interval_ms: PollIntervalMs = 10_000
     discovery_timeout_seconds: TimeoutSeconds = 900
@@ -54,6 +63,12 @@ class SitePolicy(msgspec.Struct, kw_only=True):
     hw_sync_health_timeout_seconds: TimeoutSeconds = 1800
     enrollment_timeout_seconds: TimeoutSeconds = 1800
     roce_failures_stop_job: bool = False
+
+
+class SitePolicy(RunPolicy, kw_only=True):
+    """The site policy: the run knobs' site values, and the site's own reconciler knobs."""
+
+    reconcile_interval_seconds: Annotated[int, msgspec.Meta(ge=30, le=86400)] = 300
     reconcile_max_missing_share: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.1
 
 
@@ -115,6 +130,8 @@ class SitePatch(Request):
         None
     )
     status: SiteStatus | None = None
+    # One of the site's active profiles: what requests that name no profile run with.
+    default_profile_id: uuid.UUID | None = None
     policy: SitePolicyPatch | None = None
     reason: Reason | None = None
 
@@ -140,8 +157,8 @@ class SiteView(msgspec.Struct, kw_only=True):
     credentials_updated_at: dt.datetime | None
     maas_version: str | None
     policy: SitePolicy
-    # The site's profiles (by name); `default_profile_id` is the one named "default", created
-    # with the site.
+    # The site's profiles (by name); `default_profile_id` is what a request that names no
+    # profile runs with (at first the one named "default", created with the site).
     default_profile_id: uuid.UUID | None
     profile_ids: list[uuid.UUID]
     created_at: dt.datetime
@@ -258,45 +275,100 @@ class PowerOverrideList(msgspec.Struct, kw_only=True):
 DEFAULT_PROFILE_NAME = "default"
 
 
-class ProfileCreate(Request):
-    """A NULL (absent) override falls back to the site's own value."""
+ProfileStatus = Literal["active", "disabled"]
 
-    name: Name
+
+class ProfileOverrides(msgspec.Struct, kw_only=True):
+    """What a profile sets itself (seed 003 §3.7): the profile-scoped site values of §3.6 and
+    every run knob. `null` falls back to the site's value."""
+
     distro_series: DistroSeries | None = None
     architecture: Architecture | None = None
     node_pxe_iface: Interface | None = None
+    pxe_vlan_vid: VlanVid | None = None
+    strict_pxe_preflight: bool | None = None
     enable_phase2_roce: bool | None = None
+    require_hw_sync: bool | None = None
+    hardware_sync_interval: HwSyncInterval | None = None
+    release_fallback_no_erase: bool | None = None
+    enable_deploy_retry_on_datasource_failure: bool | None = None
+    max_deploy_retry_attempts: DeployRetries | None = None
+    auto_claim_single_new_machine: bool | None = None
+    batch_max_parallel: BatchParallel | None = None
+    site_bootstrap_bundle_ref: BundleRef | None = None
+    enrollment_token_ttl_seconds: EnrollmentTtl | None = None
+    maas_poll_interval_ms: PollIntervalMs | None = None
+    discovery_timeout_seconds: TimeoutSeconds | None = None
+    commission_timeout_seconds: TimeoutSeconds | None = None
+    deploy_timeout_seconds: TimeoutSeconds | None = None
+    hw_sync_seed_timeout_seconds: TimeoutSeconds | None = None
+    hw_sync_health_timeout_seconds: TimeoutSeconds | None = None
+    enrollment_timeout_seconds: TimeoutSeconds | None = None
+    roce_failures_stop_job: bool | None = None
+
+
+# The fields of ProfileOverrides: the columns of maas_site_profiles a profile may set.
+PROFILE_OVERRIDES = ProfileOverrides.__struct_fields__
+
+
+class ProfileCreate(Request, ProfileOverrides, kw_only=True):
+    """An absent (null) override falls back to the site's own value."""
+
+    name: Name
+    description: Description | None = None
     reason: Reason | None = None
 
 
 class ProfilePatch(Request):
-    """Absent fields stay as they are; `null` clears an override (the site's value applies)."""
+    """Absent fields stay as they are; `null` clears an override (the site's value applies).
+    `status: disabled` takes the profile out of new onboardings and decommissions (not the
+    site's default profile); running jobs go on with the policy they resolved at their start."""
 
     name: Name | msgspec.UnsetType = msgspec.UNSET
+    description: Description | msgspec.UnsetType | None = msgspec.UNSET
+    status: ProfileStatus | msgspec.UnsetType = msgspec.UNSET
     distro_series: DistroSeries | msgspec.UnsetType | None = msgspec.UNSET
     architecture: Architecture | msgspec.UnsetType | None = msgspec.UNSET
     node_pxe_iface: Interface | msgspec.UnsetType | None = msgspec.UNSET
+    pxe_vlan_vid: VlanVid | msgspec.UnsetType | None = msgspec.UNSET
+    strict_pxe_preflight: bool | msgspec.UnsetType | None = msgspec.UNSET
     enable_phase2_roce: bool | msgspec.UnsetType | None = msgspec.UNSET
+    require_hw_sync: bool | msgspec.UnsetType | None = msgspec.UNSET
+    hardware_sync_interval: HwSyncInterval | msgspec.UnsetType | None = msgspec.UNSET
+    release_fallback_no_erase: bool | msgspec.UnsetType | None = msgspec.UNSET
+    enable_deploy_retry_on_datasource_failure: bool | msgspec.UnsetType | None = msgspec.UNSET
+    max_deploy_retry_attempts: DeployRetries | msgspec.UnsetType | None = msgspec.UNSET
+    auto_claim_single_new_machine: bool | msgspec.UnsetType | None = msgspec.UNSET
+    batch_max_parallel: BatchParallel | msgspec.UnsetType | None = msgspec.UNSET
+    site_bootstrap_bundle_ref: BundleRef | msgspec.UnsetType | None = msgspec.UNSET
+    enrollment_token_ttl_seconds: EnrollmentTtl | msgspec.UnsetType | None = msgspec.UNSET
+    maas_poll_interval_ms: PollIntervalMs | msgspec.UnsetType | None = msgspec.UNSET
+    discovery_timeout_seconds: TimeoutSeconds | msgspec.UnsetType | None = msgspec.UNSET
+    commission_timeout_seconds: TimeoutSeconds | msgspec.UnsetType | None = msgspec.UNSET
+    deploy_timeout_seconds: TimeoutSeconds | msgspec.UnsetType | None = msgspec.UNSET
+    hw_sync_seed_timeout_seconds: TimeoutSeconds | msgspec.UnsetType | None = msgspec.UNSET
+    hw_sync_health_timeout_seconds: TimeoutSeconds | msgspec.UnsetType | None = msgspec.UNSET
+    enrollment_timeout_seconds: TimeoutSeconds | msgspec.UnsetType | None = msgspec.UNSET
+    roce_failures_stop_job: bool | msgspec.UnsetType | None = msgspec.UNSET
     reason: Reason | None = None
 
 
-class ProfileEffective(msgspec.Struct, kw_only=True):
-    """What a run with this profile uses: the override, else the site's value."""
+class ProfileEffective(RunPolicy, kw_only=True):
+    """What a run with this profile uses: each override, else the site's value."""
 
     distro_series: str
     architecture: str
     node_pxe_iface: str
-    enable_phase2_roce: bool
+    pxe_vlan_vid: int
 
 
-class ProfileView(msgspec.Struct, kw_only=True):
+class ProfileView(ProfileOverrides, kw_only=True):
     id: uuid.UUID
     site_id: uuid.UUID
     name: str
-    distro_series: str | None
-    architecture: str | None
-    node_pxe_iface: str | None
-    enable_phase2_roce: bool | None
+    description: str | None
+    status: str
+    is_default: bool  # the one a request that names no profile runs with
     effective: ProfileEffective
     created_at: dt.datetime
     updated_at: dt.datetime

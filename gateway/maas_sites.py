@@ -11,6 +11,7 @@ No response, log line, audit row or exception message carries a secret value.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import ipaddress
 import json
@@ -52,6 +53,7 @@ from contracts.admin_operation import (
 )
 from contracts.maas_reconciler import WORKFLOW_NAME as RECONCILER_WORKFLOW
 from contracts.maas_reconciler import ReconcileInput, reconciler_schedule_id
+from contracts.onboarding import profile_value, resolve_policy
 from core.config import Settings
 from core.schedules import periodic_schedule, put_schedule
 from core.secret_paths import (
@@ -66,6 +68,7 @@ from gateway.auth import Principal
 from gateway.errors import ApiError, Conflict, NotFound, Unprocessable
 from gateway.maas_schemas import (
     DEFAULT_PROFILE_NAME,
+    PROFILE_OVERRIDES,
     CredentialsWritten,
     PowerOverrideCreate,
     PowerOverridePatch,
@@ -113,7 +116,6 @@ def site_view(
     site: MaasSite, policy: MaasSitePolicy, profiles: Sequence[MaasSiteProfile] = ()
 ) -> SiteView:
     ordered = sorted(profiles, key=lambda p: p.name)
-    default = next((p.id for p in ordered if p.name == DEFAULT_PROFILE_NAME), None)
     return SiteView(
         id=site.id,
         name=site.name,
@@ -134,7 +136,7 @@ def site_view(
         credentials_updated_at=site.credentials_updated_at,
         maas_version=site.maas_version,
         policy=policy_view(policy),
-        default_profile_id=default,
+        default_profile_id=site.default_profile_id,
         profile_ids=[p.id for p in ordered],
         created_at=site.created_at,
         updated_at=site.updated_at,
@@ -142,26 +144,26 @@ def site_view(
 
 
 def profile_view(profile: MaasSiteProfile, site: MaasSite, policy: MaasSitePolicy) -> ProfileView:
+    """The profile's own overrides and what a run with it uses (resolved as load_site_config
+    resolves it: contracts.onboarding.resolve_policy)."""
+    resolved = dataclasses.asdict(resolve_policy(policy, profile))
     return ProfileView(
         id=profile.id,
         site_id=profile.site_id,
         name=profile.name,
-        distro_series=profile.distro_series,
-        architecture=profile.architecture,
-        node_pxe_iface=profile.node_pxe_iface,
-        enable_phase2_roce=profile.enable_phase2_roce,
+        description=profile.description,
+        status=profile.status,
+        is_default=site.default_profile_id == profile.id,
         effective=ProfileEffective(
-            distro_series=profile.distro_series or site.distro_series,
-            architecture=profile.architecture or site.architecture,
-            node_pxe_iface=profile.node_pxe_iface or site.node_pxe_iface,
-            enable_phase2_roce=(
-                policy.enable_phase2_roce
-                if profile.enable_phase2_roce is None
-                else profile.enable_phase2_roce
-            ),
+            **resolved,
+            distro_series=profile_value(profile, site, "distro_series"),
+            architecture=profile_value(profile, site, "architecture"),
+            node_pxe_iface=profile_value(profile, site, "node_pxe_iface"),
+            pxe_vlan_vid=profile_value(profile, site, "pxe_vlan_vid"),
         ),
         created_at=profile.created_at,
         updated_at=profile.updated_at,
+        **{name: getattr(profile, name) for name in PROFILE_OVERRIDES},
     )
 
 
@@ -287,6 +289,7 @@ async def create_site(
     profile_id = uuid.uuid4()
     db.add(MaasSiteProfile(id=profile_id, site_id=site_id, name=DEFAULT_PROFILE_NAME))
     await db.flush()
+    site.default_profile_id = profile_id
     await db.refresh(policy)
     _apply_policy(policy, body.policy)
     audit.record_by(
@@ -357,6 +360,8 @@ async def patch_site(
             value = _check_dns(value)
         if field == "api_base_url":
             value = value.rstrip("/")
+        if field == "default_profile_id":
+            await _check_default(db, site_id, value)
         if getattr(site, field) != value:
             setattr(site, field, value)
             changed[field] = value
@@ -392,6 +397,16 @@ async def patch_site(
 # --- profiles (seed 003 §3.7) ---------------------------------------------------------------
 
 
+async def _check_default(db: AsyncSession, site_id: uuid.UUID, profile_id: uuid.UUID) -> None:
+    profile = await db.get(MaasSiteProfile, profile_id)
+    if profile is None or profile.site_id != site_id:
+        raise Unprocessable("this site has no such profile", code="unknown_profile")
+    if profile.status != "active":
+        raise Unprocessable(
+            "a disabled profile cannot be the site's default", code="profile_disabled"
+        )
+
+
 async def load_profile(
     db: AsyncSession, site_id: uuid.UUID, profile_id: uuid.UUID
 ) -> MaasSiteProfile:
@@ -420,10 +435,8 @@ async def create_profile(
         id=profile_id,
         site_id=site_id,
         name=body.name,
-        distro_series=body.distro_series,
-        architecture=body.architecture,
-        node_pxe_iface=body.node_pxe_iface,
-        enable_phase2_roce=body.enable_phase2_roce,
+        description=body.description,
+        **{name: getattr(body, name) for name in PROFILE_OVERRIDES},
     )
     db.add(profile)
     try:
@@ -440,7 +453,12 @@ async def create_profile(
         target_type="maas_site_profile",
         target_id=str(profile_id),
         reason=reason,
-        details={"site_id": str(site_id), "name": body.name},
+        expected_state="active",
+        details={
+            "site_id": str(site_id),
+            "name": body.name,
+            "overrides": sorted(n for n in PROFILE_OVERRIDES if getattr(body, n) is not None),
+        },
     )
     await db.commit()
     await db.refresh(profile)
@@ -469,9 +487,12 @@ async def patch_profile(
     profile_id: uuid.UUID,
     body: ProfilePatch,
     reason: str | None,
+    *,
+    action: str = "maas_site.profile_update",
 ) -> ProfileView:
     site, policy = await load_site(db, site_id)
     profile = await load_profile(db, site_id, profile_id)
+    prior_status = profile.status
     changed: list[str] = []
     for field in ProfilePatch.__struct_fields__:
         if field == "reason":
@@ -482,6 +503,12 @@ async def patch_profile(
         if field == "name" and profile.name == DEFAULT_PROFILE_NAME:
             raise Conflict(
                 "the site's default profile keeps its name", code="default_profile_rename"
+            )
+        if field == "status" and value == "disabled" and site.default_profile_id == profile.id:
+            raise Conflict(
+                "the site's default profile cannot be disabled: make another one the default "
+                "first (PATCH the site's default_profile_id)",
+                code="default_profile_disable",
             )
         setattr(profile, field, value)
         changed.append(field)
@@ -497,10 +524,12 @@ async def patch_profile(
         audit.record_by(
             db,
             principal,
-            action="maas_site.profile_update",
+            action=action,
             target_type="maas_site_profile",
             target_id=str(profile_id),
             reason=reason,
+            prior_state=prior_status,
+            expected_state=profile.status,
             details={"site_id": str(site_id), "changed": sorted(changed)},
         )
         await db.commit()

@@ -42,6 +42,7 @@ from contracts.onboarding import (
     Stage,
     batch_workflow_id,
     onboarding_workflow_id,
+    profile_value,
 )
 from core.config import Settings
 from gateway import audit
@@ -118,6 +119,7 @@ def check_ip(value: str, key: str, errors: list[FieldError]) -> str:
 class Target:
     site: MaasSite
     policy: MaasSitePolicy
+    profile: MaasSiteProfile | None  # None: unknown (a field error says so)
 
 
 async def check_target(
@@ -141,6 +143,9 @@ async def check_target(
     profile = await db.get(MaasSiteProfile, profile_id)
     if profile is None or profile.site_id != site_id:
         errors.append(FieldError("profile_id", "unknown_profile", "this site has no such profile"))
+        profile = None
+    elif profile.status != "active":
+        errors.append(FieldError("profile_id", "profile_disabled", "this profile is disabled"))
     sku = await db.get(Sku, (sku_id, site.region_code))
     if sku is None or not sku.active:
         errors.append(
@@ -150,7 +155,7 @@ async def check_target(
                 f"no active SKU with this name in the site's region {site.region_code!r}",
             )
         )
-    return Target(site, policy)
+    return Target(site, policy, profile)
 
 
 # --- conflicts ---------------------------------------------------------------------------------
@@ -396,7 +401,7 @@ async def create_batch(
         raise unprocessable(errors)
     await db.close()  # never hold a database connection across a Temporal call
     hostnames = [h for h, _ in nodes]
-    max_parallel = target.policy.batch_max_parallel
+    max_parallel = profile_value(target.profile, target.policy, "batch_max_parallel")
 
     batch_id = _derived("batch", key) if key is not None else uuid.uuid4()
     rows: list[OnboardingRow] = []

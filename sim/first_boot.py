@@ -23,6 +23,11 @@ answers the calls onboarding makes outside MAAS's API (activities/onboarding/hos
   be made unreachable (`fail_ssh`), and a pushed agent config is written on the machine's disk
   and its agent restarted (through the linked `FirstBootSimulator`, or a restart marker in
   `machines_dir` that the simulator process picks up).
+- systemd's part for the units the agent restarts (agent/host_processes.UnitRestartRequests: a
+  request file per unit on the disk): a restart of the hardware-sync timer, with the MAAS
+  credentials its service needs on the disk, makes the deployed OS post its hardware sync to the
+  MAAS simulator again (POST /_sim/machines/{id}/hw-sync-timer); each restart is recorded in
+  the boot record's `unit_restarts`.
 
 Only the JSON-bodied #cloud-config that activities/cloud_init.py renders is understood (JSON is
 YAML 1.2, which real cloud-init reads); anything else counts as malformed here.
@@ -67,6 +72,7 @@ from agent.config_file import ROOT_ENV
 from contracts.node_files import (
     DEFAULT_CONFIG_PATH,
     DEFAULT_STATE_DIR,
+    UNIT_RESTART_REQUESTS_DIR,
     HwSyncConfig,
     render_hw_sync_service,
     render_hw_sync_timer,
@@ -236,6 +242,7 @@ class BootRecord:
     gave_up: bool = False
     error: str | None = None
     config_pushes: int = 0
+    unit_restarts: list[str] = field(default_factory=list)  # units the agent restarted, in order
     enrolled_at: float | None = None  # time.monotonic()
     machine_dir: Path | None = None
     address: str | None = None
@@ -534,12 +541,36 @@ class FirstBootSimulator:
         await self._stop_agent(record)
         record._next_start = 0.0
 
+    async def _take_unit_restarts(self, record: BootRecord) -> None:
+        """The unit restarts the agent asked for, carried out as systemd would: the
+        hardware-sync timer's restart makes its service post to MAAS (only with the credentials
+        file in place: the service's ConditionPathExists). A request is removed once done."""
+        assert record.root is not None
+        requests = record.root / str(UNIT_RESTART_REQUESTS_DIR).lstrip("/")
+        if not requests.is_dir():
+            return
+        hw_sync = HwSyncConfig()
+        for request in sorted(p for p in requests.iterdir() if p.is_file()):
+            unit = request.name
+            creds = record.root / hw_sync.credentials.lstrip("/")
+            if unit == PurePosixPath(hw_sync.timer_unit).name and creds.is_file():
+                assert self._control is not None
+                response = await self._control.post(
+                    f"/_sim/machines/{quote(record.system_id)}/hw-sync-timer",
+                    json={"running": True},
+                )
+                response.raise_for_status()
+            request.unlink(missing_ok=True)
+            record.unit_restarts.append(unit)
+            logger.info("%s: restarted %s", record.hostname, unit)
+
     async def _supervise(self, record: BootRecord) -> None:
         """systemd's part: keep the unit's command running (Restart=always, RestartSec), pick
         up a restart an SSH push asked for, and notice enrollment (the identity file)."""
         if not record.unit_argv or record.root is None or record.stopped:
             return
         await self._take_restart(record)
+        await self._take_unit_restarts(record)
         if self._held_record(record):
             if not record.held:
                 logger.info("%s is held: its agent cannot reach the API", record.hostname)

@@ -539,3 +539,44 @@ def test_decide_a_node_without_a_host_gets_one_without_drift() -> None:
     changed = decide(moved, _machine(MachineStatus.DEPLOYED))
     assert changed.rule is not None
     assert (changed.rule.name, changed.new_host) == ("ip_changed", "10.0.0.5")
+
+
+@pytest.mark.maas_scenario(SCENARIO)
+async def test_drift_api_shows_and_filters_by_severity(
+    reconciler: None,
+    temporal_client: Client,
+    settings: Settings,
+    db_sessions: async_sessionmaker[AsyncSession],
+    secret_store: Any,
+    maas_sim: Any,
+    api: Any,
+    make_token: Any,
+) -> None:
+    """The drift list and detail carry the severity the reconciler recorded (§6.4), and the list
+    filters by it."""
+    site_id = await make_site(db_sessions, secret_store, maas_sim)
+    ids = await bind_nodes(db_sessions, site_id, maas_sim)
+    await maas_sim.mark_broken("rec-broken", "PSU failure")
+    await run_once(temporal_client, settings, site_id)
+    admin = await api(token=await make_token("admin"))
+    base = "/api/v1/admin/reconciliation/drift"
+
+    listed = (await admin.get(base, params={"site_id": str(site_id)})).json()["items"]
+    by_node = {uuid.UUID(d["node_id"]): (d["rule"], d["severity"]) for d in listed}
+    assert by_node == {
+        ids["broken"]: ("hardware_failure", "CRITICAL"),
+        ids["offline"]: ("deployed_offline", "WARN"),
+        ids["retired"]: ("retired_cleanup", "INFO"),
+    }
+    critical = (await admin.get(base, params={"severity": "critical"})).json()["items"]
+    assert [uuid.UUID(d["node_id"]) for d in critical] == [ids["broken"]]
+    warn = (await admin.get(base, params={"severity": "WARN"})).json()["items"]
+    assert [uuid.UUID(d["node_id"]) for d in warn] == [ids["offline"]]
+    bad = await admin.get(base, params={"severity": "urgent"})
+    assert bad.status_code == 422
+    assert bad.json()["error"]["code"] == "unknown_severity"
+
+    detail = await admin.get(f"{base}/{ids['broken']}")
+    assert detail.status_code == 200, detail.text
+    assert (detail.json()["rule"], detail.json()["severity"]) == ("hardware_failure", "CRITICAL")
+    assert (await admin.get(f"{base}/{ids['ok']}")).status_code == 404

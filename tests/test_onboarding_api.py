@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from temporalio.client import WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
@@ -157,6 +157,7 @@ ROUTES = [
     ("GET", f"/api/v1/admin/maas-sites/{NIL}/profiles"),
     ("GET", f"/api/v1/admin/maas-sites/{NIL}/profiles/{NIL}"),
     ("PATCH", f"/api/v1/admin/maas-sites/{NIL}/profiles/{NIL}"),
+    ("DELETE", f"/api/v1/admin/maas-sites/{NIL}/profiles/{NIL}"),
 ]
 
 
@@ -679,12 +680,14 @@ async def test_site_profiles(admin: Any, db_sessions: Any) -> None:
     (default,) = (await admin.get(base)).json()["items"]
     assert default["name"] == "default"
     assert (default["distro_series"], default["architecture"]) == (None, None)
-    assert default["effective"] == {
+    assert (default["status"], default["is_default"]) == ("active", True)
+    effective = default["effective"]
+    assert {k: effective[k] for k in ("distro_series", "architecture", "node_pxe_iface")} == {
         "distro_series": "ubuntu/jammy",
         "architecture": "amd64/generic",
         "node_pxe_iface": "eno8303",
-        "enable_phase2_roce": True,
     }
+    assert effective["enable_phase2_roce"] is True
 
     created = await admin.post(
         base,
@@ -746,6 +749,102 @@ async def test_site_profiles(admin: Any, db_sessions: Any) -> None:
         "maas_site.profile_update",
         "maas_site.profile_update",
     ]
+
+
+async def test_profile_policy_knobs_default_and_disable(admin: Any, db_sessions: Any) -> None:
+    """Seed 003 §3.7: every knob a run uses per profile (null: the site's value), a
+    description and status, the site's default profile; a disabled profile starts nothing."""
+    site = await make_site(admin, policy={"max_deploy_retry_attempts": 2})
+    base = f"/api/v1/admin/maas-sites/{site['id']}/profiles"
+    created = await admin.post(
+        base,
+        json={
+            "name": "strict-recovery",
+            "description": "reimage and recovery: no redeploy, no erase fallback",
+            "enable_deploy_retry_on_datasource_failure": False,
+            "max_deploy_retry_attempts": 0,
+            "release_fallback_no_erase": False,
+            "hardware_sync_interval": "5m",
+            "pxe_vlan_vid": 47,
+            "deploy_timeout_seconds": 600,
+        },
+    )
+    assert created.status_code == 201, created.text
+    profile = created.json()
+    assert profile["description"].startswith("reimage and recovery")
+    assert (profile["status"], profile["is_default"]) == ("active", False)
+    assert profile["max_deploy_retry_attempts"] == 0
+    assert profile["strict_pxe_preflight"] is None  # not overridden
+    effective = profile["effective"]
+    assert effective["max_deploy_retry_attempts"] == 0
+    assert effective["enable_deploy_retry_on_datasource_failure"] is False
+    assert effective["release_fallback_no_erase"] is False
+    assert effective["hardware_sync_interval"] == "5m"
+    assert (effective["pxe_vlan_vid"], effective["deploy_timeout_seconds"]) == (47, 600)
+    assert effective["strict_pxe_preflight"] is True  # the site's
+    default = (await admin.get(f"{base}/{site['default_profile_id']}")).json()
+    assert default["effective"]["max_deploy_retry_attempts"] == 2  # the site policy's
+    bad = await admin.post(base, json={"name": "x", "max_deploy_retry_attempts": 11})
+    assert_error(bad, 400, "invalid_request")
+
+    # Clearing an override falls back to the site.
+    cleared = await admin.patch(f"{base}/{profile['id']}", json={"max_deploy_retry_attempts": None})
+    assert cleared.json()["effective"]["max_deploy_retry_attempts"] == 2
+
+    # The default cannot be disabled; another active profile can become the default.
+    assert_error(
+        await admin.delete(f"{base}/{site['default_profile_id']}"), 409, "default_profile_disable"
+    )
+    site_url = f"/api/v1/admin/maas-sites/{site['id']}"
+    moved = await admin.patch(site_url, json={"default_profile_id": profile["id"]})
+    assert moved.status_code == 200, moved.text
+    assert moved.json()["default_profile_id"] == profile["id"]
+    assert (await admin.get(f"{base}/{profile['id']}")).json()["is_default"] is True
+    old_default = await admin.delete(f"{base}/{site['default_profile_id']}")
+    assert old_default.status_code == 200, old_default.text
+    assert old_default.json()["status"] == "disabled"
+    assert_error(
+        await admin.patch(site_url, json={"default_profile_id": site["default_profile_id"]}),
+        422,
+        "profile_disabled",
+    )
+    other = await make_site(admin)
+    assert_error(
+        await admin.patch(site_url, json={"default_profile_id": other["default_profile_id"]}),
+        422,
+        "unknown_profile",
+    )
+
+    async with db_sessions() as session:
+        audited = list(
+            await session.execute(
+                select(AuditEntry.action, AuditEntry.prior_state, AuditEntry.expected_state)
+                .where(AuditEntry.target_id == site["default_profile_id"])
+                .order_by(AuditEntry.id)
+            )
+        )
+    assert [tuple(row) for row in audited] == [("maas_site.profile_disable", "active", "disabled")]
+
+
+async def test_disabled_or_foreign_profile_starts_no_onboarding(
+    admin: Any, sku: str, db_sessions: Any
+) -> None:
+    site = await make_site(admin)
+    other = await make_site(admin)
+    base = f"/api/v1/admin/maas-sites/{site['id']}/profiles"
+    spare = (await admin.post(base, json={"name": "spare"})).json()
+    assert (await admin.delete(f"{base}/{spare['id']}")).status_code == 200
+
+    disabled = await admin.post(ONBOARDINGS, json=single(site, profile_id=spare["id"]))
+    assert_error(disabled, 422, "profile_disabled")
+    assert field_errors(disabled) == {"profile_id": "profile_disabled"}
+    foreign = await admin.post(
+        f"{ONBOARDINGS}/batch",
+        json=batch(site, [("b1", "10.176.16.1")], profile_id=other["default_profile_id"]),
+    )
+    assert_error(foreign, 422, "unknown_profile")
+    async with db_sessions() as session:
+        assert await session.scalar(select(func.count()).select_from(NodeOnboarding)) == 0
 
 
 async def test_policy_onboarding_knobs(admin: Any, db_sessions: Any) -> None:

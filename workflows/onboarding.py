@@ -47,6 +47,7 @@ with workflow.unsafe.imports_passed_through():
         CHILD_SETTLED_SIGNAL,
         DEPLOY_STAGES,
         POST_DEPLOY_STAGES,
+        REDEPLOY_SINCE_OPERATOR_PATCH,
         RELEASE_SITE_SLOT_ACTIVITY,
         SITE_SLOT_PATCH,
         STAGE_ORDER,
@@ -199,7 +200,11 @@ class MaasNodeOnboardWorkflow(OperatorControlledJob[Stage, OperatorAction, Onboa
         result = await self._run_stage(Stage.CLASSIFY_DEPLOY_FAILURE)
         kind = str(result.details.get("failure_kind", "generic"))
         policy = self._site.policy if self._site else None
-        redeploys = max(self._state.deploy_attempts - 1, 0)
+        # The first deploy since the operator's last action is no redeploy.
+        deploys = self._state.deploy_attempts
+        if workflow.patched(REDEPLOY_SINCE_OPERATOR_PATCH):
+            deploys -= self._state.deploys_before_operator
+        redeploys = max(deploys - 1, 0)
         if (
             kind == "datasource_like"
             and policy is not None
@@ -317,8 +322,18 @@ class MaasNodeOnboardWorkflow(OperatorControlledJob[Stage, OperatorAction, Onboa
     # ------------------------------------------------------------------ failure and actions
 
     async def _fail(self, failure: StageFailure[Stage], *, forced: JobStatus | None = None) -> None:
+        self._observe_failure(failure)
         await super()._fail(failure, forced=forced)
         await self._tell_parent()
+
+    def _observe_failure(self, failure: StageFailure[Stage]) -> None:
+        """A stage that failed on what it saw in MAAS names that status (a commissioning that
+        ended in Failed commissioning, a timeout): the job's last_maas_status is refreshed with
+        it (§4.12). A failure the workflow built after later stages ran (the deploy group's,
+        after the release to Ready) keeps what those stages saw."""
+        seen = failure.details.get("maas_status")
+        if failure.stage == self._stage and isinstance(seen, str):
+            self._state.observed.maas_status = seen
 
     async def _await_operator(self) -> Stage | None:
         """Wait for an accepted action; answer where to start again (None: cancel)."""
@@ -326,6 +341,7 @@ class MaasNodeOnboardWorkflow(OperatorControlledJob[Stage, OperatorAction, Onboa
             action, failed_stage = await self._next_action(Stage.LOAD_SITE_CONFIG)
             if action == OperatorAction.CANCEL:
                 return None
+            self._state.deploys_before_operator = self._state.deploy_attempts
             if action == OperatorAction.RERUN:
                 return Stage.LOAD_SITE_CONFIG
             if action == OperatorAction.RESTART_CLEAN:

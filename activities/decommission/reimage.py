@@ -39,7 +39,7 @@ from contracts import onboarding as ob
 from contracts.decommission import EventStatus, StageInput, StageResult
 from core.failures import ClassifiedError, FailureClass
 from core.secrets import SecretStoreError
-from schema.models import MaasSiteProfile
+from schema.models import MaasSite
 
 
 def onboard_input(input: StageInput, stage_attempt: int = 1) -> ob.StageInput:
@@ -141,8 +141,9 @@ class ReimageActivities(MaasStageActivities, NodeStageActivities):
     @activity.defn(name="decommission.load_site_config")
     async def decommission_load_site_config(self, input: StageInput) -> StageResult:
         """§5.3/§5.4 LoadSiteConfig: the node's site (from its MAAS binding), policy, profile
-        (the one it was onboarded with, else the site's first) and SKU; the MAAS token from
-        Vault, checked against MAAS. A node without a MAAS binding skips every MAAS stage."""
+        (the request's, else the one it was onboarded with, else the site's default) and SKU;
+        the MAAS token from Vault, checked against MAAS. A node without a MAAS binding skips
+        every MAAS stage."""
         if not input.state.maas_managed:
             async with self.deps.sessions() as session, session.begin():
                 await read_model.add_event(
@@ -157,10 +158,9 @@ class ReimageActivities(MaasStageActivities, NodeStageActivities):
         if input.state.profile_id is None and input.state.site_id is not None:
             async with self.deps.sessions() as session:
                 profile = await session.scalar(
-                    select(MaasSiteProfile.id)
-                    .where(MaasSiteProfile.site_id == uuid.UUID(input.state.site_id))
-                    .order_by(MaasSiteProfile.name)
-                    .limit(1)
+                    select(MaasSite.default_profile_id).where(
+                        MaasSite.id == uuid.UUID(input.state.site_id)
+                    )
                 )
             if profile is not None:
                 input.state.profile_id = str(profile)

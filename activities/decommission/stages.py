@@ -286,7 +286,7 @@ class DecommissionActivities:
         """§5.2 DisableNode: the node becomes unschedulable by entering `draining` (only active
         nodes are placed on), which also makes this workflow the owning lifecycle operation of
         the drain (seed 004 §3.3). Also loads what later stages need: hostname, MAAS binding,
-        SKU and the profile the node was onboarded with."""
+        SKU and the profile (the request's, else the one the node was onboarded with)."""
         async with self.stage(input, Stage.DISABLE_NODE) as run:
             await self._load_node(run)
             sources = (NodeStatus.ACTIVE, NodeStatus.OFFLINE, NodeStatus.QUARANTINED)
@@ -347,8 +347,10 @@ class DecommissionActivities:
             state.system_id = binding.maas_system_id
             state.maas_status = state.maas_status or binding.last_maas_status
             state.power_state = state.power_state or binding.last_maas_power_state
-        if profile_id is not None:
-            state.profile_id = str(profile_id)
+        # The request's profile (checked by the gateway), else the one it was onboarded with.
+        chosen = run.input.decommission.profile_id or profile_id
+        if chosen is not None:
+            state.profile_id = str(chosen)
 
     @activity.defn(name="decommission.load_node")
     async def load_node(self, input: StageInput) -> StageResult:

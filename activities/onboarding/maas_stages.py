@@ -41,7 +41,11 @@ from activities.onboarding.stage_runtime import (
     poll_until,
     timeout_error,
 )
-from activities.power_credentials import PowerCredentialsMissing, resolve_power_credentials
+from activities.power_credentials import (
+    OVERRIDE_SOURCE_PREFIX,
+    PowerCredentialsMissing,
+    resolve_power_credentials,
+)
 from contracts.onboarding import (
     OnboardState,
     SiteConfig,
@@ -253,7 +257,24 @@ class MaasStageActivities(StageActivitiesBase):
         async with self.stage(input, Stage.COMMISSION_NODE) as run, self.maas(run.site) as maas:
             machine = await get_machine_or_ambiguity(maas, run.system_id)
             state = observe(input.state, machine)
-            if machine.status == S.READY or machine.status in DEPLOY_BOUND:
+            if machine.status == S.READY:
+                # No commissioning to set the power parameters on the way: a per-node override
+                # (seed 003 §3.2.1) is written now, or MAAS would go on powering the machine with
+                # the credentials it had (the site default's, or stale ones).
+                login, source = await self._bmc_login(run)
+                if source.startswith(OVERRIDE_SOURCE_PREFIX):
+                    await maas.update_machine(
+                        machine.system_id,
+                        power=IpmiPowerParameters(
+                            power_address=input.onboarding.ipmi_ip,
+                            power_user=login.user,
+                            power_pass=login.password,
+                        ),
+                    )
+                    run.skipped(state, f"already Ready; power credentials from {source} set")
+                else:
+                    run.skipped(state, "already Ready")
+            elif machine.status in DEPLOY_BOUND:
                 run.skipped(state, f"already {machine.status.label}")
             elif machine.status in COMMISSION_ACTIVE:
                 run.skipped(state, "already commissioning; waiting")

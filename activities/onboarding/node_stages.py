@@ -61,10 +61,11 @@ from contracts.onboarding import (
     OnboardState,
     ProgressRecord,
     SiteConfig,
-    SitePolicyView,
     Stage,
     StageInput,
     StageResult,
+    profile_value,
+    resolve_policy,
 )
 from contracts.states import NodeStatus
 from core.failures import ClassifiedError, FailureClass
@@ -84,6 +85,8 @@ from schema.models import (
 S = MachineStatus
 CREATED_BY = "onboarding"
 ONBOARDING_ACTOR = "onboarding"  # who moved the node, in its node.status_changed events
+SSH_PORT = 22
+NODE_AGENT_ACCESS = "node_agent"  # host work goes through the node's agent (seed 003 §8.1)
 
 
 class NodeStageActivities(StageActivitiesBase):
@@ -136,9 +139,6 @@ class NodeStageActivities(StageActivitiesBase):
             sku = await session.get(Sku, (ob.sku_id, site.region_code))
             if sku is None or not sku.active:
                 raise bad_input("unknown_sku", f"SKU {ob.sku_id} is not sold in {site.region_code}")
-            roce = policy.enable_phase2_roce
-            if profile.enable_phase2_roce is not None:
-                roce = profile.enable_phase2_roce
             return SiteConfig(
                 site_id=str(site.id),
                 site_name=site.name,
@@ -146,38 +146,16 @@ class NodeStageActivities(StageActivitiesBase):
                 api_base_url=site.api_base_url,
                 api_token_vault_path=site.api_token_vault_path,
                 deploy_password_vault_path=site.deploy_password_vault_path,
-                pxe_vlan_vid=site.pxe_vlan_vid,
-                node_pxe_iface=profile.node_pxe_iface or site.node_pxe_iface,
+                pxe_vlan_vid=profile_value(profile, site, "pxe_vlan_vid"),
+                node_pxe_iface=profile_value(profile, site, "node_pxe_iface"),
                 deploy_user=site.deploy_user,
                 deploy_ssh_iface=site.deploy_ssh_iface,
                 upstream_dns_servers=list(site.upstream_dns_servers or []),
-                distro_series=profile.distro_series or site.distro_series,
-                architecture=profile.architecture or site.architecture,
+                distro_series=profile_value(profile, site, "distro_series"),
+                architecture=profile_value(profile, site, "architecture"),
                 sku_id=sku.name,
                 gpu_count=max(sku.allowed_gpu_counts),
-                policy=SitePolicyView(
-                    strict_pxe_preflight=policy.strict_pxe_preflight,
-                    enable_phase2_roce=roce,
-                    require_hw_sync=policy.require_hw_sync,
-                    hardware_sync_interval=policy.hardware_sync_interval,
-                    release_fallback_no_erase=policy.release_fallback_no_erase,
-                    enable_deploy_retry_on_datasource_failure=(
-                        policy.enable_deploy_retry_on_datasource_failure
-                    ),
-                    max_deploy_retry_attempts=policy.max_deploy_retry_attempts,
-                    auto_claim_single_new_machine=policy.auto_claim_single_new_machine,
-                    batch_max_parallel=policy.batch_max_parallel,
-                    site_bootstrap_bundle_ref=policy.site_bootstrap_bundle_ref,
-                    enrollment_token_ttl_seconds=policy.enrollment_token_ttl_seconds,
-                    maas_poll_interval_ms=policy.maas_poll_interval_ms,
-                    discovery_timeout_seconds=policy.discovery_timeout_seconds,
-                    commission_timeout_seconds=policy.commission_timeout_seconds,
-                    deploy_timeout_seconds=policy.deploy_timeout_seconds,
-                    hw_sync_seed_timeout_seconds=policy.hw_sync_seed_timeout_seconds,
-                    hw_sync_health_timeout_seconds=policy.hw_sync_health_timeout_seconds,
-                    roce_failures_stop_job=policy.roce_failures_stop_job,
-                    enrollment_timeout_seconds=policy.enrollment_timeout_seconds,
-                ),
+                policy=resolve_policy(policy, profile),
             )
 
     # ------------------------------------------------------------------ node record
@@ -255,6 +233,11 @@ class NodeStageActivities(StageActivitiesBase):
                     status=NodeStatus.ENROLLING,
                     gpu_count=site.gpu_count,
                     onboarding_mode="maas",
+                    # §8.1: the node is reached as the deploy user its cloud-init creates, over
+                    # SSH's port, and run through its agent; host is set once it is deployed.
+                    port=SSH_PORT,
+                    ssh_username=site.deploy_user,
+                    access_method=NODE_AGENT_ACCESS,
                 )
                 .on_conflict_do_nothing(index_elements=[Node.id])
             )

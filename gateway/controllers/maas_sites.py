@@ -155,7 +155,7 @@ class AdminMaasSitesController(Controller):
         "/{site_id:uuid}/probe",
         status_code=200,
         summary="Reach MAAS with the stored token: version and rack controllers",
-        responses=errors(403, 404, 409),
+        responses=errors(403, 404, 409, 502),
     )
     async def probe(
         self,
@@ -170,8 +170,9 @@ class AdminMaasSitesController(Controller):
     @post(
         "/{site_id:uuid}/profiles",
         status_code=201,
-        summary="Add a profile: a runtime shape of the site (overrides of distro series, "
-        "architecture, node PXE interface, phase-2 RoCE; absent = the site's value)",
+        summary="Add a profile: a policy bundle and runtime shape of the site (overrides of "
+        "distro series, architecture, PXE interface and VLAN, and of every policy knob; "
+        "absent = the site's value)",
         responses=errors(400, 403, 404, 409, 413),
     )
     async def create_profile(
@@ -210,7 +211,8 @@ class AdminMaasSitesController(Controller):
 
     @patch(
         "/{site_id:uuid}/profiles/{profile_id:uuid}",
-        summary="Change a profile; null clears an override (the default profile keeps its name)",
+        summary="Change a profile; null clears an override (the default profile keeps its name "
+        "and cannot be disabled)",
         responses=errors(400, 403, 404, 409, 413),
     )
     async def patch_profile(
@@ -223,6 +225,30 @@ class AdminMaasSitesController(Controller):
     ) -> ProfileView:
         return await maas_sites.patch_profile(
             db, admin.principal, site_id, profile_id, data, admin.reason(data.reason)
+        )
+
+    @delete(
+        "/{site_id:uuid}/profiles/{profile_id:uuid}",
+        status_code=200,
+        summary="Disable a profile (soft delete: new onboardings and decommissions naming it are "
+        "rejected, running ones continue; 409 default_profile_disable for the site's default)",
+        responses=errors(403, 404, 409),
+    )
+    async def disable_profile(
+        self,
+        db: NamedDependency[AsyncSession],
+        admin: NamedDependency[AdminCall],
+        site_id: FromPath[uuid.UUID],
+        profile_id: FromPath[uuid.UUID],
+    ) -> ProfileView:
+        return await maas_sites.patch_profile(
+            db,
+            admin.principal,
+            site_id,
+            profile_id,
+            ProfilePatch(status="disabled"),
+            admin.reason(),
+            action="maas_site.profile_disable",
         )
 
     # --- RoCE assignments ---

@@ -34,8 +34,9 @@ IdempotencyKey = Annotated[str | None, HeaderParameter(name=IDEMPOTENCY_HEADER, 
 
 _CREATE_NOTES = (
     " 422 carries field errors in error.details.errors ({key, source, code, message}); codes "
-    "invalid_hostname, invalid_ipmi_ip, unknown_site, unknown_profile, unknown_sku, "
-    "site_disabled (several different ones: validation_failed), idempotency_key_reused. "
+    "invalid_hostname, invalid_ipmi_ip, unknown_site, unknown_profile, profile_disabled, "
+    "unknown_sku, site_disabled (several different ones: validation_failed), "
+    "idempotency_key_reused. "
     "With X-Idempotency-Key a retry gets the same answer (Idempotent-Replayed: true). 503 "
     "temporal_unavailable leaves nothing behind."
 )

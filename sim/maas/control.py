@@ -21,6 +21,11 @@ scenario hostname or a BMC address.
                                                  (default interface: the boot interface)
     POST   /_sim/machines/{ref}/power            {"state": "on" | "off"} at the BMC
     POST   /_sim/machines/{ref}/status           {"status": "Deploying"}: forced, no transition
+    POST   /_sim/machines/{ref}/hw-sync-timer    {"running": false}: the deployed OS's hardware-
+                                                 sync timer stops (last_sync goes stale);
+                                                 {"running": true}: systemctl restart of it (a
+                                                 post now, then every period), what a re-seed
+                                                 does; answers {"running", "posted"}
     POST   /_sim/machines/{ref}/faults           {"faults": [fault, ...]} or one fault object
     DELETE /_sim/machines/{ref}/faults
     POST   /_sim/faults                          site-wide request faults (http_error, slow,
@@ -44,7 +49,7 @@ import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from sim.maas import enlistment, lifecycle, network, storage
+from sim.maas import enlistment, hwsync, lifecycle, network, storage
 from sim.maas.enums import NodeStatus, PowerState
 from sim.maas.errors import ApiError
 from sim.maas.faults import FaultError, FaultSpec
@@ -282,6 +287,20 @@ def _force_status(sim: Simulator, payload: dict[str, Any], args: dict[str, str])
     machine.cancel_steps()
     lifecycle.set_status(sim.region, machine, status)
     return snapshot(sim, machine)
+
+
+@_route("POST", r"/_sim/machines/(?P<ref>[^/]+)/hw-sync-timer")
+def _hw_sync_timer(sim: Simulator, payload: dict[str, Any], args: dict[str, str]) -> Any:
+    running = payload.get("running")
+    if not isinstance(running, bool):
+        raise ControlError(400, "running is true or false")
+    machine = _machine(sim, args["ref"])
+    posted = False
+    if running:
+        posted = hwsync.restart_sync_timer(sim.region, machine)
+    else:
+        hwsync.stop_sync_timer(sim.region, machine)
+    return {"running": hwsync.sync_timer_running(machine), "posted": posted}
 
 
 def _fault_specs(payload: dict[str, Any]) -> list[FaultSpec]:

@@ -14,7 +14,8 @@ MAAS reports about it:
     vanishes                the machine is deleted from MAAS `after` seconds after it enters the
                             status `when` (default "Deploying")
     hw_sync_never_healthy   the deployed OS never posts hardware sync: last_sync stays where
-                            deployment left it and goes stale after 1.5 x sync_interval
+                            deployment left it and goes stale after 1.5 x sync_interval (a
+                            restart of its timer, as a re-seed makes, posts nothing either)
     token_delayed           op=get_token answers null for `after` seconds after MAAS creates the
                             node key
     pxe_unlinked            after commissioning the PXE interface has no subnet link (link_up)
