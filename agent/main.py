@@ -129,7 +129,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--heartbeat-seconds",
         type=float,
         default=float(os.environ.get("GPUCLOUD_AGENT_HEARTBEAT_S", DEFAULT_INTERVAL_SECONDS)),
-        help="how often liveness and GPU inventory are reported (default: %(default)s)",
+        help="how often the GPU inventory is checked; a change is reported (default: %(default)s)",
     )
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)

@@ -9,6 +9,11 @@ simulated agents as separate processes, started by devstack.up.Stack in a privat
     .venv/bin/python -m bench.allocations [--requests 1000] [--clients 20] [--latency-samples 60]
 
 Targets on a 2-core machine (issue 2): (a) p99 <= 500 ms and >= 50 allocations/s, (b) p50 <= 300 ms.
+
+With `--idle-agents N` (issue 27), (a) runs twice more, alternately without and with N idle node
+agents (bench/idle_fleet.py: the real agent code, many per process, on a region of their own),
+each run on a fresh 150-node fleet of its own; it prints both throughputs and their ratio
+(target: with the idle fleet, >= 90 % of the throughput without it).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import shutil
 import statistics
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -29,6 +35,7 @@ import httpx
 from sqlalchemy import text
 from temporalio.client import Client
 
+from bench.idle_fleet import idle_fleet_child, seed_idle_fleet
 from bench.stack import (
     bench_stack_options,
     cpu_seconds,
@@ -56,14 +63,22 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
-async def seed_bench_fleets(database_url: str, latency_nodes: int) -> list[str]:
+def throughput_region(run: int) -> str:
+    """Each (a) run's own 150-node fleet: a thousand one-GPU allocations fill most of one."""
+    return THROUGHPUT_REGION if run == 0 else f"{THROUGHPUT_REGION}-{run}"
+
+
+async def seed_bench_fleets(
+    database_url: str, latency_nodes: int, throughput_runs: int = 1
+) -> list[str]:
     engine = create_engine(database_url, pool_size=1, max_overflow=0)
     try:
         async with session_factory(engine)() as session, session.begin():
-            await seed_fleet(
-                session,
-                build_fleet(150, 8, region=THROUGHPUT_REGION, hostname_prefix="bench-a"),
-            )
+            for run in range(throughput_runs):
+                region = throughput_region(run)
+                await seed_fleet(
+                    session, build_fleet(150, 8, region=region, hostname_prefix=region)
+                )
             latency = build_fleet(
                 latency_nodes, 8, region=LATENCY_REGION, hostname_prefix="bench-b"
             )
@@ -98,7 +113,14 @@ async def fund_tenant(gateway: str, tenant: str, admin: str) -> None:
 
 
 async def throughput(
-    gateway: str, token: str, requests: int, clients: int, warmup: int, pids: dict[str, int]
+    gateway: str,
+    token: str,
+    requests: int,
+    clients: int,
+    warmup: int,
+    pids: dict[str, int],
+    run: int = 0,
+    postgres_datadir: Path | None = None,
 ) -> dict[str, Any]:
     """`warmup` requests go first, from the same clients, and are counted in nothing (figures,
     CPU): they open the pools' connections, prepare statements and create the node task queues,
@@ -111,10 +133,10 @@ async def throughput(
     errors: dict[str, int] = {}
     queue: asyncio.Queue[tuple[str, bool]] = asyncio.Queue()
     for i in range(warmup):
-        queue.put_nowait((f"warmup-{i}", False))
+        queue.put_nowait((f"warmup-{run}-{i}", False))
     for i in range(requests):
-        queue.put_nowait((f"a-{i}", True))
-    body = {"sku": SKU, "gpus": 1, "region": THROUGHPUT_REGION, "ssh_key_ids": []}
+        queue.put_nowait((f"a-{run}-{i}", True))
+    body = {"sku": SKU, "gpus": 1, "region": throughput_region(run), "ssh_key_ids": []}
     window: dict[str, Any] = {}  # when the first measured request went out, and the CPU then
 
     async def client_loop(client: aiohttp.ClientSession) -> None:
@@ -125,7 +147,9 @@ async def throughput(
                 return
             if measured and not window:
                 window.update(
-                    started=time.perf_counter(), cpu=cpu_seconds(pids), machine=machine_cpu_ticks()
+                    started=time.perf_counter(),
+                    cpu=cpu_seconds(pids, postgres_datadir),
+                    machine=machine_cpu_ticks(),
                 )
             t0, wall0 = time.perf_counter(), time.time()
             async with client.post(
@@ -156,7 +180,7 @@ async def throughput(
     try:
         await asyncio.gather(*(client_loop(client) for client in api))
         wall = time.perf_counter() - window["started"]
-        cpu_after = cpu_seconds(pids)
+        cpu_after = cpu_seconds(pids, postgres_datadir)
         machine_after = machine_cpu_ticks()
     finally:
         for client in api:
@@ -285,7 +309,13 @@ async def main(args: argparse.Namespace) -> None:
         tokens = await stack.start()
         assert stack.cluster is not None
         database_url = stack.cluster.url("gpucloud")
-        latency_nodes = await seed_bench_fleets(database_url, args.latency_nodes)
+        pg_dir = stack.cluster.datadir
+        # (a), then with --idle-agents one run without and one with the idle fleet.
+        latency_nodes = await seed_bench_fleets(
+            database_url, args.latency_nodes, 3 if args.idle_agents else 1
+        )
+        if args.idle_agents:
+            await seed_idle_fleet(database_url, args.idle_agents)
         fleet = Child(
             "bench-fleet",
             [*python_entry("sim.fleet"), *[a for n in latency_nodes for a in ("--node-id", n)]],
@@ -302,9 +332,25 @@ async def main(args: argparse.Namespace) -> None:
         await fund_tenant(gateway, tenant, tokens["admin_token"])
         b = await post_to_active(gateway, tenant, database_url, args.latency_samples)
         pids = {c.name: c.pid for c in stack.children if c.pid is not None}
-        a = await throughput(gateway, tenant, args.requests, args.clients, args.warmup, pids)
+        a = await throughput(
+            gateway, tenant, args.requests, args.clients, args.warmup, pids, 0, pg_dir
+        )
         cpu = a["cpu"]
         breakdown = await stage_breakdown(options.temporal_address, a["sent"]) if args.trace else []
+        idle: dict[str, dict[str, Any]] = {}
+        if args.idle_agents:
+            idle["without"] = await throughput(
+                gateway, tenant, args.requests, args.clients, args.warmup, pids, 1, pg_dir
+            )
+            agents = idle_fleet_child(stack, database_url, args.idle_agents, "after", 30.0, nice=19)
+            stack.children.append(agents)
+            await agents.start()
+            await asyncio.sleep(40)  # every agent started, polling, and past its first signal
+            assert agents.pid is not None
+            pids = {**pids, "idle-agents": agents.pid}
+            idle["with"] = await throughput(
+                gateway, tenant, args.requests, args.clients, args.warmup, pids, 2, pg_dir
+            )
     finally:
         await stack.shutdown()
         shutil.rmtree(state, ignore_errors=True)
@@ -348,6 +394,20 @@ async def main(args: argparse.Namespace) -> None:
         "CPU seconds during (a): "
         + ", ".join(f"{name} {used:.1f}" for name, used in sorted(cpu.items(), key=lambda x: -x[1]))
     )
+    if idle:
+        for label, run in idle.items():
+            print(
+                f"(a) {label} {args.idle_agents} idle agents: {run['created']} created, "
+                f"{run['other_statuses']} other {run['errors'] or ''}; "
+                f"throughput {run['throughput_per_s']:.1f}/s, p99 {run['p99_ms']:.0f} ms; "
+                f"machine {run['machine']['busy']:.0%} busy, {run['machine']['steal']:.0%} steal; "
+                + ", ".join(
+                    f"{k} {v:.1f}" for k, v in sorted(run["cpu"].items(), key=lambda x: -x[1])
+                )
+                + " CPU s"
+            )
+        ratio = idle["with"]["throughput_per_s"] / idle["without"]["throughput_per_s"]
+        print(f"(a) with / without the idle fleet: {ratio:.1%} (target >= 90 %)")
 
 
 if __name__ == "__main__":
@@ -359,6 +419,12 @@ if __name__ == "__main__":
     )
     parser.add_argument("--latency-samples", type=int, default=60)
     parser.add_argument("--latency-nodes", type=int, default=4)
+    parser.add_argument(
+        "--idle-agents",
+        type=int,
+        default=0,
+        help="also run (a) without and then with this many idle agents (issue 27: 2000)",
+    )
     parser.add_argument(
         "--trace",
         action="store_true",

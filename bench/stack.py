@@ -52,19 +52,39 @@ def machine_cpu_shares(before: dict[str, int], after: dict[str, int]) -> dict[st
     }
 
 
-def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
-    """CPU time (user + system) used so far by each named process, and by all of PostgreSQL."""
+def cpu_seconds(pids: dict[str, int], postgres_datadir: Path | None = None) -> dict[str, float]:
+    """CPU time (user + system) used so far by each named process, and by PostgreSQL: with
+    `postgres_datadir`, that cluster alone (its postmaster, its live processes and those that
+    exited: on a machine shared with other clusters, whose processes come and go, only this
+    reads steadily); without, every process of the `postgres` user."""
     tick = os.sysconf("SC_CLK_TCK")
 
-    def of(pid: int) -> float:
+    def stat(pid: int) -> list[str]:
         try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
+            return []
+
+    def of(pid: int, *, reaped_children: bool = False) -> float:
+        fields = stat(pid)
+        if not fields:
             return 0.0
-        return (int(fields[11]) + int(fields[12])) / tick
+        own = int(fields[11]) + int(fields[12])
+        # cutime + cstime: children that exited and were waited for (PostgreSQL's backends,
+        # reaped by the postmaster), whose CPU the live processes no longer show.
+        return (own + (int(fields[13]) + int(fields[14]) if reaped_children else 0)) / tick
 
     used = {name: of(pid) for name, pid in pids.items()}
     used["bench-client"] = of(os.getpid())
+    if postgres_datadir is not None:
+        postmaster = int((postgres_datadir / "postmaster.pid").read_text().split()[0])
+        children = [
+            int(p.name)
+            for p in Path("/proc").iterdir()
+            if p.name.isdigit() and stat(int(p.name))[1:2] == [str(postmaster)]
+        ]
+        used["postgres"] = of(postmaster, reaped_children=True) + sum(map(of, children))
+        return used
     postgres_uid = None
     with contextlib.suppress(KeyError):
         postgres_uid = pwd.getpwnam("postgres").pw_uid

@@ -58,7 +58,8 @@ async def test_a_reserved_node_that_leaves_service_before_provisioning_fails_it_
                 .where(Node.id == node.id)
                 .values(last_agent_contact_at=dt.datetime.now(dt.UTC) - dt.timedelta(minutes=10))
             )
-        swept = await NodeLivenessActivities(db_sessions).check_liveness(LivenessInput())
+        liveness = NodeLivenessActivities(db_sessions, temporal_client)
+        swept = await liveness.check_liveness(LivenessInput())
         assert swept.went_offline == [str(node.id)]
 
         async with Worker(**{**config, "workflows": []}):

@@ -1,8 +1,10 @@
 """NodePresenceWorkflow `node-presence-{node_id}`: the control plane's side of an agent's
-heartbeat. Agents talk to Temporal only (ARCHITECTURE rule 7), so liveness and GPU inventory
-arrive as signals; each is recorded by a short local activity (last_agent_contact_at, inventory
-and whether it matches the node's GPU slots). Signals that arrive while one is being recorded are
-coalesced: only the newest matters."""
+presence signal. Agents talk to Temporal only (ARCHITECTURE rule 7), so their version and GPU
+inventory arrive as signals, at agent start, when the inventory changes and otherwise every half
+hour (agent/heartbeat.py); each is recorded by a short local activity (last_agent_contact_at,
+inventory and whether it matches the node's GPU slots). Signals that arrive while one is being
+recorded are coalesced: only the newest matters. Between signals, liveness comes from the
+agent's polls (activities/node_liveness.py)."""
 
 from __future__ import annotations
 
