@@ -27,6 +27,7 @@ import asyncpg
 
 from contracts.billing_meter import BalanceState
 from contracts.states import (
+    LIVE_ALLOCATION_STATUSES,
     AllocationStatus,
     ClaimKind,
     ClaimStatus,
@@ -99,7 +100,8 @@ async def load_offer(
 #
 # Every statement below takes the same leading parameters:
 #   $1 region, $2 sku, $3 gpus, $4 allocation id, $5 project id, $6 idempotency key, $7 shape,
-#   $8 ssh key ids, $9 workflow id, $10 host task id, $11 host task kind
+#   $8 ssh key ids, $9 workflow id, $10 host task id, $11 host task kind, $12 allocation group id
+#   (NULL outside a group), $13 whether the group forbids two live members on one node
 # and expects a CTE `placed(node_id)` holding the node to place on (no row: write nothing) and
 # `details`, the placement's event details. It writes the allocation (created `requested`: seed
 # 000's reservation; the workflow's allocation.begin_provisioning moves it on) and its queued host
@@ -109,9 +111,10 @@ async def load_offer(
 _WRITE_ALLOCATION = f"""
 allocation AS (
   INSERT INTO allocations (id, project_id, idempotency_key, sku, region, shape, gpu_count, node_id,
-                           ssh_key_ids, status, workflow_id, created_at)
+                           ssh_key_ids, status, workflow_id, created_at, allocation_group_id,
+                           same_node_forbidden)
   SELECT $4::uuid, $5::uuid, $6::text, $2::text, $1::text, $7::text, $3::int, placed.node_id,
-         $8::uuid[], '{AllocationStatus.REQUESTED}', $9::text, stamp.at
+         $8::uuid[], '{AllocationStatus.REQUESTED}', $9::text, stamp.at, $12::uuid, $13::bool
   FROM placed, (SELECT clock_timestamp() AS at) AS stamp
   RETURNING id, node_id, created_at
 ), events AS (
@@ -178,7 +181,7 @@ SELECT (SELECT id FROM node), (SELECT created_at FROM allocation),
 # of one project share it, while the release of the project's last allocation locks it FOR UPDATE
 # before it counts what is left and deletes it (activities/allocations.py, _return_slice_vlan),
 # so a VLAN is never returned while a placement is using it. Without a row, the lowest vid of the
-# region's pool (its slice_vlan_pools row, else `$12..$13`) that no project holds is inserted;
+# region's pool (its slice_vlan_pools row, else `$14..$15`) that no project holds is inserted;
 # the unique constraints decide between concurrent first placements: ON CONFLICT DO NOTHING
 # waits for the other insert and yields nothing, so the loser writes nothing and ranks again
 # (free_vid set, vlan empty), and no free vid at all is the pool being exhausted. Bare metal
@@ -189,7 +192,7 @@ held_vlan AS (
   WHERE v.region = $1 AND v.project_id = $5::uuid AND (SELECT ok FROM fits)
   FOR KEY SHARE
 ), pool AS (
-  SELECT coalesce(p.first_vid, $12::int) AS first_vid, coalesce(p.last_vid, $13::int) AS last_vid
+  SELECT coalesce(p.first_vid, $14::int) AS first_vid, coalesce(p.last_vid, $15::int) AS last_vid
   FROM (SELECT 1) AS one LEFT JOIN slice_vlan_pools p ON p.region = $1
 ), free_vid AS (
   SELECT s.vid FROM pool, generate_series(pool.first_vid, pool.last_vid) AS s(vid)
@@ -213,6 +216,18 @@ held_vlan AS (
 )"""
 
 
+# Anti-affinity of an allocation group (seed 001 §1a, `spread: same_node_forbidden`): a member
+# is not placed on a node where a live member of its group is. Only slices need the test: a
+# bare-metal member's whole-node claim already keeps every other allocation off its node. Two
+# members placed at once cannot both see the node free and both land there: the partial unique
+# index `allocations_group_same_node` (migration 0025) refuses the second insert, and placement
+# ranks again (allocation.place retries an integrity violation), now seeing the first.
+_NOT_BESIDE_GROUP_MEMBER = f"""NOT ($13::bool AND EXISTS (
+      SELECT 1 FROM allocations m
+      WHERE m.allocation_group_id = $12::uuid AND m.same_node_forbidden AND m.node_id = n.id
+        AND m.status IN ({", ".join(f"'{s}'" for s in sorted(LIVE_ALLOCATION_STATUSES))})))"""
+
+
 # Slices: nodes where one NUMA node fits the request rank first, then best-fit (fewest free GPUs
 # that still fit), so big requests keep finding room; ties go to the lower node id. The ranking
 # is two walks down the `nodes_placement` index (region, sku, status, free_gpus, id,
@@ -234,16 +249,18 @@ def _slice_walk(numa_condition: str) -> str:
     return f"""
   SELECT n.id FROM nodes n
   WHERE n.region = $1 AND n.sku = $2 AND n.status = '{NodeStatus.ACTIVE}' AND n.free_gpus >= $3
-    AND {numa_condition} AND EXISTS (SELECT 1 FROM funded)
+    AND {numa_condition} AND EXISTS (SELECT 1 FROM funded) AND {_NOT_BESIDE_GROUP_MEMBER}
   ORDER BY n.free_gpus, n.id
   LIMIT 1
   FOR UPDATE OF n SKIP LOCKED"""
 
 
-# Some node of the SKU has room for the request, whether or not others hold it (`any_room`).
+# Some node of the SKU has room for the request, whether or not others hold it (`any_room`);
+# a node the group's anti-affinity rules out has no room for this member.
 _SLICE_ROOM = f"""
 SELECT 1 FROM nodes n
 WHERE n.region = $1 AND n.sku = $2 AND n.status = '{NodeStatus.ACTIVE}' AND n.free_gpus >= $3
+  AND {_NOT_BESIDE_GROUP_MEMBER}
 """
 
 # The placement_reserved event's details, and the reservation of the `chosen` slots with their
@@ -320,15 +337,15 @@ SELECT (SELECT id FROM node), (SELECT created_at FROM allocation),
 # Reservations of slots the caller chose, written by the same statement parts as a placement's
 # (allocation, events, host task, slots, claims) but without ranking, locking a node or taking a
 # VLAN: for benchmarks that fill a fleet in bulk before they time real placements
-# (bench/placement.py). `$12` the node, `$13` its free slots to reserve; a slot no longer free
+# (bench/placement.py). `$14` the node, `$15` its free slots to reserve; a slot no longer free
 # writes nothing.
 _RESERVE_GIVEN_SLOTS = f"""
 WITH chosen AS (
   SELECT g.id, g.gpu_index, g.numa_node FROM gpu_slots g
-  WHERE g.id = ANY($13::uuid[]) AND g.node_id = $12::uuid AND g.status = '{SlotStatus.FREE}'
+  WHERE g.id = ANY($15::uuid[]) AND g.node_id = $14::uuid AND g.status = '{SlotStatus.FREE}'
   FOR UPDATE
 ), placed AS (
-  SELECT $12::uuid AS node_id WHERE (SELECT count(*) FROM chosen) = cardinality($13::uuid[])
+  SELECT $14::uuid AS node_id WHERE (SELECT count(*) FROM chosen) = cardinality($15::uuid[])
 ), {_SLOT_DETAILS}, {_WRITE_ALLOCATION}, {_RESERVE_CHOSEN}
 SELECT 1
 """
@@ -390,6 +407,8 @@ class PlacementRequest:
     workflow_id: str
     task_id: uuid.UUID
     task_kind: str
+    allocation_group_id: uuid.UUID | None = None
+    same_node_forbidden: bool = False
 
     def parameters(self) -> tuple[object, ...]:
         """The leading parameters every placement statement takes, in order."""
@@ -405,6 +424,8 @@ class PlacementRequest:
             self.workflow_id,
             self.task_id,
             self.task_kind,
+            self.allocation_group_id,
+            self.same_node_forbidden,
         )
 
 

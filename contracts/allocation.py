@@ -87,6 +87,10 @@ class AllocationInput:
     # sha256 of the canonical request body: the same idempotency key with another body is refused.
     request_fingerprint: str
     policy: AllocationPolicy = field(default_factory=AllocationPolicy)
+    # Set for a member of an allocation group (seed 001 §1a): it reports each status to the
+    # group's workflow, and placement applies the group's anti-affinity.
+    allocation_group_id: str | None = None
+    same_node_forbidden: bool = False
 
 
 @dataclass

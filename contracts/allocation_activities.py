@@ -26,6 +26,10 @@ class PlaceInput:
     workflow_id: str
     # The provisioning node task's id, from workflow.uuid4(): a rerun records the same task once.
     provision_task_id: str = ""
+    # A member of an allocation group (seed 001 §1a), and whether its group forbids two live
+    # members on one node (placement skips those nodes; a unique index holds it under races).
+    allocation_group_id: str | None = None
+    same_node_forbidden: bool = False
 
 
 @dataclass
