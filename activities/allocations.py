@@ -19,7 +19,6 @@ from typing import Any
 
 import asyncpg
 from sqlalchemy import and_, delete, exists, func, insert, or_, select, update
-from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from temporalio import activity
 from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
@@ -27,7 +26,7 @@ from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 from activities import placement_sql
 from activities.billing.usage import close_usage, open_usage
 from activities.node_lifecycle import transition_node
-from activities.node_task_log import record_task_outcome
+from activities.node_task_log import queue_task, record_task_outcome
 from activities.placement_sql import DEFAULT_SLICE_VLAN_POOL, PlacementRequest, SkuSizing
 from contracts.allocation import (
     BALANCE_DEPLETED,
@@ -81,7 +80,6 @@ from schema.models import (
     DomainEvent,
     GpuSlot,
     Node,
-    NodeTask,
     ProjectSliceVlan,
     Sku,
     SshKey,
@@ -202,6 +200,10 @@ class AllocationActivities:
             workflow_id=input.workflow_id,
             task_id=uuid.UUID(input.provision_task_id),
             task_kind=BAREMETAL_PROVISION_USER if baremetal else SLICE_VM_PROVISION,
+            allocation_group_id=(
+                uuid.UUID(input.allocation_group_id) if input.allocation_group_id else None
+            ),
+            same_node_forbidden=input.same_node_forbidden,
         )
         if baremetal:
             placed = await placement_sql.place_baremetal(pg, request)
@@ -256,7 +258,7 @@ class AllocationActivities:
                 else BAREMETAL_PROVISION_USER
             )
             if allocation.status == AllocationStatus.REQUESTED:
-                await _queue_task(
+                await queue_task(
                     session,
                     input.provision_task_id,
                     allocation_id,
@@ -465,7 +467,7 @@ class AllocationActivities:
                 if allocation.shape == SkuShape.GPU_SLICE
                 else BAREMETAL_DEPROVISION_USER
             )
-            await _queue_task(
+            await queue_task(
                 session, input.task_id, allocation.id, allocation.node_id, kind, input.workflow_id
             )
         return ReleasePlan(
@@ -816,28 +818,6 @@ async def _free_claims(session: AsyncSession, allocation_id: uuid.UUID) -> None:
         update(GpuSlot)
         .where(GpuSlot.allocation_id == allocation_id)
         .values(status=SlotStatus.FREE, allocation_id=None, updated_at=CLOCK)
-    )
-
-
-async def _queue_task(
-    session: AsyncSession,
-    task_id: str,
-    allocation_id: uuid.UUID,
-    node_id: uuid.UUID | None,
-    kind: str,
-    workflow_id: str,
-) -> None:
-    await session.execute(
-        pg_insert(NodeTask)
-        .values(
-            id=uuid.UUID(task_id),
-            node_id=node_id,
-            allocation_id=allocation_id,
-            kind=kind,
-            status=NodeTaskStatus.QUEUED,
-            workflow_id=workflow_id,
-        )
-        .on_conflict_do_nothing(index_elements=[NodeTask.id])
     )
 
 

@@ -27,6 +27,29 @@ from core.timestamps import parse_iso
 from schema.models import NodeTask, NodeTaskEvent
 
 
+async def queue_task(
+    session: AsyncSession,
+    task_id: str,
+    allocation_id: uuid.UUID | None,
+    node_id: uuid.UUID | None,
+    kind: str,
+    workflow_id: str,
+) -> None:
+    """The task is about to be scheduled on the node's queue: its row, `queued` (once)."""
+    await session.execute(
+        pg_insert(NodeTask)
+        .values(
+            id=uuid.UUID(task_id),
+            node_id=node_id,
+            allocation_id=allocation_id,
+            kind=kind,
+            status=NodeTaskStatus.QUEUED,
+            workflow_id=workflow_id,
+        )
+        .on_conflict_do_nothing(index_elements=[NodeTask.id])
+    )
+
+
 async def record_task_outcome(
     session: AsyncSession,
     task_id: uuid.UUID,

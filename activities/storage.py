@@ -1,0 +1,579 @@
+"""Storage namespaces and attachments in the worker (seed 001 §7).
+
+- Namespace create/delete are AdminOperationWorkflow operations (tenant and admin API): the row,
+  its audit row and the provider's directory. A delete is refused while any attachment of the
+  namespace is not `detached`; it is the only path that deletes a namespace's data.
+- StorageAttachmentWorkflow's activities: open (the row, `requested`), transitions
+  (compare-and-set on seed 001 §7's table with an event row in the same transaction), the
+  precheck (write mode against quota posture, provider capability and policy, other writers:
+  decided and applied in one transaction holding the namespace row, so two prechecks never both
+  see no writer), the provider's grant and revoke, and the node_tasks rows of the mount tasks.
+- `storage.detach_for_release`: AllocationWorkflow's release detaches every attachment of the
+  allocation first (each through its own workflow's detach update) and waits for them.
+
+Provider calls block (filesystem): they run in a thread, never inside a database transaction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import sqlalchemy.exc
+from sqlalchemy import func, insert, or_, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from temporalio import activity
+from temporalio.client import Client, WorkflowUpdateFailedError
+from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError, RPCStatusCode
+
+from activities.node_task_log import queue_task, record_task_outcome
+from activities.operation_support import record_audit, refusal, transaction
+from activities.storage_provider import StorageProvider
+from contracts.admin_operation import NOT_FOUND
+from contracts.states import AllocationStatus, NodeTaskStatus
+from contracts.storage import (
+    ALLOCATION_NOT_ATTACHABLE,
+    ATTACHMENT_OPEN,
+    ATTACHMENT_PRECHECK,
+    ATTACHMENT_TRANSITION,
+    DETACH_FOR_RELEASE,
+    DETACH_UPDATE,
+    GRANT_APPLY,
+    GRANT_REVOKE,
+    HOST_TASK_FINISH,
+    HOST_TASK_QUEUE,
+    MULTI_WRITER_NOT_ALLOWED,
+    NAMESPACE_ATTACHED,
+    NAMESPACE_CREATE,
+    NAMESPACE_DELETE,
+    NAMESPACE_EXISTS,
+    NAMESPACE_NOT_FOUND,
+    QUOTA_EXCEEDED,
+    STORAGE_DETACH_FAILED,
+    TRANSITIONS,
+    WRITE_MODES,
+    WRITER_CONFLICT,
+    AttachmentStatus,
+    AttachmentView,
+    DetachActor,
+    DetachForReleaseInput,
+    DetachForReleaseResult,
+    DetachRequest,
+    GrantInput,
+    HostTaskFinishInput,
+    HostTaskQueueInput,
+    NamespaceCreateInput,
+    NamespaceDeleteInput,
+    NamespaceState,
+    NamespaceStatus,
+    OpenInput,
+    PrecheckResult,
+    TransitionInput,
+    WriteMode,
+)
+from schema.models import Allocation, StorageAttachment, StorageAttachmentEvent, StorageNamespace
+
+# A failed attachment refused by its precheck never held a grant or a mount: it is no writer.
+PRECHECK_REFUSALS = (QUOTA_EXCEEDED, MULTI_WRITER_NOT_ALLOWED, WRITER_CONFLICT)
+# How often detach_for_release heartbeats while it waits, without a heartbeat timeout (with one:
+# three times per timeout).
+_HEARTBEAT_S = 5.0
+TRANSITION_CONFLICT = "storage_transition_conflict"
+
+
+def attachment_view(row: StorageAttachment) -> AttachmentView:
+    return AttachmentView(
+        attachment_id=str(row.id),
+        status=row.status,
+        node_id=str(row.node_id),
+        mount_path=row.mount_path,
+        failure_reason=row.failure_reason,
+        failure_message=row.failure_message,
+        detach_attempts=row.detach_attempts,
+    )
+
+
+def namespace_state(row: StorageNamespace, usage_bytes: int = 0) -> NamespaceState:
+    return NamespaceState(
+        id=str(row.id),
+        project_id=str(row.project_id),
+        name=row.name,
+        provider=row.provider,
+        quota_bytes=row.quota_bytes,
+        allow_multi_writer=row.allow_multi_writer,
+        status=row.status,
+        created_at=row.created_at.isoformat(),
+        usage_bytes=usage_bytes,
+    )
+
+
+def _from_statuses(to_status: AttachmentStatus) -> list[str]:
+    return [src.value for src, targets in TRANSITIONS.items() if to_status in targets]
+
+
+async def _apply_transition(session: AsyncSession, input: TransitionInput) -> StorageAttachment:
+    """Compare-and-set from any status seed 001 §7 allows into `to_status`, with its event row.
+    Repeating a transition that already happened answers the row (a retried activity)."""
+    to_status = AttachmentStatus(input.to_status)
+    attachment_id = uuid.UUID(input.attachment_id)
+    current = await session.scalar(
+        select(StorageAttachment).where(StorageAttachment.id == attachment_id).with_for_update()
+    )
+    if current is None:
+        raise refusal(NOT_FOUND, "storage attachment not found")
+    if current.status == to_status:
+        return current
+    if current.status not in _from_statuses(to_status):
+        raise refusal(
+            TRANSITION_CONFLICT, f"attachment is {current.status}, not a status before {to_status}"
+        )
+    prior = current.status
+    values: dict[str, Any] = {"status": to_status.value, "updated_at": func.clock_timestamp()}
+    if to_status in (AttachmentStatus.FAILED, AttachmentStatus.DETACH_FAILED):
+        values |= {"failure_reason": input.failure_reason, "failure_message": input.failure_message}
+    if to_status == AttachmentStatus.MOUNTED:
+        values |= {"mount_path": input.mount_path, "mounted_at": func.clock_timestamp()}
+    if to_status == AttachmentStatus.DETACHING:
+        values["detach_attempts"] = StorageAttachment.detach_attempts + 1
+    if to_status == AttachmentStatus.DETACHED:
+        values |= {"detached_at": func.clock_timestamp(), "mount_path": None}
+    row = await session.scalar(
+        update(StorageAttachment)
+        .where(StorageAttachment.id == attachment_id)
+        .values(**values)
+        .returning(StorageAttachment)
+        .execution_options(populate_existing=True)
+    )
+    assert row is not None
+    details = {"failure_reason": input.failure_reason} if input.failure_reason else {}
+    await session.execute(
+        insert(StorageAttachmentEvent).values(
+            attachment_id=attachment_id,
+            from_status=prior,
+            to_status=to_status.value,
+            actor=input.actor,
+            reason=input.reason or input.failure_message,
+            details=details,
+        )
+    )
+    return row
+
+
+class StorageActivities:
+    def __init__(
+        self,
+        sessions: async_sessionmaker[AsyncSession],
+        provider: StorageProvider,
+        client: Client,
+    ) -> None:
+        self._sessions = sessions
+        self._provider = provider
+        self._client = client
+
+    def activities(self) -> list[Callable[..., Any]]:
+        """The attachment workflow's and the release's activities."""
+        return [
+            self.attachment_open,
+            self.attachment_transition,
+            self.attachment_precheck,
+            self.grant_apply,
+            self.grant_revoke,
+            self.host_task_queue,
+            self.host_task_finish,
+            self.detach_for_release,
+        ]
+
+    def operations(self) -> list[Callable[..., Any]]:
+        """The AdminOperationWorkflow operations."""
+        return [self.namespace_create, self.namespace_delete]
+
+    # ------------------------------------------------------------------ namespaces
+
+    @activity.defn(name=NAMESPACE_CREATE)
+    async def namespace_create(self, input: NamespaceCreateInput) -> NamespaceState:
+        """The provider's directory first (idempotent; an orphan from a refused insert is empty
+        and harmless), then the row and its audit row. The same namespace id answers the same."""
+        await asyncio.to_thread(self._provider.create, input.namespace_id)
+        namespace_id = uuid.UUID(input.namespace_id)
+        try:
+            async with transaction(self._sessions) as session:
+                existing = await session.get(StorageNamespace, namespace_id)
+                if existing is not None:
+                    return namespace_state(existing)
+                row = await session.scalar(
+                    pg_insert(StorageNamespace)
+                    .values(
+                        id=namespace_id,
+                        project_id=uuid.UUID(input.project_id),
+                        name=input.name,
+                        provider=self._provider.kind,
+                        quota_bytes=input.quota_bytes,
+                        allow_multi_writer=input.allow_multi_writer,
+                    )
+                    .returning(StorageNamespace)
+                )
+                assert row is not None
+                record_audit(
+                    session,
+                    input.actor,
+                    action="storage_namespace.create",
+                    target_type="storage_namespace",
+                    target_id=input.namespace_id,
+                    expected_state=NamespaceStatus.ACTIVE.value,
+                    details={
+                        "project_id": input.project_id,
+                        "name": input.name,
+                        "quota_bytes": input.quota_bytes,
+                        "allow_multi_writer": input.allow_multi_writer,
+                    },
+                )
+                return namespace_state(row)
+        except sqlalchemy.exc.IntegrityError:
+            raise refusal(
+                NAMESPACE_EXISTS, "the project already has a storage namespace with this name"
+            ) from None
+
+    @activity.defn(name=NAMESPACE_DELETE)
+    async def namespace_delete(self, input: NamespaceDeleteInput) -> NamespaceState:
+        """active → deleted unless an attachment of it is not detached (409), then its data is
+        deleted at the provider (again on a retry: a deleted row answers and deletes again)."""
+        namespace_id = uuid.UUID(input.namespace_id)
+        async with transaction(self._sessions) as session:
+            row = await session.scalar(
+                select(StorageNamespace)
+                .where(StorageNamespace.id == namespace_id)
+                .with_for_update()
+            )
+            if row is None or (
+                input.project_id is not None and str(row.project_id) != input.project_id
+            ):
+                raise refusal(NAMESPACE_NOT_FOUND, "storage namespace not found")
+            if row.status == NamespaceStatus.ACTIVE:
+                attached = list(
+                    await session.scalars(
+                        select(StorageAttachment.id).where(
+                            StorageAttachment.namespace_id == namespace_id,
+                            StorageAttachment.status != AttachmentStatus.DETACHED,
+                        )
+                    )
+                )
+                if attached:
+                    raise refusal(
+                        NAMESPACE_ATTACHED,
+                        "the namespace is attached: detach it first",
+                        {"attachment_ids": [str(a) for a in attached]},
+                    )
+                row = await session.scalar(
+                    update(StorageNamespace)
+                    .where(StorageNamespace.id == namespace_id)
+                    .values(status=NamespaceStatus.DELETED, deleted_at=func.clock_timestamp())
+                    .returning(StorageNamespace)
+                    .execution_options(populate_existing=True)
+                )
+                assert row is not None
+                record_audit(
+                    session,
+                    input.actor,
+                    action="storage_namespace.delete",
+                    target_type="storage_namespace",
+                    target_id=input.namespace_id,
+                    prior_state=NamespaceStatus.ACTIVE.value,
+                    expected_state=NamespaceStatus.DELETED.value,
+                    details={"project_id": str(row.project_id), "name": row.name},
+                )
+            state = namespace_state(row)
+        await asyncio.to_thread(self._provider.delete, input.namespace_id)
+        return state
+
+    # ------------------------------------------------------------------ attachments
+
+    @activity.defn(name=ATTACHMENT_OPEN)
+    async def attachment_open(self, input: OpenInput) -> AttachmentView:
+        """The attachment on record as `requested`, if its allocation is active and its
+        namespace active, both the project's. The rows are held (FOR SHARE) against a release
+        or a namespace delete that would otherwise not see this attachment."""
+        attachment_id = uuid.UUID(input.attachment_id)
+        project_id = uuid.UUID(input.project_id)
+        async with transaction(self._sessions) as session:
+            existing = await session.get(StorageAttachment, attachment_id)
+            if existing is not None:
+                return attachment_view(existing)
+            allocation = await session.scalar(
+                select(Allocation)
+                .where(Allocation.id == uuid.UUID(input.allocation_id))
+                .with_for_update(read=True)
+            )
+            if allocation is None or allocation.project_id != project_id:
+                raise refusal(NOT_FOUND, "allocation not found")
+            if allocation.status != AllocationStatus.ACTIVE:
+                raise refusal(
+                    ALLOCATION_NOT_ATTACHABLE,
+                    f"the allocation is {allocation.status}; storage attaches to active ones",
+                    {"status": allocation.status},
+                )
+            namespace = await session.scalar(
+                select(StorageNamespace)
+                .where(StorageNamespace.id == uuid.UUID(input.namespace_id))
+                .with_for_update(read=True)
+            )
+            if (
+                namespace is None
+                or namespace.project_id != project_id
+                or namespace.status != NamespaceStatus.ACTIVE
+            ):
+                raise refusal(NAMESPACE_NOT_FOUND, "storage namespace not found")
+            row = await session.scalar(
+                pg_insert(StorageAttachment)
+                .values(
+                    id=attachment_id,
+                    project_id=project_id,
+                    namespace_id=namespace.id,
+                    allocation_id=allocation.id,
+                    node_id=allocation.node_id,
+                    mode=WriteMode(input.mode).value,
+                    status=AttachmentStatus.REQUESTED,
+                    workflow_id=input.workflow_id,
+                    requested_by=input.requested_by,
+                )
+                .returning(StorageAttachment)
+            )
+            assert row is not None
+            await session.execute(
+                insert(StorageAttachmentEvent).values(
+                    attachment_id=attachment_id,
+                    to_status=AttachmentStatus.REQUESTED,
+                    actor=input.requested_by,
+                    details={"mode": input.mode, "namespace_id": input.namespace_id},
+                )
+            )
+            return attachment_view(row)
+
+    @activity.defn(name=ATTACHMENT_TRANSITION)
+    async def attachment_transition(self, input: TransitionInput) -> AttachmentView:
+        async with transaction(self._sessions) as session:
+            return attachment_view(await _apply_transition(session, input))
+
+    @activity.defn(name=ATTACHMENT_PRECHECK)
+    async def attachment_precheck(self, attachment_id: str) -> PrecheckResult:
+        """prechecking → grant_applying, or → failed with the reason the mode is not allowed:
+        read_only always is; a writer needs the namespace under quota and no other writer
+        (single_writer: none at all; multi_writer: no single_writer, and both the provider's
+        capability and the namespace's policy)."""
+        key = uuid.UUID(attachment_id)
+        async with transaction(self._sessions) as session:
+            loaded = await session.get(StorageAttachment, key)
+            if loaded is None:
+                raise refusal(NOT_FOUND, "storage attachment not found")
+            namespace_key = str(loaded.namespace_id)
+        usage = await asyncio.to_thread(self._provider.usage_bytes, namespace_key)
+        async with transaction(self._sessions) as session:
+            namespace = await session.scalar(
+                select(StorageNamespace)
+                .where(StorageNamespace.id == uuid.UUID(namespace_key))
+                .with_for_update()
+            )
+            attachment = await session.get(StorageAttachment, key)
+            allocation = await session.get(Allocation, loaded.allocation_id)
+            assert namespace is not None
+            assert attachment is not None
+            assert allocation is not None
+            result = PrecheckResult(
+                node_id=str(attachment.node_id),
+                namespace_key=namespace_key,
+                provider=namespace.provider,
+                usage_bytes=usage,
+                quota_bytes=namespace.quota_bytes,
+            )
+            if attachment.status != AttachmentStatus.PRECHECKING:
+                # A retried activity whose first attempt committed: answer what it decided.
+                result.refusal = attachment.failure_reason
+                return result
+            result.refusal, result.message = await self._refusal(
+                session, attachment, namespace, allocation, usage
+            )
+            await _apply_transition(
+                session,
+                TransitionInput(
+                    attachment_id=attachment_id,
+                    to_status=(
+                        AttachmentStatus.FAILED
+                        if result.refusal
+                        else AttachmentStatus.GRANT_APPLYING
+                    ),
+                    actor="precheck",
+                    failure_reason=result.refusal,
+                    failure_message=result.message or None,
+                ),
+            )
+            return result
+
+    async def _refusal(
+        self,
+        session: AsyncSession,
+        attachment: StorageAttachment,
+        namespace: StorageNamespace,
+        allocation: Allocation,
+        usage: int,
+    ) -> tuple[str | None, str]:
+        mode = WriteMode(attachment.mode)
+        if allocation.status != AllocationStatus.ACTIVE:
+            return ALLOCATION_NOT_ATTACHABLE, f"the allocation is {allocation.status}"
+        if mode not in WRITE_MODES:
+            return None, ""
+        if mode == WriteMode.MULTI_WRITER and not (
+            self._provider.capabilities.multi_writer and namespace.allow_multi_writer
+        ):
+            return (
+                MULTI_WRITER_NOT_ALLOWED,
+                "multi_writer needs both the provider's capability and the namespace's policy",
+            )
+        if usage >= namespace.quota_bytes:
+            return (
+                QUOTA_EXCEEDED,
+                f"the namespace uses {usage} of its {namespace.quota_bytes} bytes: "
+                "read_only attachments only",
+            )
+        conflicting = [WriteMode.SINGLE_WRITER.value]
+        if mode == WriteMode.SINGLE_WRITER:
+            conflicting.append(WriteMode.MULTI_WRITER.value)
+        other_writers = await session.scalar(
+            select(func.count())
+            .select_from(StorageAttachment)
+            .where(
+                StorageAttachment.namespace_id == namespace.id,
+                StorageAttachment.id != attachment.id,
+                StorageAttachment.mode.in_(conflicting),
+                StorageAttachment.status.not_in(
+                    [AttachmentStatus.DETACHED, AttachmentStatus.REQUESTED]
+                ),
+                or_(
+                    StorageAttachment.status != AttachmentStatus.FAILED,
+                    StorageAttachment.failure_reason.is_(None),
+                    StorageAttachment.failure_reason.not_in(
+                        [*PRECHECK_REFUSALS, ALLOCATION_NOT_ATTACHABLE]
+                    ),
+                ),
+            )
+        )
+        if other_writers:
+            return WRITER_CONFLICT, f"the namespace has another writer ({mode} allows none)"
+        return None, ""
+
+    @activity.defn(name=GRANT_APPLY)
+    async def grant_apply(self, input: GrantInput) -> None:
+        await asyncio.to_thread(
+            self._provider.grant,
+            input.namespace_key,
+            input.attachment_id,
+            input.node_id,
+            input.mode,
+        )
+
+    @activity.defn(name=GRANT_REVOKE)
+    async def grant_revoke(self, input: GrantInput) -> None:
+        await asyncio.to_thread(self._provider.revoke, input.namespace_key, input.attachment_id)
+
+    @activity.defn(name=HOST_TASK_QUEUE)
+    async def host_task_queue(self, input: HostTaskQueueInput) -> None:
+        """The mount task's node_tasks row, on the allocation's timeline."""
+        async with transaction(self._sessions) as session:
+            attachment = await session.get(StorageAttachment, uuid.UUID(input.attachment_id))
+            assert attachment is not None
+            await queue_task(
+                session,
+                input.task_id,
+                attachment.allocation_id,
+                attachment.node_id,
+                input.kind,
+                input.workflow_id,
+            )
+
+    @activity.defn(name=HOST_TASK_FINISH)
+    async def host_task_finish(self, input: HostTaskFinishInput) -> None:
+        result = input.mount or input.unmount
+        output: dict[str, Any] = {}
+        if input.mount is not None:
+            output = {"mount_path": input.mount.mount_path, "read_only": input.mount.read_only}
+        elif input.unmount is not None:
+            output = {"was_mounted": input.unmount.was_mounted}
+        async with transaction(self._sessions) as session:
+            await record_task_outcome(
+                session,
+                uuid.UUID(input.task_id),
+                NodeTaskStatus.FAILED if input.error_type else NodeTaskStatus.COMPLETED,
+                started_at=result.started_at if result else None,
+                finished_at=result.finished_at if result else None,
+                phases=result.phases if result else input.phases,
+                output=output,
+                error_type=input.error_type,
+                error_message=input.error_message,
+            )
+
+    # ------------------------------------------------------------------ allocation release
+
+    @activity.defn(name=DETACH_FOR_RELEASE)
+    async def detach_for_release(self, input: DetachForReleaseInput) -> DetachForReleaseResult:
+        """Every attachment of the allocation not yet detached is detached through its own
+        workflow, and waited for. Called after the allocation became `releasing`, which no new
+        attachment can open against (attachment_open holds the allocation row). Any that ends
+        detach_failed fails the release (its node still has the mount)."""
+        async with transaction(self._sessions) as session:
+            rows = list(
+                await session.execute(
+                    select(StorageAttachment.id, StorageAttachment.workflow_id).where(
+                        StorageAttachment.allocation_id == uuid.UUID(input.allocation_id),
+                        StorageAttachment.status != AttachmentStatus.DETACHED,
+                    )
+                )
+            )
+        request = DetachRequest(DetachActor.ALLOCATION_RELEASE, input.reason, wait=True)
+        heartbeats = asyncio.create_task(self._heartbeat())
+        try:
+            views = await asyncio.gather(
+                *(self._detach(str(row.id), row.workflow_id, request) for row in rows)
+            )
+        finally:
+            heartbeats.cancel()
+        result = DetachForReleaseResult()
+        for view in views:
+            if view.status == AttachmentStatus.DETACHED:
+                result.detached.append(view.attachment_id)
+            else:
+                result.failed.append(view.attachment_id)
+        if result.failed:
+            raise ApplicationError(
+                f"{len(result.failed)} storage attachment(s) did not detach",
+                {"failed": result.failed},
+                type=STORAGE_DETACH_FAILED,
+                non_retryable=True,
+            )
+        return result
+
+    async def _detach(
+        self, attachment_id: str, workflow_id: str, request: DetachRequest
+    ) -> AttachmentView:
+        handle = self._client.get_workflow_handle(workflow_id)
+        try:
+            view: AttachmentView = await handle.execute_update(
+                DETACH_UPDATE, request, result_type=AttachmentView
+            )
+            return view
+        except (RPCError, WorkflowUpdateFailedError) as err:
+            if isinstance(err, RPCError) and err.status != RPCStatusCode.NOT_FOUND:
+                raise
+        # Its workflow has closed: it ended detached (the only way it closes).
+        async with transaction(self._sessions) as session:
+            row = await session.get(StorageAttachment, uuid.UUID(attachment_id))
+            assert row is not None
+            return attachment_view(row)
+
+    async def _heartbeat(self) -> None:
+        timeout = activity.info().heartbeat_timeout
+        interval = timeout.total_seconds() / 3 if timeout else _HEARTBEAT_S
+        while True:
+            activity.heartbeat()
+            await asyncio.sleep(interval)

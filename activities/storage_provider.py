@@ -1,0 +1,115 @@
+"""Storage providers (seed 001 §7): where a namespace's data lives and how a node is granted
+access to it. The control plane's storage activities (activities/storage.py) call a provider;
+the node's agent mounts what it was granted (agent/storage_mounts.py).
+
+`SharedDirectoryProvider` is the one provider: a directory per namespace on a filesystem that
+the control-plane worker and every node see at the same place (a cluster filesystem or an NFS
+export mounted on each; in the embedded stack and the tests, a directory on the one machine).
+Its tree under the root:
+
+    namespaces/<namespace id>/                 the namespace's data (created empty, 0o2775)
+    grants/<namespace id>/<attachment id>.json {"node_id", "mode"}: what the node's agent checks
+                                               before it mounts (and the mode it mounts with)
+
+Quota is enforced by the provider's accounting, not by the kernel: the bytes allocated under a
+namespace (st_blocks, hard links once) are compared with its quota_bytes when an attachment is
+prechecked, and a namespace at or over quota takes read_only attachments only. A writer that is
+already mounted is not stopped mid-write (no loop-mounted image or project quota here).
+Capabilities: multi_writer (a shared filesystem takes concurrent writers; coordinating them is
+the workload's business), so the namespace's policy decides.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from contracts.storage import PROVIDER_SHARED_DIRECTORY
+
+STORAGE_ROOT_ENV = "GPUCLOUD_STORAGE_ROOT"
+DEFAULT_STORAGE_ROOT = "/srv/gpucloud-storage"
+
+
+@dataclass(frozen=True)
+class ProviderCapabilities:
+    multi_writer: bool
+    # Whether writes beyond the quota are stopped by the storage itself (False: accounting only).
+    hard_quota: bool
+
+
+class StorageProvider(Protocol):
+    """Blocking calls; each is idempotent. `key` is the namespace id."""
+
+    kind: str
+    capabilities: ProviderCapabilities
+
+    def create(self, key: str) -> None: ...
+
+    def delete(self, key: str) -> None:
+        """Delete the namespace's data: only ever for a namespace deleted by its owner."""
+        ...
+
+    def usage_bytes(self, key: str) -> int: ...
+
+    def grant(self, key: str, attachment_id: str, node_id: str, mode: str) -> None: ...
+
+    def revoke(self, key: str, attachment_id: str) -> None: ...
+
+
+class SharedDirectoryProvider:
+    kind = PROVIDER_SHARED_DIRECTORY
+    capabilities = ProviderCapabilities(multi_writer=True, hard_quota=False)
+
+    def __init__(self, root: Path | str) -> None:
+        self.root = Path(root)
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> SharedDirectoryProvider:
+        source = os.environ if env is None else env
+        return cls(source.get(STORAGE_ROOT_ENV) or DEFAULT_STORAGE_ROOT)
+
+    def namespace_dir(self, key: str) -> Path:
+        return self.root / "namespaces" / key
+
+    def _grants_dir(self, key: str) -> Path:
+        return self.root / "grants" / key
+
+    def create(self, key: str) -> None:
+        path = self.namespace_dir(key)
+        path.mkdir(parents=True, exist_ok=True)
+        # Group-writable with setgid: the nodes' tenants share the namespace through its group.
+        os.chmod(path, 0o2775)  # noqa: S103
+
+    def delete(self, key: str) -> None:
+        for path in (self._grants_dir(key), self.namespace_dir(key)):
+            if path.is_symlink():
+                path.unlink()
+            elif path.exists():
+                shutil.rmtree(path)
+
+    def usage_bytes(self, key: str) -> int:
+        seen: set[tuple[int, int]] = set()
+        total = 0
+        for directory, dirs, files in os.walk(self.namespace_dir(key)):
+            for name in (*dirs, *files):
+                st = os.lstat(os.path.join(directory, name))
+                if (st.st_dev, st.st_ino) in seen:
+                    continue
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
+        return total
+
+    def grant(self, key: str, attachment_id: str, node_id: str, mode: str) -> None:
+        directory = self._grants_dir(key)
+        directory.mkdir(parents=True, exist_ok=True)
+        target = directory / f"{attachment_id}.json"
+        temporary = directory / f".{attachment_id}.json.tmp"
+        temporary.write_text(json.dumps({"node_id": node_id, "mode": mode}))
+        os.replace(temporary, target)
+
+    def revoke(self, key: str, attachment_id: str) -> None:
+        (self._grants_dir(key) / f"{attachment_id}.json").unlink(missing_ok=True)

@@ -1,0 +1,336 @@
+"""Storage namespaces and attachments (seed 001 §7): the StorageAttachmentWorkflow contract (id
+scheme, states, update and query names, inputs and results), the control-plane activity names,
+the node agent's typed mount tasks, the namespace admin operations and the error types the
+gateway maps to HTTP. Kept apart from the workflow so the gateway, the activities and the agent
+import no workflow code.
+
+A storage namespace is project-owned persistent storage with a `quota_bytes`, kept by a storage
+provider (activities/storage_provider.py). An attachment binds one namespace to one allocation's
+node: the control plane grants the node access at the provider, then the node's agent mounts it
+(STORAGE_MOUNT on `node-{id}`); a detach unmounts (STORAGE_UNMOUNT) and revokes the grant. No
+detach and no allocation release ever deletes a namespace's data; only deleting the namespace
+itself (refused while it is attached) does.
+"""
+
+# Annotations here are evaluated on purpose: see contracts/allocation.py.
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from contracts.admin_operation import STORAGE_NAMESPACE_CREATE, STORAGE_NAMESPACE_DELETE, Actor
+from contracts.host_tasks import STORAGE_MOUNT as STORAGE_MOUNT
+from contracts.host_tasks import STORAGE_UNMOUNT as STORAGE_UNMOUNT
+from contracts.host_tasks import HostPhase
+
+WORKFLOW_NAME = "StorageAttachmentWorkflow"
+WORKFLOW_ID_PREFIX = "storage-attachment-"
+OPEN_UPDATE = "open"  # update-with-start: answers once the attachment is on record (or refused)
+DETACH_UPDATE = "detach"
+STATUS_QUERY = "status"
+
+
+def attachment_workflow_id(attachment_id: str) -> str:
+    return f"{WORKFLOW_ID_PREFIX}{attachment_id}"
+
+
+class AttachmentStatus(StrEnum):
+    REQUESTED = "requested"
+    PRECHECKING = "prechecking"
+    GRANT_APPLYING = "grant_applying"
+    GRANT_APPLIED = "grant_applied"
+    MOUNTING = "mounting"
+    MOUNTED = "mounted"
+    DETACHING = "detaching"
+    DETACHED = "detached"
+    FAILED = "failed"
+    DETACH_FAILED = "detach_failed"
+
+
+# Seed 001 §7's transitions, the one table both the workflow and the SQL compare-and-set use.
+TRANSITIONS: dict[AttachmentStatus, frozenset[AttachmentStatus]] = {
+    AttachmentStatus.REQUESTED: frozenset({AttachmentStatus.PRECHECKING, AttachmentStatus.FAILED}),
+    AttachmentStatus.PRECHECKING: frozenset(
+        {AttachmentStatus.GRANT_APPLYING, AttachmentStatus.FAILED}
+    ),
+    AttachmentStatus.GRANT_APPLYING: frozenset(
+        {AttachmentStatus.GRANT_APPLIED, AttachmentStatus.FAILED}
+    ),
+    AttachmentStatus.GRANT_APPLIED: frozenset({AttachmentStatus.MOUNTING, AttachmentStatus.FAILED}),
+    AttachmentStatus.MOUNTING: frozenset({AttachmentStatus.MOUNTED, AttachmentStatus.FAILED}),
+    AttachmentStatus.MOUNTED: frozenset(
+        {AttachmentStatus.DETACHING, AttachmentStatus.DETACH_FAILED}
+    ),
+    AttachmentStatus.DETACHING: frozenset(
+        {AttachmentStatus.DETACHED, AttachmentStatus.DETACH_FAILED}
+    ),
+    AttachmentStatus.FAILED: frozenset({AttachmentStatus.DETACHING}),
+    AttachmentStatus.DETACH_FAILED: frozenset({AttachmentStatus.DETACHING}),
+    AttachmentStatus.DETACHED: frozenset(),
+}
+# Where a detach can start at once; from any other live state it waits for the attach to settle.
+DETACHABLE = frozenset(
+    {AttachmentStatus.MOUNTED, AttachmentStatus.FAILED, AttachmentStatus.DETACH_FAILED}
+)
+# What an operator must look at (the admin view of stuck attachments).
+STUCK = frozenset({AttachmentStatus.FAILED, AttachmentStatus.DETACH_FAILED})
+# Attachments that still hold (or may still come to hold) a grant or a mount.
+LIVE = frozenset(AttachmentStatus) - {AttachmentStatus.DETACHED}
+
+
+class WriteMode(StrEnum):
+    READ_ONLY = "read_only"
+    SINGLE_WRITER = "single_writer"  # the only writer of the namespace
+    MULTI_WRITER = "multi_writer"  # one of several writers: provider capability AND policy
+
+
+WRITE_MODES = frozenset({WriteMode.SINGLE_WRITER, WriteMode.MULTI_WRITER})
+
+
+class DetachActor(StrEnum):
+    TENANT = "tenant"
+    ADMIN = "admin"
+    ALLOCATION_RELEASE = "allocation_release"
+
+
+# The one provider (activities/storage_provider.py, agent/storage_mounts.py): a directory per
+# namespace on a filesystem the control plane and the nodes share.
+PROVIDER_SHARED_DIRECTORY = "shared_directory"
+
+
+class NamespaceStatus(StrEnum):
+    ACTIVE = "active"
+    DELETED = "deleted"
+
+
+# Control-plane activities (worker: activities/storage.py).
+ATTACHMENT_OPEN = "storage.attachment_open"
+ATTACHMENT_TRANSITION = "storage.attachment_transition"
+ATTACHMENT_PRECHECK = "storage.attachment_precheck"
+GRANT_APPLY = "storage.grant_apply"
+GRANT_REVOKE = "storage.grant_revoke"
+HOST_TASK_QUEUE = "storage.host_task_queue"
+HOST_TASK_FINISH = "storage.host_task_finish"
+DETACH_FOR_RELEASE = "storage.detach_for_release"
+
+# AllocationWorkflow's release detaches the allocation's attachments first (behind this patch).
+RELEASE_DETACHES_STORAGE_PATCH = "release-detaches-storage"
+
+# AdminOperationWorkflow operations (named, and listed in OPERATIONS, in contracts.admin_operation).
+NAMESPACE_CREATE = STORAGE_NAMESPACE_CREATE
+NAMESPACE_DELETE = STORAGE_NAMESPACE_DELETE
+
+# Host tasks on `node-{id}` (agent/storage_mounts.py), STORAGE_MOUNT and STORAGE_UNMOUNT, are
+# named in contracts/host_tasks.py with the other host tasks (imported above).
+
+# Error types: API error codes (gateway) and attachment failure reasons (read model).
+NAMESPACE_NOT_FOUND = "storage_namespace_not_found"
+NAMESPACE_EXISTS = "storage_namespace_exists"
+NAMESPACE_ATTACHED = "storage_namespace_attached"
+ALLOCATION_NOT_ATTACHABLE = "allocation_not_attachable"
+QUOTA_EXCEEDED = "quota_exceeded"
+MULTI_WRITER_NOT_ALLOWED = "multi_writer_not_allowed"
+WRITER_CONFLICT = "writer_conflict"
+GRANT_FAILED = "storage_grant_failed"
+MOUNT_FAILED = "storage_mount_failed"
+UNMOUNT_FAILED = "storage_unmount_failed"
+# An allocation release whose attachments did not all detach: the release ends release_failed.
+STORAGE_DETACH_FAILED = "storage_detach_failed"
+OPEN_REFUSALS = (NAMESPACE_NOT_FOUND, ALLOCATION_NOT_ATTACHABLE)
+
+
+@dataclass
+class StoragePolicy:
+    """Timeouts and retry bounds, fixed at start so the workflow stays deterministic."""
+
+    node_schedule_to_start_seconds: float = 60.0
+    host_task_timeout_seconds: float = 300.0
+    host_heartbeat_timeout_seconds: float = 30.0
+    mount_max_attempts: int = 3
+    unmount_max_attempts: int = 3
+    retry_initial_seconds: float = 1.0
+
+
+@dataclass
+class AttachmentInput:
+    attachment_id: str
+    project_id: str
+    allocation_id: str
+    namespace_id: str
+    mode: str  # WriteMode
+    requested_by: str  # the API token's name, for the event rows
+    policy: StoragePolicy = field(default_factory=StoragePolicy)
+
+
+@dataclass
+class AttachmentView:
+    """What the workflow answers (open, detach, status) and the activities return."""
+
+    attachment_id: str
+    status: str
+    node_id: str | None = None
+    mount_path: str | None = None
+    failure_reason: str | None = None
+    failure_message: str | None = None
+    detach_attempts: int = 0
+
+
+@dataclass
+class DetachRequest:
+    actor: str  # DetachActor
+    reason: str | None = None
+    # Answer once this request's detach ended (detached or detach_failed), not when accepted.
+    wait: bool = False
+
+
+# --- host tasks (node agent) ----------------------------------------------------------------------
+
+
+@dataclass
+class StorageMountInput:
+    """The agent resolves `namespace_key` under its own configured export root and mounts at its
+    own mount base: no path to act on comes from the control plane (seed 003 §2.4)."""
+
+    task_id: str
+    attachment_id: str
+    allocation_id: str
+    node_id: str
+    provider: str
+    namespace_key: str
+    mode: str  # WriteMode: read_only mounts read-only
+
+
+@dataclass
+class StorageMountResult:
+    task_id: str
+    started_at: str
+    finished_at: str
+    phases: list[HostPhase]
+    mount_path: str  # as seen on the node
+    read_only: bool
+    adopted_existing: bool = False
+
+
+@dataclass
+class StorageUnmountInput:
+    task_id: str
+    attachment_id: str
+    allocation_id: str
+    node_id: str
+
+
+@dataclass
+class StorageUnmountResult:
+    task_id: str
+    started_at: str
+    finished_at: str
+    phases: list[HostPhase]
+    was_mounted: bool
+
+
+# --- activities -----------------------------------------------------------------------------------
+
+
+@dataclass
+class OpenInput:
+    attachment_id: str
+    project_id: str
+    allocation_id: str
+    namespace_id: str
+    mode: str
+    workflow_id: str
+    requested_by: str
+
+
+@dataclass
+class TransitionInput:
+    attachment_id: str
+    to_status: str
+    actor: str
+    reason: str | None = None
+    failure_reason: str | None = None
+    failure_message: str | None = None
+    mount_path: str | None = None
+
+
+@dataclass
+class PrecheckResult:
+    """`refusal`: the failure reason (QUOTA_EXCEEDED, ...) when the mode is not allowed now."""
+
+    node_id: str
+    namespace_key: str
+    provider: str
+    refusal: str | None = None
+    message: str = ""
+    usage_bytes: int = 0
+    quota_bytes: int = 0
+
+
+@dataclass
+class GrantInput:
+    attachment_id: str
+    namespace_key: str
+    node_id: str
+    mode: str
+
+
+@dataclass
+class HostTaskQueueInput:
+    attachment_id: str
+    task_id: str
+    kind: str  # STORAGE_MOUNT | STORAGE_UNMOUNT
+    workflow_id: str
+
+
+@dataclass
+class HostTaskFinishInput:
+    task_id: str
+    mount: StorageMountResult | None = None
+    unmount: StorageUnmountResult | None = None
+    error_type: str | None = None
+    error_message: str | None = None
+    phases: list[HostPhase] = field(default_factory=list)
+
+
+@dataclass
+class DetachForReleaseInput:
+    allocation_id: str
+    reason: str | None = None
+
+
+@dataclass
+class DetachForReleaseResult:
+    detached: list[str] = field(default_factory=list)  # attachment ids
+    failed: list[str] = field(default_factory=list)  # ended detach_failed
+
+
+# --- namespaces (AdminOperationWorkflow operations) -----------------------------------------------
+
+
+@dataclass
+class NamespaceCreateInput:
+    actor: Actor
+    namespace_id: str
+    project_id: str
+    name: str
+    quota_bytes: int
+    allow_multi_writer: bool = False
+
+
+@dataclass
+class NamespaceDeleteInput:
+    actor: Actor
+    namespace_id: str
+    project_id: str | None  # None: an admin, any project
+
+
+@dataclass
+class NamespaceState:
+    id: str
+    project_id: str
+    name: str
+    provider: str
+    quota_bytes: int
+    allow_multi_writer: bool
+    status: str
+    created_at: str  # ISO 8601
+    usage_bytes: int = 0

@@ -1,0 +1,535 @@
+"""Storage namespaces and attachments (seed 001 §7).
+
+Namespaces are project-owned storage with a quota; the worker creates and deletes them
+(AdminOperationWorkflow operations), a delete is refused while the namespace is attached. An
+attachment is a StorageAttachmentWorkflow: POST starts it with update-with-start and answers once
+it is on record (`requested`); the worker prechecks, grants and has the node's agent mount it.
+DELETE asks the workflow to detach (also from failed or detach_failed: the retry). Admins see
+the stuck attachments (failed, detach_failed) and retry their detach, audited. Nothing here
+touches a node or the storage.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from typing import Annotated, Any
+
+import msgspec
+from litestar import Controller, Request, Response, delete, get, post
+from litestar.di import NamedDependency
+from litestar.params import FromPath, FromQuery, HeaderParameter, JSONBody, QueryParameter
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+from temporalio.client import Client, WithStartWorkflowOperation, WorkflowUpdateFailedError
+from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
+from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
+from temporalio.service import RPCError, RPCStatusCode
+
+from contracts.storage import (
+    ALLOCATION_NOT_ATTACHABLE,
+    DETACH_UPDATE,
+    NAMESPACE_ATTACHED,
+    NAMESPACE_CREATE,
+    NAMESPACE_DELETE,
+    NAMESPACE_EXISTS,
+    NAMESPACE_NOT_FOUND,
+    OPEN_UPDATE,
+    STUCK,
+    WORKFLOW_NAME,
+    AttachmentInput,
+    AttachmentStatus,
+    AttachmentView,
+    DetachActor,
+    DetachRequest,
+    NamespaceCreateInput,
+    NamespaceDeleteInput,
+    NamespaceState,
+    NamespaceStatus,
+    StoragePolicy,
+    WriteMode,
+    attachment_workflow_id,
+)
+from core.config import Settings
+from gateway import audit
+from gateway.admin_operations import actor, run_admin_operation
+from gateway.allocations import IDEMPOTENCY_HEADER
+from gateway.auth import Principal, admin_guard, tenant_guard
+from gateway.controllers.common import audit_reason, errors
+from gateway.errors import ApiError, Conflict, NotFound
+from gateway.pagination import newest_first_page
+from gateway.runtime import Runtime
+from gateway.schemas import Reason
+from gateway.schemas import Request as RequestBody
+from gateway.temporal import TemporalOps
+from schema.models import StorageAttachment, StorageNamespace
+
+# Fixed forever: ids derived from idempotency keys must not change.
+_ID_NAMESPACE = uuid.UUID("1d7e3c52-8a4f-4f0e-9b61-2c5a7e9d4b13")
+NAME_PATTERN = "^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
+# Provider-side limits are the provider's business; this bounds what a request can ask for.
+MAX_QUOTA_BYTES = 1 << 50  # 1 PiB
+
+_NAMESPACE_STATUSES = {NAMESPACE_NOT_FOUND: 404, NAMESPACE_EXISTS: 409, NAMESPACE_ATTACHED: 409}
+
+
+class NamespaceCreate(RequestBody):
+    name: Annotated[str, msgspec.Meta(pattern=NAME_PATTERN)]
+    quota_bytes: Annotated[int, msgspec.Meta(ge=1, le=MAX_QUOTA_BYTES)]
+    # Policy half of multi_writer: attachments may share writes only where this allows it.
+    allow_multi_writer: bool = False
+
+
+class NamespaceView(msgspec.Struct, kw_only=True):
+    id: uuid.UUID
+    name: str
+    provider: str
+    quota_bytes: int
+    allow_multi_writer: bool
+    status: str  # active | deleted
+    created_at: dt.datetime
+
+
+class NamespaceList(msgspec.Struct, kw_only=True):
+    items: list[NamespaceView]
+    next_cursor: str | None = None
+
+
+class AttachmentCreate(RequestBody):
+    namespace_id: uuid.UUID
+    mode: WriteMode = WriteMode.READ_ONLY
+
+
+class AttachmentDetail(msgspec.Struct, kw_only=True):
+    attachment_id: uuid.UUID
+    allocation_id: uuid.UUID
+    namespace_id: uuid.UUID
+    project_id: uuid.UUID
+    node_id: uuid.UUID
+    mode: str
+    status: str
+    mount_path: str | None  # on the node, once mounted
+    failure_reason: str | None
+    failure_message: str | None
+    detach_attempts: int
+    created_at: dt.datetime
+    updated_at: dt.datetime
+    mounted_at: dt.datetime | None
+    detached_at: dt.datetime | None
+
+
+class AttachmentList(msgspec.Struct, kw_only=True):
+    items: list[AttachmentDetail]
+    next_cursor: str | None = None
+
+
+class DetachAccepted(msgspec.Struct, kw_only=True):
+    attachment_id: uuid.UUID
+    status: str  # the status when the detach was accepted; it runs next
+    detach_pending: bool
+
+
+class RetryDetach(RequestBody):
+    reason: Reason
+
+
+def _namespace_view(row: StorageNamespace) -> NamespaceView:
+    return NamespaceView(
+        id=row.id,
+        name=row.name,
+        provider=row.provider,
+        quota_bytes=row.quota_bytes,
+        allow_multi_writer=row.allow_multi_writer,
+        status=row.status,
+        created_at=row.created_at,
+    )
+
+
+def _state_view(state: NamespaceState) -> NamespaceView:
+    created_at = dt.datetime.fromisoformat(state.created_at)
+    return NamespaceView(
+        id=uuid.UUID(state.id),
+        name=state.name,
+        provider=state.provider,
+        quota_bytes=state.quota_bytes,
+        allow_multi_writer=state.allow_multi_writer,
+        status=state.status,
+        created_at=created_at,
+    )
+
+
+def attachment_detail(row: StorageAttachment) -> AttachmentDetail:
+    return AttachmentDetail(
+        attachment_id=row.id,
+        allocation_id=row.allocation_id,
+        namespace_id=row.namespace_id,
+        project_id=row.project_id,
+        node_id=row.node_id,
+        mode=row.mode,
+        status=row.status,
+        mount_path=row.mount_path,
+        failure_reason=row.failure_reason,
+        failure_message=row.failure_message,
+        detach_attempts=row.detach_attempts,
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+        mounted_at=row.mounted_at,
+        detached_at=row.detached_at,
+    )
+
+
+def _derived_id(scope: uuid.UUID, key: str | None) -> uuid.UUID:
+    """A retried request with the same idempotency key names the same resource."""
+    return uuid.uuid5(_ID_NAMESPACE, f"{scope}:{key}") if key else uuid.uuid4()
+
+
+async def _attachment_row(
+    db: AsyncSession, attachment_id: uuid.UUID, allocation_id: uuid.UUID | None, project: Any
+) -> StorageAttachment:
+    row = await db.get(StorageAttachment, attachment_id)
+    if (
+        row is None
+        or (allocation_id is not None and row.allocation_id != allocation_id)
+        or (project is not None and row.project_id != project)
+    ):
+        raise NotFound("storage attachment not found")
+    return row
+
+
+async def request_detach(
+    db: AsyncSession,
+    temporal: TemporalOps,
+    row: StorageAttachment,
+    request: DetachRequest,
+) -> DetachAccepted:
+    """The workflow's detach update; a closed workflow means the attachment is detached."""
+    workflow_id, attachment_id = row.workflow_id, row.id
+    await db.close()
+
+    async def call(client: Client) -> AttachmentView:
+        view: AttachmentView = await client.get_workflow_handle(workflow_id).execute_update(
+            DETACH_UPDATE, request, result_type=AttachmentView, rpc_timeout=temporal.rpc_timeout
+        )
+        return view
+
+    try:
+        view = await temporal.update(call)
+    except RPCError as err:
+        if err.status != RPCStatusCode.NOT_FOUND:
+            raise
+        detached = AttachmentStatus.DETACHED.value
+        return DetachAccepted(attachment_id=attachment_id, status=detached, detach_pending=False)
+    pending = view.status != AttachmentStatus.DETACHED
+    return DetachAccepted(attachment_id=attachment_id, status=view.status, detach_pending=pending)
+
+
+class StorageNamespacesController(Controller):
+    path = "/api/v1/storage/namespaces"
+    guards = [tenant_guard]
+    tags = ["storage"]
+
+    @post(
+        "/",
+        status_code=201,
+        summary="Create a storage namespace with a quota (with X-Idempotency-Key: once)",
+        responses=errors(400, 403, 409, 413, 422),
+    )
+    async def create_namespace(
+        self,
+        data: JSONBody[NamespaceCreate],
+        temporal: NamedDependency[TemporalOps],
+        runtime: NamedDependency[Runtime],
+        principal: NamedDependency[Principal],
+        idempotency_key: Annotated[
+            str | None, HeaderParameter(name=IDEMPOTENCY_HEADER, required=False, max_length=200)
+        ] = None,
+    ) -> NamespaceView:
+        namespace_id = _derived_id(principal.project, idempotency_key)
+        state = await run_admin_operation(
+            temporal,
+            runtime.settings.control_plane_task_queue,
+            NAMESPACE_CREATE,
+            NamespaceCreateInput(
+                actor=actor(principal, None),
+                namespace_id=str(namespace_id),
+                project_id=str(principal.project),
+                name=data.name,
+                quota_bytes=data.quota_bytes,
+                allow_multi_writer=data.allow_multi_writer,
+            ),
+            key=str(namespace_id),
+            result_type=NamespaceState,
+            statuses=_NAMESPACE_STATUSES,
+        )
+        return _state_view(state)
+
+    @get("/", summary="The project's storage namespaces, newest first", responses=errors(400, 403))
+    async def list_namespaces(
+        self,
+        db: NamedDependency[AsyncSession],
+        principal: NamedDependency[Principal],
+        limit: Annotated[int, QueryParameter(ge=1, le=200)] = 50,
+        cursor: FromQuery[str | None] = None,
+    ) -> NamespaceList:
+        rows, next_cursor = await newest_first_page(
+            db,
+            select(StorageNamespace).where(
+                StorageNamespace.project_id == principal.project,
+                StorageNamespace.status == NamespaceStatus.ACTIVE,
+            ),
+            created=StorageNamespace.created_at,
+            row_id=StorageNamespace.id,
+            limit=limit,
+            cursor=cursor,
+        )
+        return NamespaceList(items=[_namespace_view(r) for r in rows], next_cursor=next_cursor)
+
+    @get("/{namespace_id:uuid}", summary="One storage namespace", responses=errors(403, 404))
+    async def get_namespace(
+        self,
+        db: NamedDependency[AsyncSession],
+        principal: NamedDependency[Principal],
+        namespace_id: FromPath[uuid.UUID],
+    ) -> NamespaceView:
+        row = await db.get(StorageNamespace, namespace_id)
+        if row is None or row.project_id != principal.project:
+            raise NotFound("storage namespace not found")
+        return _namespace_view(row)
+
+    @delete(
+        "/{namespace_id:uuid}",
+        status_code=200,
+        summary="Delete a namespace and its data (409 storage_namespace_attached while attached)",
+        responses=errors(403, 404, 409),
+    )
+    async def delete_namespace(
+        self,
+        temporal: NamedDependency[TemporalOps],
+        runtime: NamedDependency[Runtime],
+        principal: NamedDependency[Principal],
+        namespace_id: FromPath[uuid.UUID],
+    ) -> NamespaceView:
+        state = await run_admin_operation(
+            temporal,
+            runtime.settings.control_plane_task_queue,
+            NAMESPACE_DELETE,
+            NamespaceDeleteInput(
+                actor=actor(principal, None),
+                namespace_id=str(namespace_id),
+                project_id=str(principal.project),
+            ),
+            key=str(namespace_id),
+            result_type=NamespaceState,
+            statuses=_NAMESPACE_STATUSES,
+        )
+        return _state_view(state)
+
+
+class AllocationAttachmentsController(Controller):
+    path = "/api/v1/allocations/{allocation_id:uuid}/attachments"
+    guards = [tenant_guard]
+    tags = ["storage"]
+
+    @post(
+        "/",
+        status_code=201,
+        summary="Attach a storage namespace to an active allocation (StorageAttachmentWorkflow)",
+        description=(
+            "Answers once the attachment is on record (status requested); the worker then "
+            "prechecks the write mode against the namespace's quota and other writers, grants "
+            "the node access and has the node's agent mount it (status mounted, mount_path). "
+            "With X-Idempotency-Key, a retry answers the same attachment."
+        ),
+        responses=errors(400, 403, 404, 409, 413, 422),
+    )
+    async def attach(
+        self,
+        data: JSONBody[AttachmentCreate],
+        db: NamedDependency[AsyncSession],
+        temporal: NamedDependency[TemporalOps],
+        runtime: NamedDependency[Runtime],
+        principal: NamedDependency[Principal],
+        allocation_id: FromPath[uuid.UUID],
+        idempotency_key: Annotated[
+            str | None, HeaderParameter(name=IDEMPOTENCY_HEADER, required=False, max_length=200)
+        ] = None,
+    ) -> AttachmentDetail:
+        settings: Settings = runtime.settings
+        attachment_id = _derived_id(allocation_id, idempotency_key)
+        workflow_id = attachment_workflow_id(str(attachment_id))
+        workflow_input = AttachmentInput(
+            attachment_id=str(attachment_id),
+            project_id=str(principal.project),
+            allocation_id=str(allocation_id),
+            namespace_id=str(data.namespace_id),
+            mode=data.mode.value,
+            requested_by=principal.name,
+            policy=StoragePolicy(
+                node_schedule_to_start_seconds=settings.node_schedule_to_start_seconds,
+                host_task_timeout_seconds=settings.host_provision_timeout_seconds,
+                host_heartbeat_timeout_seconds=settings.host_heartbeat_timeout_seconds,
+                retry_initial_seconds=settings.release_retry_initial_seconds,
+            ),
+        )
+        update_id = f"open-{uuid.uuid4()}"
+
+        async def open_attachment(client: Client) -> AttachmentView:
+            start: WithStartWorkflowOperation[Any, Any] = WithStartWorkflowOperation(
+                WORKFLOW_NAME,
+                workflow_input,
+                id=workflow_id,
+                id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+                id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+                task_queue=settings.control_plane_task_queue,
+                result_type=AttachmentView,
+            )
+            view: AttachmentView = await client.execute_update_with_start_workflow(
+                OPEN_UPDATE,
+                id=update_id,
+                start_workflow_operation=start,
+                result_type=AttachmentView,
+                rpc_timeout=temporal.rpc_timeout,
+            )
+            return view
+
+        try:
+            await temporal.update_with_start(open_attachment)
+        except WorkflowUpdateFailedError as err:
+            cause = err.cause
+            if isinstance(cause, ApplicationError):
+                if cause.type == ALLOCATION_NOT_ATTACHABLE:
+                    raise Conflict(cause.message, code=ALLOCATION_NOT_ATTACHABLE) from None
+                if cause.type == NAMESPACE_NOT_FOUND:
+                    raise ApiError(
+                        cause.message, code=NAMESPACE_NOT_FOUND, status_code=404
+                    ) from None
+                raise NotFound("allocation not found") from None
+            raise
+        except WorkflowAlreadyStartedError:
+            pass  # the key's attachment closed already (detached): answered from the record
+        return attachment_detail(
+            await _attachment_row(db, attachment_id, allocation_id, principal.project)
+        )
+
+    @get("/", summary="The allocation's storage attachments", responses=errors(400, 403))
+    async def list_attachments(
+        self,
+        db: NamedDependency[AsyncSession],
+        principal: NamedDependency[Principal],
+        allocation_id: FromPath[uuid.UUID],
+        limit: Annotated[int, QueryParameter(ge=1, le=200)] = 50,
+        cursor: FromQuery[str | None] = None,
+    ) -> AttachmentList:
+        rows, next_cursor = await newest_first_page(
+            db,
+            select(StorageAttachment).where(
+                StorageAttachment.allocation_id == allocation_id,
+                StorageAttachment.project_id == principal.project,
+            ),
+            created=StorageAttachment.created_at,
+            row_id=StorageAttachment.id,
+            limit=limit,
+            cursor=cursor,
+        )
+        return AttachmentList(items=[attachment_detail(r) for r in rows], next_cursor=next_cursor)
+
+    @get("/{attachment_id:uuid}", summary="One storage attachment", responses=errors(403, 404))
+    async def get_attachment(
+        self,
+        db: NamedDependency[AsyncSession],
+        principal: NamedDependency[Principal],
+        allocation_id: FromPath[uuid.UUID],
+        attachment_id: FromPath[uuid.UUID],
+    ) -> AttachmentDetail:
+        row = await _attachment_row(db, attachment_id, allocation_id, principal.project)
+        return attachment_detail(row)
+
+    @delete(
+        "/{attachment_id:uuid}",
+        status_code=202,
+        summary="Detach (workflow update detach); also retries a failed or detach_failed one",
+        description="The namespace's data is kept: a detach never deletes storage.",
+        responses=errors(403, 404),
+    )
+    async def detach(
+        self,
+        db: NamedDependency[AsyncSession],
+        temporal: NamedDependency[TemporalOps],
+        principal: NamedDependency[Principal],
+        allocation_id: FromPath[uuid.UUID],
+        attachment_id: FromPath[uuid.UUID],
+    ) -> Response[DetachAccepted]:
+        row = await _attachment_row(db, attachment_id, allocation_id, principal.project)
+        answer = await request_detach(db, temporal, row, DetachRequest(DetachActor.TENANT))
+        return Response(answer, status_code=202)
+
+
+class AdminStorageController(Controller):
+    path = "/api/v1/admin/storage"
+    guards = [admin_guard]
+    tags = ["admin", "storage"]
+
+    @get(
+        "/attachments",
+        summary="Storage attachments across projects; by default the stuck ones",
+        description="Default status: failed and detach_failed (retry their detach below).",
+        responses=errors(400, 403),
+    )
+    async def list_attachments(
+        self,
+        db: NamedDependency[AsyncSession],
+        status: FromQuery[list[AttachmentStatus] | None] = None,
+        limit: Annotated[int, QueryParameter(ge=1, le=200)] = 50,
+        cursor: FromQuery[str | None] = None,
+    ) -> AttachmentList:
+        statuses = [s.value for s in (status or sorted(STUCK))]
+        rows, next_cursor = await newest_first_page(
+            db,
+            select(StorageAttachment).where(StorageAttachment.status.in_(statuses)),
+            created=StorageAttachment.created_at,
+            row_id=StorageAttachment.id,
+            limit=limit,
+            cursor=cursor,
+        )
+        return AttachmentList(items=[attachment_detail(r) for r in rows], next_cursor=next_cursor)
+
+    @post(
+        "/attachments/{attachment_id:uuid}/retry-detach",
+        status_code=202,
+        summary="Retry the detach of a stuck attachment (failed → detaching → detached); audited",
+        responses=errors(400, 403, 404, 409),
+    )
+    async def retry_detach(
+        self,
+        request: Request[Any, Any, Any],
+        data: JSONBody[RetryDetach],
+        db: NamedDependency[AsyncSession],
+        temporal: NamedDependency[TemporalOps],
+        principal: NamedDependency[Principal],
+        attachment_id: FromPath[uuid.UUID],
+    ) -> Response[DetachAccepted]:
+        row = await _attachment_row(db, attachment_id, None, None)
+        if row.status not in STUCK:
+            raise Conflict(
+                f"the attachment is {row.status}; only failed or detach_failed ones are retried",
+                code="attachment_not_stuck",
+                details={"status": row.status},
+            )
+        prior, workflow_id = row.status, row.workflow_id
+        reason = audit_reason(request, data.reason)
+        answer = await request_detach(
+            db, temporal, row, DetachRequest(DetachActor.ADMIN, reason=reason)
+        )
+        audit.record_by(
+            db,
+            principal,
+            action="storage_attachment.retry_detach",
+            target_type="storage_attachment",
+            target_id=str(attachment_id),
+            reason=reason,
+            prior_state=prior,
+            expected_state=AttachmentStatus.DETACHED.value,
+            workflow_ids=[workflow_id],
+        )
+        await db.commit()
+        return Response(answer, status_code=202)
