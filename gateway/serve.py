@@ -31,6 +31,9 @@ def main() -> None:
         timeout_graceful_shutdown=10,
         loop="uvloop",
         http="httptools",
+        # Terminal streams (gateway/terminal_relay.py): the websockets library's sans-I/O
+        # protocol, not its deprecated legacy server.
+        ws="websockets-sansio",
         log_config=None,  # keep the logging configured above
     )
 

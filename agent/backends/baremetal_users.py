@@ -110,6 +110,8 @@ class Account:
     gid: int
     home: str
     allocation_id: str
+    # The passwd login shell (the nologin shell once revoked); "" where not read from passwd.
+    shell: str = ""
 
 
 @dataclass(frozen=True)
@@ -446,7 +448,8 @@ class FileBaremetalUserBackend:
             raise HostError(
                 HostErrorType.LEASE_CONFLICT, f"user {username} belongs to another allocation"
             )
-        return Account(username, int(row[2]), int(row[3]), self._home(username), owner or "")
+        home = self._home(username)
+        return Account(username, int(row[2]), int(row[3]), home, owner or "", shell=row[6])
 
     def _in_range(self, value: str) -> bool:
         return value.isdigit() and self.config.uid_min <= int(value) <= self.config.uid_max

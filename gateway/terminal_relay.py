@@ -1,0 +1,342 @@
+"""The terminal stream (seed 001 §6): the tenant's AnySocket bridged to the node agent's.
+
+1. The tenant connects to `/api/v1/terminal-sessions/{id}/stream` and sends its open token as
+   the first frame (`{"type": "auth", "token": …}`: never in a URL, where access logs keep it).
+2. This gateway makes the session's agent secret, keeps only its sha256 here (in memory, for this
+   socket), and sends the `claim` update: the workflow spends the token (single use, expiry) and
+   schedules `terminal.open` on the node with this gateway's stream URL and the secret.
+3. The agent dials `/api/v1/internal/agent/terminal-sessions/{id}/stream` (outbound from the
+   node) and sends the secret; on a match the two sockets are paired and the bytes relayed.
+
+Frames are relayed as they come, each awaited before the next is read, so nothing queues here
+beyond one frame per direction; a frame over MAX_FRAME_BYTES ends the stream (1009). The tenant's
+`ping` is answered here (browsers cannot send AnySocket pings); `resize` goes to the agent.
+
+The pairing lives in this process: the agent is sent to the gateway that holds the tenant's
+socket (GPUCLOUD_PUBLIC_API_URL). Behind a load balancer with several gateways, that URL must
+reach this replica (one per replica, or sticky routing by session id).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import secrets
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from litestar import WebSocket, websocket
+from litestar.datastructures import State
+from litestar.params import FromPath
+from temporalio.client import Client, WorkflowUpdateFailedError
+from temporalio.service import RPCError
+
+from contracts.terminal_session import (
+    AUTH_TIMEOUT_SECONDS,
+    CLAIM_UPDATE,
+    FRAME_ATTACHED,
+    FRAME_AUTH,
+    FRAME_CLOSE,
+    FRAME_CLOSED,
+    FRAME_ERROR,
+    FRAME_PING,
+    FRAME_PONG,
+    FRAME_READY,
+    FRAME_RESIZE,
+    MAX_FRAME_BYTES,
+    MAX_TERMINAL_CELLS,
+    NODE_STREAM_PATH,
+    OPEN_TOKEN_INVALID,
+    TENANT_STREAM_PATH,
+    ClaimAccepted,
+    ClaimRequest,
+    CloseReason,
+    TerminalPolicy,
+    terminal_workflow_id,
+)
+from gateway.errors import ServiceUnavailable
+from gateway.runtime import Runtime, get_runtime
+from gateway.terminal_sessions import hash_secret, websocket_url
+
+log = logging.getLogger("gateway.terminal")
+AnySocket = WebSocket[Any, Any, Any]
+
+RELAY_STATE_KEY = "gpucloud_terminal_relay"
+# AnySocket close codes: normal, policy violation (refused auth), too big, server error.
+CLOSE_NORMAL = 1000
+CLOSE_POLICY = 1008
+CLOSE_TOO_BIG = 1009
+CLOSE_ERROR = 1011
+# Slack beyond the workflow's own attach deadline before this socket gives up waiting.
+ATTACH_SLACK_SECONDS = 5.0
+
+
+class _Refused(Exception):
+    def __init__(self, code: str, message: str, close_code: int = CLOSE_POLICY) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.close_code = close_code
+
+
+@dataclass
+class _Pending:
+    """A tenant socket waiting for its node stream."""
+
+    secret_sha256: str = field(repr=False)
+    node: asyncio.Future[AnySocket] = field(default_factory=asyncio.Future)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class TerminalRelay:
+    """This process's tenant sockets waiting for, or bridged to, their node streams."""
+
+    def __init__(self) -> None:
+        self._pending: dict[str, _Pending] = {}
+
+    def expect(self, session_id: str) -> tuple[str, _Pending]:
+        """A fresh agent secret for the session (returned once) and the slot the node fills."""
+        secret = secrets.token_urlsafe(32)
+        pending = _Pending(hash_secret(secret))
+        self._pending[session_id] = pending
+        return secret, pending
+
+    def forget(self, session_id: str, pending: _Pending) -> None:
+        if self._pending.get(session_id) is pending:
+            del self._pending[session_id]
+        if not pending.node.done():
+            pending.node.cancel()
+        pending.done.set()
+
+    def attach(self, session_id: str, secret: str) -> _Pending | None:
+        pending = self._pending.get(session_id)
+        if pending is None or pending.node.done():
+            return None
+        if not hmac.compare_digest(pending.secret_sha256, hash_secret(secret)):
+            return None
+        return pending
+
+
+def relay_of(state: State) -> TerminalRelay:
+    relay = state.get(RELAY_STATE_KEY)
+    if not isinstance(relay, TerminalRelay):
+        relay = TerminalRelay()
+        state[RELAY_STATE_KEY] = relay
+    return relay
+
+
+def _frame(kind: str, **fields: Any) -> str:
+    return json.dumps({"type": kind, **fields})
+
+
+async def _receive(socket: AnySocket) -> dict[str, Any]:
+    """The next ASGI message; a disconnect once the socket is gone."""
+    try:
+        message: dict[str, Any] = dict(await socket.receive())
+    except Exception:  # litestar raises once the disconnect was seen
+        return {"type": "websocket.disconnect", "code": 1006}
+    return message
+
+
+async def _auth_field(socket: AnySocket, name: str) -> str:
+    """The first frame: `{"type": "auth", name: value}`, within AUTH_TIMEOUT_SECONDS."""
+    try:
+        async with asyncio.timeout(AUTH_TIMEOUT_SECONDS):
+            message = await _receive(socket)
+    except TimeoutError:
+        raise _Refused(OPEN_TOKEN_INVALID, "no auth frame in time") from None
+    text = message.get("text")
+    try:
+        control = json.loads(text) if isinstance(text, str) else None
+    except ValueError:
+        control = None
+    value = control.get(name) if isinstance(control, dict) else None
+    if not isinstance(control, dict) or control.get("type") != FRAME_AUTH or not value:
+        raise _Refused(OPEN_TOKEN_INVALID, f"the first frame must be an auth frame with {name}")
+    return str(value)
+
+
+async def _refuse(socket: AnySocket, refused: _Refused) -> None:
+    with contextlib.suppress(Exception):
+        await socket.send_text(_frame(FRAME_ERROR, code=refused.code, message=refused.message))
+        await socket.close(code=refused.close_code, reason=refused.code)
+
+
+@websocket(TENANT_STREAM_PATH.replace("{session_id}", "{session_id:uuid}"))
+async def tenant_stream(socket: AnySocket, session_id: FromPath[uuid.UUID]) -> None:
+    """The tenant's end of a terminal session."""
+    await socket.accept()
+    runtime = get_runtime(socket.app.state)
+    relay = relay_of(socket.app.state)
+    key = str(session_id)
+    pending: _Pending | None = None
+    try:
+        token = await _auth_field(socket, "token")
+        secret, pending = relay.expect(key)
+        await _claim(runtime, key, token, secret)
+        policy = TerminalPolicy()
+        wait = (
+            runtime.settings.node_schedule_to_start_seconds
+            + policy.attach_timeout_seconds
+            + ATTACH_SLACK_SECONDS
+        )
+        try:
+            node = await asyncio.wait_for(asyncio.shield(pending.node), timeout=wait)
+        except TimeoutError:
+            raise _Refused(
+                CloseReason.NODE_UNREACHABLE.value,
+                "the node did not attach the session's stream",
+                CLOSE_ERROR,
+            ) from None
+        await socket.send_text(_frame(FRAME_READY, session_id=key))
+        await _bridge(socket, node)
+    except _Refused as refused:
+        await _refuse(socket, refused)
+    finally:
+        if pending is not None:
+            relay.forget(key, pending)
+
+
+async def _claim(runtime: Runtime, session_id: str, token: str, secret: str) -> None:
+    request = ClaimRequest(
+        open_token_sha256=hash_secret(token),
+        node_stream_url=websocket_url(
+            runtime.settings, NODE_STREAM_PATH.format(session_id=session_id)
+        ),
+        agent_secret=secret,
+    )
+
+    async def claim(client: Client) -> ClaimAccepted:
+        handle = client.get_workflow_handle(terminal_workflow_id(session_id))
+        accepted: ClaimAccepted = await handle.execute_update(
+            CLAIM_UPDATE,
+            request,
+            result_type=ClaimAccepted,
+            rpc_timeout=runtime.temporal.rpc_timeout,
+        )
+        return accepted
+
+    invalid = _Refused(OPEN_TOKEN_INVALID, "the open token is unknown, used or expired")
+    try:
+        await runtime.temporal.update(claim)
+    except (WorkflowUpdateFailedError, RPCError):
+        raise invalid from None
+    except ServiceUnavailable as err:
+        raise _Refused(err.code, err.message, CLOSE_ERROR) from None
+
+
+@websocket(NODE_STREAM_PATH.replace("{session_id}", "{session_id:uuid}"))
+async def node_stream(socket: AnySocket, session_id: FromPath[uuid.UUID]) -> None:
+    """The agent's end: authenticated by the session's secret, then handed to the tenant's
+    handler, which relays until either side ends."""
+    await socket.accept()
+    relay = relay_of(socket.app.state)
+    try:
+        secret = await _auth_field(socket, "secret")
+    except _Refused as refused:
+        await _refuse(socket, refused)
+        return
+    pending = relay.attach(str(session_id), secret)
+    if pending is None:
+        log.warning("terminal %s: node stream refused (unknown session or secret)", session_id)
+        await _refuse(socket, _Refused("stream_refused", "unknown session or wrong secret"))
+        return
+    await socket.send_text(_frame(FRAME_ATTACHED))
+    pending.node.set_result(socket)
+    await pending.done.wait()
+
+
+def _resize(control: dict[str, Any]) -> str | None:
+    cols, rows = control.get("cols"), control.get("rows")
+    if not isinstance(cols, int) or not isinstance(rows, int):
+        return None
+    if not (0 < cols <= MAX_TERMINAL_CELLS and 0 < rows <= MAX_TERMINAL_CELLS):
+        return None
+    return _frame(FRAME_RESIZE, cols=cols, rows=rows)
+
+
+async def _bridge(tenant: AnySocket, node: AnySocket) -> None:
+    tenant_lock = asyncio.Lock()  # pongs and output share the tenant's socket
+
+    async def to_tenant_text(text: str) -> None:
+        async with tenant_lock:
+            await tenant.send_text(text)
+
+    async def tenant_to_node() -> tuple[str, int]:
+        """Until the tenant leaves: the reason for the agent and the tenant's close code."""
+        while True:
+            message = await _receive(tenant)
+            if message["type"] == "websocket.disconnect":
+                return CloseReason.CLIENT_CLOSED.value, CLOSE_NORMAL
+            data, text = message.get("bytes"), message.get("text")
+            if data is not None:
+                if len(data) > MAX_FRAME_BYTES:
+                    return CloseReason.CLIENT_CLOSED.value, CLOSE_TOO_BIG
+                await node.send_bytes(data)
+                continue
+            try:
+                control = json.loads(text or "")
+            except ValueError:
+                continue
+            if not isinstance(control, dict):
+                continue
+            kind = control.get("type")
+            if kind == FRAME_PING:
+                await to_tenant_text(_frame(FRAME_PONG))
+            elif kind == FRAME_RESIZE and (resize := _resize(control)) is not None:
+                await node.send_text(resize)
+            elif kind == FRAME_CLOSE:
+                return CloseReason.CLIENT_CLOSED.value, CLOSE_NORMAL
+
+    async def node_to_tenant() -> str:
+        """Until the node's stream ends: the close reason it gave, or node_stream_dropped."""
+        while True:
+            message = await _receive(node)
+            if message["type"] == "websocket.disconnect":
+                return CloseReason.NODE_STREAM_DROPPED.value
+            data, text = message.get("bytes"), message.get("text")
+            if data is not None:
+                if len(data) > MAX_FRAME_BYTES:
+                    return CloseReason.NODE_STREAM_DROPPED.value
+                async with tenant_lock:
+                    await tenant.send_bytes(data)
+                continue
+            try:
+                control = json.loads(text or "")
+            except ValueError:
+                continue
+            if isinstance(control, dict) and control.get("type") == FRAME_CLOSED:
+                reason = control.get("reason")
+                known = {r.value for r in CloseReason}
+                return reason if reason in known else CloseReason.CLIENT_CLOSED.value
+
+    upstream = asyncio.create_task(tenant_to_node())
+    downstream = asyncio.create_task(node_to_tenant())
+    try:
+        done, _ = await asyncio.wait({upstream, downstream}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (upstream, downstream):
+            task.cancel()
+        await asyncio.gather(upstream, downstream, return_exceptions=True)
+    if downstream in done and downstream.exception() is None:
+        reason = downstream.result()
+        with contextlib.suppress(Exception):
+            await tenant.send_text(_frame(FRAME_CLOSED, reason=reason))
+            await tenant.close(code=CLOSE_NORMAL, reason=reason)
+        with contextlib.suppress(Exception):
+            await node.close(code=CLOSE_NORMAL)
+        return
+    reason, code = (
+        upstream.result()
+        if upstream in done and upstream.exception() is None
+        else (CloseReason.CLIENT_CLOSED.value, CLOSE_ERROR)
+    )
+    with contextlib.suppress(Exception):
+        await node.send_text(_frame(FRAME_CLOSE, reason=reason))
+        await node.close(code=CLOSE_NORMAL, reason=reason)
+    with contextlib.suppress(Exception):
+        await tenant.close(code=code)
