@@ -119,6 +119,18 @@ class JobProgressRecord(JobProgress):
     domain_event: str | None = None  # node.<kind>.started|completed|failed|...
 
 
+def expected_job_status(action: str) -> JobStatus:
+    """Where an accepted action leads the job when all goes well (the update's answer, and what
+    the console shows before it is sent)."""
+    if action == CANCEL_ACTION:
+        return JobStatus.CANCELLED
+    if action == FREEZE_ACTION:
+        return JobStatus.FAILED_MANUAL_INTERVENTION
+    if action == ADOPT_ACTION:
+        return JobStatus.RECONCILED
+    return JobStatus.COMPLETED
+
+
 # The error type of every refused operator action (the gateway answers it 409).
 ACTION_NOT_ALLOWED = "action_not_allowed"
 Action = TypeVar("Action", bound=StrEnum)

@@ -77,11 +77,19 @@ async def _load(connection: Connection, query: str, key: object) -> Principal:
 
 
 async def authenticate(connection: Connection) -> Principal:
-    token = _bearer(connection)
+    return await principal_for_token(connection, _bearer(connection))
+
+
+async def principal_for_token(connection: Connection, token: str) -> Principal:
+    """The principal of an API token (a bearer header's, or the one typed into the console's
+    sign-in form)."""
+    if not tokens.looks_like_token(token):
+        raise Unauthenticated("invalid or revoked token")
     return await _load(connection, _PRINCIPAL_BY_HASH, tokens.hash_token(token))
 
 
-def _remember(connection: Connection, principal: Principal) -> None:
+def remember(connection: Connection, principal: Principal) -> None:
+    """Hand the guard's principal to the handler (the `principal` dependency)."""
     connection.state[_PRINCIPAL_KEY] = principal
 
 
@@ -89,7 +97,7 @@ async def admin_guard(connection: Connection, _: BaseRouteHandler) -> None:
     principal = await authenticate(connection)
     if not principal.is_admin:
         raise Forbidden("this route needs an admin token")
-    _remember(connection, principal)
+    remember(connection, principal)
 
 
 async def tenant_guard(connection: Connection, _: BaseRouteHandler) -> None:
@@ -100,25 +108,39 @@ async def tenant_guard(connection: Connection, _: BaseRouteHandler) -> None:
             code="tenant_only",
             status_code=403,
         )
-    _remember(connection, principal)
+    remember(connection, principal)
+
+
+async def session_principal(connection: Connection, cookie: str, key: bytes) -> Principal:
+    """The principal of a browser session cookie (codec_session), re-checked against its token
+    row: a revoked token ends its sessions at once."""
+    token_id = codec_session.verify(key, cookie)
+    if token_id is None:
+        raise Unauthenticated("the session has expired or is invalid")
+    return await _load(connection, _PRINCIPAL_BY_ID, token_id)
 
 
 async def codec_guard(connection: Connection, _: BaseRouteHandler) -> None:
-    """Admin by bearer token, or by the codec session cookie (Temporal Web in a browser)."""
+    """Admin by bearer token, or by the codec or the console session cookie (Temporal Web in a
+    browser, opened directly or from the console)."""
+    codec_key = get_runtime(connection.app.state).settings.codec_key
+    codec_cookie = connection.cookies.get(codec_session.COOKIE_NAME)
+    console_cookie = connection.cookies.get(codec_session.CONSOLE_COOKIE_NAME)
     if connection.headers.get("authorization"):
         principal = await authenticate(connection)
+    elif codec_cookie:
+        principal = await session_principal(
+            connection, codec_cookie, codec_session.signing_key(codec_key)
+        )
+    elif console_cookie:
+        principal = await session_principal(
+            connection, console_cookie, codec_session.console_signing_key(codec_key)
+        )
     else:
-        cookie = connection.cookies.get(codec_session.COOKIE_NAME)
-        if not cookie:
-            raise Unauthenticated("a bearer token or a codec session cookie is required")
-        key = codec_session.signing_key(get_runtime(connection.app.state).settings.codec_key)
-        token_id = codec_session.verify(key, cookie)
-        if token_id is None:
-            raise Unauthenticated("the codec session has expired or is invalid")
-        principal = await _load(connection, _PRINCIPAL_BY_ID, token_id)
+        raise Unauthenticated("a bearer token or a codec session cookie is required")
     if not principal.is_admin:
         raise Forbidden("the codec endpoint needs an admin token")
-    _remember(connection, principal)
+    remember(connection, principal)
 
 
 async def provide_principal(request: Request[Any, Any, Any]) -> Principal:

@@ -18,6 +18,8 @@ class GatewayConfig:
     temporal_ui_origin: str = DEFAULT_TEMPORAL_UI_ORIGIN
     # Lifetime of the codec session cookie (Temporal Web cannot send our bearer token).
     codec_session_ttl_seconds: int = 900
+    # Lifetime of the operator console's session cookie (gateway/console/): a working shift.
+    console_session_ttl_seconds: int = 8 * 3600
     # Mark the codec cookie Secure. None: only when the request itself came over https.
     cookie_secure: bool | None = None
     # Codec requests carry whole payloads; they get their own, larger body limit.
@@ -32,6 +34,7 @@ class GatewayConfig:
             port=int(e.get("GPUCLOUD_GATEWAY_PORT", "8000")),
             temporal_ui_origin=e.get("GPUCLOUD_TEMPORAL_UI_ORIGIN", DEFAULT_TEMPORAL_UI_ORIGIN),
             codec_session_ttl_seconds=int(e.get("GPUCLOUD_CODEC_SESSION_TTL_S", "900")),
+            console_session_ttl_seconds=int(e.get("GPUCLOUD_CONSOLE_SESSION_TTL_S", "28800")),
             cookie_secure=None if secure is None else secure.lower() in {"1", "true", "yes"},
             codec_max_body_bytes=int(e.get("GPUCLOUD_CODEC_MAX_BODY_BYTES", str(4 * 1024 * 1024))),
         )

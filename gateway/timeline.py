@@ -41,7 +41,13 @@ from gateway.schemas import (
     TimelineTaskItem,
 )
 from gateway.temporal import TemporalOps
-from schema.models import Allocation, AllocationEvent, NodeTask, NodeTaskEvent
+from schema.models import (
+    Allocation,
+    AllocationEvent,
+    AllocationGroupEvent,
+    NodeTask,
+    NodeTaskEvent,
+)
 
 log = logging.getLogger("gateway.timeline")
 
@@ -81,7 +87,8 @@ def _allowed(source: Mapping[str, Any] | None, keys: frozenset[str]) -> dict[str
     return {k: (v[:200] if isinstance(v, str) else v) for k, v in kept.items()} or None
 
 
-def event_item(event: AllocationEvent) -> TimelineStateItem:
+def event_item(event: AllocationEvent | AllocationGroupEvent) -> TimelineStateItem:
+    """A lifecycle transition: an allocation's, or an allocation group's (seed 001 §1a)."""
     failed = event.to_status in _FAILED_STATES
     return TimelineStateItem(
         name=event.event,

@@ -381,3 +381,27 @@ async def tenant(api: ApiFactory, make_project: Any, make_token: Any) -> Tenant:
 async def admin(api: ApiFactory, make_token: Any) -> httpx.AsyncClient:
     """An admin's API client."""
     return await api(token=await make_token("admin"))
+
+
+@contextlib.asynccontextmanager
+async def served_over_http(app: Any) -> AsyncIterator[str]:
+    """The app under uvicorn on a free loopback port, on this test's event loop (beside its
+    in-process workers); yields the base URL, for clients in other processes."""
+    import uvicorn
+
+    from devstack.processes import free_port
+
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    )
+    serving = asyncio.create_task(server.serve())
+    while not server.started:
+        if serving.done():
+            serving.result()  # startup failed: raise its error here
+        await asyncio.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(serving, timeout=15)

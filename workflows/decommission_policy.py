@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Which operator actions each job state accepts lives in the contract (the console offers them).
+from contracts.decommission import ALLOWED_ACTIONS as ALLOWED_ACTIONS
 from contracts.decommission import OperatorAction, Stage
 from contracts.host_task_errors import AGENT_CAPABILITY_MISSING
 from contracts.onboarding import JobStatus
@@ -233,16 +235,4 @@ ADOPTABLE_NODE_STATUSES: dict[Stage, frozenset[str]] = {
         {NodeStatus.RETIRED.value, NodeStatus.REMOVING.value, NodeStatus.DELETED.value}
     ),
     Stage.ENABLE_NODE: frozenset({NodeStatus.ACTIVE.value}),
-}
-
-_FAILED = {JobStatus.FAILED_RETRYABLE, JobStatus.FAILED_MANUAL_INTERVENTION}
-ALLOWED_ACTIONS: dict[OperatorAction, frozenset[JobStatus]] = {
-    OperatorAction.RETRY_STAGE: frozenset(_FAILED),
-    # resume while pending/running is an idempotent no-op (seed 004 §8: a live task exists).
-    OperatorAction.RESUME: frozenset({JobStatus.PENDING, JobStatus.RUNNING, *_FAILED}),
-    OperatorAction.ADOPT: frozenset(_FAILED),
-    OperatorAction.CANCEL: frozenset({JobStatus.PENDING, JobStatus.RUNNING, *_FAILED}),
-    OperatorAction.MARK_MANUAL_INTERVENTION: frozenset(
-        {JobStatus.PENDING, JobStatus.RUNNING, *_FAILED}
-    ),
 }

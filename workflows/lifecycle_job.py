@@ -19,7 +19,6 @@ from temporalio.common import RetryPolicy, SearchAttributeUpdate
 from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError
 
 from contracts.lifecycle import (
-    ADOPT_ACTION,
     CANCEL_ACTION,
     FAILED_JOB_STATUSES,
     FREEZE_ACTION,
@@ -32,6 +31,7 @@ from contracts.lifecycle import (
     JobStatus,
     OperatorRequest,
     check_operator_action,
+    expected_job_status,
 )
 from core import search_attributes as sa
 from core.failures import FailureClass
@@ -111,17 +111,6 @@ def is_standing_action(action: StrEnum, status: JobStatus) -> bool:
     return (action == CANCEL_ACTION and status == JobStatus.CANCELLED) or (
         action == FREEZE_ACTION and status == JobStatus.FAILED_MANUAL_INTERVENTION
     )
-
-
-def expected_job_status(action: StrEnum) -> JobStatus:
-    """Where an accepted action leads the job when all goes well."""
-    if action == CANCEL_ACTION:
-        return JobStatus.CANCELLED
-    if action == FREEZE_ACTION:
-        return JobStatus.FAILED_MANUAL_INTERVENTION
-    if action == ADOPT_ACTION:
-        return JobStatus.RECONCILED
-    return JobStatus.COMPLETED
 
 
 class FailureOutcome(Protocol):

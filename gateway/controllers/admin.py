@@ -257,6 +257,75 @@ class AdminAuditController(Controller):
         )
 
 
+async def force_release_audited(
+    db: AsyncSession,
+    temporal: TemporalOps,
+    principal: Principal,
+    allocation_id: uuid.UUID,
+    reason: str,
+) -> ReleaseResponse:
+    """Force-release (the workflow's request_release update, force=True) and its audit row:
+    the admin API's and the console's."""
+    answer, prior, workflow_id = await allocations.release(
+        db,
+        temporal,
+        allocation_id=allocation_id,
+        project_id=None,
+        request=allocations.admin_force_release(reason),
+    )
+    audit.record_by(
+        db,
+        principal,
+        action="allocation.force_release",
+        target_type="allocation",
+        target_id=str(allocation_id),
+        reason=reason,
+        prior_state=answer.prior_status or prior,
+        expected_state=answer.expected_status,
+        workflow_ids=[workflow_id],
+        details={
+            "force": True,
+            "read_model_status": prior,
+            "release_pending": answer.release_pending,
+            "requested_at": dt.datetime.now(dt.UTC).isoformat(),
+        },
+    )
+    await db.commit()
+    return answer
+
+
+async def detach_audited(
+    db: AsyncSession,
+    temporal: TemporalOps,
+    principal: Principal,
+    allocation_id: uuid.UUID,
+    reason: str,
+) -> DetachResponse:
+    """Detach (the workflow's detach update) and its audit row: the admin API's and the
+    console's."""
+    answer, prior, workflow_id = await allocations.detach(
+        db, temporal, allocation_id=allocation_id, reason=reason
+    )
+    audit.record_by(
+        db,
+        principal,
+        action="allocation.detach",
+        target_type="allocation",
+        target_id=str(allocation_id),
+        reason=reason,
+        prior_state=prior,
+        expected_state=answer.status,
+        workflow_ids=[workflow_id],
+        details={
+            "quarantined": answer.quarantined,
+            "node_id": str(answer.node_id),
+            "node_status": answer.node_status,
+        },
+    )
+    await db.commit()
+    return answer
+
+
 class AdminAllocationsController(Controller):
     path = "/api/v1/admin/allocations"
     guards = [admin_guard]
@@ -320,31 +389,7 @@ class AdminAllocationsController(Controller):
         principal: NamedDependency[Principal],
         allocation_id: FromPath[uuid.UUID],
     ) -> Response[ReleaseResponse]:
-        answer, prior, workflow_id = await allocations.release(
-            db,
-            temporal,
-            allocation_id=allocation_id,
-            project_id=None,
-            request=allocations.admin_force_release(data.reason),
-        )
-        audit.record_by(
-            db,
-            principal,
-            action="allocation.force_release",
-            target_type="allocation",
-            target_id=str(allocation_id),
-            reason=data.reason,
-            prior_state=answer.prior_status or prior,
-            expected_state=answer.expected_status,
-            workflow_ids=[workflow_id],
-            details={
-                "force": True,
-                "read_model_status": prior,
-                "release_pending": answer.release_pending,
-                "requested_at": dt.datetime.now(dt.UTC).isoformat(),
-            },
-        )
-        await db.commit()
+        answer = await force_release_audited(db, temporal, principal, allocation_id, data.reason)
         return Response(answer, status_code=202)
 
     @post(
@@ -366,24 +411,4 @@ class AdminAllocationsController(Controller):
     ) -> DetachResponse:
         """Seed 001 §1's "admin removes the assignment". Only from release_failed (409
         allocation_not_detachable otherwise); a repeated detach answers the same."""
-        answer, prior, workflow_id = await allocations.detach(
-            db, temporal, allocation_id=allocation_id, reason=data.reason
-        )
-        audit.record_by(
-            db,
-            principal,
-            action="allocation.detach",
-            target_type="allocation",
-            target_id=str(allocation_id),
-            reason=data.reason,
-            prior_state=prior,
-            expected_state=answer.status,
-            workflow_ids=[workflow_id],
-            details={
-                "quarantined": answer.quarantined,
-                "node_id": str(answer.node_id),
-                "node_status": answer.node_status,
-            },
-        )
-        await db.commit()
-        return answer
+        return await detach_audited(db, temporal, principal, allocation_id, data.reason)

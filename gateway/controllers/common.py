@@ -8,14 +8,13 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from litestar import Request
 from litestar.di import NamedDependency
-from litestar.openapi.datastructures import ResponseSpec
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from core.config import Settings
 from gateway.auth import Principal
 from gateway.errors import InvalidRequest
+from gateway.openapi import errors as errors  # routes declare their own error statuses with it
 from gateway.runtime import Runtime
-from gateway.schemas import ErrorResponse
 from gateway.temporal import TemporalOps
 
 AUDIT_REASON_HEADER = "X-Audit-Reason"
@@ -36,28 +35,6 @@ def audit_reason(request: Request[Any, Any, Any], body_reason: str | None = None
             details={"header": AUDIT_REASON_HEADER},
         )
     return header or None
-
-
-_DESCRIPTIONS = {
-    400: "invalid_request: malformed JSON, wrong types, failed validation",
-    401: "unauthenticated: missing, invalid or revoked bearer token",
-    402: "balance_depleted: add credit to the project before allocating",
-    403: "forbidden (admin route, tenant token) or tenant_only (tenant route, admin token)",
-    404: "not_found (also for another project's resources)",
-    409: "conflict (see the code)",
-    410: "gone: the resource was deleted for good (see the code)",
-    413: "payload_too_large",
-    422: "unprocessable (see the code)",
-    503: "database_unavailable or temporal_unavailable",
-}
-
-
-def errors(*statuses: int) -> dict[int, ResponseSpec]:
-    """OpenAPI entries for the error envelope; 401 and 503 apply to every guarded route."""
-    wanted = sorted({401, 503, *statuses})
-    return {
-        s: ResponseSpec(data_container=ErrorResponse, description=_DESCRIPTIONS[s]) for s in wanted
-    }
 
 
 P = ParamSpec("P")

@@ -147,7 +147,7 @@ class AgentEnrollmentController(Controller):
         "/enroll",
         status_code=200,
         summary="Redeem an enrollment token: the node's identity and Temporal settings",
-        responses=errors(400, 410, 413),
+        responses=errors(401, 410),
     )
     async def enroll(
         self,

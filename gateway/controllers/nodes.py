@@ -121,6 +121,11 @@ class NodeDetail(msgspec.Struct, kw_only=True):
     sku: str
     status: str
     host_address: str | None
+    # How an operator reaches the host (seed 003 §8.1; `host` is host_address by that name).
+    host: str | None
+    port: int
+    ssh_username: str
+    access_method: str
     gpu_count: int
     agent_version: str | None
     last_agent_contact_at: dt.datetime | None
@@ -168,19 +173,32 @@ def _summary(node: Node, binding: NodeMaasState | None) -> NodeSummary:
     )
 
 
-async def _slot_counts(db: AsyncSession, node_id: uuid.UUID) -> GpuSlotCounts:
+async def slot_counts_by_node(
+    db: AsyncSession, node_ids: list[uuid.UUID]
+) -> dict[uuid.UUID, GpuSlotCounts]:
+    """Each node's GPU slots: total, free, reserved and quarantined (disabled with a reason)."""
     quarantined = (GpuSlot.status == SlotStatus.DISABLED) & GpuSlot.quarantine_reason.is_not(None)
-    total, free, reserved, held = (
-        await db.execute(
-            select(
-                func.count(),
-                func.count().filter(GpuSlot.status == SlotStatus.FREE),
-                func.count().filter(GpuSlot.status == SlotStatus.RESERVED),
-                func.count().filter(quarantined),
-            ).where(GpuSlot.node_id == node_id)
+    rows = await db.execute(
+        select(
+            GpuSlot.node_id,
+            func.count(),
+            func.count().filter(GpuSlot.status == SlotStatus.FREE),
+            func.count().filter(GpuSlot.status == SlotStatus.RESERVED),
+            func.count().filter(quarantined),
         )
-    ).one()
-    return GpuSlotCounts(total=total, free=free, reserved=reserved, quarantined=held)
+        .where(GpuSlot.node_id.in_(node_ids))
+        .group_by(GpuSlot.node_id)
+    )
+    counts = {
+        node_id: GpuSlotCounts(total=0, free=0, reserved=0, quarantined=0) for node_id in node_ids
+    }
+    for node_id, total, free, reserved, held in rows:
+        counts[node_id] = GpuSlotCounts(total=total, free=free, reserved=reserved, quarantined=held)
+    return counts
+
+
+async def _slot_counts(db: AsyncSession, node_id: uuid.UUID) -> GpuSlotCounts:
+    return (await slot_counts_by_node(db, [node_id]))[node_id]
 
 
 async def _current_job(db: AsyncSession, node_id: uuid.UUID) -> LifecycleJob | None:
@@ -247,6 +265,83 @@ def _action_view(result: NodeActionResult) -> NodeActionView:
     )
 
 
+async def node_page(
+    db: AsyncSession,
+    *,
+    site_id: uuid.UUID | None,
+    sku: str | None,
+    status: str | None,
+    drift: bool | None,
+    limit: int,
+    cursor: str | None,
+) -> NodeList:
+    """The inventory (seed 004 §9.1), newest first: the admin API's and the console's."""
+    query = select(Node).outerjoin(NodeMaasState, NodeMaasState.node_id == Node.id)
+    if status is not None:
+        if status not in NodeStatus.__members__.values():
+            raise unknown_query_value("status", [s.value for s in NodeStatus])
+        query = query.where(Node.status == status)
+    if site_id is not None:
+        query = query.where(NodeMaasState.site_id == site_id)
+    if sku is not None:
+        query = query.where(Node.sku == sku)
+    if drift is not None:
+        # IS [NOT] TRUE: a node bound to no site (no row joined) has no open drift.
+        drifted = NodeMaasState.drift_detected
+        query = query.where(drifted.is_(True) if drift else drifted.is_not(True))
+    nodes, next_cursor = await newest_first_page(
+        db, query, created=Node.created_at, row_id=Node.id, limit=limit, cursor=cursor
+    )
+    bindings = {
+        b.node_id: b
+        for b in await db.scalars(
+            select(NodeMaasState).where(NodeMaasState.node_id.in_([n.id for n in nodes]))
+        )
+    }
+    return NodeList(items=[_summary(n, bindings.get(n.id)) for n in nodes], next_cursor=next_cursor)
+
+
+async def node_detail(db: AsyncSession, node_id: uuid.UUID) -> NodeDetail:
+    """One node with its MAAS binding, drift, GPU slots and live lifecycle job (§9.2)."""
+    node = await db.get(Node, node_id)
+    if node is None:
+        raise NotFound("node not found")
+    binding = await db.get(NodeMaasState, node_id)
+    return NodeDetail(
+        id=node.id,
+        hostname=node.hostname,
+        region=node.region,
+        sku=node.sku,
+        status=node.status,
+        host_address=node.host_address,
+        host=node.host_address,
+        port=node.port,
+        ssh_username=node.ssh_username,
+        access_method=node.access_method,
+        gpu_count=node.gpu_count,
+        agent_version=node.agent_version,
+        last_agent_contact_at=node.last_agent_contact_at,
+        inventory_matches=node.inventory_matches,
+        maas=MaasBinding(
+            site_id=binding.site_id,
+            system_id=binding.maas_system_id,
+            last_maas_status=binding.last_maas_status,
+            last_maas_power_state=binding.last_maas_power_state,
+            last_maas_ips=list(binding.last_maas_ips or []),
+            last_reconciled_at=binding.last_reconciled_at,
+        )
+        if binding is not None
+        else None,
+        drift=OpenDrift(rule=binding.drift_rule, details=binding.drift_details)
+        if binding is not None and binding.drift_detected
+        else None,
+        gpu_slots=await _slot_counts(db, node_id),
+        lifecycle_job=await _current_job(db, node_id),
+        created_at=node.created_at,
+        updated_at=node.updated_at,
+    )
+
+
 class AdminNodesController(Controller):
     path = "/api/v1/admin/nodes"
     guards = [admin_guard]
@@ -266,30 +361,8 @@ class AdminNodesController(Controller):
     ) -> NodeList:
         """`drift=true`: nodes with an open MAAS drift; `drift=false`: without one (nodes bound
         to no MAAS site included)."""
-        query = select(Node).outerjoin(NodeMaasState, NodeMaasState.node_id == Node.id)
-        if status is not None:
-            if status not in NodeStatus.__members__.values():
-                raise unknown_query_value("status", [s.value for s in NodeStatus])
-            query = query.where(Node.status == status)
-        if site_id is not None:
-            query = query.where(NodeMaasState.site_id == site_id)
-        if sku is not None:
-            query = query.where(Node.sku == sku)
-        if drift is not None:
-            # IS [NOT] TRUE: a node bound to no site (no row joined) has no open drift.
-            drifted = NodeMaasState.drift_detected
-            query = query.where(drifted.is_(True) if drift else drifted.is_not(True))
-        nodes, next_cursor = await newest_first_page(
-            db, query, created=Node.created_at, row_id=Node.id, limit=limit, cursor=cursor
-        )
-        bindings = {
-            b.node_id: b
-            for b in await db.scalars(
-                select(NodeMaasState).where(NodeMaasState.node_id.in_([n.id for n in nodes]))
-            )
-        }
-        return NodeList(
-            items=[_summary(n, bindings.get(n.id)) for n in nodes], next_cursor=next_cursor
+        return await node_page(
+            db, site_id=site_id, sku=sku, status=status, drift=drift, limit=limit, cursor=cursor
         )
 
     @get(
@@ -300,39 +373,7 @@ class AdminNodesController(Controller):
     async def get_node(
         self, db: NamedDependency[AsyncSession], node_id: FromPath[uuid.UUID]
     ) -> NodeDetail:
-        node = await db.get(Node, node_id)
-        if node is None:
-            raise NotFound("node not found")
-        binding = await db.get(NodeMaasState, node_id)
-        return NodeDetail(
-            id=node.id,
-            hostname=node.hostname,
-            region=node.region,
-            sku=node.sku,
-            status=node.status,
-            host_address=node.host_address,
-            gpu_count=node.gpu_count,
-            agent_version=node.agent_version,
-            last_agent_contact_at=node.last_agent_contact_at,
-            inventory_matches=node.inventory_matches,
-            maas=MaasBinding(
-                site_id=binding.site_id,
-                system_id=binding.maas_system_id,
-                last_maas_status=binding.last_maas_status,
-                last_maas_power_state=binding.last_maas_power_state,
-                last_maas_ips=list(binding.last_maas_ips or []),
-                last_reconciled_at=binding.last_reconciled_at,
-            )
-            if binding is not None
-            else None,
-            drift=OpenDrift(rule=binding.drift_rule, details=binding.drift_details)
-            if binding is not None and binding.drift_detected
-            else None,
-            gpu_slots=await _slot_counts(db, node_id),
-            lifecycle_job=await _current_job(db, node_id),
-            created_at=node.created_at,
-            updated_at=node.updated_at,
-        )
+        return await node_detail(db, node_id)
 
     async def _act(
         self, admin: AdminCall, operation: str, node_id: uuid.UUID, reason: str

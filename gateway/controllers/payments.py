@@ -348,7 +348,7 @@ class PaymentsController(Controller):
             "limits (422 amount_below_minimum / amount_above_maximum with the limit in the "
             "details; 422 currency_not_supported for a currency we do not accept)."
         ),
-        responses=errors(400, 403, 422),
+        responses=errors(400, 403, 422, 502),
     )
     async def create(
         self,
@@ -382,7 +382,7 @@ class StripeWebhookController(Controller):
         status_code=200,
         summary="Stripe webhook endpoint (authenticated by Stripe-Signature)",
         security=[],
-        responses=errors(400),
+        responses=errors(400, 413),
     )
     async def receive(
         self,

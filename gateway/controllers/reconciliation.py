@@ -26,12 +26,12 @@ from core.timestamps import parse_iso
 from gateway.admin_operations import actor, run_admin_operation
 from gateway.auth import Principal, admin_guard
 from gateway.controllers.common import errors
-from gateway.errors import Conflict, NotFound
+from gateway.errors import Conflict, NotFound, unknown_query_value
 from gateway.runtime import Runtime
 from gateway.schemas import Reason
 from gateway.schemas import Request as RequestBody
 from gateway.temporal import TemporalOps
-from schema.models import MaasSite, MaasSitePolicy, Node, NodeMaasState
+from schema.models import MaasSite, MaasSitePolicy, Node, NodeDriftEvent, NodeMaasState
 
 
 class ReconciliationStatus(msgspec.Struct, kw_only=True):
@@ -52,6 +52,9 @@ class DriftView(msgspec.Struct, kw_only=True):
     details: dict[str, Any] | None
     last_maas_status: str | None
     last_reconciled_at: dt.datetime | None
+    # The §6.4 alert severity of the open drift (its rule's, as the reconciler recorded it in
+    # node_drift_events): CRITICAL, WARN, INFO or DEBUG.
+    severity: str | None = None
 
 
 class DriftList(msgspec.Struct, kw_only=True):
@@ -71,6 +74,125 @@ class RunAccepted(msgspec.Struct, kw_only=True):
     schedule_id: str
 
 
+async def reconciliation_status(
+    db: AsyncSession, site_id: uuid.UUID | None
+) -> ReconciliationStatus:
+    """Nodes bound to MAAS: ok, drifted, unreconciled (the admin API's and the console's)."""
+    stale = func.clock_timestamp() - func.make_interval(
+        0, 0, 0, 0, 0, 0, 2 * MaasSitePolicy.reconcile_interval_seconds
+    )
+    query = select(
+        func.count(),
+        func.count().filter(NodeMaasState.drift_detected),
+        func.count().filter(
+            (NodeMaasState.last_reconciled_at.is_(None))
+            | (NodeMaasState.last_reconciled_at < stale)
+        ),
+    ).join(MaasSitePolicy, MaasSitePolicy.site_id == NodeMaasState.site_id)
+    if site_id is not None:
+        query = query.where(NodeMaasState.site_id == site_id)
+    total, drifted, unreconciled = (await db.execute(query)).one()
+    return ReconciliationStatus(
+        nodes=total, ok=total - drifted, drifted=drifted, unreconciled=unreconciled
+    )
+
+
+# The severities node_drift_events records (its check constraint), most urgent first.
+DRIFT_SEVERITIES = ("CRITICAL", "WARN", "INFO", "DEBUG")
+
+
+def _open_drift_severity() -> Any:
+    """The severity the reconciler recorded when the node's open drift started: its latest
+    drift event of that rule."""
+    return (
+        select(NodeDriftEvent.severity)
+        .where(
+            NodeDriftEvent.node_id == NodeMaasState.node_id,
+            NodeDriftEvent.rule == NodeMaasState.drift_rule,
+        )
+        .order_by(NodeDriftEvent.occurred_at.desc(), NodeDriftEvent.id.desc())
+        .limit(1)
+        .correlate(NodeMaasState)
+        .scalar_subquery()
+    )
+
+
+def checked_severity(value: str | None) -> str | None:
+    """The severity filter, upper-cased; 422 unknown_severity outside DRIFT_SEVERITIES."""
+    if value is None:
+        return None
+    if value.upper() not in DRIFT_SEVERITIES:
+        raise unknown_query_value("severity", DRIFT_SEVERITIES)
+    return value.upper()
+
+
+async def drift_list(
+    db: AsyncSession,
+    site_id: uuid.UUID | None,
+    *,
+    severity: str | None = None,
+    node_id: uuid.UUID | None = None,
+) -> DriftList:
+    """Nodes with unresolved drift, by hostname, with each drift's severity."""
+    drift_severity = _open_drift_severity()
+    query = (
+        select(NodeMaasState, Node, drift_severity)
+        .join(Node, Node.id == NodeMaasState.node_id)
+        .where(NodeMaasState.drift_detected)
+        .order_by(Node.hostname)
+    )
+    if site_id is not None:
+        query = query.where(NodeMaasState.site_id == site_id)
+    if severity is not None:
+        query = query.where(drift_severity == severity)
+    if node_id is not None:
+        query = query.where(NodeMaasState.node_id == node_id)
+    rows = (await db.execute(query)).all()
+    return DriftList(
+        items=[
+            DriftView(
+                node_id=state.node_id,
+                hostname=node.hostname,
+                node_status=node.status,
+                site_id=state.site_id,
+                maas_system_id=state.maas_system_id,
+                rule=state.drift_rule,
+                details=state.drift_details,
+                last_maas_status=state.last_maas_status,
+                last_reconciled_at=state.last_reconciled_at,
+                severity=severity_of,
+            )
+            for state, node, severity_of in rows
+        ]
+    )
+
+
+async def resolve_drift(
+    runtime: Runtime, principal: Principal, node_id: uuid.UUID, reason: str
+) -> DriftView:
+    """Acknowledge a node's drift: resolved by the worker (AdminOperationWorkflow),
+    compare-and-set and audited; 404 for a node bound to no site, 409 `no_drift`."""
+    resolved = await run_admin_operation(
+        runtime.temporal,
+        runtime.settings.control_plane_task_queue,
+        DRIFT_RESOLVE,
+        DriftResolveInput(actor=actor(principal, reason), node_id=str(node_id)),
+        key=str(node_id),
+        result_type=DriftState,
+    )
+    return DriftView(
+        node_id=uuid.UUID(resolved.node_id),
+        hostname=resolved.hostname,
+        node_status=resolved.node_status,
+        site_id=uuid.UUID(resolved.site_id),
+        maas_system_id=resolved.maas_system_id,
+        rule=resolved.rule,
+        details=resolved.details,
+        last_maas_status=resolved.last_maas_status,
+        last_reconciled_at=parse_iso(resolved.last_reconciled_at),
+    )
+
+
 class AdminReconciliationController(Controller):
     path = "/api/v1/admin/reconciliation"
     guards = [admin_guard]
@@ -80,53 +202,34 @@ class AdminReconciliationController(Controller):
     async def status(
         self, db: NamedDependency[AsyncSession], site_id: FromQuery[uuid.UUID | None] = None
     ) -> ReconciliationStatus:
-        stale = func.clock_timestamp() - func.make_interval(
-            0, 0, 0, 0, 0, 0, 2 * MaasSitePolicy.reconcile_interval_seconds
-        )
-        query = select(
-            func.count(),
-            func.count().filter(NodeMaasState.drift_detected),
-            func.count().filter(
-                (NodeMaasState.last_reconciled_at.is_(None))
-                | (NodeMaasState.last_reconciled_at < stale)
-            ),
-        ).join(MaasSitePolicy, MaasSitePolicy.site_id == NodeMaasState.site_id)
-        if site_id is not None:
-            query = query.where(NodeMaasState.site_id == site_id)
-        total, drifted, unreconciled = (await db.execute(query)).one()
-        return ReconciliationStatus(
-            nodes=total, ok=total - drifted, drifted=drifted, unreconciled=unreconciled
-        )
+        return await reconciliation_status(db, site_id)
 
-    @get("/drift", summary="Nodes with unresolved drift", responses=errors())
+    @get(
+        "/drift",
+        summary="Nodes with unresolved drift, with its severity (?severity=CRITICAL|WARN|INFO|"
+        "DEBUG filters; 422 unknown_severity otherwise)",
+        responses=errors(422),
+    )
     async def drift(
-        self, db: NamedDependency[AsyncSession], site_id: FromQuery[uuid.UUID | None] = None
+        self,
+        db: NamedDependency[AsyncSession],
+        site_id: FromQuery[uuid.UUID | None] = None,
+        severity: FromQuery[str | None] = None,
     ) -> DriftList:
-        query = (
-            select(NodeMaasState, Node)
-            .join(Node, Node.id == NodeMaasState.node_id)
-            .where(NodeMaasState.drift_detected)
-            .order_by(Node.hostname)
-        )
-        if site_id is not None:
-            query = query.where(NodeMaasState.site_id == site_id)
-        rows = (await db.execute(query)).all()
-        return DriftList(
-            items=[
-                DriftView(
-                    node_id=state.node_id,
-                    hostname=node.hostname,
-                    node_status=node.status,
-                    site_id=state.site_id,
-                    maas_system_id=state.maas_system_id,
-                    rule=state.drift_rule,
-                    details=state.drift_details,
-                    last_maas_status=state.last_maas_status,
-                    last_reconciled_at=state.last_reconciled_at,
-                )
-                for state, node in rows
-            ]
-        )
+        return await drift_list(db, site_id, severity=checked_severity(severity))
+
+    @get(
+        "/drift/{node_id:uuid}",
+        summary="One node's unresolved drift, with its severity (404 when it has none)",
+        responses=errors(404),
+    )
+    async def drift_detail(
+        self, db: NamedDependency[AsyncSession], node_id: FromPath[uuid.UUID]
+    ) -> DriftView:
+        found = (await drift_list(db, None, node_id=node_id)).items
+        if not found:
+            raise NotFound("this node has no unresolved drift")
+        return found[0]
 
     @post(
         "/drift/{node_id:uuid}/resolve",
@@ -141,27 +244,7 @@ class AdminReconciliationController(Controller):
         runtime: NamedDependency[Runtime],
         node_id: FromPath[uuid.UUID],
     ) -> DriftView:
-        # Resolved by the worker (AdminOperationWorkflow), compare-and-set and audited: 404 for
-        # a node bound to no site, 409 `no_drift`.
-        resolved = await run_admin_operation(
-            runtime.temporal,
-            runtime.settings.control_plane_task_queue,
-            DRIFT_RESOLVE,
-            DriftResolveInput(actor=actor(principal, data.reason), node_id=str(node_id)),
-            key=str(node_id),
-            result_type=DriftState,
-        )
-        return DriftView(
-            node_id=uuid.UUID(resolved.node_id),
-            hostname=resolved.hostname,
-            node_status=resolved.node_status,
-            site_id=uuid.UUID(resolved.site_id),
-            maas_system_id=resolved.maas_system_id,
-            rule=resolved.rule,
-            details=resolved.details,
-            last_maas_status=resolved.last_maas_status,
-            last_reconciled_at=parse_iso(resolved.last_reconciled_at),
-        )
+        return await resolve_drift(runtime, principal, node_id, data.reason)
 
     @post(
         "/run",

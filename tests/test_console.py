@@ -1,0 +1,146 @@
+"""The operator console over HTTP (gateway/console/): sign-in trades an admin token for a signed
+session cookie that opens the console and the codec endpoint; tenants open nothing; forms need
+the session's form token and the console's own origin. What the pages show, and the actions
+they send, are driven in a real browser by tests/test_console_browser.py."""
+
+from __future__ import annotations
+
+import re
+import uuid
+
+from core.codec import AesGcmPayloadCodec
+from gateway import codec_session
+from tests.gateway_fixtures import TEMPORAL_UI_ORIGIN, bearer
+from tests.test_gateway_codec import DECODE, from_json, plain, to_json
+
+PAGES = [
+    "/console/",
+    "/console/inventory",
+    "/console/jobs",
+    "/console/allocations",
+    "/console/drift",
+    f"/console/nodes/{uuid.uuid4()}",
+    f"/console/onboardings/{uuid.uuid4()}",
+    f"/console/decommissions/{uuid.uuid4()}",
+    f"/console/batches/{uuid.uuid4()}",
+    f"/console/allocations/{uuid.uuid4()}",
+]
+
+
+async def sign_in(client, token: str):
+    return await client.post(
+        "/console/sign-in",
+        data={"token": token, "next": "/console/drift"},
+        follow_redirects=False,
+    )
+
+
+def error_code(page: str) -> str:
+    match = re.search(r'data-testid="error-code">([a-z_]+)<', page)
+    assert match, page
+    return match.group(1)
+
+
+async def test_admin_sign_in_opens_the_console_and_the_codec(api, make_token, settings, token_row):
+    admin_token = await make_token("admin", name="ops-alice")
+    client = await api()
+    signed_in = await sign_in(client, admin_token)
+    assert signed_in.status_code == 303, signed_in.text
+    assert signed_in.headers["location"] == "/console/drift"
+    set_cookie = signed_in.headers["set-cookie"].lower()
+    assert set_cookie.startswith(f"{codec_session.CONSOLE_COOKIE_NAME}=")
+    assert "httponly" in set_cookie
+    assert "samesite=lax" in set_cookie
+    assert "path=/;" in set_cookie
+    assert "secure" not in set_cookie  # plain http here; https requests get Secure
+    value = client.cookies[codec_session.CONSOLE_COOKIE_NAME]
+    assert admin_token not in value
+    assert admin_token[4:] not in value
+    assert str((await token_row(admin_token)).id) in value  # an id, signed, never the token
+
+    for path in ("/console/inventory", "/console/jobs", "/console/allocations", "/console/drift"):
+        page = await client.get(path)
+        assert page.status_code == 200, (path, page.text)
+        assert "ops-alice" in page.text
+        assert admin_token not in page.text
+
+    # Temporal Web (another origin) decodes with the console's cookie and no bearer token.
+    payloads = await AesGcmPayloadCodec(settings.codec_key).encode([plain(b'"from-console"')])
+    decoded = await client.post(
+        DECODE, json=to_json(payloads), headers={"Origin": TEMPORAL_UI_ORIGIN}
+    )
+    assert decoded.status_code == 200, decoded.text
+    assert from_json(decoded.json()) == [plain(b'"from-console"')]
+    assert decoded.headers["access-control-allow-credentials"] == "true"
+
+    # The session is audited; the cookie is no API credential.
+    admin = await api(token=admin_token)
+    audit = await admin.get("/api/v1/admin/audit", params={"action": "console.session_create"})
+    (entry,) = audit.json()["items"]
+    assert entry["actor"] == "ops-alice"
+    assert admin_token not in audit.text
+    assert (await client.get("/api/v1/admin/projects")).status_code == 401
+
+    # Signing out drops the cookie: pages ask for a sign-in again, the codec refuses.
+    await client.post("/console/sign-out")
+    assert codec_session.CONSOLE_COOKIE_NAME not in client.cookies
+    again = await client.get("/console/inventory", follow_redirects=False)
+    assert again.status_code == 303
+    assert (await client.post(DECODE, json=to_json(payloads))).status_code == 401
+
+
+async def test_a_tenant_token_opens_no_console_page(api, make_token):
+    tenant_token = await make_token("tenant")
+    client = await api()
+    refused = await sign_in(client, tenant_token)
+    assert refused.status_code == 403
+    assert error_code(refused.text) == "forbidden"
+    assert codec_session.CONSOLE_COOKIE_NAME not in client.cookies
+    # A bad token is 401, with the API's code.
+    bad = await sign_in(client, "gpc_" + "x" * 40)
+    assert bad.status_code == 401
+    assert error_code(bad.text) == "unauthenticated"
+
+    # A bearer header is no console session: every page sends the browser to the sign-in form.
+    for path in PAGES:
+        for headers in ({}, bearer(tenant_token)):
+            page = await client.get(path, headers=headers, follow_redirects=False)
+            assert page.status_code == 303, (path, page.status_code)
+            assert page.headers["location"].startswith("/console/sign-in?next=")
+    posted = await client.post(
+        f"/console/drift/{uuid.uuid4()}/resolve",
+        data={"reason": "x", "csrf_token": "x"},
+        headers=bearer(tenant_token),
+    )
+    assert posted.status_code == 401
+
+
+async def test_forged_or_foreign_requests_are_refused(api, make_token, settings):
+    admin_token = await make_token("admin")
+    client = await api()
+    await sign_in(client, admin_token)
+    node_id = uuid.uuid4()
+
+    # Without the session's form token (a page of another origin cannot read it).
+    forged = await client.post(
+        f"/console/drift/{node_id}/resolve", data={"reason": "looks fine", "csrf_token": "nope"}
+    )
+    assert forged.status_code == 403
+    assert error_code(forged.text) == "csrf_failed"
+
+    # Temporal Web's origin may call the codec with credentials, but not the console.
+    foreign = await client.get("/console/inventory", headers={"Origin": TEMPORAL_UI_ORIGIN})
+    assert foreign.status_code == 403
+    assert error_code(foreign.text) == "cross_origin_refused"
+
+    # A tampered or expired cookie is no session.
+    key = codec_session.console_signing_key(settings.codec_key)
+    expired, _ = codec_session.issue(key, uuid.uuid4(), -10)
+    codec_cookie, _ = codec_session.issue(
+        codec_session.signing_key(settings.codec_key), node_id, 60
+    )
+    for cookie in (expired, codec_cookie, "v1.x.y.z"):
+        fresh = await api()
+        fresh.cookies.set(codec_session.CONSOLE_COOKIE_NAME, cookie)
+        page = await fresh.get("/console/inventory", follow_redirects=False)
+        assert page.status_code == 303, cookie
