@@ -17,6 +17,7 @@ from temporalio.worker import Worker, WorkerConfig
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
 from activities.admin_operations import AdminOperationActivities
+from activities.allocation_groups import AllocationGroupActivities
 from activities.allocations import AllocationActivities
 from activities.billing.metering import BillingActivities
 from activities.billing.notification_webhooks import NotificationWebhookActivities
@@ -40,6 +41,9 @@ from activities.payments.activities import PaymentActivities
 from activities.payments.schedule import ensure_stripe_reconciliation_schedule
 from activities.payments.stripe_api import StripeApi
 from activities.payments.webhook_events import StripeWebhookActivities
+from activities.storage import StorageActivities
+from activities.storage_provider import SharedDirectoryProvider
+from activities.terminal_sessions import TerminalSessionActivities
 from contracts.billing_meter import MeterInput
 from contracts.node_liveness import LivenessInput
 from core.config import Settings
@@ -52,6 +56,7 @@ from core.temporal import connect, process_identity
 from schema.db import create_engine, session_factory
 from workflows.admin_operation import AdminOperationWorkflow
 from workflows.allocation import AllocationWorkflow
+from workflows.allocation_group import AllocationGroupWorkflow
 from workflows.billing_meter import SCHEDULE_ID as BILLING_SCHEDULE_ID
 from workflows.billing_meter import BillingMeterWorkflow
 from workflows.decommission import NodeDecommissionWorkflow
@@ -63,10 +68,13 @@ from workflows.node_presence import NodePresenceWorkflow
 from workflows.onboarding import MaasNodeOnboardWorkflow
 from workflows.onboarding_batch import MaasNodeBatchOnboardWorkflow
 from workflows.payment_session import PaymentSessionWorkflow
+from workflows.storage_attachment import StorageAttachmentWorkflow
 from workflows.stripe_reconciliation import StripeReconciliationWorkflow
+from workflows.terminal_session import TerminalSessionWorkflow
 
 WORKFLOWS = [
     AllocationWorkflow,
+    AllocationGroupWorkflow,
     NodePresenceWorkflow,
     MaasSiteReconcilerWorkflow,
     NodeLivenessWorkflow,
@@ -78,6 +86,8 @@ WORKFLOWS = [
     NodeDecommissionWorkflow,
     AdminOperationWorkflow,
     NodeDrainWorkflow,
+    TerminalSessionWorkflow,
+    StorageAttachmentWorkflow,
 ]
 
 # Workflow modules stay sandboxed; every other module (our contracts, the SDK, the standard
@@ -121,6 +131,7 @@ def operation_activities(
         *StripeWebhookActivities(sessions, client).activities(),
         *NotificationWebhookActivities(sessions, secret_store).activities(),
         *NodeAdminActivities(sessions, client).activities(),
+        *StorageActivities(sessions, SharedDirectoryProvider.from_env(), client).operations(),
     ]
 
 
@@ -140,7 +151,7 @@ def worker_config(
     allocations = AllocationActivities(engine)
     presence = NodePresenceActivities(sessions)
     maas_reconcile = MaasReconcileActivities(sessions, secret_store)
-    liveness = NodeLivenessActivities(sessions)
+    liveness = NodeLivenessActivities(sessions, client)
     drain = NodeDrainActivities(sessions)
     billing = BillingActivities(sessions, client)
     host_access = dependencies.get("host_access")
@@ -176,9 +187,12 @@ def worker_config(
             allocations.begin_release,
             allocations.finish_release,
             allocations.detach,
+            *AllocationGroupActivities(sessions, client).activities(),
             NodeTaskLogActivities(sessions).record_progress,
+            *StorageActivities(sessions, SharedDirectoryProvider.from_env(), client).activities(),
             presence.record_heartbeat,
             maas_reconcile.reconcile,
+            maas_reconcile.record_reseeds,
             liveness.check_liveness,
             drain.drain_check,
             drain.drain_finish,
@@ -243,6 +257,7 @@ def worker_config(
             reimage.decommission_wait_for_hardware_sync_healthy,
             reimage.decommission_wait_for_agent_enrollment,
             *operation_activities(sessions, secret_store, client),
+            *TerminalSessionActivities(sessions, client).activities(),
         ],
         # Workflow activations are short CPU bursts under the GIL: a few threads beat many (a
         # hundred threads mostly trade the GIL back and forth on a 2-core machine).

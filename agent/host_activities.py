@@ -39,7 +39,6 @@ from agent.backend import (
     HostError,
     ProvisionOutcome,
     ReleaseOutcome,
-    RevokeOutcome,
 )
 from agent.progress import TaskProgress, utc_now_iso
 from contracts.host_tasks import (
@@ -75,7 +74,7 @@ REPORT_MIN_INTERVAL_S = 1.0
 # A report is best effort: the task does not wait longer than this for one to be taken.
 REPORT_RPC_TIMEOUT = timedelta(seconds=5)
 
-_Outcome = TypeVar("_Outcome", ProvisionOutcome, ReleaseOutcome, RevokeOutcome)
+_Outcome = TypeVar("_Outcome")
 _Spec = TypeVar("_Spec", HostProvisionInput, HostReleaseInput)
 
 
@@ -109,6 +108,23 @@ class HostActivities:
     def running(self) -> int:
         """How many tenant host tasks this node runs now (agent.maintenance.RunningTaskCounter)."""
         return self._running
+
+    async def run_tenant_task(
+        self,
+        name: str,
+        task_id: str,
+        allocation_id: str,
+        call: Callable[[TaskProgress], _Outcome],
+        *,
+        unexpected_error_type: str,
+        new_work: bool,
+    ) -> tuple[_Outcome, TaskProgress]:
+        """Run a tenant host task defined beside this class (agent/storage_mounts.py) as these
+        run: counted as running, its progress reported and heartbeated, its HostError mapped.
+        `new_work`: refused while the node is draining (a mount; an unmount always runs)."""
+        if new_work:
+            self._refuse_if_draining()
+        return await self._run(name, task_id, allocation_id, call, unexpected_error_type)
 
     def activities(self) -> list[Callable[..., Any]]:
         return [

@@ -18,6 +18,8 @@ from temporalio.worker import PollerBehaviorSimpleMaximum, Worker
 from agent.backend import HostBackend
 from agent.host_activities import HostActivities
 from agent.maintenance import MaintenanceActivities, MaintenanceBackend
+from agent.storage_mounts import StorageMountActivities, StorageMountBackend
+from agent.terminal import ShellLauncher, TerminalActivities
 from core.task_queues import node_task_queue
 
 # Host tasks a node runs at once (each is mostly waiting on libvirt or a guest).
@@ -32,6 +34,12 @@ class NodeServices:
 
     host: HostBackend
     maintenance: MaintenanceBackend
+    # Storage attachment mounts (seed 001 §7); None: the node mounts no storage (the tasks are
+    # still registered and answer `unsupported`).
+    storage: StorageMountBackend | None = None
+    # Terminal sessions (seed 001 §6): the shell a `terminal.open` runs per allocation shape;
+    # None: no terminals here (the tasks are still registered and answer `unsupported`).
+    terminal: ShellLauncher | None = None
 
 
 def node_activities(
@@ -52,7 +60,14 @@ def node_activities(
         is_draining=services.maintenance.is_draining,
     )
     maintenance = MaintenanceActivities(services.maintenance, node_id=node, tasks=host)
-    return [*host.activities(), *maintenance.activities()]
+    storage = StorageMountActivities(services.storage, node_id=node, tasks=host)
+    terminal = TerminalActivities(services.terminal, node_id=node)
+    return [
+        *host.activities(),
+        *maintenance.activities(),
+        *storage.activities(),
+        *terminal.activities(),
+    ]
 
 
 def build_node_worker(

@@ -52,6 +52,9 @@ DECOMMISSION_SUBMIT = "decommission.submit"
 STRIPE_WEBHOOK_EVENT = "payments.stripe_webhook_event"
 NOTIFICATION_WEBHOOK_SET = "notifications.webhook_set"
 NOTIFICATION_WEBHOOK_DELETE = "notifications.webhook_delete"
+# Storage namespaces (contracts.storage: their inputs and results; activities/storage.py).
+STORAGE_NAMESPACE_CREATE = "storage.namespace_create"
+STORAGE_NAMESPACE_DELETE = "storage.namespace_delete"
 OPERATIONS = (
     BILLING_CREDIT,
     GPU_SLOT_RETURN,
@@ -73,6 +76,8 @@ OPERATIONS = (
     STRIPE_WEBHOOK_EVENT,
     NOTIFICATION_WEBHOOK_SET,
     NOTIFICATION_WEBHOOK_DELETE,
+    STORAGE_NAMESPACE_CREATE,
+    STORAGE_NAMESPACE_DELETE,
 )
 
 # Error types (the ApplicationError type, also the API's error code the gateway answers with).

@@ -10,6 +10,8 @@ from typing import Any
 
 from temporalio.exceptions import ActivityError, ApplicationError
 
+from contracts.terminal_session import TERMINAL_TASK_SUMMARIES
+
 # Allocation shapes as host tasks carry them (`shape`); the SKU catalog's shapes (schema) use the
 # same strings.
 SHAPE_BAREMETAL = "baremetal"
@@ -29,6 +31,9 @@ NODE_DRAIN = "node.drain"
 NODE_UNDRAIN = "node.undrain"
 NODE_UNINSTALL = "node.uninstall"
 NODE_HW_SYNC_RESEED = "node.hw_sync_reseed"
+# Storage attachments (seed 001 §7; their inputs and results are in contracts/storage.py).
+STORAGE_MOUNT = "storage.mount"
+STORAGE_UNMOUNT = "storage.unmount"
 
 # Progress of a running host task (seed 002: node_task_dispatched, running with live phases): the
 # agent signals the workflow that scheduled the task when an attempt starts and when its phases
@@ -49,6 +54,10 @@ TASK_SUMMARIES = {
     NODE_UNDRAIN: "Returning the node to service",
     NODE_UNINSTALL: "Removing the node agent",
     NODE_HW_SYNC_RESEED: "Re-seeding MAAS hardware sync",
+    # Terminal sessions (contracts/terminal_session.py).
+    **TERMINAL_TASK_SUMMARIES,
+    STORAGE_MOUNT: "Mounting a storage namespace",
+    STORAGE_UNMOUNT: "Unmounting a storage namespace",
 }
 
 
@@ -65,6 +74,7 @@ class HostErrorType(StrEnum):
     UNSUPPORTED = "unsupported"  # the node cannot do this yet (e.g. Weka cleanup): non-retryable
     UNSAFE_PATH = "unsafe_path"  # a path leaves its configured root or is a symlink: non-retryable
     MAINTENANCE_ERROR = "maintenance_error"  # a maintenance step failed: retried, then failed
+    STORAGE_ERROR = "storage_error"  # a mount or unmount step failed: retried, then failed
 
 
 NON_RETRYABLE_HOST_ERRORS = frozenset(

@@ -35,6 +35,36 @@ ALLOCATION_TRANSITIONS: dict[AllocationStatus, frozenset[AllocationStatus]] = {
 LIVE_ALLOCATION_STATUSES = frozenset(s for s, onward in ALLOCATION_TRANSITIONS.items() if onward)
 
 
+class AllocationGroupStatus(StrEnum):
+    """Seed 001 §1a: an aggregate over member allocations, derived from their statuses and the
+    group's release intent (contracts.allocation_group.derive_group_status)."""
+
+    REQUESTED = "requested"
+    PROVISIONING = "provisioning"
+    ACTIVE = "active"
+    DEGRADED = "degraded"
+    RELEASING = "releasing"
+    RELEASED = "released"
+    FAILED = "failed"
+    RELEASE_FAILED = "release_failed"
+
+
+_G = AllocationGroupStatus
+ALLOCATION_GROUP_TRANSITIONS: dict[AllocationGroupStatus, frozenset[AllocationGroupStatus]] = {
+    # → releasing from every live state: a release may be asked for before the group is whole.
+    _G.REQUESTED: frozenset({_G.PROVISIONING, _G.FAILED, _G.RELEASING}),
+    # → degraded: every member settled, a required one lost while another is usable.
+    _G.PROVISIONING: frozenset({_G.ACTIVE, _G.DEGRADED, _G.FAILED, _G.RELEASING}),
+    _G.ACTIVE: frozenset({_G.DEGRADED, _G.RELEASING}),
+    _G.DEGRADED: frozenset({_G.RELEASING}),
+    _G.RELEASING: frozenset({_G.RELEASED, _G.RELEASE_FAILED}),
+    # → releasing: a retry (admin force-release); → released: the failed member was detached.
+    _G.RELEASE_FAILED: frozenset({_G.RELEASING, _G.RELEASED}),
+    _G.RELEASED: frozenset(),
+    _G.FAILED: frozenset(),
+}
+
+
 class NodeStatus(StrEnum):
     """Coarse node states of seed 004 §3. Only `active` nodes receive new allocations."""
 

@@ -14,9 +14,6 @@ from contextlib import asynccontextmanager
 from litestar import Litestar
 from litestar.config.cors import CORSConfig
 from litestar.di import Provide
-from litestar.openapi.config import OpenAPIConfig
-from litestar.openapi.plugins import JsonRenderPlugin, SwaggerRenderPlugin
-from litestar.openapi.spec import Components, SecurityScheme
 from temporalio.client import Client
 
 from core.config import Settings
@@ -24,11 +21,16 @@ from core.secrets import SecretStore, VaultSecretStore
 from core.temporal import connect, process_identity
 from gateway.auth import provide_principal
 from gateway.config import GatewayConfig
+from gateway.console import console_router, console_template_config
 from gateway.controllers.admin import (
     AdminAllocationsController,
     AdminAuditController,
     AdminProjectsController,
     AdminTokensController,
+)
+from gateway.controllers.allocation_groups import (
+    AdminAllocationGroupsController,
+    AllocationGroupsController,
 )
 from gateway.controllers.allocations import AllocationsController
 from gateway.controllers.billing import AdminBillingController, BillingController
@@ -51,7 +53,17 @@ from gateway.controllers.payments import (
 )
 from gateway.controllers.reconciliation import AdminReconciliationController
 from gateway.controllers.ssh_keys import SshKeysController
+from gateway.controllers.storage import (
+    AdminStorageController,
+    AllocationAttachmentsController,
+    StorageNamespacesController,
+)
+from gateway.controllers.terminal_sessions import (
+    AdminTerminalSessionsController,
+    TerminalSessionsController,
+)
 from gateway.errors import exception_handler
+from gateway.openapi import openapi_config, swagger_ui_asset
 from gateway.runtime import (
     STATE_KEY,
     Runtime,
@@ -61,6 +73,7 @@ from gateway.runtime import (
     provide_temporal,
 )
 from gateway.temporal import TemporalOps
+from gateway.terminal_relay import node_stream, tenant_stream
 from schema.db import create_engine, session_factory
 
 log = logging.getLogger("gateway")
@@ -77,23 +90,6 @@ def _cors(config: GatewayConfig) -> CORSConfig:
         allow_headers=["authorization", "content-type", "x-namespace"],
         allow_credentials=True,
         max_age=600,
-    )
-
-
-def _openapi() -> OpenAPIConfig:
-    return OpenAPIConfig(
-        title="gpucloud control plane API",
-        version=API_VERSION,
-        path="/schema",
-        render_plugins=[SwaggerRenderPlugin(path="/swagger"), JsonRenderPlugin()],
-        components=Components(
-            security_schemes={
-                "bearer": SecurityScheme(
-                    type="http", scheme="bearer", description="gpc_... API token"
-                )
-            }
-        ),
-        security=[{"bearer": []}],
     )
 
 
@@ -147,6 +143,8 @@ def create_app(
             AdminAllocationsController,
             SshKeysController,
             AllocationsController,
+            AllocationGroupsController,
+            AdminAllocationGroupsController,
             CodecController,
             AdminMaasSitesController,
             AdminOnboardingsController,
@@ -162,6 +160,15 @@ def create_app(
             AdminPaymentsController,
             AdminReconciliationController,
             NotificationsController,
+            TerminalSessionsController,
+            AdminTerminalSessionsController,
+            tenant_stream,
+            node_stream,
+            StorageNamespacesController,
+            AllocationAttachmentsController,
+            AdminStorageController,
+            console_router(),
+            swagger_ui_asset,
         ],
         dependencies={
             "db": Provide(provide_db),
@@ -174,7 +181,9 @@ def create_app(
         lifespan=[lifespan],
         request_max_body_size=settings.max_request_body_bytes,
         cors_config=_cors(gateway_config),
-        openapi_config=_openapi(),
+        # The operator console's pages (gateway/console/).
+        template_config=console_template_config(),
+        openapi_config=openapi_config(title="gpucloud control plane API", version=API_VERSION),
         # The process configures logging (gateway.serve); building an app must not. Litestar's
         # default replaced the root logger's handlers with its own queue listener: every
         # record, the access log's included, then cost a hand-off to a second thread, and an

@@ -27,6 +27,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from contracts.node_drain import DrainStatus
 from contracts.states import (
+    LIVE_ALLOCATION_STATUSES,
+    AllocationGroupStatus,
     AllocationStatus,
     ClaimKind,
     ClaimStatus,
@@ -36,6 +38,8 @@ from contracts.states import (
     SlotStatus,
     TokenRole,
 )
+from contracts.storage import AttachmentStatus, NamespaceStatus, WriteMode
+from contracts.terminal_session import TerminalSessionStatus
 
 
 def _check_in(column: str, values: type[Any]) -> str:
@@ -161,6 +165,10 @@ class Node(Base):
     # [{"numa_node": 0, "cpus": "0-47", "memory_mb": 1024000, "gpus": 4}, ...]
     numa_layout: Mapped[list[dict[str, Any]]] = mapped_column(JSONB, server_default=text("'[]'"))
     host_address: Mapped[str | None] = mapped_column(String(255))
+    # How an operator reaches the host (seed 003 §8.1): onboarding sets the site's deploy user.
+    port: Mapped[int] = mapped_column(Integer, server_default=text("22"))
+    ssh_username: Mapped[str] = mapped_column(String(64), server_default=text("'root'"))
+    access_method: Mapped[str] = mapped_column(String(32), server_default=text("'node_agent'"))
     last_agent_contact_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
     enrolled_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
     agent_version: Mapped[str | None] = mapped_column(String(64))
@@ -184,6 +192,7 @@ class Node(Base):
     updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=NOW)
     __table_args__ = (
         CheckConstraint(_check_in("status", NodeStatus), name="nodes_status"),
+        CheckConstraint("port BETWEEN 1 AND 65535", name="nodes_port"),
         # In placement's ranking order, with the NUMA-fit counter checked on its entries
         # (migration 0017, activities/placement_sql.py).
         Index(
@@ -266,6 +275,12 @@ class Allocation(Base):
     # slots quarantined for cleanup; seed 001 §1).
     detached_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
     updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=CLOCK)
+    # A member of an allocation group (seed 001 §1a); `same_node_forbidden`: its group's
+    # anti-affinity, held by the partial unique index below.
+    allocation_group_id: Mapped[uuid.UUID | None] = mapped_column(
+        ForeignKey("allocation_groups.id")
+    )
+    same_node_forbidden: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
     __table_args__ = (
         CheckConstraint(_check_in("status", AllocationStatus), name="allocations_status"),
         CheckConstraint(
@@ -276,7 +291,80 @@ class Allocation(Base):
         Index("allocations_project_created", "project_id", "created_at", "id"),
         Index("allocations_node_created", "node_id", "created_at", "id"),
         Index("allocations_status", "status"),
+        Index(
+            "allocations_group_same_node",
+            "allocation_group_id",
+            "node_id",
+            unique=True,
+            postgresql_where=text(
+                "same_node_forbidden AND status IN ("
+                + ", ".join(repr(s.value) for s in sorted(LIVE_ALLOCATION_STATUSES))
+                + ")"
+            ),
+        ),
     )
+
+
+class AllocationGroup(Base):
+    """Seed 001 §1a: an aggregate over member allocations; its status is derived by
+    AllocationGroupWorkflow and applied by its activities. It holds no capacity itself."""
+
+    __tablename__ = "allocation_groups"
+    id: Mapped[uuid.UUID] = mapped_column(UUID, primary_key=True)
+    project_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("projects.id"))
+    idempotency_key: Mapped[str | None] = mapped_column(String(200))
+    request_fingerprint: Mapped[str] = mapped_column(String(64))
+    spread: Mapped[str] = mapped_column(String(32))
+    status: Mapped[str] = mapped_column(String(32))
+    workflow_id: Mapped[str] = mapped_column(String(100))
+    release_requested_by: Mapped[str | None] = mapped_column(String(16))
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=CLOCK)
+    updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=CLOCK)
+    __table_args__ = (
+        CheckConstraint(
+            _check_in("status", AllocationGroupStatus), name="allocation_groups_status"
+        ),
+        CheckConstraint(
+            "spread IN ('same_node_forbidden', 'any')", name="allocation_groups_spread"
+        ),
+        UniqueConstraint("project_id", "idempotency_key", name="allocation_groups_idempotency"),
+        Index("allocation_groups_project_created", "project_id", "created_at", "id"),
+        Index("allocation_groups_status", "status"),
+    )
+
+
+class AllocationGroupMember(Base):
+    """A group's member as asked for. Its allocation row exists once placement reserved it; a
+    member placement refused has none, only its `rejection_reason` here."""
+
+    __tablename__ = "allocation_group_members"
+    allocation_id: Mapped[uuid.UUID] = mapped_column(UUID, primary_key=True)
+    group_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("allocation_groups.id"))
+    position: Mapped[int] = mapped_column(Integer)
+    required: Mapped[bool] = mapped_column(Boolean)
+    sku: Mapped[str] = mapped_column(String(100))
+    region: Mapped[str] = mapped_column(String(50))
+    gpu_count: Mapped[int] = mapped_column(Integer)
+    rejection_reason: Mapped[str | None] = mapped_column(String(64))
+    __table_args__ = (
+        UniqueConstraint("group_id", "position", name="allocation_group_members_position"),
+    )
+
+
+class AllocationGroupEvent(Base):
+    """Append-only: one row per group transition, written with it."""
+
+    __tablename__ = "allocation_group_events"
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    group_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("allocation_groups.id"))
+    event: Mapped[str] = mapped_column(String(64))
+    from_status: Mapped[str | None] = mapped_column(String(32))
+    to_status: Mapped[str | None] = mapped_column(String(32))
+    actor: Mapped[str | None] = mapped_column(String(32))
+    reason: Mapped[str | None] = mapped_column(Text)
+    details: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
+    occurred_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=CLOCK)
+    __table_args__ = (Index("allocation_group_events_group", "group_id", "id"),)
 
 
 class AllocationResourceClaim(Base):
@@ -425,6 +513,10 @@ class MaasSite(Base):
     # When the MAAS token was last validated and written to Vault (never the token itself).
     credentials_updated_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
     maas_version: Mapped[str | None] = mapped_column(String(64))
+    # The profile a request that names none runs with (seed 003 §3.7); created with the site.
+    default_profile_id: Mapped[uuid.UUID | None] = mapped_column(
+        ForeignKey("maas_site_profiles.id", use_alter=True)
+    )
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=NOW)
     updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=NOW)
     __table_args__ = (
@@ -491,20 +583,64 @@ class MaasSitePolicy(Base):
 
 
 class MaasSiteProfile(Base):
-    """A runtime shape one site can deploy (seed 003 §3.6: architecture and distro series are
-    profile-scoped). NULL columns fall back to the site's own values and policy."""
+    """A policy bundle and runtime shape one site can run (seed 003 §3.7): every knob a run
+    uses (contracts.onboarding.SitePolicyView), plus the profile-scoped site values of §3.6.
+    NULL columns fall back to the site's own values and policy; a disabled profile takes no new
+    onboardings or decommissions (running ones go on with the policy they resolved)."""
 
     __tablename__ = "maas_site_profiles"
     id: Mapped[uuid.UUID] = mapped_column(UUID, primary_key=True)
     site_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("maas_sites.id"))
     name: Mapped[str] = mapped_column(String(100))
+    description: Mapped[str | None] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(String(16), server_default=text("'active'"))
     distro_series: Mapped[str | None] = mapped_column(String(64))
     architecture: Mapped[str | None] = mapped_column(String(64))
     node_pxe_iface: Mapped[str | None] = mapped_column(String(64))
+    pxe_vlan_vid: Mapped[int | None] = mapped_column(Integer)
+    strict_pxe_preflight: Mapped[bool | None] = mapped_column(Boolean)
     enable_phase2_roce: Mapped[bool | None] = mapped_column(Boolean)
+    require_hw_sync: Mapped[bool | None] = mapped_column(Boolean)
+    hardware_sync_interval: Mapped[str | None] = mapped_column(String(16))
+    release_fallback_no_erase: Mapped[bool | None] = mapped_column(Boolean)
+    enable_deploy_retry_on_datasource_failure: Mapped[bool | None] = mapped_column(Boolean)
+    max_deploy_retry_attempts: Mapped[int | None] = mapped_column(Integer)
+    auto_claim_single_new_machine: Mapped[bool | None] = mapped_column(Boolean)
+    batch_max_parallel: Mapped[int | None] = mapped_column(Integer)
+    site_bootstrap_bundle_ref: Mapped[str | None] = mapped_column(String(300))
+    enrollment_token_ttl_seconds: Mapped[int | None] = mapped_column(Integer)
+    maas_poll_interval_ms: Mapped[int | None] = mapped_column(Integer)
+    discovery_timeout_seconds: Mapped[int | None] = mapped_column(Integer)
+    commission_timeout_seconds: Mapped[int | None] = mapped_column(Integer)
+    deploy_timeout_seconds: Mapped[int | None] = mapped_column(Integer)
+    hw_sync_seed_timeout_seconds: Mapped[int | None] = mapped_column(Integer)
+    hw_sync_health_timeout_seconds: Mapped[int | None] = mapped_column(Integer)
+    enrollment_timeout_seconds: Mapped[int | None] = mapped_column(Integer)
+    roce_failures_stop_job: Mapped[bool | None] = mapped_column(Boolean)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=NOW)
     updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=NOW)
-    __table_args__ = (UniqueConstraint("site_id", "name", name="maas_site_profile_name"),)
+    __table_args__ = (
+        UniqueConstraint("site_id", "name", name="maas_site_profile_name"),
+        CheckConstraint("status IN ('active', 'disabled')", name="maas_site_profiles_status"),
+        CheckConstraint(
+            "max_deploy_retry_attempts BETWEEN 0 AND 10", name="profile_deploy_retries"
+        ),
+        CheckConstraint("batch_max_parallel BETWEEN 1 AND 500", name="profile_batch_parallel"),
+        CheckConstraint("enrollment_token_ttl_seconds > 0", name="profile_enrollment_ttl"),
+        CheckConstraint(
+            "hardware_sync_interval ~ '^[0-9]+[smh]$'", name="profile_hw_sync_interval"
+        ),
+        CheckConstraint(
+            "maas_poll_interval_ms BETWEEN 10 AND 600000", name="profile_poll_interval"
+        ),
+        CheckConstraint(
+            "LEAST(discovery_timeout_seconds, commission_timeout_seconds, deploy_timeout_seconds,"
+            " hw_sync_seed_timeout_seconds, hw_sync_health_timeout_seconds,"
+            " enrollment_timeout_seconds) > 0",
+            name="profile_timeouts_positive",
+        ),
+        CheckConstraint("pxe_vlan_vid BETWEEN 0 AND 4094", name="profile_vlan"),
+    )
 
 
 class MaasPowerCredentialOverride(Base):
@@ -1064,3 +1200,141 @@ class NodeDecommissionEvent(Base):
         ),
         Index("node_decommission_events_job", "decommission_id", "occurred_at"),
     )
+
+
+# --- storage (seed 001 §7) ----------------------------------------------------------------------
+
+
+class StorageNamespace(Base):
+    """Project-owned persistent storage kept by a provider (activities/storage_provider.py), with
+    its quota. Written by the worker only; `deleted` keeps the row (attachments refer to it)."""
+
+    __tablename__ = "storage_namespaces"
+    id: Mapped[uuid.UUID] = mapped_column(UUID, primary_key=True)
+    project_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("projects.id"))
+    name: Mapped[str] = mapped_column(String(63))
+    provider: Mapped[str] = mapped_column(String(32))
+    quota_bytes: Mapped[int] = mapped_column(BigInteger)
+    # Product policy half of multi_writer (the provider's capability is the other half).
+    allow_multi_writer: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
+    status: Mapped[str] = mapped_column(String(16), server_default=text("'active'"))
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=CLOCK)
+    deleted_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    __table_args__ = (
+        CheckConstraint(_check_in("status", NamespaceStatus), name="storage_namespaces_status"),
+        CheckConstraint("quota_bytes > 0", name="storage_namespaces_quota_positive"),
+        Index(
+            "storage_namespaces_name",
+            "project_id",
+            "name",
+            unique=True,
+            postgresql_where=text("status = 'active'"),
+        ),
+    )
+
+
+class StorageAttachment(Base):
+    """One namespace bound to one allocation's node: StorageAttachmentWorkflow's read model."""
+
+    __tablename__ = "storage_attachments"
+    id: Mapped[uuid.UUID] = mapped_column(UUID, primary_key=True)
+    project_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("projects.id"))
+    namespace_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("storage_namespaces.id"))
+    allocation_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("allocations.id"))
+    node_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("nodes.id"))
+    mode: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16))
+    workflow_id: Mapped[str] = mapped_column(String(100))
+    requested_by: Mapped[str] = mapped_column(String(100))
+    mount_path: Mapped[str | None] = mapped_column(Text)
+    failure_reason: Mapped[str | None] = mapped_column(String(64))
+    failure_message: Mapped[str | None] = mapped_column(Text)
+    detach_attempts: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=CLOCK)
+    updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=CLOCK)
+    mounted_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    detached_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    __table_args__ = (
+        CheckConstraint(_check_in("status", AttachmentStatus), name="storage_attachments_status"),
+        CheckConstraint(_check_in("mode", WriteMode), name="storage_attachments_mode"),
+        Index("storage_attachments_allocation", "allocation_id", "created_at"),
+        Index(
+            "storage_attachments_live_namespace",
+            "namespace_id",
+            postgresql_where=text("status <> 'detached'"),
+        ),
+        Index(
+            "storage_attachments_stuck",
+            "status",
+            "updated_at",
+            postgresql_where=text("status IN ('failed', 'detach_failed')"),
+        ),
+    )
+
+
+class StorageAttachmentEvent(Base):
+    """Append-only: one row per attachment transition, written with the transition."""
+
+    __tablename__ = "storage_attachment_events"
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    attachment_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("storage_attachments.id"))
+    from_status: Mapped[str | None] = mapped_column(String(16))
+    to_status: Mapped[str] = mapped_column(String(16))
+    actor: Mapped[str | None] = mapped_column(String(100))
+    reason: Mapped[str | None] = mapped_column(Text)
+    details: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
+    occurred_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=CLOCK)
+    __table_args__ = (Index("storage_attachment_events_attachment", "attachment_id", "id"),)
+
+
+# --- terminal sessions (seed 001 §6) -----------------------------------------------------------
+
+
+class TerminalSession(Base):
+    """The read model of TerminalSessionWorkflow `terminal-{id}`. The partial unique index keeps
+    one live session per allocation; only the open token's sha256 is stored, never the token or
+    the agent's stream secret."""
+
+    __tablename__ = "terminal_sessions"
+    id: Mapped[uuid.UUID] = mapped_column(UUID, primary_key=True)
+    allocation_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("allocations.id"))
+    project_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("projects.id"))
+    node_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("nodes.id"))
+    workflow_id: Mapped[str] = mapped_column(String(100))
+    status: Mapped[str] = mapped_column(String(16))
+    close_reason: Mapped[str | None] = mapped_column(String(64))
+    closed_by: Mapped[str | None] = mapped_column(String(16))
+    open_token_sha256: Mapped[str] = mapped_column(String(64))
+    open_token_expires_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=CLOCK)
+    active_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    closing_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    closed_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=CLOCK)
+    __table_args__ = (
+        CheckConstraint(
+            _check_in("status", TerminalSessionStatus), name="terminal_sessions_status"
+        ),
+        Index(
+            "terminal_sessions_one_live",
+            "allocation_id",
+            unique=True,
+            postgresql_where=text("status IN ('opening', 'active', 'closing')"),
+        ),
+        Index("terminal_sessions_allocation", "allocation_id", "created_at"),
+        Index("terminal_sessions_status", "status", "created_at"),
+    )
+
+
+class TerminalSessionEvent(Base):
+    """Append-only: one row per terminal session transition, written with the transition."""
+
+    __tablename__ = "terminal_session_events"
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    session_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("terminal_sessions.id"))
+    from_status: Mapped[str | None] = mapped_column(String(16))
+    to_status: Mapped[str] = mapped_column(String(16))
+    actor: Mapped[str | None] = mapped_column(String(16))
+    reason: Mapped[str | None] = mapped_column(String(64))
+    occurred_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=CLOCK)
+    __table_args__ = (Index("terminal_session_events_session", "session_id", "id"),)

@@ -37,6 +37,7 @@ from temporalio.client import Client
 from temporalio.worker import Worker
 
 from agent.backend import HostBackend
+from agent.backends.system_root import SystemRoot
 from agent.heartbeat import DEFAULT_INTERVAL_SECONDS, run_heartbeats
 from agent.node_worker import NodeServices, build_node_worker, stop_on_signals
 from contracts.states import NodeStatus
@@ -50,7 +51,7 @@ from sim.faults import FaultSpec
 from sim.host import SimulatedHost
 from sim.libvirt_hosts import GpuPlacement, LibvirtTestHost, build_libvirt_test_host
 from sim.machine_image import build_machine
-from sim.node_services import machine_services, simulated_services
+from sim.node_services import machine_services, simulated_services, simulated_storage
 
 logger = logging.getLogger("sim.fleet")
 
@@ -160,7 +161,13 @@ class LibvirtTestHosts:
             system_root=machine.root,
         )
         self.hosts[node.node_id] = host
-        return NodeServices(host=host.backend, maintenance=machine_services(machine).maintenance)
+        services = machine_services(machine)
+        return NodeServices(
+            host=host.backend,
+            maintenance=services.maintenance,
+            terminal=services.terminal,
+            storage=simulated_storage(SystemRoot(machine.root)),
+        )
 
     def close(self) -> None:
         for host in self.hosts.values():

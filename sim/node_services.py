@@ -11,18 +11,22 @@
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 
+from activities.storage_provider import STORAGE_ROOT_ENV
 from agent.backends.from_config import node_services_from_config
 from agent.backends.system_root import SystemRoot
 from agent.config_file import read_agent_config
 from agent.main import BackendContext
 from agent.maintenance import MaintenanceBackend
 from agent.node_worker import NodeServices
+from agent.storage_mounts import StorageMountBackend, StorageMountConfig
 from sim.config import SimHostConfig
 from sim.host import SimulatedHost
 from sim.machine_image import Machine, build_machine
+from sim.terminal import SimulatedShell
 
 
 def machine_services(machine: Machine, *, hostname: str | None = None) -> NodeServices:
@@ -37,11 +41,26 @@ def machine_maintenance(directory: Path, *, key: str | None = None) -> Maintenan
     return machine_services(machine).maintenance
 
 
+def simulated_storage(root: SystemRoot) -> StorageMountBackend | None:
+    """Storage mounts on a simulated machine's disk. The simulated machines run on the worker's
+    computer, so they see the shared directory provider's tree where the worker keeps it
+    (GPUCLOUD_STORAGE_ROOT, activities/storage_provider.py); unset: no storage on the node."""
+    export = os.environ.get(STORAGE_ROOT_ENV)
+    if not export:
+        return None
+    return StorageMountBackend(root, StorageMountConfig(export_root=Path(export)))
+
+
 def simulated_services(
     node_id: str, machine: Machine, *, hostname: str | None, config: SimHostConfig
 ) -> tuple[SimulatedHost, NodeServices]:
     host = SimulatedHost(node_id, hostname=hostname, config=config)
-    return host, NodeServices(host=host, maintenance=machine_services(machine).maintenance)
+    return host, NodeServices(
+        host=host,
+        maintenance=machine_services(machine).maintenance,
+        terminal=SimulatedShell(host, machine.directory / "terminal-homes"),
+        storage=simulated_storage(SystemRoot(machine.root)),
+    )
 
 
 def simulated_node_services(context: BackendContext) -> NodeServices:
@@ -53,11 +72,20 @@ def simulated_node_services(context: BackendContext) -> NodeServices:
         directory = Path(tempfile.mkdtemp(prefix=f"gpucloud-sim-{context.node_id[:8]}-"))
         machine = build_machine(directory, address=context.hostname, machine_key=context.node_id)
         maintenance = machine_services(machine).maintenance
+        homes = directory / "terminal-homes"
+        storage_root = SystemRoot(machine.root)
     else:
         maintenance = node_services_from_config(
             context.config, context.root, hostname=context.hostname
         ).maintenance
+        homes = context.root.host_path("/home")
+        storage_root = context.root
     host = SimulatedHost(
         context.node_id, hostname=context.hostname, config=SimHostConfig.from_env(context.node_id)
     )
-    return NodeServices(host=host, maintenance=maintenance)
+    return NodeServices(
+        host=host,
+        maintenance=maintenance,
+        terminal=SimulatedShell(host, homes),
+        storage=simulated_storage(storage_root),
+    )

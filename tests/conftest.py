@@ -39,11 +39,26 @@ pytest_plugins = [
     "tests.stripe_fixtures",
     "tests.onboarding_fixtures",
     "tests.decommission_fixtures",
+    "tests.terminal_fixtures",
 ]
 
 # Recorded histories in tests/histories were written with this key; keep it fixed.
 TEST_CODEC_KEY = b"gpucloud-test-codec-key-32bytes!"
 TEST_CODEC_KEY_B64 = base64.b64encode(TEST_CODEC_KEY).decode()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def storage_provider_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The storage provider's tree (GPUCLOUD_STORAGE_ROOT, activities/storage_provider.py) for
+    every worker a test starts: a temporary directory, never this machine's own default."""
+    root = tmp_path_factory.mktemp("storage-provider")
+    previous = os.environ.get("GPUCLOUD_STORAGE_ROOT")
+    os.environ["GPUCLOUD_STORAGE_ROOT"] = str(root)
+    yield root
+    if previous is None:
+        os.environ.pop("GPUCLOUD_STORAGE_ROOT", None)
+    else:
+        os.environ["GPUCLOUD_STORAGE_ROOT"] = previous
 
 
 @pytest.fixture(scope="session")

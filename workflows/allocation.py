@@ -9,6 +9,7 @@ an append-only event row; the workflow only decides what happens next.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -61,6 +62,12 @@ with workflow.unsafe.imports_passed_through():
         ReleasePlan,
         Reservation,
     )
+    from contracts.allocation_group import (
+        MEMBER_STATUS_PATCH,
+        MEMBER_STATUS_SIGNAL,
+        MemberStatus,
+        allocation_group_workflow_id,
+    )
     from contracts.host_task_errors import agent_capability_missing, host_task_non_retryable
     from contracts.host_tasks import (
         HOST_TASK_PROGRESS_SIGNAL,
@@ -75,11 +82,25 @@ with workflow.unsafe.imports_passed_through():
         phases_of_failure,
     )
     from contracts.states import AllocationStatus, ReleaseActor
+    from contracts.storage import (
+        DETACH_FOR_RELEASE,
+        RELEASE_DETACHES_STORAGE_PATCH,
+        STORAGE_DETACH_FAILED,
+        DetachForReleaseInput,
+    )
+    from contracts.terminal_session import (
+        CLOSE_FOR_ALLOCATION,
+        RELEASE_CLOSES_TERMINAL_SESSIONS,
+        CloseForAllocationInput,
+        CloseForAllocationResult,
+    )
     from core import search_attributes as sa
     from core.task_queues import node_task_queue
 
 _LOCAL = timedelta(seconds=30)
 _DB_RETRY = RetryPolicy(initial_interval=timedelta(milliseconds=200), maximum_attempts=20)
+# Closing an allocation's terminal sessions: each waits at most its close timeout for the agent.
+_TERMINAL_CLOSE_BUDGET = timedelta(minutes=2)
 
 
 # Not sandboxed: every allocation's first workflow task is on the POST path, and the sandbox
@@ -102,6 +123,8 @@ class AllocationWorkflow:
         # An admin detach of a release_failed allocation: accepted, then done (seed 001 §1).
         self._detach: DetachRequest | None = None
         self._detached: DetachResult | None = None
+        # A group member's status reports to its group, awaited before the workflow ends.
+        self._group_reports: list[asyncio.Task[None]] = []
 
     # ------------------------------------------------------------------ handlers
 
@@ -202,6 +225,7 @@ class AllocationWorkflow:
     @workflow.run
     async def run(self, input: AllocationInput) -> AllocationResult:
         result = await self._lifecycle(input)
+        await asyncio.gather(*self._group_reports)
         await workflow.wait_condition(workflow.all_handlers_finished)
         return result
 
@@ -256,6 +280,8 @@ class AllocationWorkflow:
                     idempotency_key=input.idempotency_key,
                     workflow_id=workflow.info().workflow_id,
                     provision_task_id=str(workflow.uuid4()),
+                    allocation_group_id=input.allocation_group_id,
+                    same_node_forbidden=input.same_node_forbidden,
                 ),
                 result_type=Placement,
                 start_to_close_timeout=_LOCAL,
@@ -378,7 +404,16 @@ class AllocationWorkflow:
         plan = await self._begin_release_task(input, request, True)
         self._set_status(AllocationStatus.RELEASING)
         self._release_attempts += 1
+        # Seed 001 §6: a live terminal session is closed first (allocation_released, its ack or
+        # the close timeout), then the release goes on. The allocation is `releasing` by now, so
+        # no new session opens behind this.
+        if workflow.patched(RELEASE_CLOSES_TERMINAL_SESSIONS):
+            await self._close_terminal_sessions(input)
         try:
+            # Seed 001 §7: the allocation's storage attachments are detached first; one that does
+            # not detach fails the release (its mount is still on the node).
+            if workflow.patched(RELEASE_DETACHES_STORAGE_PATCH):
+                await self._detach_storage(input, request)
             result = await self._host_release(
                 input,
                 reservation,
@@ -400,6 +435,40 @@ class AllocationWorkflow:
         await self._finish_release(input, plan, result, None, final=True)
         self._set_status(AllocationStatus.RELEASED)
         return True
+
+    async def _close_terminal_sessions(self, input: AllocationInput) -> None:
+        """Each session's workflow bounds its own wait for the agent (its close timeout); a
+        close that still fails does not hold the release up: the host release ends the
+        tenant's processes anyway."""
+        try:
+            await workflow.execute_activity(
+                CLOSE_FOR_ALLOCATION,
+                CloseForAllocationInput(input.allocation_id),
+                result_type=CloseForAllocationResult,
+                start_to_close_timeout=_TERMINAL_CLOSE_BUDGET,
+                retry_policy=RetryPolicy(maximum_attempts=3),
+            )
+        except ActivityError as err:
+            workflow.logger.warning("terminal sessions not closed before release: %s", err)
+
+    async def _detach_storage(self, input: AllocationInput, request: ReleaseRequest) -> None:
+        """Every storage attachment of the allocation detached, each by its own workflow
+        (activities/storage.py); raises when one ends detach_failed."""
+        policy = input.policy
+        await workflow.execute_activity(
+            DETACH_FOR_RELEASE,
+            DetachForReleaseInput(input.allocation_id, request.reason),
+            start_to_close_timeout=timedelta(
+                seconds=policy.node_schedule_to_start_seconds
+                + policy.host_provision_timeout_seconds
+            ),
+            heartbeat_timeout=timedelta(seconds=policy.host_heartbeat_timeout_seconds),
+            retry_policy=RetryPolicy(
+                initial_interval=timedelta(seconds=policy.release_retry_initial_seconds),
+                maximum_attempts=max(1, policy.release_max_attempts),
+                non_retryable_error_types=[STORAGE_DETACH_FAILED],
+            ),
+        )
 
     async def _detach_after_release_failed(
         self, input: AllocationInput, request: DetachRequest
@@ -510,6 +579,7 @@ class AllocationWorkflow:
     # history, so replay of those histories issues the same commands.
     def _set_status(self, status: AllocationStatus) -> None:
         self._status = status
+        self._report_to_group(status)
         if status == AllocationStatus.REQUESTED:
             return  # placement answered; the attribute already reads `provisioning`, next
         current = workflow.info().typed_search_attributes
@@ -519,6 +589,23 @@ class AllocationWorkflow:
         if self._reservation is not None and current.get(sa.NODE_ID) is None:
             updates.append(sa.NODE_ID.value_set(self._reservation.node_id))
         workflow.upsert_search_attributes(updates)
+
+    def _report_to_group(self, status: AllocationStatus) -> None:
+        """A group member tells its AllocationGroupWorkflow each status it reaches (seed 001
+        §1a: the group's status is derived from its members'). Allocations outside a group, and
+        every history recorded before groups, issue nothing here."""
+        group_id = self._input.allocation_group_id
+        if group_id is None or not workflow.patched(MEMBER_STATUS_PATCH):
+            return
+        report = MemberStatus(self._input.allocation_id, status.value, self._failure_reason)
+        self._group_reports.append(asyncio.create_task(self._signal_group(group_id, report)))
+
+    async def _signal_group(self, group_id: str, report: MemberStatus) -> None:
+        group = workflow.get_external_workflow_handle(allocation_group_workflow_id(group_id))
+        try:
+            await group.signal(MEMBER_STATUS_SIGNAL, report)
+        except ApplicationError as err:  # the group has ended: nothing is waiting for this
+            workflow.logger.warning("group %s not told of %s: %s", group_id, report.status, err)
 
     def _mark_rejected(self) -> None:
         """A refused placement created nothing; its workflow must not read `provisioning`."""

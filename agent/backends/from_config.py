@@ -32,6 +32,10 @@ and its agent.d drop-ins). Every table is optional; the defaults are a real node
     expected_drivers = ["vfio-pci", "nvidia"]  # a released GPU bound elsewhere is quarantined
     allow_unverified = false             # node policy: GPU state that cannot be verified passes
 
+    [storage]                            # storage attachments (agent/storage_mounts.py)
+    export_root = "/srv/gpucloud-storage"  # the shared directory provider's tree on this host
+    mount_base = "/mnt/gpucloud/storage"   # attachments are mounted at <mount_base>/<id>
+
 Slice networks: the control plane gives each project a VLAN id per region; the allocations of
 one project on this node share a bridge for that id, joined to `uplink` so they share L2 with the
 project's VMs on the other nodes. `segment_encapsulation` says how a segment crosses `uplink`:
@@ -78,7 +82,7 @@ from agent.gpu_tools import (
     NvidiaSmiScrubber,
     NvmlGpuMemoryProbe,
 )
-from agent.host_processes import ProcSessionTerminator, SystemctlUnits
+from agent.host_processes import ProcSessionTerminator, SystemctlUnits, UnitRestartRequests
 from agent.maintenance import FileMaintenanceBackend, MaintenanceConfig
 from agent.network.encapsulation import (
     DEFAULT_VXLAN_GROUP,
@@ -92,6 +96,8 @@ from agent.network.errors import InvalidNetworkSpec
 from agent.network.netns import validate_ifname
 from agent.network.slice_networks import SliceNetworks
 from agent.node_worker import NodeServices
+from agent.storage_mounts import StorageMountBackend, StorageMountConfig
+from agent.terminal import BaremetalLoginShell, NodeShells, SliceSerialConsole
 
 READINESS = ("guest-agent", "ssh", "fixed")
 NVIDIA_SMI = "/usr/bin/nvidia-smi"
@@ -238,11 +244,17 @@ def node_services_from_config(
             if root.is_real_root
             else NvidiaSmiMemoryProbe(smi, sysfs_root=sysfs)
         ),
-        units=SystemctlUnits() if root.is_real_root else None,
+        units=SystemctlUnits() if root.is_real_root else UnitRestartRequests(root),
         config=MaintenanceConfig(users=users),
         allow_unverified_gpu=allow_unverified,
     )
+    storage = StorageMountConfig.from_table(table(data, "storage"))
     return NodeServices(
         host=NodeHostBackend(slice=slice_backend_from_config(data, root), baremetal=baremetal),
         maintenance=maintenance,
+        storage=StorageMountBackend(root, storage) if storage.export_root else None,
+        terminal=NodeShells(
+            baremetal=BaremetalLoginShell(baremetal),
+            slice=SliceSerialConsole(str(table(data, "libvirt").get("uri", "qemu:///system"))),
+        ),
     )
