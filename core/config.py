@@ -53,6 +53,14 @@ class Settings:
     vault_token: str | None = field(default=None, repr=False)
     vault_token_file: str | None = None
     vault_timeout_seconds: float = 5.0
+    # AppRole login (production): with a role id and a secret id (each given directly or in a
+    # file, re-read at every login so a rotated secret id needs no restart) the process logs in,
+    # renews its token and logs in again when it expires; they win over the token settings.
+    vault_role_id: str | None = None
+    vault_role_id_file: str | None = None
+    vault_secret_id: str | None = field(default=None, repr=False)
+    vault_secret_id_file: str | None = None
+    vault_approle_mount: str = "approle"
     # A node whose agent has not heartbeated for this long goes offline (no new allocations).
     node_offline_after_seconds: float = 300.0
     # What a node's agent calls to enroll; written into the cloud-init of every MAAS deploy.
@@ -60,6 +68,10 @@ class Settings:
     # host:port where this process serves its Temporal SDK metrics for Prometheus
     # (`/metrics`); unset, none are served. bin/stack sets it for the worker.
     metrics_address: str | None = None
+    # Terminal sessions (seed 001 §6): policy key terminal.session_max_ttl_seconds (default 4 h),
+    # and how long a close waits for the node agent's ack before it goes on regardless.
+    terminal_session_max_ttl_seconds: float = 4 * 3600.0
+    terminal_close_timeout_seconds: float = 15.0
     # The build id the control-plane worker reports to Temporal; the gateway starts workflows
     # with the BuildIds it implies (core.build_id). Unset, a checksum of the workflow code.
     build_id: str = field(default_factory=workflow_code_build_id)
@@ -104,9 +116,18 @@ class Settings:
             vault_token=e.get("GPUCLOUD_VAULT_TOKEN") or None,
             vault_token_file=e.get("GPUCLOUD_VAULT_TOKEN_FILE") or None,
             vault_timeout_seconds=float(e.get("GPUCLOUD_VAULT_TIMEOUT_S", "5")),
+            vault_role_id=e.get("GPUCLOUD_VAULT_ROLE_ID") or None,
+            vault_role_id_file=e.get("GPUCLOUD_VAULT_ROLE_ID_FILE") or None,
+            vault_secret_id=e.get("GPUCLOUD_VAULT_SECRET_ID") or None,
+            vault_secret_id_file=e.get("GPUCLOUD_VAULT_SECRET_ID_FILE") or None,
+            vault_approle_mount=e.get("GPUCLOUD_VAULT_APPROLE_MOUNT", "approle"),
             node_offline_after_seconds=float(e.get("GPUCLOUD_NODE_OFFLINE_AFTER_S", "300")),
             public_api_url=e.get("GPUCLOUD_PUBLIC_API_URL", "http://127.0.0.1:8000"),
             metrics_address=e.get("GPUCLOUD_METRICS_ADDRESS") or None,
+            terminal_session_max_ttl_seconds=float(
+                e.get("GPUCLOUD_TERMINAL_SESSION_MAX_TTL_S", str(4 * 3600))
+            ),
+            terminal_close_timeout_seconds=float(e.get("GPUCLOUD_TERMINAL_CLOSE_TIMEOUT_S", "15")),
             build_id=e.get("GPUCLOUD_BUILD_ID") or workflow_code_build_id(),
         )
 

@@ -3,12 +3,18 @@
 Starts, in order, with all state under .state/ in the repository:
   PostgreSQL        private cluster (.state/pg), database `gpucloud`, migrated to head
   Temporal          `temporal server start-dev` (.state/temporal.db keeps history across restarts)
-                    with our search attributes, update-with-start and the Web UI's codec endpoint
+                    with our search attributes and update-with-start, headless; with
+                    --temporal cluster the Temporal server on PostgreSQL instead
+  Temporal Web      temporalio/ui-server (built once) on either, with the gateway's codec
+                    endpoint and credentials included; if it cannot be built, the dev server's
+                    embedded UI
   demo data         the demo catalog and fleet, project `demo`, an admin and a tenant token
                     (created once, kept in .state/tokens.json, mode 0600)
   vault             the Vault simulator (python -m sim.vault), KV v2 on mount `kv`; its root token
                     is generated once into .state/vault-token (0600), secrets are kept in
-                    .state/vault-data.json (0600) across restarts
+                    .state/vault-data.json (0600) across restarts; the root token provisions
+                    an AppRole role and policy per component (devstack/vault_auth.py) and the
+                    worker and the gateway get only their own role and secret ids
   worker            the control-plane Temporal worker (python -m worker); it reaches BMCs and
                     deployed hosts through the simulators (GPUCLOUD_HOST_ACCESS=simulated)
   fleet             simulated node agents, one Temporal worker per node queue (sim.fleet); with
@@ -54,17 +60,28 @@ from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.client import Client
 
+from core import vault_policies
 from core.config import Settings
 from core.task_queues import node_task_queue
 from devstack.dev_server_visibility import (
     drop_unused_visibility_indexes,
     guard_full_text_triggers,
 )
+from devstack.go_tools import TOOLS_DIR
 from devstack.postgres import LegacyClusterError, PostgresCluster
 from devstack.processes import Child, port_in_use, python_entry, tail
 from devstack.stripe_mock import stripe_mock_argv
 from devstack.temporal import DEV_SERVER_ENV, dev_server_extra_args, temporal_cli_path
-from devstack.temporal_cluster import TemporalCluster
+from devstack.temporal_cluster import (
+    TUNING,
+    UI_SERVER_VERSION,
+    ClusterTuning,
+    TemporalCluster,
+    ui_server_argv,
+    ui_server_build_problem,
+    ui_server_config,
+)
+from devstack.vault_auth import provision as provision_vault_auth
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DATABASE = "gpucloud"
@@ -106,6 +123,9 @@ class StackOptions:
     # "dev": `temporal server start-dev` on SQLite (with Temporal Web); "cluster": the Temporal
     # server on the stack's PostgreSQL (devstack/temporal_cluster.py).
     temporal: str = "dev"
+    # The cluster's shards, connection pools and dynamic config (bench/temporal_servers.py
+    # compares others; the defaults are the measured ones).
+    temporal_tuning: ClusterTuning = TUNING
 
     @property
     def worker_metrics_address(self) -> str:
@@ -429,6 +449,8 @@ class Stack:
         self.client: Client | None = None
         self.stop_requested = asyncio.Event()
         self.pg_log: Path | None = None
+        # Temporal Web's line in the summary: which UI serves it, or why none does.
+        self.temporal_web = options.ui_url
 
     # startup helpers
 
@@ -475,8 +497,10 @@ class Stack:
                 "GPUCLOUD_SIM_PHASE_DELAY_S": str(self.o.phase_delay),
                 "GPUCLOUD_SIM_PHASE_JITTER": str(self.o.jitter),
                 "GPUCLOUD_VAULT_ADDR": self.o.vault_addr,
-                "GPUCLOUD_VAULT_TOKEN_FILE": str(self.o.vault_token_file),
                 "GPUCLOUD_STRIPE_API_BASE": self.o.stripe_api_base,
+                # The shared directory storage provider's tree: the worker's storage
+                # activities and the simulated fleet's mounts (activities/storage_provider.py).
+                "GPUCLOUD_STORAGE_ROOT": str((self.o.state_dir / "storage").resolve()),
             }
         )
         return env
@@ -538,7 +562,7 @@ class Stack:
         assert self.cluster is not None
         cluster = TemporalCluster(
             self.cluster, self.o.state_dir / "temporal-cluster", self.o.temporal_port,
-            namespace=self.o.namespace,
+            namespace=self.o.namespace, tuning=self.o.temporal_tuning,
         )  # fmt: skip
         argv = await asyncio.to_thread(cluster.prepare)
         temporal = Child("temporal", argv, self.o.logs_dir / "temporal.log", dict(os.environ),
@@ -549,6 +573,43 @@ class Stack:
              f"log {temporal.log_path}")  # fmt: skip
         await asyncio.to_thread(cluster.register)
         return temporal
+
+    def _build_temporal_web(self) -> str | None:
+        """The UI server built once, on the first start of either mode: None when it is there,
+        else why not (then the dev server serves its embedded UI; a cluster has none)."""
+        if not (TOOLS_DIR / f"temporal-ui-server-{UI_SERVER_VERSION}").exists():
+            _say(f"  temporal   building Temporal Web (ui-server {UI_SERVER_VERSION}) into "
+                 f"{TOOLS_DIR} (once; a few minutes)")  # fmt: skip
+        problem = ui_server_build_problem()
+        if problem is None:
+            self.temporal_web = (
+                f"{self.o.ui_url}  (ui-server {UI_SERVER_VERSION}; its codec calls carry the "
+                "console's sign-in cookie)"
+            )
+        elif self.o.temporal == "dev":
+            _say(
+                f"  temporal   ui-server not built ({problem}): Temporal Web is the dev "
+                "server's embedded UI, whose codec calls need a setting in each browser "
+                '(README, "Workflows in Temporal Web")'
+            )
+            self.temporal_web = f"{self.o.ui_url}  (the dev server's embedded UI: {problem})"
+        else:
+            _say(f"  temporal   ui-server not built ({problem}): no Temporal Web")
+            self.temporal_web = f"not started: {problem}"
+        return problem
+
+    async def _start_temporal_web(self) -> Child:
+        """Temporal Web (temporalio/ui-server) on the Temporal frontend, dev server or cluster,
+        decoding payloads through the gateway's codec endpoint with the browser's cookies."""
+        o = self.o
+        config = ui_server_config(o.temporal_address, o.ui_port, namespace=o.namespace,
+                                  codec_endpoint=o.codec_endpoint)  # fmt: skip
+        root = o.state_dir / "temporal-web"
+        argv = await asyncio.to_thread(ui_server_argv, root, config)
+        web = Child("temporal-web", argv, o.logs_dir / "temporal-web.log", dict(os.environ), root)
+        self.children.append(web)
+        await web.start()
+        return web
 
     async def _connect_temporal(self) -> bool:
         if self.client is None:
@@ -565,6 +626,11 @@ class Stack:
         o.state_dir.mkdir(parents=True, exist_ok=True)
         o.logs_dir.mkdir(parents=True, exist_ok=True)
         self._preflight()
+        # Temporal Web is the ui-server in both modes (so the console's sign-in cookie reaches
+        # the codec endpoint); the dev server serves its own UI only if that cannot be built.
+        web_problem = await asyncio.to_thread(self._build_temporal_web)
+        embedded_web = (["--ui-port", str(o.ui_port)] if web_problem is not None
+                        else ["--headless"])  # fmt: skip
 
         # The dev server first: it takes a few seconds, PostgreSQL and the migrations run
         # meanwhile. A cluster needs PostgreSQL first (below).
@@ -574,10 +640,12 @@ class Stack:
             "start-dev",
             "--ip", "127.0.0.1",
             "--port", str(o.temporal_port),
-            "--ui-port", str(o.ui_port),
+            *embedded_web,
             "--db-filename", str(o.state_dir / "temporal.db"),
             "--namespace", o.namespace,
-            *dev_server_extra_args(codec_endpoint=o.codec_endpoint),
+            *dev_server_extra_args(
+                codec_endpoint=o.codec_endpoint if web_problem is not None else None
+            ),
         ]  # fmt: skip
         temporal = Child("temporal", temporal_argv, o.logs_dir / "temporal.log",
                          {**os.environ, **DEV_SERVER_ENV}, REPO_ROOT)  # fmt: skip
@@ -627,9 +695,10 @@ class Stack:
         if o.temporal == "cluster":
             temporal = await self._start_temporal_cluster()
         await self._wait_for("Temporal", self._connect_temporal, temporal)
-        if o.temporal == "dev":
+        if web_problem is None or o.temporal == "dev":
+            web = await self._start_temporal_web() if web_problem is None else temporal
             await self._wait_for("Temporal Web", lambda: _http_ok(o.ui_url.replace("localhost",
-                                 "127.0.0.1")), temporal, limit_s=30)  # fmt: skip
+                                 "127.0.0.1")), web, limit_s=30)  # fmt: skip
         _say(f"  temporal   ready on {o.temporal_address} ({time.monotonic() - t0:.1f}s)")
         if o.temporal == "dev":
             temporal_db = o.state_dir / "temporal.db"
@@ -643,10 +712,16 @@ class Stack:
                              limit_s=30)  # fmt: skip
         _say(f"  vault      ready on {o.vault_addr} (pid {vault.pid}), log {vault.log_path}")
         await seed_stripe_secrets(o)
+        # The worker and the gateway log in by AppRole, each with its own policy; the root
+        # token stays with the stack (bootstrap and seeding).
+        approle_env = await asyncio.to_thread(
+            provision_vault_auth, o.vault_addr, o.vault_token_file, o.state_dir / "vault-approle"
+        )
 
         env = self._child_env(database_url)
         worker_env = {
             **env,
+            **approle_env[vault_policies.WORKER.role],
             "GPUCLOUD_HOST_ACCESS": "simulated",
             "GPUCLOUD_SIM_MAAS_URL": o.maas_url,
             "GPUCLOUD_SIM_MAAS_CONTROL_TOKEN": maas_control_token,
@@ -657,8 +732,9 @@ class Stack:
         }
         worker = Child("worker", python_entry("worker"), o.logs_dir / "worker.log", worker_env,
                        REPO_ROOT)  # fmt: skip
-        gateway = Child("gateway", python_entry("gateway.serve"), o.logs_dir / "gateway.log", env,
-                        REPO_ROOT)  # fmt: skip
+        gateway_env = {**env, **approle_env[vault_policies.GATEWAY.role]}
+        gateway = Child("gateway", python_entry("gateway.serve"), o.logs_dir / "gateway.log",
+                        gateway_env, REPO_ROOT)  # fmt: skip
         fleet = Child("fleet", [*python_entry("sim.fleet"), "--refresh-seconds", "5", "--hosts",
                                o.hosts, "--state-dir", str(o.libvirt_hosts_dir),
                                "--machines-dir", str(o.state_dir / "fleet-machines")],
@@ -764,11 +840,11 @@ def _shown(path: Path) -> str:
 def print_summary(o: StackOptions, tokens: dict[str, str], stack: Stack) -> None:
     api = o.gateway_url
     logs = [c.log_path.name for c in stack.children] + ["postgres.log"]
+    temporal_web = stack.temporal_web
     if o.temporal == "cluster":
         temporal_kind = "Temporal server on PostgreSQL"
-        temporal_web = "not started with --temporal cluster (use the temporal CLI)"
     else:
-        temporal_kind, temporal_web = "dev server on SQLite", o.ui_url
+        temporal_kind = "dev server on SQLite"
     cluster = PostgresCluster(pg_datadir(o.state_dir), o.pg_port)
     pg_password_file = _shown(cluster.password_file)
     pg_url = f"postgresql://gpucloud@127.0.0.1:{o.pg_port}/{DATABASE}"
@@ -791,10 +867,12 @@ def print_summary(o: StackOptions, tokens: dict[str, str], stack: Stack) -> None
  Temporal Web       {temporal_web}
  Temporal gRPC      {o.temporal_address}  (namespace {o.namespace}; {temporal_kind})
  Gateway            {api}
+ Operator console   {api}/console/  (sign in with the admin token; README "Operator console")
  OpenAPI docs       {api}/schema/swagger
  Worker metrics     http://{o.worker_metrics_address}/metrics  (Temporal SDK, Prometheus)
  PostgreSQL         {pg_url}  (password in {pg_password_file})
- Vault (simulator)  {o.vault_addr}  (root token in {_shown(o.vault_token_file)})
+ Vault (simulator)  {o.vault_addr}  (root token in {_shown(o.vault_token_file)}; the worker
+                    and the gateway log in by AppRole: {_shown(o.state_dir / "vault-approle")})
  Stripe (mock)      {o.stripe_api_base}  (stripe-mock; API key and webhook secret in Vault)
  MAAS (simulator)   {o.maas_url}  (site "demo-maas", API key in {_shown(o.maas_api_key_file)})
  Logs               {_shown(o.logs_dir)}/{{{",".join(logs)}}}

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs
 
+from sim.vault.auth import Auth, AuthError, Token
 from sim.vault.kv import CheckAndSetError, KVStore
 
 log = logging.getLogger("sim.vault")
@@ -35,6 +36,9 @@ Send = Callable[[Message], Awaitable[None]]
 MAX_BODY_BYTES = 1024 * 1024
 SIM_VERSION = "1.15.6+gpucloud.sim"
 UNAUTHENTICATED = {"sys/health", "sys/init", "sys/seal-status", "sys/unseal"}
+APPROLE_LOGIN = "auth/approle/login"
+APPROLE_ROLE = "auth/approle/role/"
+ACL_POLICY_PREFIXES = ("sys/policies/acl/", "sys/policy/")
 # Vault's own wording, capital letter and all, differs between the two handlers.
 NO_VERSIONS = {
     "delete": "No version number provided",
@@ -159,6 +163,7 @@ class VaultApp:
     def __init__(self, store: KVStore, root_token: str) -> None:
         self.store = store
         self.root_token = root_token
+        self.auth = Auth(root_token)
         self.sealed = False
         self.cluster_id = str(uuid.uuid4())
         self.cluster_name = f"vault-cluster-{secrets.token_hex(4)}"
@@ -234,17 +239,39 @@ class VaultApp:
             return self._sys_unauthenticated(request)
         if self.sealed:
             raise VaultError(503, "Vault is sealed")
-        if not request.token or not secrets.compare_digest(
-            request.token.encode(), self.root_token.encode()
-        ):
-            log.info("permission denied: %s /v1/%s", scope["method"], request.path)
-            raise _permission_denied()
-        if request.path.startswith("sys/") or request.path.startswith("auth/"):
+        try:
+            if request.path.rstrip("/") == APPROLE_LOGIN and request.operation == "update":
+                body = request.body
+                auth = self.auth.login(body.get("role_id"), body.get("secret_id"))
+                return Reply(200, {**envelope(None, mount_type="approle"), "auth": auth})
+            token = self.auth.lookup(request.token)
+            if token is None or not self.auth.allowed(
+                token, request.path, self._capability(request)
+            ):
+                log.info("permission denied: %s /v1/%s", scope["method"], request.path)
+                raise _permission_denied()
+            if request.path.startswith("auth/"):
+                return self._auth_endpoint(request, token)
+        except AuthError as err:
+            raise VaultError(err.status, err.message) from None
+        if request.path.startswith("sys/"):
             return self._sys(request)
         mount = self.store.mount_for(request.path.rstrip("/"))
         if mount is None:
             raise VaultError(404, f'no handler for route "{request.path}". route entry not found.')
         return self._kv(request, mount, request.path[len(mount) + 1 :])
+
+    def _capability(self, request: Request) -> str:
+        """The ACL capability a request needs: its operation's, except that a KV v2 write to a
+        secret that does not exist yet needs `create` (Vault's existence check)."""
+        if request.operation != "update":
+            return request.operation
+        mount = self.store.mount_for(request.path.rstrip("/"))
+        if mount is not None:
+            section, _, key = request.path[len(mount) + 1 :].partition("/")
+            if section == "data" and key and self.store.metadata(mount, key) is None:
+                return "create"
+        return "update"
 
     # --- sys/ and auth/token -------------------------------------------------------------------
 
@@ -320,24 +347,82 @@ class VaultApp:
         if name == "sys/mounts" and request.operation == "read":
             mounts = {f"{m}/": self._mount_entry(m) for m in self.store.mounts}
             return Reply(200, {**mounts, **envelope(mounts, mount_type="system")})
-        if name == "auth/token/lookup-self" and request.operation == "read":
-            return Reply(200, envelope({
-                "accessor": self.token_accessor,
-                "creation_time": self.started,
-                "creation_ttl": 0,
-                "display_name": "root",
-                "entity_id": "",
-                "expire_time": None,
-                "explicit_max_ttl": 0,
-                "id": self.root_token,
-                "meta": None,
-                "num_uses": 0,
-                "orphan": True,
-                "path": "auth/token/root",
-                "policies": ["root"],
-                "ttl": 0,
-                "type": "service",
-            }, mount_type="token"))  # fmt: skip
+        if name == "sys/auth" and request.operation == "read":
+            methods = {
+                "token/": {"type": "token", "description": "token based credentials"},
+                "approle/": {"type": "approle", "description": "AppRole (always enabled here)"},
+            }
+            return Reply(200, {**methods, **envelope(methods, mount_type="system")})
+        if request.path.startswith(ACL_POLICY_PREFIXES):
+            return self._acl_policy(request)
+        if name in ("sys/policies/acl", "sys/policy") and request.operation in ("read", "list"):
+            names = self.auth.policy_names()
+            return Reply(200, {"policies": names, **envelope({"keys": names, "policies": names})})
+        raise _unsupported_path()
+
+    def _acl_policy(self, request: Request) -> Reply:
+        prefix = next(p for p in ACL_POLICY_PREFIXES if request.path.startswith(p))
+        name = request.path[len(prefix) :].strip("/")
+        if not name:
+            raise _unsupported_path()
+        try:
+            if request.operation == "update":
+                self.auth.write_policy(name, request.body.get("policy", request.body.get("rules")))
+                return Reply(204)
+            if request.operation == "delete":
+                self.auth.delete_policy(name)
+                return Reply(204)
+            if request.operation == "read":
+                policy = self.auth.read_policy(name)
+                if policy is None:
+                    raise VaultError(404)
+                body = {**policy, "rules": policy["policy"]}
+                return Reply(200, {**body, **envelope(body, mount_type="system")})
+        except AuthError as err:
+            raise VaultError(err.status, err.message) from None
+        raise _unsupported_operation()
+
+    def _auth_endpoint(self, request: Request, token: Token) -> Reply:
+        """auth/token/{lookup,renew,revoke}-self and the AppRole administration endpoints."""
+        name, op, body = request.path.rstrip("/"), request.operation, request.body
+        if name == "auth/token/lookup-self" and op == "read":
+            return Reply(200, envelope(self.auth.token_info(request.token), mount_type="token"))
+        if name == "auth/token/renew-self" and op == "update":
+            auth = self.auth.renew(request.token, body.get("increment"))
+            return Reply(200, {**envelope(None, mount_type="token"), "auth": auth})
+        if name == "auth/token/revoke-self" and op == "update":
+            self.auth.revoke(request.token)
+            return Reply(204)
+        if name == "auth/approle/role" and op == "list":
+            return Reply(200, envelope({"keys": self.auth.role_names()}, mount_type="approle"))
+        if not name.startswith(APPROLE_ROLE):
+            raise _unsupported_path()
+        role, _, rest = name[len(APPROLE_ROLE) :].partition("/")
+        match rest, op:
+            case "", "update":
+                self.auth.write_role(role, body)
+                return Reply(204)
+            case "", "read":
+                settings = self.auth.read_role(role)
+                if settings is None:
+                    raise VaultError(404)
+                return Reply(200, envelope(settings, mount_type="approle"))
+            case "", "delete":
+                self.auth.delete_role(role)
+                return Reply(204)
+            case "role-id", "read":
+                return Reply(200, envelope({"role_id": self.auth.role_id(role)}, "approle"))
+            case "role-id", "update":
+                self.auth.set_role_id(role, body.get("role_id"))
+                return Reply(204)
+            case "secret-id", "update":
+                return Reply(200, envelope(self.auth.new_secret_id(role), mount_type="approle"))
+            case "secret-id/destroy", "update":
+                self.auth.destroy_secret_id(role, body.get("secret_id"))
+                return Reply(204)
+            case "secret-id-accessor/destroy", "update":
+                self.auth.destroy_secret_id_accessor(role, body.get("secret_id_accessor"))
+                return Reply(204)
         raise _unsupported_path()
 
     @staticmethod
