@@ -6,8 +6,10 @@ databases (`temporal`, `temporal_visibility`) on the stack's PostgreSQL, owned b
 own that is no superuser and logs in with a password; the schema set up and upgraded to the
 module's latest version by the SQL tool; the namespace and our search attributes (SQL visibility)
 registered through the CLI. Everything a production deployment would set is in
-`server_config` and `DYNAMIC_CONFIG`, one place, and docker-compose.temporal.yml is checked
-against them (tests/test_temporal_cluster.py).
+`server_config` and `TUNING` (history shards, connection pools, dynamic config), one place, and
+docker-compose.temporal.yml is checked against them (tests/test_temporal_cluster.py). Temporal
+Web for either mode is `temporalio/ui-server` (`ui_server_config`), which can send the browser's
+cookies to the gateway's codec endpoint; the dev server's embedded UI cannot.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import shutil
 import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,21 +39,53 @@ DATABASES = ("temporal", "temporal_visibility")
 ROLE = "temporal"
 # Postgres 12+ plugin of the SQL persistence (the schema folder has the same name).
 SQL_PLUGIN = "postgres12"
-# History shards are fixed for a cluster's life. Four is the development default; a production
-# cluster sizes them for its peak (about one per 10-20 workflow updates/s; 512 is common).
-DEFAULT_HISTORY_SHARDS = 4
 ENV_NAME = "gpucloud"
 
-# Dynamic config: what our workflows need (update-with-start = ExecuteMultiOperation, updates)
-# and the tuning measured for this workload (bench/README.md, "Temporal on PostgreSQL").
-DYNAMIC_CONFIG: dict[str, Any] = {
-    "frontend.enableExecuteMultiOperation": True,
-    "frontend.enableUpdateWorkflowExecution": True,
+
+@dataclass(frozen=True)
+class ClusterTuning:
+    """What a production deployment tunes. The defaults are what bench/temporal_servers.py
+    measured best for our workload on this machine, one change at a time (bench/README.md,
+    "Temporal: dev server vs cluster"); the bench passes other values to compare."""
+
+    # Fixed for a cluster's life: a change needs a fresh database. A production cluster sizes
+    # them for its peak (Temporal's guidance: 512 for most, more for the largest).
+    history_shards: int = 4
+    # Each store's pool, per server process (Temporal's docker defaults: 20 and 10).
+    max_conns: int = 20
+    max_idle_conns: int = 20
+    visibility_max_conns: int = 10
+    visibility_max_idle_conns: int = 10
     # One partition per task queue: each node queue has one poller (its agent) and the control
-    # plane's queue has one worker per process; more partitions only spread sync matches thin.
-    "matching.numTaskqueueReadPartitions": 1,
-    "matching.numTaskqueueWritePartitions": 1,
-}
+    # plane's queue one worker per process; more partitions only spread sync matches thin.
+    task_queue_partitions: int = 1
+    # Any other dynamic config key and value, for the bench to try (none by default).
+    extra_dynamic_config: tuple[tuple[str, Any], ...] = ()
+
+    def dynamic_config(self) -> dict[str, Any]:
+        return {
+            # What our workflows need: update-with-start (ExecuteMultiOperation) and updates.
+            "frontend.enableExecuteMultiOperation": True,
+            "frontend.enableUpdateWorkflowExecution": True,
+            "matching.numTaskqueueReadPartitions": self.task_queue_partitions,
+            "matching.numTaskqueueWritePartitions": self.task_queue_partitions,
+            **dict(self.extra_dynamic_config),
+        }
+
+    def server_image_environment(self) -> dict[str, str]:
+        """The same settings as the `temporalio/server` image's variables (its config template),
+        which docker-compose.temporal.yml sets."""
+        return {
+            "NUM_HISTORY_SHARDS": str(self.history_shards),
+            "SQL_MAX_CONNS": str(self.max_conns),
+            "SQL_MAX_IDLE_CONNS": str(self.max_idle_conns),
+            "SQL_VIS_MAX_CONNS": str(self.visibility_max_conns),
+            "SQL_VIS_MAX_IDLE_CONNS": str(self.visibility_max_idle_conns),
+        }
+
+
+TUNING = ClusterTuning()
+DYNAMIC_CONFIG: dict[str, Any] = TUNING.dynamic_config()
 
 
 @dataclass(frozen=True)
@@ -94,6 +128,68 @@ def server_tools(*, build: bool = True) -> ServerTools:
     return ServerTools(server, sql_tool, schema_root)
 
 
+# Temporal Web for both modes of bin/stack: temporalio/ui-server built from its Go module (no
+# replace directives), the same UI version the temporal CLI embeds for the dev server. The dev
+# server's embedded UI cannot include credentials in its codec calls (its only codec flag is
+# --ui-codec-endpoint), so the stack runs the dev server headless beside this one.
+UI_SERVER_MODULE = "github.com/temporalio/ui-server/v2"
+UI_SERVER_VERSION = "v2.42.1"
+
+
+def ui_server_path(*, build: bool = True) -> Path:
+    """The UI server binary, built once into the tools cache; only `bin/stack` needs it (the
+    tests do not), so bin/bootstrap leaves it to the stack's first run."""
+    return go_tool_path(
+        f"temporal-ui-server-{UI_SERVER_VERSION}",
+        f"{UI_SERVER_MODULE}/cmd/server@{UI_SERVER_VERSION}",
+        build=build,
+        on_path=False,
+    )
+
+
+def ui_server_build_problem() -> str | None:
+    """Builds the UI server if it is not in the tools cache yet: None once it is there, else why
+    it could not be built (no Go, or `go install` failed, e.g. offline), for the dev server to
+    fall back on its embedded UI."""
+    try:
+        ui_server_path()
+    except FileNotFoundError:
+        return "Go is not installed"
+    except subprocess.CalledProcessError as err:
+        return (
+            f"`go install {UI_SERVER_MODULE}/cmd/server@{UI_SERVER_VERSION}` failed "
+            f"(exit {err.returncode}; offline?)"
+        )
+    return None
+
+
+def ui_server_config(
+    frontend: str, port: int, *, namespace: str, codec_endpoint: str
+) -> dict[str, Any]:
+    """Temporal Web's configuration (JSON is YAML): the cluster's frontend, and the gateway's
+    codec endpoint called by the browser with its cookies (includeCredentials: the gateway's
+    codec session; its CORS allows this UI's origin, GPUCLOUD_TEMPORAL_UI_ORIGIN)."""
+    return {
+        "temporalGrpcAddress": frontend,
+        "host": "127.0.0.1",
+        "port": port,
+        "enableUi": True,
+        "defaultNamespace": namespace,
+        "showTemporalSystemNamespace": False,
+        "notifyOnNewVersion": False,  # nothing outside this machine is called
+        "codec": {"endpoint": codec_endpoint, "includeCredentials": True, "passAccessToken": False},
+    }
+
+
+def ui_server_argv(root: Path, config: dict[str, Any]) -> list[str]:
+    """Writes the configuration under `root/config` and returns the UI server's command line."""
+    config_dir = root / "config"
+    config_dir.mkdir(parents=True, exist_ok=True)
+    (config_dir / f"{ENV_NAME}.yaml").write_text(json.dumps(config, indent=1))
+    return [str(ui_server_path()), "--root", str(root), "--config", "config", "--env", ENV_NAME,
+            "start"]  # fmt: skip
+
+
 @dataclass
 class Ports:
     frontend: int
@@ -123,11 +219,16 @@ class Ports:
 
 
 def server_config(
-    pg: PostgresCluster, password: str, ports: Ports, *, shards: int, dynamic_config: Path
+    pg: PostgresCluster,
+    password: str,
+    ports: Ports,
+    *,
+    tuning: ClusterTuning,
+    dynamic_config: Path,
 ) -> dict[str, Any]:
     """The server's static configuration (JSON is YAML)."""
 
-    def datastore(database: str, max_conns: int) -> dict[str, Any]:
+    def datastore(database: str, max_conns: int, max_idle_conns: int) -> dict[str, Any]:
         return {
             "sql": {
                 "pluginName": SQL_PLUGIN,
@@ -137,7 +238,7 @@ def server_config(
                 "user": ROLE,
                 "password": password,
                 "maxConns": max_conns,
-                "maxIdleConns": max_conns,
+                "maxIdleConns": max_idle_conns,
                 "maxConnLifetime": "1h",
             }
         }
@@ -151,10 +252,12 @@ def server_config(
         "persistence": {
             "defaultStore": "default",
             "visibilityStore": "visibility",
-            "numHistoryShards": shards,
+            "numHistoryShards": tuning.history_shards,
             "datastores": {
-                "default": datastore(DATABASES[0], 20),
-                "visibility": datastore(DATABASES[1], 10),
+                "default": datastore(DATABASES[0], tuning.max_conns, tuning.max_idle_conns),
+                "visibility": datastore(
+                    DATABASES[1], tuning.visibility_max_conns, tuning.visibility_max_idle_conns
+                ),
             },
         },
         "global": {
@@ -205,8 +308,7 @@ class TemporalCluster:
     root: Path
     frontend_port: int
     namespace: str = "default"
-    shards: int = DEFAULT_HISTORY_SHARDS
-    dynamic_config: dict[str, Any] = field(default_factory=lambda: dict(DYNAMIC_CONFIG))
+    tuning: ClusterTuning = TUNING
 
     @property
     def address(self) -> str:
@@ -242,12 +344,14 @@ class TemporalCluster:
         config_dir = self.root / "config"
         config_dir.mkdir(parents=True, exist_ok=True)
         dynamic = config_dir / "dynamic.yaml"
-        dynamic.write_text(json.dumps(dynamic_config_document(self.dynamic_config), indent=1))
+        dynamic.write_text(
+            json.dumps(dynamic_config_document(self.tuning.dynamic_config()), indent=1)
+        )
         config = server_config(
             self.pg,
             password,
             Ports.around(self.frontend_port),
-            shards=self.shards,
+            tuning=self.tuning,
             dynamic_config=dynamic,
         )
         _write_private(config_dir / f"{ENV_NAME}.yaml", json.dumps(config, indent=1))

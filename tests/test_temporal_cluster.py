@@ -20,7 +20,10 @@ from devstack.temporal_cluster import (
     DYNAMIC_CONFIG,
     SQL_PLUGIN,
     TEMPORAL_SERVER_VERSION,
+    TUNING,
+    UI_SERVER_VERSION,
     dynamic_config_document,
+    ui_server_config,
 )
 from tests.conftest import TEST_TEMPORAL
 
@@ -44,6 +47,12 @@ def test_compose_dynamic_config_is_ours() -> None:
     assert yaml.safe_load(content) == dynamic_config_document(DYNAMIC_CONFIG)
 
 
+def test_compose_server_has_our_shards_and_connection_pools() -> None:
+    environment = _compose()["services"]["temporal"]["environment"]
+    wanted = TUNING.server_image_environment()
+    assert {name: environment.get(name) for name in wanted} == wanted
+
+
 def test_compose_registers_every_search_attribute_as_keyword() -> None:
     script = _compose()["services"]["temporal-setup"]["command"][0].replace("\\\n", " ")
     words = script.split()
@@ -62,6 +71,24 @@ def test_compose_schema_is_the_sql_plugin_we_use() -> None:
         f"schema/postgresql/v{SQL_PLUGIN.removeprefix('postgres')}"
         in (services["temporal-schema"]["command"][0])
     )
+
+
+def test_compose_web_ui_is_the_one_the_stack_runs() -> None:
+    """Same UI version as `bin/stack --temporal cluster`'s ui-server, the same codec endpoint,
+    with credentials (the gateway's codec session cookie) and no access token."""
+    ui = _compose()["services"]["temporal-ui"]
+    assert ui["image"].endswith(f":-{UI_SERVER_VERSION.removeprefix('v')}}}")
+    endpoint = "http://localhost:8000/api/v1/admin/codec"
+    stack = ui_server_config("127.0.0.1:7233", 8233, namespace="default", codec_endpoint=endpoint)
+    environment = ui["environment"]
+    assert environment["TEMPORAL_CODEC_ENDPOINT"].endswith(f":-{endpoint}}}")
+    assert stack["codec"] == {
+        "endpoint": endpoint,
+        "includeCredentials": environment["TEMPORAL_CODEC_INCLUDE_CREDENTIALS"] == "true",
+        "passAccessToken": environment["TEMPORAL_CODEC_PASS_ACCESS_TOKEN"] == "true",
+    }
+    assert stack["codec"]["includeCredentials"] is True
+    assert stack["defaultNamespace"] == environment["TEMPORAL_DEFAULT_NAMESPACE"]
 
 
 @workflow.defn(name="ClusterPersistenceProbe")
