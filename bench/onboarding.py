@@ -5,8 +5,8 @@ with zero simulator delays (only the deployed OS's hardware-sync timer ticks, ev
 batch_max_parallel 10, until every node has settled.
 
 Reports the wall time from the POST to the last node settled, the highest number of nodes in
-flight (the batch workflow's own count, and the read model sampled every 250 ms), and the
-outcome counts.
+flight (the batch workflow's own count, and the read model sampled every 250 ms), the
+outcome counts, and the batch workflow's history per run (bounded by its continue-as-new).
 
     .venv/bin/python -m bench.onboarding [--nodes 200] [--parallel 10]
 
@@ -28,9 +28,9 @@ import httpx
 from sqlalchemy import text
 
 from bench.stack import bench_stack_options, cpu_seconds, private_state_dir
-from contracts.onboarding import BatchSummary, batch_workflow_id
+from contracts.onboarding import BATCH_CHILDREN_PER_RUN, BatchSummary, batch_workflow_id
 from core.config import Settings
-from core.temporal import connect
+from core.temporal import connect, run_histories
 from devstack.up import Stack
 from schema.db import create_engine
 from sim.demo_fleet import BAREMETAL_SKU
@@ -150,6 +150,11 @@ async def main(args: argparse.Namespace) -> None:
         client = await connect(settings)
         handle = client.get_workflow_handle(batch_workflow_id(batch_id), result_type=BatchSummary)
         summary = await handle.result()
+        # The parent's history per run is bounded (issue 27): it continues as new every
+        # BATCH_CHILDREN_PER_RUN children, so its largest run, not the batch, sets the size.
+        runs = await run_histories(client, handle.id)
+        run_events = [len(run.events) for run in runs]
+        run_bytes = [sum(event.ByteSize() for event in run.events) for run in runs]
     finally:
         await stack.shutdown()
         shutil.rmtree(state, ignore_errors=True)
@@ -174,6 +179,13 @@ async def main(args: argparse.Namespace) -> None:
         f"in flight: max {max(samples) if samples else 0} sampled from the read model"
         + f", {summary.max_in_flight} by the batch workflow"
         + f" (limit {args.parallel})"
+    )
+    print(
+        f"batch workflow history: {len(runs)} runs of at most {BATCH_CHILDREN_PER_RUN} children, "
+        f"events per run {run_events} (max {max(run_events)}), largest run "
+        f"{max(run_bytes) / 1024:.0f} KiB; {sum(run_events) / args.nodes:.1f} events per node "
+        f"over all runs (Temporal warns at 10,240 events / 10 MiB per run and stops one at "
+        f"51,200 / 50 MiB)"
     )
 
 

@@ -57,6 +57,11 @@ ACQUIRE_SITE_SLOT_ACTIVITY = "onboarding.acquire_site_slot"
 RELEASE_SITE_SLOT_ACTIVITY = "onboarding.release_site_slot"
 SITE_AT_CAPACITY = "site_at_capacity"
 SITE_SLOT_PATCH = "onboarding-holds-a-site-slot"
+# A batch continues as new every BATCH_CHILDREN_PER_RUN children (about 7-13 parent events
+# each, so ~1,300 per run, far under Temporal's 10,240-event warning); histories recorded
+# before it replay as one run.
+BATCH_CONTINUE_AS_NEW_PATCH = "onboarding-batch-continues-as-new"
+BATCH_CHILDREN_PER_RUN = 100
 # The datasource redeploy allowance counts the deploys since the last operator action, not
 # every deploy of the job (histories recorded before it replay with the old count).
 REDEPLOY_SINCE_OPERATOR_PATCH = "onboarding-redeploys-since-operator"
@@ -331,6 +336,10 @@ class BatchInput:
     nodes: list[BatchNode]
     max_parallel: int = 10
     requested_by: str = ""
+    # Children one run starts before it continues as new (0: BATCH_CHILDREN_PER_RUN), so the
+    # parent's history per run stays bounded whatever the batch size (issue 27).
+    children_per_run: int = 0
+    carried: BatchCarry | None = None
 
 
 @dataclass
@@ -353,6 +362,16 @@ class ChildSettled:
     status: str
     failure_class: str | None = None
     error_code: str | None = None
+
+
+@dataclass
+class BatchCarry:
+    """What a continued run of the batch takes over from the runs before it: every child they
+    started has settled (a run continues only once its own children have), so their outcomes
+    and the high-water mark of children in flight are the whole state."""
+
+    settled: list[ChildSettled] = field(default_factory=list)
+    max_in_flight: int = 0
 
 
 @dataclass

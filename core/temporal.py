@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowHistory
 from temporalio.converter import DataConverter, DefaultFailureConverterWithEncodedAttributes
 from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 from temporalio.service import GrpcCompression, TLSConfig
@@ -92,3 +92,17 @@ def tls_config(settings: Settings) -> TLSConfig | bool:
         client_private_key=key,
         domain=settings.temporal_tls_server_name,
     )
+
+
+async def run_histories(client: Client, workflow_id: str) -> list[WorkflowHistory]:
+    """Every run's history of `workflow_id`, first run first, following its continue-as-new
+    chain from the first run the latest one names."""
+    latest = await client.get_workflow_handle(workflow_id).fetch_history()
+    run_id = latest.events[0].workflow_execution_started_event_attributes.first_execution_run_id
+    histories: list[WorkflowHistory] = []
+    while run_id:
+        history = await client.get_workflow_handle(workflow_id, run_id=run_id).fetch_history()
+        histories.append(history)
+        continued = history.events[-1].workflow_execution_continued_as_new_event_attributes
+        run_id = continued.new_execution_run_id
+    return histories

@@ -204,7 +204,7 @@ class OnboardingRig:
         return job
 
     async def start_batch(
-        self, nodes: list[tuple[str, str]], *, max_parallel: int = 10
+        self, nodes: list[tuple[str, str]], *, max_parallel: int = 10, children_per_run: int = 0
     ) -> tuple[str, list[Job], WorkflowHandle[Any, BatchSummary]]:
         batch_id = str(uuid.uuid4())
         self.batches.append(batch_id)
@@ -222,6 +222,7 @@ class OnboardingRig:
                 ],
                 max_parallel=max_parallel,
                 requested_by="test",
+                children_per_run=children_per_run,
             ),
             id=batch_workflow_id(batch_id),
             task_queue=self.settings.control_plane_task_queue,

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
+from core.temporal import run_histories
 from schema.models import Node, OnboardingSiteSlot
 from tests.histories import record_history
 from tests.maas_fixtures import sim_machine, sim_scenario
@@ -180,3 +181,78 @@ async def test_batch_max_parallel_bounds_every_onboarding_on_the_site(
     async with onboarding.sessions() as session:
         held = await session.scalar(select(func.count()).select_from(OnboardingSiteSlot))
     assert held == 0  # every permit given back
+
+
+RUNS_OF_FOUR = [(f"cr-{i}", f"10.176.21.{10 + i}") for i in range(10)]
+CR_NOBOSS = "cr-1"  # fails in the first run: its outcome must reach the last run's summary
+# The parent's events per child (issue 27 measured 7-13) and per run (start, patch marker,
+# first and last workflow tasks, search attribute upsert, the close).
+EVENTS_PER_CHILD = 13
+EVENTS_PER_RUN = 12
+
+
+@pytest.fixture
+async def admin(api: Any, make_token: Any, onboarding: OnboardingRig) -> Any:
+    return await api(token=await make_token("admin"))
+
+
+@pytest.mark.maas_scenario(
+    sim_scenario(*(sim_machine(h, ip, boss=h != CR_NOBOSS) for h, ip in RUNS_OF_FOUR))
+)
+async def test_batch_continues_as_new_with_its_history_bounded_per_run(
+    onboarding: OnboardingRig, admin: Any
+) -> None:
+    """Issue 27: a batch larger than its run share continues as new every 4 children, so each
+    run's history stays bounded; every node is onboarded once, the batch's and the site's caps
+    hold across runs, and the summary, the progress query and the progress API see the whole
+    batch."""
+    await onboarding.set_policy(batch_max_parallel=2)
+    batch_id, jobs, handle = await onboarding.start_batch(
+        RUNS_OF_FOUR, max_parallel=3, children_per_run=4
+    )
+    summary = await handle.result()
+
+    runs = await run_histories(onboarding.client, handle.id)
+    per_run = [len(r.events) for r in runs]
+    assert len(runs) == 3, per_run  # 4 + 4 + 2 children
+    assert max(per_run) <= 4 * EVENTS_PER_CHILD + EVENTS_PER_RUN, per_run
+    await record_history(
+        onboarding.client.get_workflow_handle(handle.id, run_id=runs[0].run_id),
+        "onboarding_batch",
+        "continued_first_run",
+    )
+    await record_history(handle, "onboarding_batch", "continued_last_run")
+
+    assert (summary.succeeded, summary.failed) == (9, 1)
+    assert [d.hostname for d in summary.details] == [h for h, _ in RUNS_OF_FOUR]
+    assert {d.hostname: d.error_code for d in summary.details}[CR_NOBOSS] == "boss_disk_missing"
+    assert 2 <= summary.max_in_flight <= 3
+    assert await handle.query("progress") == {
+        "total": 10, "started": 10, "in_flight": 0, "settled": 10,
+        "max_in_flight": summary.max_in_flight,
+    }  # fmt: skip
+
+    # Every node onboarded once: one deploy per machine that got that far, one stage run each.
+    counters = await onboarding.maas_sim.counters()
+    intervals = []
+    for job in jobs:
+        row = await onboarding.row(job)
+        expected = "failed_manual_intervention" if job.hostname == CR_NOBOSS else "completed"
+        assert row.status == expected, (job.hostname, row.error_code, row.error_message)
+        events = await onboarding.events(job)
+        first_stage = [e for e in events if e.stage == "load_site_config" and e.status == "started"]
+        assert len(first_stage) == 1, job.hostname
+        if job.hostname != CR_NOBOSS:
+            assert counters["machines"][row.maas_system_id]["machine.deploy"] == 1
+        times = [e.occurred_at for e in events if e.stage != "load_site_config"]
+        intervals.append((min(times), max(times)))
+    assert _max_overlap(intervals) <= 2  # the site's batch_max_parallel, across runs
+    async with onboarding.sessions() as session:
+        assert await session.scalar(select(func.count()).select_from(OnboardingSiteSlot)) == 0
+
+    # The progress API reads the read model: the whole batch, whichever run is current.
+    listed = await admin.get("/api/v1/admin/onboardings", params={"batch_id": batch_id})
+    assert listed.status_code == 200, listed.text
+    items = listed.json()["items"]
+    assert sorted(i["hostname"] for i in items) == sorted(h for h, _ in RUNS_OF_FOUR)
+    assert sum(1 for i in items if i["status"] == "completed") == 9

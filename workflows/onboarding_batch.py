@@ -9,11 +9,20 @@ by signal): a failed node then waits for an operator without holding a slot, so 
 failure never blocks the others, and the batch ends once every node has settled. Children are
 abandoned when the batch closes (they outlive it, waiting for their operator actions), and each
 keeps its own per-node history in the read model. The summary counts completed (and
-reconciled) nodes as succeeded, everything else as failed."""
+reconciled) nodes as succeeded, everything else as failed.
+
+The parent's history is bounded per run (issue 27): a run starts at most `children_per_run`
+children, waits for those to settle, then continues as new with the outcomes so far
+(BatchCarry) and the remaining nodes as the next run's share. Waiting keeps each child's
+result awaited by the run that started it, so one that closes without signalling (terminated)
+still settles; the cost is one child's duration of a thinner window per run. Children signal the
+batch by workflow id, so a settle always reaches the current run; progress for people comes
+from the read model (`GET /api/v1/admin/onboardings?batch_id=`), whole across runs."""
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 from temporalio import workflow
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
@@ -22,10 +31,13 @@ from temporalio.workflow import ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
     from contracts.onboarding import (
+        BATCH_CHILDREN_PER_RUN,
+        BATCH_CONTINUE_AS_NEW_PATCH,
         BATCH_WORKFLOW_NAME,
         CHILD_SETTLED_SIGNAL,
         PROGRESS_QUERY,
         WORKFLOW_NAME,
+        BatchCarry,
         BatchInput,
         BatchNode,
         BatchSummary,
@@ -51,17 +63,43 @@ class MaasNodeBatchOnboardWorkflow:
 
     @workflow.run
     async def run(self, input: BatchInput) -> BatchSummary:
+        carried = input.carried or BatchCarry()
+        self._settled = {s.onboarding_id: s for s in carried.settled}
+        self._max_in_flight = carried.max_in_flight
+        self._started = len(carried.settled)  # the runs before this one settled all they started
         self._total = len(input.nodes)
         limit = max(1, input.max_parallel)
-        pending = list(input.nodes)
+        # None: histories recorded before the bound run the whole batch in one run.
+        run_share = (
+            max(1, input.children_per_run or BATCH_CHILDREN_PER_RUN)
+            if workflow.patched(BATCH_CONTINUE_AS_NEW_PATCH)
+            else None
+        )
+        pending = list(input.nodes[self._started :])
+        started_here = 0
         watchers: list[asyncio.Task[None]] = []
         while pending or self._in_flight:
-            while pending and len(self._in_flight) < limit:
+            while (
+                pending
+                and len(self._in_flight) < limit
+                and (run_share is None or started_here < run_share)
+            ):
                 node = pending.pop(0)
                 watchers.append(asyncio.create_task(self._start_child(input, node)))
                 self._in_flight.add(node.onboarding_id)
                 self._started += 1
+                started_here += 1
                 self._max_in_flight = max(self._max_in_flight, len(self._in_flight))
+            if not self._in_flight:  # this run's share has settled; the rest is the next run's
+                workflow.continue_as_new(
+                    replace(
+                        input,
+                        carried=BatchCarry(
+                            settled=list(self._settled.values()),
+                            max_in_flight=self._max_in_flight,
+                        ),
+                    )
+                )
             await workflow.wait_condition(lambda: any(o in self._settled for o in self._in_flight))
             self._in_flight -= set(self._settled)
         workflow.upsert_search_attributes([sa.LIFECYCLE_STATUS.value_set("completed")])
