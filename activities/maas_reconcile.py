@@ -76,7 +76,7 @@ import datetime as dt
 import json
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,7 +86,13 @@ from temporalio import activity
 
 from activities.maas.client import MaasClient
 from activities.maas.errors import MaasError
-from activities.maas.types import SYNC_GRACE_FACTOR, Machine, MachineStatus, PowerState
+from activities.maas.types import (
+    SYNC_GRACE_FACTOR,
+    Machine,
+    MachineState,
+    MachineStatus,
+    PowerState,
+)
 from activities.node_lifecycle import transition_nodes
 from contracts.host_tasks import NODE_HW_SYNC_RESEED
 from contracts.maas_reconciler import (
@@ -176,10 +182,14 @@ class Binding:
     drift_rule: str | None
 
 
+# A machine as the reconciler reads it: what a run lists (MachineState), or a whole Machine.
+Listed = Machine | MachineState
+
+
 @dataclass
 class Decision:
     binding: Binding
-    machine: Machine | None
+    machine: Listed | None
     rule: Rule | None = None
     # The host address to write: a real change (rule ip_changed), or the first one a node
     # without a host gets (no rule: nothing drifted).
@@ -221,7 +231,7 @@ def _timespan(value: str | None) -> dt.timedelta | None:
     return dt.timedelta(seconds=int(number) * (unit or 1))
 
 
-def sync_stale(machine: Machine, sync: SyncPolicy, now: dt.datetime) -> bool:
+def sync_stale(machine: Listed, sync: SyncPolicy, now: dt.datetime) -> bool:
     """Sync drift: enable_hw_sync on, and no sync within MAAS's own health window (last_sync +
     1.5 * sync_interval, the site interval when MAAS reports none), or none at all. A MAAS
     build without the REST sync fields cannot show drift: never stale."""
@@ -237,7 +247,7 @@ def sync_stale(machine: Machine, sync: SyncPolicy, now: dt.datetime) -> bool:
 
 def decide(
     binding: Binding,
-    machine: Machine | None,
+    machine: Listed | None,
     *,
     sync: SyncPolicy | None = None,
     now: dt.datetime | None = None,
@@ -289,7 +299,7 @@ class Suspicion:
 
 def judge_list(
     bindings: Sequence[Binding],
-    machines: dict[str, Machine],
+    machines: Mapping[str, Listed],
     max_missing_share: float = DEFAULT_MAX_MISSING_SHARE,
 ) -> Suspicion | None:
     """None when the list can be whole; else why not (pure: no I/O). Counted against the bound
@@ -365,10 +375,10 @@ class MaasReconcileActivities:
             result.actions.append("skipped:no_credentials")
             return result
         async with MaasClient(base_url, secret["token"], timeout=30) as maas:
-            listed: list[Machine] = []
+            listed: list[MachineState] = []
             failure: MaasError | None = None
             try:
-                listed = await maas.list_machines()
+                listed = await maas.list_machine_states()
             except MaasError as err:
                 failure = err
             machines = {m.system_id: m for m in listed}

@@ -22,6 +22,7 @@ from activities.maas.types import (
     EraseMode,
     IpmiPowerParameters,
     Machine,
+    MachineState,
     MachineStatus,
     PowerState,
 )
@@ -233,6 +234,28 @@ async def test_deploy_sends_base64_user_data_a_custom_image_and_hardware_sync(
     assert sync.healthy(dt.datetime.now(dt.UTC))
     assert not sync.healthy(sync.last_sync + sync.sync_interval * 1.5 + dt.timedelta(seconds=1))
     assert deployed.ip_addresses
+
+
+async def test_machine_states_are_the_whole_machines_status_part(maas_sim: MaasSim) -> None:
+    """The reconciler's list (only a few keys of each entry decoded) reads what the whole list
+    reads, for a Ready, a New and a deployed machine with hardware sync and addresses."""
+    async with client(maas_sim) as maas:
+        system_id = await system_id_of(maas, "node-a")
+        await maas.deploy(system_id, distro_series="noble", enable_hw_sync=True)
+        await wait_for(maas, system_id, MachineStatus.DEPLOYED)
+        whole = await maas.list_machines()
+        states = await maas.list_machine_states()
+    assert [
+        MachineState(
+            m.system_id, m.hostname, m.status, m.power_state, m.ip_addresses, m.hardware_sync
+        )
+        for m in whole
+    ] == states
+    deployed = next(s for s in states if s.system_id == system_id)
+    assert deployed.status_name == "Deployed"
+    assert deployed.ip_addresses
+    assert deployed.hardware_sync.enabled
+    assert deployed.hardware_sync.last_sync is not None
 
 
 @pytest.mark.maas_scenario(

@@ -7,13 +7,20 @@ import datetime as dt
 import re
 from urllib.parse import unquote
 
+import msgspec
 import pytest
 from temporalio.exceptions import ActivityError, ApplicationError, RetryState
 
 from activities.maas.auth import oauth_header, parse_api_key
 from activities.maas.errors import MaasAuthError, MaasStateConflict, redact, status_named_in
 from activities.maas.images import is_custom_image, normalise_distro_series
-from activities.maas.types import HardwareSync, MachineStatus, parse_datetime
+from activities.maas.types import (
+    HardwareSync,
+    MachineState,
+    MachineStatus,
+    machine_states_json,
+    parse_datetime,
+)
 from core.failures import (
     DEFAULT_HANDLING,
     ClassifiedError,
@@ -291,3 +298,27 @@ def test_redact_removes_raw_and_percent_encoded_secrets() -> None:
     assert SECRET not in scrubbed
     assert "se%2Fcr" not in scrubbed
     assert "***" in scrubbed
+
+
+def test_machine_states_decode_only_their_keys_and_refuse_another_shape() -> None:
+    body = (
+        b'[{"system_id": "abc", "status": 6, "hostname": "n1", "power_state": "on",'
+        b' "ip_addresses": ["10.0.0.5"], "interface_set": [{"id": 1}], "storage": 1.5},'
+        b' {"system_id": "def", "status": 4, "enable_hw_sync": false}]'
+    )
+    entries = machine_states_json(body)
+    assert entries[0] == {
+        "system_id": "abc",
+        "status": 6,
+        "hostname": "n1",
+        "power_state": "on",
+        "ip_addresses": ["10.0.0.5"],
+    }
+    deployed, ready = (MachineState.from_json(e) for e in entries)
+    assert (deployed.status_name, deployed.ip_addresses) == ("Deployed", ("10.0.0.5",))
+    assert not deployed.hardware_sync.available  # a MAAS without the sync fields
+    assert ready.hardware_sync.available
+    assert ready.power_state == "unknown"
+    for wrong in (b"{", b'{"system_id": "abc"}', b'[{"status": 6}]'):
+        with pytest.raises(msgspec.DecodeError):
+            machine_states_json(wrong)

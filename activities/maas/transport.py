@@ -13,11 +13,12 @@ import asyncio
 import json
 import logging
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 from urllib.parse import urlencode
 
 import httpx
+import msgspec
 
 from activities.maas.auth import MaasApiKey, oauth_header
 from activities.maas.errors import (
@@ -85,8 +86,11 @@ class MaasTransport:
         form: FormFields | None = None,
         retry_safe: bool,
         secrets: Iterable[str] = (),
+        decode_json: Callable[[bytes], Any] | None = None,
     ) -> Any:
-        """The decoded answer: JSON, or text for MAAS's plain-text answers ("OK")."""
+        """The decoded answer: JSON, or text for MAAS's plain-text answers ("OK"). A JSON answer
+        is decoded by `decode_json` when given (raising msgspec.DecodeError on a body it cannot
+        read), else as a whole."""
         operation = f"{method} {path}" + (f"?op={op}" if op else "")
         params = ([("op", op)] if op else []) + list(query)
         scrub = (*self._key.secrets(), *secrets)
@@ -105,7 +109,7 @@ class MaasTransport:
                 error: MaasError = _transport_error(exc, method, operation, scrub)
             else:
                 if response.is_success:
-                    return _decode(response, operation)
+                    return _decode(response, operation, decode_json)
                 error = classify(response, method, operation, scrub)
             if not (retry_safe and isinstance(error, MaasUnavailable)):
                 raise error
@@ -131,12 +135,14 @@ def _transport_error(
     )
 
 
-def _decode(response: httpx.Response, operation: str) -> Any:
+def _decode(
+    response: httpx.Response, operation: str, decode_json: Callable[[bytes], Any] | None
+) -> Any:
     if "json" not in response.headers.get("content-type", ""):
         return response.text
     try:
-        return response.json()
-    except json.JSONDecodeError as exc:
+        return response.json() if decode_json is None else decode_json(response.content)
+    except (json.JSONDecodeError, msgspec.DecodeError) as exc:
         raise MaasProtocolError(
             f"MAAS {operation} answered {response.status_code} with malformed JSON",
             operation=operation,

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
 from typing import Any, ClassVar
 
+import msgspec
+
 Json = Mapping[str, Any]
 
 
@@ -418,6 +420,67 @@ class HardwareSync:
 
 
 @dataclass(frozen=True)
+class MachineState:
+    """Where a machine stands: the part of `Machine` a site's reconciler compares with its nodes
+    (MaasClient.list_machine_states decodes only these fields of a machines list)."""
+
+    system_id: str
+    hostname: str
+    status: MachineStatus
+    power_state: PowerState
+    ip_addresses: tuple[str, ...]
+    hardware_sync: HardwareSync
+
+    @classmethod
+    def from_json(cls, data: Json) -> MachineState:
+        return cls(
+            system_id=str(data["system_id"]),
+            hostname=_str(data, "hostname"),
+            status=MachineStatus(int(data["status"])),
+            power_state=PowerState(_str(data, "power_state") or PowerState.UNKNOWN),
+            ip_addresses=_strs(data.get("ip_addresses")),
+            hardware_sync=HardwareSync.from_machine_json(data),
+        )
+
+    @property
+    def status_name(self) -> str:
+        return self.status.label
+
+
+class _MachineStateFields(msgspec.Struct):
+    """The keys of a machines list entry that MachineState.from_json reads, typed Any so that
+    it checks them as it checks a whole Machine's; a key MAAS leaves out stays UNSET (the
+    hardware-sync fields' absence means a MAAS that predates them). Every other key (interfaces,
+    block devices, storage: nine tenths of an entry's bytes) is skipped without being built."""
+
+    system_id: Any
+    status: Any
+    hostname: Any = msgspec.UNSET
+    power_state: Any = msgspec.UNSET
+    ip_addresses: Any = msgspec.UNSET
+    enable_hw_sync: Any = msgspec.UNSET
+    last_sync: Any = msgspec.UNSET
+    sync_interval: Any = msgspec.UNSET
+    next_sync: Any = msgspec.UNSET
+
+
+_MACHINE_STATES = msgspec.json.Decoder(list[_MachineStateFields])
+
+
+def machine_states_json(body: bytes) -> list[dict[str, Any]]:
+    """A machines list's bytes as the entries MachineState.from_json reads, each holding only
+    the keys it has of those. Raises msgspec.DecodeError on malformed JSON or another shape."""
+    return [
+        {
+            name: value
+            for name in entry.__struct_fields__
+            if (value := getattr(entry, name)) is not msgspec.UNSET
+        }
+        for entry in _MACHINE_STATES.decode(body)
+    ]
+
+
+@dataclass(frozen=True)
 class Machine:
     system_id: str
     hostname: str
@@ -447,12 +510,13 @@ class Machine:
     def from_json(cls, data: Json) -> Machine:
         boot_disk = data.get("boot_disk")
         boot_interface = data.get("boot_interface")
+        state = MachineState.from_json(data)
         return cls(
-            system_id=str(data["system_id"]),
-            hostname=_str(data, "hostname"),
+            system_id=state.system_id,
+            hostname=state.hostname,
             fqdn=_str(data, "fqdn"),
             domain=_name_of(data.get("domain")),
-            status=MachineStatus(int(data["status"])),
+            status=state.status,
             status_message=_str(data, "status_message"),
             error_description=_str(data, "error_description"),
             owner=_opt_str(data, "owner"),
@@ -462,8 +526,8 @@ class Machine:
             osystem=_str(data, "osystem"),
             distro_series=_str(data, "distro_series"),
             power_type=_str(data, "power_type"),
-            power_state=PowerState(_str(data, "power_state") or PowerState.UNKNOWN),
-            ip_addresses=_strs(data.get("ip_addresses")),
+            power_state=state.power_state,
+            ip_addresses=state.ip_addresses,
             zone=_name_of(data.get("zone")),
             pool=_name_of(data.get("pool")),
             boot_disk_id=_opt_int(boot_disk, "id") if isinstance(boot_disk, Mapping) else None,
@@ -474,7 +538,7 @@ class Machine:
             block_devices=tuple(
                 BlockDevice.from_json(b) for b in _objects(data.get("blockdevice_set"))
             ),
-            hardware_sync=HardwareSync.from_machine_json(data),
+            hardware_sync=state.hardware_sync,
         )
 
     @property

@@ -42,6 +42,7 @@ def build_region(scenario: Scenario, time_scale: float | None = None) -> Region:
                 space=net.space,
             )
         )
+    used = network.used_addresses(region)  # kept up to date by each deployed machine seeded
     for spec in scenario.machines:
         if spec.enlisted and spec.status not in _SEEDABLE:
             raise ScenarioError(
@@ -59,11 +60,11 @@ def build_region(scenario: Scenario, time_scale: float | None = None) -> Region:
         )
         region.hardware[spec.bmc.address] = physical
         if spec.enlisted:
-            _seed_machine(region, physical)
+            _seed_machine(region, physical, used)
     return region
 
 
-def _seed_machine(region: Region, physical: Hardware) -> None:
+def _seed_machine(region: Region, physical: Hardware, used: set[str]) -> None:
     spec: MachineSpec = physical.spec
     machine = hardware.new_machine(region, spec.hostname, spec.status)
     if spec.system_id:
@@ -90,17 +91,18 @@ def _seed_machine(region: Region, physical: Hardware) -> None:
     if spec.status in _OWNED or (spec.status == S.BROKEN and spec.owner):
         machine.owner = spec.owner or region.site.admin_user
     if spec.status == S.DEPLOYED:
-        _seed_deployed(region, machine.system_id, spec)
+        _seed_deployed(region, machine.system_id, spec, used)
     if spec.status == S.BROKEN:
         machine.previous_status = S.READY
 
 
-def _seed_deployed(region: Region, system_id: str, spec: MachineSpec) -> None:
+def _seed_deployed(region: Region, system_id: str, spec: MachineSpec, used: set[str]) -> None:
     machine = region.machines[system_id]
     machine.osystem = spec.osystem
     machine.distro_series = spec.distro_series or region.site.default_distro_series
-    network.claim_auto_ips(region, machine)
+    network.claim_auto_ips(region, machine, used)
     network.lease_dhcp_ips(region, machine)
+    used.update(link.ip_address for i in machine.interfaces for link in i.links if link.ip_address)
     lifecycle.ensure_node_key(region, machine)
     if spec.enable_hw_sync:
         hwsync.set_enable_hw_sync(region, machine, True)

@@ -26,11 +26,18 @@ def used_addresses(region: Region) -> set[str]:
 
 
 def allocate_ip(
-    region: Region, subnet: Subnet, preferred: str | None = None, dynamic: bool = False
+    region: Region,
+    subnet: Subnet,
+    preferred: str | None = None,
+    dynamic: bool = False,
+    used: set[str] | None = None,
 ) -> str | None:
     """The preferred address if free and in the subnet, else the lowest free one (outside the
-    dynamic range for AUTO/STATIC, inside it for a DHCP lease)."""
-    used = used_addresses(region)
+    dynamic range for AUTO/STATIC, inside it for a DHCP lease). `used`: the region's used
+    addresses when the caller keeps them (seeding tens of thousands of machines would
+    otherwise gather them again for each one)."""
+    if used is None:
+        used = used_addresses(region)
     network = subnet.network
     if preferred and preferred not in used and ipaddress.ip_address(preferred) in network:
         return preferred
@@ -86,11 +93,14 @@ def has_deployable_network(machine: Machine) -> bool:
     )
 
 
-def claim_auto_ips(region: Region, machine: Machine) -> None:
+def claim_auto_ips(region: Region, machine: Machine, used: set[str] | None = None) -> None:
+    """`used`, when given, is the region's used addresses, kept up to date here."""
     for iface in machine.interfaces:
         for link in iface.links:
             if link.mode == AUTO and link.subnet is not None and not link.ip_address:
-                link.ip_address = allocate_ip(region, link.subnet, iface.planned_ip)
+                link.ip_address = allocate_ip(region, link.subnet, iface.planned_ip, used=used)
+                if used is not None and link.ip_address:
+                    used.add(link.ip_address)
 
 
 def lease_dhcp_ips(region: Region, machine: Machine) -> None:
