@@ -290,7 +290,9 @@ class Allocation(Base):
         UniqueConstraint("project_id", "idempotency_key", name="allocations_idempotency"),
         Index("allocations_project_created", "project_id", "created_at", "id"),
         Index("allocations_node_created", "node_id", "created_at", "id"),
-        Index("allocations_status", "status"),
+        # The admin list's pages, unfiltered and by status (newest first; migration 0023).
+        Index("allocations_created", "created_at", "id"),
+        Index("allocations_status_created", "status", "created_at", "id"),
         Index(
             "allocations_group_same_node",
             "allocation_group_id",
