@@ -70,6 +70,13 @@ def node_activities(
     ]
 
 
+# Long polls each agent keeps open on its node queue: one always waiting, one more while a task
+# starts. Every poll of every node counts against the frontend's per-namespace limit
+# (devstack/temporal.py LONG_POLLS_PER_NAMESPACE), so 5 (the SDK's default) would cost 50,000 open
+# polls at 10,000 nodes for queues that see a few tasks a day.
+NODE_QUEUE_POLLERS = 2
+
+
 def build_node_worker(
     client: Client,
     node_id: uuid.UUID | str,
@@ -78,7 +85,7 @@ def build_node_worker(
     max_concurrent: int = MAX_CONCURRENT_HOST_TASKS,
     graceful_shutdown: timedelta = timedelta(0),
     identity: str | None = None,
-    pollers: int = 5,
+    pollers: int = NODE_QUEUE_POLLERS,
 ) -> Worker:
     """A worker polling `node-{node_id}` with every host activity bound to `services`.
 

@@ -29,6 +29,12 @@ def temporal_cli_path(*, build: bool = True) -> Path:
 # instead of 265 MB).
 DEV_SERVER_ENV = {"GOGC": "200"}
 
+# Every node agent keeps AGENT_NODE_QUEUE_POLLERS long polls open on its node queue, and the
+# frontend refuses polls beyond frontend.namespaceCount per namespace and API (default 1,200:
+# a batch onboarding stalled at about 280 simulated nodes on it, issue 27). Sized for 10,000 nodes
+# with two polls each, plus the control plane's own.
+LONG_POLLS_PER_NAMESPACE = 25_000
+
 
 def dev_server_extra_args(*, codec_endpoint: str | None = None) -> list[str]:
     """Flags every dev server of ours gets: search attributes, update-with-start, codec."""
@@ -48,6 +54,8 @@ def dev_server_extra_args(*, codec_endpoint: str | None = None) -> list[str]:
         "matching.numTaskqueueReadPartitions=1",
         "--dynamic-config-value",
         "matching.numTaskqueueWritePartitions=1",
+        "--dynamic-config-value",
+        f"frontend.namespaceCount={LONG_POLLS_PER_NAMESPACE}",
         "--log-level",
         "error",
         "--sqlite-pragma",

@@ -31,7 +31,7 @@ from core.search_attributes import ALL as SEARCH_ATTRIBUTES
 from devstack.go_tools import TOOLS_DIR, go_module_dir, go_tool_path
 from devstack.postgres import PostgresCluster
 from devstack.processes import port_in_use
-from devstack.temporal import temporal_cli_path
+from devstack.temporal import LONG_POLLS_PER_NAMESPACE, temporal_cli_path
 
 TEMPORAL_SERVER_MODULE = "go.temporal.io/server"
 TEMPORAL_SERVER_VERSION = "v1.29.1"
@@ -69,6 +69,7 @@ class ClusterTuning:
             "frontend.enableUpdateWorkflowExecution": True,
             "matching.numTaskqueueReadPartitions": self.task_queue_partitions,
             "matching.numTaskqueueWritePartitions": self.task_queue_partitions,
+            "frontend.namespaceCount": LONG_POLLS_PER_NAMESPACE,
             **dict(self.extra_dynamic_config),
         }
 

@@ -39,7 +39,12 @@ from temporalio.worker import Worker
 from agent.backend import HostBackend
 from agent.backends.system_root import SystemRoot
 from agent.heartbeat import DEFAULT_INTERVAL_SECONDS, run_heartbeats
-from agent.node_worker import NodeServices, build_node_worker, stop_on_signals
+from agent.node_worker import (
+    NODE_QUEUE_POLLERS,
+    NodeServices,
+    build_node_worker,
+    stop_on_signals,
+)
 from contracts.states import NodeStatus
 from core.config import Settings
 from core.crash_traces import enable_crash_traces
@@ -57,8 +62,8 @@ logger = logging.getLogger("sim.fleet")
 
 # Nodes that need an agent: active ones take new work, draining ones still release old work.
 AGENT_NODE_STATUSES = (NodeStatus.ACTIVE.value, NodeStatus.DRAINING.value)
-# One simulated node rarely has more than a couple of tasks in flight; keep polls per node low.
-POLLERS_PER_NODE = 2
+# A simulated node polls as a real agent does.
+POLLERS_PER_NODE = NODE_QUEUE_POLLERS
 HOST_KINDS = ("simulated", "libvirt-test")
 DEFAULT_LIBVIRT_STATE_DIR = Path(".state/libvirt-hosts")
 
