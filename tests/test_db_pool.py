@@ -9,7 +9,8 @@ import asyncio
 import pytest
 from sqlalchemy import text
 from sqlalchemy.dialects.postgresql.asyncpg import AsyncAdapt_asyncpg_connection
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.pool import NullPool
 
 from schema import db
 
@@ -34,20 +35,26 @@ async def _backend_pid(engine: AsyncEngine) -> int:
     return int(pid)
 
 
-async def _terminate(db_engine: AsyncEngine, pid: int) -> None:
-    async with db_engine.connect() as connection:
-        await connection.execute(text("select pg_terminate_backend(:pid)"), {"pid": pid})
+async def _terminate(database_url: str, pid: int) -> None:
+    # A connection of its own, never pooled: the suite's shared engine would ping its own idle
+    # connection on checkout, and `pings` counts every ping in the process.
+    terminator = create_async_engine(database_url, poolclass=NullPool)
+    try:
+        async with terminator.connect() as connection:
+            await connection.execute(text("select pg_terminate_backend(:pid)"), {"pid": pid})
+    finally:
+        await terminator.dispose()
     await asyncio.sleep(0.1)
 
 
 async def test_connection_that_died_while_idle_is_replaced(
-    database_url: str, db_engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch, pings: list[int]
+    database_url: str, monkeypatch: pytest.MonkeyPatch, pings: list[int]
 ) -> None:
     monkeypatch.setattr(db, "IDLE_BEFORE_PING_SECONDS", 0.3)
     engine = db.create_engine(database_url, pool_size=1, max_overflow=0)
     try:
         first = await _backend_pid(engine)
-        await _terminate(db_engine, first)
+        await _terminate(database_url, first)
         await asyncio.sleep(0.4)
         second = await _backend_pid(engine)  # would raise if the dead connection were handed out
         assert second != first
