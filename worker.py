@@ -154,6 +154,7 @@ def worker_config(
     liveness = NodeLivenessActivities(sessions, client)
     drain = NodeDrainActivities(sessions)
     billing = BillingActivities(sessions, client)
+    storage_provider = SharedDirectoryProvider.from_env()
     host_access = dependencies.get("host_access")
     if host_access is None:
         from activities.onboarding.host_access_config import host_access_from_env
@@ -165,6 +166,7 @@ def worker_config(
         host_access,
         settings.public_api_url,
         payload_key_b64=settings.codec_key_b64,
+        storage_export_root=str(storage_provider.root),
     )
     maas_stages = MaasStageActivities(onboarding_deps)
     node_stages = NodeStageActivities(onboarding_deps)
@@ -189,7 +191,7 @@ def worker_config(
             allocations.detach,
             *AllocationGroupActivities(sessions, client).activities(),
             NodeTaskLogActivities(sessions).record_progress,
-            *StorageActivities(sessions, SharedDirectoryProvider.from_env(), client).activities(),
+            *StorageActivities(sessions, storage_provider, client).activities(),
             presence.record_heartbeat,
             maas_reconcile.reconcile,
             maas_reconcile.record_reseeds,

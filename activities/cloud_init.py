@@ -15,9 +15,11 @@ Layers, in this order (a layer with nothing to do is left out and not listed):
    the site says so.
 3. ``agent_bootstrap``: ``/etc/gpucloud/agent.toml`` (0600) with ``api_url``,
    ``enrollment_token`` and ``state_dir`` exactly as `agent.enrollment.AgentConfig.load` reads
-   it; the CA bundle (if given) via cloud-init ``ca_certs`` and ``SSL_CERT_FILE`` in the unit;
-   the agent package (if a URL is given: an https ``.deb``, installed by a fixed script that
-   reads the URL from a file); the ``gpucloud-agent.service`` unit.
+   it, and ``[storage] export_root`` (where the agent finds the shared directory storage
+   provider's tree, agent/storage_mounts.py) when the control plane has one; the CA bundle (if
+   given) via cloud-init ``ca_certs`` and ``SSL_CERT_FILE`` in the unit; the agent package (if
+   a URL is given: an https ``.deb``, installed by a fixed script that reads the URL from a
+   file); the ``gpucloud-agent.service`` unit.
 4. ``hardware_sync``: ``/etc/maas/maas-machine-creds.yml`` (0600) with the machine token and
    the MAAS status endpoint, and the hardware-sync service and timer from the same templates
    ``node.hw_sync_reseed`` writes (`agent.maintenance.render_hw_sync_service/_timer`), with the
@@ -152,6 +154,10 @@ class AgentBootstrap:
     # The payload codec key (base64) the agent encrypts Temporal payloads with; written to its
     # own 0600 file, never into agent.toml itself.
     payload_key_b64: str | None = field(default=None, repr=False)
+    # `[storage] export_root`: the shared directory storage provider's root, which the worker and
+    # every node see at the same place (activities/storage_provider.py); None: no [storage]
+    # table, so the node's storage.mount and storage.unmount answer `unsupported`.
+    storage_export_root: str | None = None
 
 
 @dataclass(frozen=True)
@@ -324,6 +330,17 @@ def _roce_routes(assignments: Sequence[RoceAssignment]) -> list[_Route]:
     return routes
 
 
+def _check_absolute_path(
+    value: str, field_name: str, *, component: str = r"[A-Za-z0-9._-]+"
+) -> None:
+    if (
+        not isinstance(value, str)
+        or not re.fullmatch(rf"(/{component})+", value)
+        or any(p in (".", "..") for p in PurePosixPath(value).parts)
+    ):
+        raise _fail(field_name, "must be an absolute path of plain components")
+
+
 def _validate(spec: CloudInitInput) -> tuple[int, list[_Route]]:
     site, node, agent, token = spec.site, spec.node, spec.agent, spec.maas_machine_token
     if not isinstance(site.name, str) or not _SITE_NAME.fullmatch(site.name):
@@ -367,13 +384,15 @@ def _validate(spec: CloudInitInput) -> tuple[int, list[_Route]]:
         or not _PEM.fullmatch(agent.ca_bundle_pem.strip() + "\n")
     ):
         raise _fail("agent.ca_bundle_pem", "must be one or more PEM certificates")
-    state = agent.state_dir
-    if (
-        not isinstance(state, str)
-        or not re.fullmatch(r"(/[A-Za-z0-9._-]+)+", state)
-        or any(p in (".", "..") for p in PurePosixPath(state).parts)
-    ):
-        raise _fail("agent.state_dir", "must be an absolute path of plain components")
+    _check_absolute_path(agent.state_dir, "agent.state_dir")
+    if agent.storage_export_root is not None:
+        # The operator's path as the worker has it (a checkout's .state/storage under bin/stack):
+        # any printable ASCII but '/' in a component.
+        _check_absolute_path(
+            agent.storage_export_root,
+            "agent.storage_export_root",
+            component=r"[\x20-\x2e\x30-\x7e]+",
+        )
 
     for part in ("consumer_key", "token_key", "token_secret") if token is not None else ():
         value = getattr(token, part)
@@ -414,6 +433,12 @@ def render_agent_toml(agent: AgentBootstrap) -> str:
         + (
             f"payload_key_file = {_toml_str(PAYLOAD_KEY_PATH)}\n"
             if agent.payload_key_b64 is not None
+            else ""
+        )
+        # A table last: every key above belongs to the top level.
+        + (
+            f"\n[storage]\nexport_root = {_toml_str(agent.storage_export_root)}\n"
+            if agent.storage_export_root is not None
             else ""
         )
     )

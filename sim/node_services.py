@@ -73,13 +73,15 @@ def simulated_node_services(context: BackendContext) -> NodeServices:
         machine = build_machine(directory, address=context.hostname, machine_key=context.node_id)
         maintenance = machine_services(machine).maintenance
         homes = directory / "terminal-homes"
-        storage_root = SystemRoot(machine.root)
+        storage = simulated_storage(SystemRoot(machine.root))
     else:
-        maintenance = node_services_from_config(
+        configured = node_services_from_config(
             context.config, context.root, hostname=context.hostname
-        ).maintenance
+        )
+        maintenance = configured.maintenance
         homes = context.root.host_path("/home")
-        storage_root = context.root
+        # The config's [storage] (what cloud-init writes), else the provider's root from the env.
+        storage = configured.storage or simulated_storage(context.root)
     host = SimulatedHost(
         context.node_id, hostname=context.hostname, config=SimHostConfig.from_env(context.node_id)
     )
@@ -87,5 +89,5 @@ def simulated_node_services(context: BackendContext) -> NodeServices:
         host=host,
         maintenance=maintenance,
         terminal=SimulatedShell(host, homes),
-        storage=simulated_storage(storage_root),
+        storage=storage,
     )

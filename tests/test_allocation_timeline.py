@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -57,6 +58,35 @@ async def provision_item(tenant: Tenant, allocation_id: str) -> dict[str, Any]:
     return item
 
 
+ProvisionWithFault = Callable[..., Awaitable[tuple[str, dict[str, Any]]]]
+
+
+@pytest.fixture
+def provision_with_fault(
+    tenant: Tenant, db_sessions: Any, start_node_agent: Any
+) -> ProvisionWithFault:
+    """`(error_type, until_status, **fault)`: a slice allocation on a fresh node whose agent's
+    provision fails with `error_type` as `fault` says; its id and its body once it reaches
+    `until_status`."""
+
+    async def provision(
+        error_type: HostErrorType, until_status: str, **fault: Any
+    ) -> tuple[str, dict[str, Any]]:
+        (node,) = await create_fleet(db_sessions, slice_nodes=1)
+        agent = await start_node_agent(node.id)
+        agent.host.faults.inject(SLICE_VM_PROVISION, error_type, **fault)
+        allocation_id = await allocate(tenant, slice_request(1))
+        reached = await wait_status(tenant.client, allocation_id, until_status, timeout=30)
+        return allocation_id, reached
+
+    return provision
+
+
+async def record(temporal_client: Any, allocation_id: str, name: str) -> None:
+    handle = temporal_client.get_workflow_handle(allocation_workflow_id(allocation_id))
+    await record_history(handle, "allocation", name)
+
+
 async def test_a_running_host_task_reads_running_with_its_phases(
     tenant: Tenant, db_sessions: Any, start_node_agent: Any, temporal_client: Any
 ) -> None:
@@ -92,23 +122,15 @@ async def test_a_running_host_task_reads_running_with_its_phases(
     assert done["status"] == "succeeded"
     assert done["attempts"] == 1
     assert [p["phase"] for p in done["phases"] if p["status"] == "succeeded"] == SLICE_PHASES
-    await record_history(
-        temporal_client.get_workflow_handle(allocation_workflow_id(allocation_id)),
-        "allocation",
-        "provision_progress_reported",
-    )
+    await record(temporal_client, allocation_id, "provision_progress_reported")
 
 
 async def test_a_failed_host_task_keeps_its_phases_and_the_failed_one(
-    tenant: Tenant, db_sessions: Any, start_node_agent: Any, temporal_client: Any
+    tenant: Tenant, provision_with_fault: ProvisionWithFault, temporal_client: Any
 ) -> None:
-    (node,) = await create_fleet(db_sessions, slice_nodes=1)
-    agent = await start_node_agent(node.id)
-    agent.host.faults.inject(
-        SLICE_VM_PROVISION, HostErrorType.READINESS_TIMEOUT, phase="guest_reachable"
+    allocation_id, _ = await provision_with_fault(
+        HostErrorType.READINESS_TIMEOUT, "failed", phase="guest_reachable"
     )
-    allocation_id = await allocate(tenant, slice_request(1))
-    await wait_status(tenant.client, allocation_id, "failed")
 
     item = await provision_item(tenant, allocation_id)
     assert item["status"] == "failed"
@@ -118,23 +140,15 @@ async def test_a_failed_host_task_keeps_its_phases_and_the_failed_one(
     failed = [p["phase"] for p in item["phases"] if p["status"] == "failed"]
     assert failed == ["guest_reachable"]
     assert item["phases"][-1]["status"] == "failed"
-    await record_history(
-        temporal_client.get_workflow_handle(allocation_workflow_id(allocation_id)),
-        "allocation",
-        "provision_failed_phases_kept",
-    )
+    await record(temporal_client, allocation_id, "provision_failed_phases_kept")
 
 
 async def test_a_retried_host_task_counts_its_attempts(
-    tenant: Tenant, db_sessions: Any, start_node_agent: Any, temporal_client: Any
+    tenant: Tenant, provision_with_fault: ProvisionWithFault, temporal_client: Any
 ) -> None:
-    (node,) = await create_fleet(db_sessions, slice_nodes=1)
-    agent = await start_node_agent(node.id)
-    agent.host.faults.inject(
-        SLICE_VM_PROVISION, HostErrorType.LEASE_CONFLICT, times=2, phase="domain_defined"
+    allocation_id, _ = await provision_with_fault(
+        HostErrorType.LEASE_CONFLICT, "active", times=2, phase="domain_defined"
     )
-    allocation_id = await allocate(tenant, slice_request(1))
-    await wait_status(tenant.client, allocation_id, "active", timeout=30)
 
     item = await provision_item(tenant, allocation_id)
     assert item["status"] == "succeeded"
@@ -144,23 +158,15 @@ async def test_a_retried_host_task_counts_its_attempts(
     assert failed == [(1, "domain_defined"), (2, "domain_defined")]
     last = [p["phase"] for p in item["phases"] if p["attempt"] == 3 and p["status"] == "succeeded"]
     assert last == SLICE_PHASES
-    await record_history(
-        temporal_client.get_workflow_handle(allocation_workflow_id(allocation_id)),
-        "allocation",
-        "provision_retried_attempts_counted",
-    )
+    await record(temporal_client, allocation_id, "provision_retried_attempts_counted")
 
 
 async def test_secrets_in_a_host_failure_message_are_stripped_where_they_are_recorded(
-    tenant: Tenant, db_sessions: Any, start_node_agent: Any, admin: Any
+    tenant: Tenant, db_sessions: Any, provision_with_fault: ProvisionWithFault, admin: Any
 ) -> None:
-    (node,) = await create_fleet(db_sessions, slice_nodes=1)
-    agent = await start_node_agent(node.id)
-    agent.host.faults.inject(
-        SLICE_VM_PROVISION, HostErrorType.VFIO_ERROR, phase="vm_started", message=LEAKY_MESSAGE
+    allocation_id, failed = await provision_with_fault(
+        HostErrorType.VFIO_ERROR, "failed", phase="vm_started", message=LEAKY_MESSAGE
     )
-    allocation_id = await allocate(tenant, slice_request(1))
-    failed = await wait_status(tenant.client, allocation_id, "failed")
     assert failed["failure_reason"] == HostErrorType.VFIO_ERROR
     assert failed["failure_message"].startswith("guest said [redacted]")
 

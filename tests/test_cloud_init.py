@@ -36,7 +36,9 @@ from activities.cloud_init import (
     sha512_crypt,
 )
 from activities.maas.types import MachineToken
+from agent.config_file import read_agent_config, table
 from agent.enrollment import AgentConfig
+from agent.storage_mounts import StorageMountConfig
 
 ENROLLMENT_TOKEN = "gpe_SECRETenrollment0123456789"
 CONSUMER_KEY = "CKsecretConsumer42"
@@ -197,6 +199,31 @@ def test_agent_toml_round_trips_through_agent_config(tmp_path: Path) -> None:
     assert f"GPUCLOUD_AGENT_CONFIG={AGENT_CONFIG_PATH}" in unit
     assert "SSL_CERT_FILE" not in unit
     assert "ca_certs" not in doc
+
+
+def test_storage_export_root_reaches_the_agents_storage_config(tmp_path: Path) -> None:
+    """The provider's root becomes `[storage] export_root`, as the agent's storage backend reads
+    it; without one there is no [storage] table; a relative path is refused."""
+    agent = AgentBootstrap(
+        api_url="https://api.gpucloud.example",
+        enrollment_token=ENROLLMENT_TOKEN,
+        payload_key_b64="A" * 43 + "=",
+        storage_export_root="/srv/my storage+1",
+    )
+    doc = body(render_cloud_init(make_input(agent=agent)).content)
+    path = tmp_path / "agent.toml"
+    path.write_text(files(doc)[AGENT_CONFIG_PATH]["content"])
+    data = read_agent_config(path)
+    assert StorageMountConfig.from_table(table(data, "storage")).export_root == Path(
+        "/srv/my storage+1"
+    )
+    assert AgentConfig.load(path).enrollment_token == ENROLLMENT_TOKEN  # still top-level keys
+    plain = body(render_cloud_init(make_input()).content)
+    assert "[storage]" not in files(plain)[AGENT_CONFIG_PATH]["content"]
+    for bad in ("srv/storage", "/srv/../etc", "/srv/x\n"):
+        refused = dataclasses.replace(agent, storage_export_root=bad)
+        with pytest.raises(CloudInitError, match=r"agent\.storage_export_root"):
+            render_cloud_init(make_input(agent=refused))
 
 
 def test_ca_bundle_and_package() -> None:

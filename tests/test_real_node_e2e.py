@@ -4,9 +4,11 @@ systemd unit, a real `gpucloud-agent` process (production backend, on the machin
 agent enrolls with the token from its own config, heartbeats its GPU inventory (the node becomes
 active with GPU slots made from it) and serves every host task. Then, over the HTTP API:
 
-- a bare-metal node: an allocation provisioned and released on it, `soft_reset`, `reimage` (same
-  node and slots; the agent re-enrolls from the fresh cloud-init) and `full_decommission` with
-  erase, after which the node is deleted and the MAAS machine released and off;
+- a bare-metal node: an allocation provisioned on it, a storage namespace attached to it (the
+  agent bind-mounts it where its cloud-init config says the provider's tree is) and the
+  allocation released (the attachment detached first), `soft_reset`, `reimage` (same node and
+  slots; the agent re-enrolls from the fresh cloud-init) and `full_decommission` with erase,
+  after which the node is deleted and the MAAS machine released and off;
 - a GPU-slice node: a slice VM provisioned and released by the agent's libvirt backend (libvirt's
   test driver on the machine's host.xml), then `full_decommission` whose erase fails in MAAS, so
   the site's no-erase fallback releases the machine;
@@ -19,9 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -38,6 +42,7 @@ from tests.gateway_fixtures import ed25519_public_key
 from tests.lifecycle_support import wait_status
 from tests.maas_fixtures import sim_machine, sim_scenario
 from tests.onboarding_fixtures import ONBOARD_SKU
+from tests.test_storage_attachments import attach, create_namespace, mounted_points, wait_attachment
 
 MACHINES = sim_scenario(
     sim_machine("real-a", "10.176.18.10"),
@@ -50,6 +55,18 @@ MACHINE_GPUS = [(g.pci_address, g.numa_node) for g in default_gpus()]
 # The agent's slice backend state on the machine's disk (agent/backends/from_config.py defaults).
 VM_LEASES = "var/lib/gpucloud/vms/leases"
 VM_SEEDS = "var/lib/gpucloud/seeds"
+# Where the agent mounts storage attachments on the machine (agent/storage_mounts.py default).
+STORAGE_MOUNTS = "mnt/gpucloud/storage"
+
+
+@pytest.fixture(autouse=True)
+def storage_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The shared directory provider's root, set before the worker starts: the worker writes it
+    into each node's cloud-init as `[storage] export_root` (the agents get no environment)."""
+    root = tmp_path / "storage-export"
+    root.mkdir()
+    monkeypatch.setenv("GPUCLOUD_STORAGE_ROOT", str(root))
+    return root
 
 
 async def until(check: Callable[[], Awaitable[Any]], what: str, timeout: float = 60.0) -> Any:
@@ -157,7 +174,11 @@ async def tenant_with_key(api: Any, make_token: Any, make_project: Any) -> tuple
 
 @pytest.mark.maas_scenario(MACHINES)
 async def test_the_real_agent_serves_a_node_from_onboarding_to_deletion(
-    decommission: DecommissionRig, api: Any, make_token: Any, make_project: Any
+    decommission: DecommissionRig,
+    api: Any,
+    make_token: Any,
+    make_project: Any,
+    storage_root: Path,
 ) -> None:
     node_id = await decommission.maas_node("real-a", "10.176.18.10")
     first = agent_of(decommission, "real-a")
@@ -186,10 +207,30 @@ async def test_the_real_agent_serves_a_node_from_onboarding_to_deletion(
     passwd = (first.root / "etc/passwd").read_text()
     tenant_users = [line for line in passwd.splitlines() if int(line.split(":")[2]) >= 20000]
     assert len(tenant_users) == 1, passwd
+    # The agent learnt the storage provider's tree from the config its cloud-init wrote.
+    assert f'export_root = "{storage_root}"' in agent_toml
+    if os.geteuid() == 0:  # bind mounts need root
+        # A namespace attached to the allocation: storage.mount, run by the agent process, bind
+        # mounts it on the machine; a file written through the mount lands in the namespace.
+        namespace = await create_namespace(tenant, "datasets")
+        attachment = await attach(tenant, allocation_id, namespace["id"], "single_writer")
+        aid = attachment["attachment_id"]
+        await wait_attachment(tenant, allocation_id, aid, "mounted", timeout=60)
+        mount_point = first.root / STORAGE_MOUNTS / aid
+        assert str(mount_point) in mounted_points()
+        (mount_point / "written-on-the-node").write_text("data")
+        assert (storage_root / "namespaces" / namespace["id"] / "written-on-the-node").is_file()
     released = await tenant.post(f"/api/v1/allocations/{allocation_id}/release")
     assert released.status_code == 202
     await wait_status(tenant, allocation_id, "released", timeout=60)
     assert (first.root / "etc/passwd").read_text().count("\n") == passwd.count("\n") - 1
+    if os.geteuid() == 0:
+        # The release detached the attachment first (storage.unmount by the agent): unmounted,
+        # the mount point gone, the data kept.
+        await wait_attachment(tenant, allocation_id, aid, "detached")
+        assert str(mount_point) not in mounted_points()
+        assert not mount_point.exists()
+        assert (storage_root / "namespaces" / namespace["id"] / "written-on-the-node").is_file()
 
     admin = await api(token=await make_token("admin"))
     await decommission_via_api(admin, node_id, {"mode": "soft_reset", "reason": "e2e"})
@@ -217,6 +258,7 @@ async def test_the_real_agent_serves_a_node_from_onboarding_to_deletion(
     assert {
         "allocation.provision_user",
         "allocation.deprovision_user",
+        *(("storage.mount", "storage.unmount") if os.geteuid() == 0 else ()),
         "node.drain",
         "node.undrain",
         "node.gpu_scrub",

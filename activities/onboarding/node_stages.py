@@ -284,6 +284,7 @@ class NodeStageActivities(StageActivitiesBase):
                 api_url=self.deps.api_url,
                 enrollment_token=enrollment_token,
                 payload_key_b64=self.deps.payload_key_b64,
+                storage_export_root=self.deps.storage_export_root,
             ),
             roce=tuple(CloudInitRoce(i, c) for i, c in roce)
             if site.policy.enable_phase2_roce
@@ -700,6 +701,7 @@ class NodeStageActivities(StageActivitiesBase):
                     api_url=self.deps.api_url,
                     enrollment_token=token,
                     payload_key_b64=self.deps.payload_key_b64,
+                    storage_export_root=self.deps.storage_export_root,
                 )
             )
             del token
