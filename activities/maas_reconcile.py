@@ -84,6 +84,7 @@ from sqlalchemy import select, text, tuple_
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from temporalio import activity
 
+from activities.cloud_init import HW_SYNC_INTERVAL_RANGE_MINUTES
 from activities.maas.client import MaasClient
 from activities.maas.errors import MaasError
 from activities.maas.types import (
@@ -204,11 +205,6 @@ class SyncPolicy:
     required: bool = True
     interval: dt.timedelta = dt.timedelta(minutes=15)
 
-    @property
-    def interval_minutes(self) -> int:
-        """The interval as the re-seeded timer takes it: whole minutes, 1..1440."""
-        return min(max(-(-int(self.interval.total_seconds()) // 60), 1), 1440)
-
     @classmethod
     def of(cls, policy: MaasSitePolicy | None) -> SyncPolicy:
         if policy is None:
@@ -217,6 +213,13 @@ class SyncPolicy:
             required=bool(policy.require_hw_sync),
             interval=_timespan(policy.hardware_sync_interval) or dt.timedelta(minutes=15),
         )
+
+
+def timer_minutes(interval: dt.timedelta) -> int:
+    """An interval as the re-seeded timer takes it: whole minutes (rounded up), within the
+    range node.hw_sync_reseed accepts."""
+    low, high = HW_SYNC_INTERVAL_RANGE_MINUTES
+    return min(max(-(-int(interval.total_seconds()) // 60), low), high)
 
 
 def _timespan(value: str | None) -> dt.timedelta | None:
@@ -439,14 +442,18 @@ class MaasReconcileActivities:
                     {"site": site_id, "rule": HW_SYNC_STALE.name, "limit": MAX_RESEEDS_PER_RUN},
                 )
             ).all()
-        for event_id, node_id, reseed in claimed:
+        for event_id, node_id, reseed, maas_interval_s in claimed:
             if reseed["status"] == ReseedStatus.DISPATCHED:
+                # The timer posts at the interval MAAS judges this machine's sync by (its
+                # sync_interval, set from MAAS's config when the profile's onboarding enabled
+                # the sync), else the site's.
+                interval = dt.timedelta(seconds=maas_interval_s) if maas_interval_s else None
                 result.reseeds.append(
                     ReseedRequest(
                         node_id=str(node_id),
                         drift_event_id=event_id,
                         task_id=reseed["task_id"],
-                        interval_minutes=sync.interval_minutes,
+                        interval_minutes=timer_minutes(interval or sync.interval),
                     )
                 )
             result.actions.append(f"reseed_{reseed['status']}:{node_id}")
@@ -618,14 +625,15 @@ _CLAIM_RESEEDS = text(
     "      ELSE jsonb_build_object('status', 'dispatched', 'task_id', gen_random_uuid()::text)"
     "    END || jsonb_build_object('at', clock_timestamp()))"
     "  FROM due WHERE e.id = due.id"
-    "  RETURNING e.id, e.node_id, e.details -> 'reseed' AS reseed"
+    "  RETURNING e.id, e.node_id, e.details -> 'reseed' AS reseed,"
+    "    (e.details ->> 'sync_interval_s')::int AS sync_interval_s"
     "), mirrored AS ("
     "  UPDATE node_maas_state s"
     "  SET drift_details = COALESCE(s.drift_details, '{}'::jsonb)"
     "    || jsonb_build_object('reseed', c.reseed)"
     "  FROM claimed c WHERE s.node_id = c.node_id"
     ")"
-    " SELECT id, node_id, reseed FROM claimed ORDER BY id"
+    " SELECT id, node_id, reseed, sync_interval_s FROM claimed ORDER BY id"
 )
 
 # A re-seed's outcome merged into its event's `reseed` (and node_maas_state's, while that drift

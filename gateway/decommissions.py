@@ -63,11 +63,12 @@ from gateway.lifecycle_jobs import (
     recent_events,
     run_operator_action,
 )
+from gateway.maas_sites import usable_profile
 from gateway.pagination import newest_first_page
 from gateway.schemas import Reason, Request
 from gateway.temporal import TemporalOps
 from schema.lifecycle_tables import DECOMMISSION_TABLES
-from schema.models import Allocation, MaasSiteProfile, Node, NodeDecommission, NodeMaasState
+from schema.models import Allocation, Node, NodeDecommission, NodeMaasState
 
 log = logging.getLogger("gateway.decommissions")
 _LIVE = [s.value for s in LIVE_JOB_STATUSES]
@@ -309,25 +310,6 @@ def policy_from(settings: Settings) -> DecommissionPolicy:
 # --- start -------------------------------------------------------------------------------------
 
 
-async def _check_profile(
-    db: AsyncSession, profile_id: uuid.UUID, binding: NodeMaasState | None
-) -> None:
-    """422 unless the profile is an active one of the node's MAAS site."""
-    profile = await db.get(MaasSiteProfile, profile_id)
-    if profile is None or binding is None or profile.site_id != binding.site_id:
-        raise unprocessable(
-            [
-                FieldError(
-                    "profile_id", "unknown_profile", "the node's MAAS site has no such profile"
-                )
-            ]
-        )
-    if profile.status != "active":
-        raise unprocessable(
-            [FieldError("profile_id", "profile_disabled", "this profile is disabled")]
-        )
-
-
 def _same(row: NodeDecommission, plan: Plan) -> bool:
     return (
         row.mode == plan.mode.value
@@ -404,7 +386,11 @@ async def start(
             code="node_not_maas_managed",
         )
     if plan.profile_id is not None:
-        await _check_profile(db, plan.profile_id, binding)
+        # An active profile of the node's MAAS site (a node without one has none to name).
+        site_id = binding.site_id if binding is not None else None
+        _, problem = await usable_profile(db, site_id, plan.profile_id)
+        if problem is not None:
+            raise unprocessable([problem])
     if plan.mode != Mode.FULL_DECOMMISSION and not plan.force_release_allocations:
         held = await db.scalar(
             select(exists().where(Allocation.node_id == node_id, Allocation.status.in_(

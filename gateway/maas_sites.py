@@ -65,7 +65,14 @@ from core.timestamps import parse_iso
 from gateway import audit
 from gateway.admin_operations import actor, per_request, run_admin_operation
 from gateway.auth import Principal
-from gateway.errors import ApiError, Conflict, NotFound, Unprocessable
+from gateway.errors import (
+    ApiError,
+    Conflict,
+    FieldError,
+    NotFound,
+    Unprocessable,
+    unprocessable,
+)
 from gateway.maas_schemas import (
     DEFAULT_PROFILE_NAME,
     PROFILE_OVERRIDES,
@@ -361,7 +368,9 @@ async def patch_site(
         if field == "api_base_url":
             value = value.rstrip("/")
         if field == "default_profile_id":
-            await _check_default(db, site_id, value)
+            _, problem = await usable_profile(db, site_id, value, key=field)
+            if problem is not None:
+                raise unprocessable([problem])
         if getattr(site, field) != value:
             setattr(site, field, value)
             changed[field] = value
@@ -397,14 +406,18 @@ async def patch_site(
 # --- profiles (seed 003 §3.7) ---------------------------------------------------------------
 
 
-async def _check_default(db: AsyncSession, site_id: uuid.UUID, profile_id: uuid.UUID) -> None:
+async def usable_profile(
+    db: AsyncSession, site_id: uuid.UUID | None, profile_id: uuid.UUID, key: str = "profile_id"
+) -> tuple[MaasSiteProfile | None, FieldError | None]:
+    """The profile when it is one of the site's, and a field error `key` unless it is an active
+    one (unknown_profile, profile_disabled): what an onboarding or decommission may name and
+    what a site may take as its default."""
     profile = await db.get(MaasSiteProfile, profile_id)
     if profile is None or profile.site_id != site_id:
-        raise Unprocessable("this site has no such profile", code="unknown_profile")
+        return None, FieldError(key, "unknown_profile", "this site has no such profile")
     if profile.status != "active":
-        raise Unprocessable(
-            "a disabled profile cannot be the site's default", code="profile_disabled"
-        )
+        return profile, FieldError(key, "profile_disabled", "this profile is disabled")
+    return profile, None
 
 
 async def load_profile(

@@ -63,6 +63,7 @@ from gateway.lifecycle_jobs import (
     recent_events,
     run_operator_action,
 )
+from gateway.maas_sites import usable_profile
 from gateway.onboarding_schemas import (
     HOSTNAME,
     HOSTNAME_RULE,
@@ -140,12 +141,9 @@ async def check_target(
         errors.append(
             FieldError("site_id", "site_disabled", "this site is disabled: it takes no onboardings")
         )
-    profile = await db.get(MaasSiteProfile, profile_id)
-    if profile is None or profile.site_id != site_id:
-        errors.append(FieldError("profile_id", "unknown_profile", "this site has no such profile"))
-        profile = None
-    elif profile.status != "active":
-        errors.append(FieldError("profile_id", "profile_disabled", "this profile is disabled"))
+    profile, problem = await usable_profile(db, site_id, profile_id)
+    if problem is not None:
+        errors.append(problem)
     sku = await db.get(Sku, (sku_id, site.region_code))
     if sku is None or not sku.active:
         errors.append(

@@ -114,6 +114,9 @@ async def test_stale_sync_is_reseeded_through_the_agent_and_the_drift_heals(
     result, handle = await _reconcile(onboarding)
     assert result.drift_detected == 1
     assert [r.node_id for r in result.reseeds] == [str(node_id)]
+    # The timer is re-seeded at the interval MAAS judges this machine by (its sync_interval,
+    # 1 s, rounded up to the timer's minimum), not the site policy's 15m.
+    assert result.reseeds[0].interval_minutes == 1
     assert f"reseed_dispatched:{node_id}" in result.actions
     assert f"reseed_succeeded:{node_id}" in result.actions
     await record_history(handle, "maas_site_reconciler", "hw_sync_reseed")

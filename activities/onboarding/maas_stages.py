@@ -180,9 +180,7 @@ class MaasStageActivities(StageActivitiesBase):
         if record is None:
             record = await maas.create_machine(
                 hostname=ob.hostname,
-                power=IpmiPowerParameters(
-                    power_address=ob.ipmi_ip, power_user=login.user, power_pass=login.password
-                ),
+                power=_ipmi_power(login),
             )
         if _usable(record):
             return record, "discovery", {}
@@ -263,14 +261,7 @@ class MaasStageActivities(StageActivitiesBase):
                 # the credentials it had (the site default's, or stale ones).
                 login, source = await self._bmc_login(run)
                 if source.startswith(OVERRIDE_SOURCE_PREFIX):
-                    await maas.update_machine(
-                        machine.system_id,
-                        power=IpmiPowerParameters(
-                            power_address=input.onboarding.ipmi_ip,
-                            power_user=login.user,
-                            power_pass=login.password,
-                        ),
-                    )
+                    await maas.update_machine(machine.system_id, power=_ipmi_power(login))
                     run.skipped(state, f"already Ready; power credentials from {source} set")
                 else:
                     run.skipped(state, "already Ready")
@@ -285,11 +276,7 @@ class MaasStageActivities(StageActivitiesBase):
                 await maas.update_machine(
                     machine.system_id,
                     hostname=input.onboarding.hostname,
-                    power=IpmiPowerParameters(
-                        power_address=input.onboarding.ipmi_ip,
-                        power_user=login.user,
-                        power_pass=login.password,
-                    ),
+                    power=_ipmi_power(login),
                 )
                 if machine.status != S.NEW:
                     await maas.commission(machine.system_id, enable_ssh=True, skip_bmc_config=True)
@@ -721,6 +708,13 @@ async def _delete_placeholder(maas: MaasClient, system_id: str) -> bool:
         return False
     await maas.delete_machine(system_id)
     return True
+
+
+def _ipmi_power(login: BmcLogin) -> IpmiPowerParameters:
+    """The power parameters MAAS is given for the node's BMC (its address, the resolved login)."""
+    return IpmiPowerParameters(
+        power_address=login.address, power_user=login.user, power_pass=login.password
+    )
 
 
 def _usable(machine: Machine) -> bool:
