@@ -17,7 +17,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from temporalio import activity
 from temporalio.client import Client, WorkflowUpdateFailedError
-from temporalio.service import RPCError
+from temporalio.service import RPCError, RPCStatusCode
 
 from contracts.allocation import RELEASE_UPDATE, ReleaseAccepted, allocation_workflow_id
 from contracts.allocation_group import (
@@ -168,9 +168,14 @@ class AllocationGroupActivities:
                     id=f"{input.group_workflow_id}/release-{input.round}/{allocation_id}",
                     result_type=ReleaseAccepted,
                 )
-            except (WorkflowUpdateFailedError, RPCError):
-                # Not releasable (failed), or its workflow has ended: nothing to ask.
-                return False
+            except WorkflowUpdateFailedError:
+                return False  # not releasable (failed or rejected): nothing to ask
+            except RPCError as err:
+                if err.status != RPCStatusCode.NOT_FOUND:
+                    # Temporal did not answer: the retry asks again under the same update id,
+                    # rather than the member being left out of the release.
+                    raise
+                return False  # its workflow has ended: nothing to ask
             return True
 
         answers = await asyncio.gather(*(ask(a) for a in input.allocation_ids))

@@ -47,13 +47,6 @@ def allocation_group_workflow_id(group_id: str) -> str:
     return f"allocation-group-{group_id}"
 
 
-def allocation_group_id_from_workflow_id(workflow_id: str) -> str:
-    prefix = "allocation-group-"
-    if not workflow_id.startswith(prefix):
-        raise ValueError(f"not an allocation group workflow id: {workflow_id}")
-    return workflow_id[len(prefix) :]
-
-
 @dataclass
 class GroupMember:
     """One member: the AllocationInput its own workflow starts with, and whether the group

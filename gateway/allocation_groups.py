@@ -12,26 +12,14 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
-from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
-from temporalio.client import (
-    Client,
-    WithStartWorkflowOperation,
-    WorkflowHandle,
-    WorkflowUpdateFailedError,
-)
+from temporalio.client import WithStartWorkflowOperation
 from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
-from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
-from temporalio.service import RPCError, RPCStatusCode
+from temporalio.exceptions import WorkflowAlreadyStartedError
 
-from contracts.allocation import (
-    IDEMPOTENCY_KEY_REUSED,
-    SSH_KEY_NOT_FOUND,
-    AllocationInput,
-    ReleaseRequest,
-)
+from contracts.allocation import IDEMPOTENCY_KEY_REUSED, AllocationInput, ReleaseRequest
 from contracts.allocation_group import (
     MEMBER_REJECTED,
     NOT_RELEASABLE,
@@ -63,7 +51,7 @@ from gateway.allocation_group_schemas import (
     GroupReleaseResponse,
     GroupTimelineEntry,
 )
-from gateway.errors import Conflict, InvalidRequest, NotFound, TemporalUnavailable, Unprocessable
+from gateway.errors import Conflict, NotFound, Unprocessable
 from gateway.pagination import newest_first_page
 from gateway.temporal import TemporalOps
 from schema.models import (
@@ -129,13 +117,7 @@ async def create(
             select(SshKey.id).where(SshKey.project_id == project_id, SshKey.id.in_(ssh_key_ids))
         )
     )
-    missing = [str(k) for k in ssh_key_ids if k not in owned]
-    if missing:
-        raise Unprocessable(
-            "an SSH key in the request does not belong to this project",
-            code=SSH_KEY_NOT_FOUND,
-            details={"ssh_key_ids": missing},
-        )
+    allocations.refuse_unowned_keys(ssh_key_ids, owned)
     if key is not None:
         earlier = await _answer_from_record(db, group_id, project_id, fingerprint)
         if earlier is not None:
@@ -170,41 +152,23 @@ async def create(
             for position, member in enumerate(body.members)
         ],
     )
-    workflow_id = allocation_group_workflow_id(str(group_id))
-    update_id = f"submit-{uuid.uuid4()}"  # one per request: a retried attempt is answered once
-
-    async def submit(client: Client) -> GroupAccepted:
-        start: WithStartWorkflowOperation[Any, Any] = WithStartWorkflowOperation(
-            WORKFLOW_NAME,
-            workflow_input,
-            id=workflow_id,
-            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-            id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
-            task_queue=settings.control_plane_task_queue,
-            result_type=AllocationGroupResult,
-        )
-        accepted: GroupAccepted = await client.execute_update_with_start_workflow(
+    try:
+        accepted = await allocations.update_with_start(
+            temporal,
+            lambda: WithStartWorkflowOperation(
+                WORKFLOW_NAME,
+                workflow_input,
+                id=allocation_group_workflow_id(str(group_id)),
+                id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+                id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+                task_queue=settings.control_plane_task_queue,
+                result_type=AllocationGroupResult,
+            ),
             SUBMIT_UPDATE,
             fingerprint,
-            id=update_id,
-            start_workflow_operation=start,
             result_type=GroupAccepted,
-            rpc_timeout=temporal.rpc_timeout,
+            accepted_as=("group", group_id),
         )
-        return accepted
-
-    try:
-        accepted = await temporal.update_with_start(submit)
-    except TemporalUnavailable as err:
-        raise TemporalUnavailable(
-            f"{err.message}; if the request was accepted, the group is {group_id}",
-            details={"group_id": str(group_id)},
-        ) from err
-    except WorkflowUpdateFailedError as err:
-        cause = err.cause
-        if isinstance(cause, ApplicationError):
-            raise allocations.rejection(cause.type, cause.message) from None
-        raise
     except WorkflowAlreadyStartedError:
         # The workflow for this key has ended: its record answers.
         closed = await _answer_from_record(db, group_id, project_id, fingerprint)
@@ -334,15 +298,6 @@ async def detail(
     )
 
 
-def parse_status(status: str | None) -> str | None:
-    if status is not None and status not in {s.value for s in AllocationGroupStatus}:
-        raise InvalidRequest(
-            "unknown allocation group status",
-            details={"parameter": "status", "allowed": [s.value for s in AllocationGroupStatus]},
-        )
-    return status
-
-
 async def list_rows(
     db: AsyncSession,
     *,
@@ -354,7 +309,7 @@ async def list_rows(
     query = select(AllocationGroup)
     if project_id is not None:
         query = query.where(AllocationGroup.project_id == project_id)
-    if parse_status(status) is not None:
+    if allocations.parse_status(status, AllocationGroupStatus, "allocation group") is not None:
         query = query.where(AllocationGroup.status == status)
     rows, next_cursor = await newest_first_page(
         db,
@@ -421,10 +376,6 @@ def _member_of(event: AllocationGroupEvent) -> uuid.UUID | None:
 # --- release ---
 
 
-def _handle(client: Client, workflow_id: str) -> WorkflowHandle[Any, AllocationGroupResult]:
-    return client.get_workflow_handle(workflow_id, result_type=AllocationGroupResult)
-
-
 async def release(
     db: AsyncSession,
     temporal: TemporalOps,
@@ -438,41 +389,20 @@ async def release(
     group = await get_row(db, group_id, project_id)
     prior, workflow_id = group.status, group.workflow_id
     await db.close()
-
-    async def ask(client: Client) -> GroupReleaseAccepted:
-        accepted: GroupReleaseAccepted = await _handle(client, workflow_id).execute_update(
-            RELEASE_UPDATE,
-            request,
-            result_type=GroupReleaseAccepted,
-            rpc_timeout=temporal.rpc_timeout,
-        )
-        return accepted
-
-    try:
-        accepted = await temporal.update(ask)
-    except WorkflowUpdateFailedError as err:
-        cause = err.cause
-        if isinstance(cause, ApplicationError) and cause.type == NOT_RELEASABLE:
-            raise _not_releasable(prior) from None
-        raise
-    except RPCError as err:
-        if err.status != RPCStatusCode.NOT_FOUND:
-            raise
+    accepted = await allocations.update_running(
+        temporal,
+        workflow_id,
+        RELEASE_UPDATE,
+        request,
+        result_type=GroupReleaseAccepted,
+        refusals={NOT_RELEASABLE: lambda _: _not_releasable(prior)},
+    )
+    if accepted is None:
         # The workflow has ended: released is released (idempotent); failed has nothing left.
         now = (await get_row(db, group_id, project_id)).status
         if now != AllocationGroupStatus.RELEASED:
-            raise _not_releasable(now) from None
-        return (
-            GroupReleaseResponse(
-                group_id=group_id,
-                status=now,
-                prior_status=now,
-                expected_status=now,
-                members_asked=False,
-            ),
-            prior,
-            workflow_id,
-        )
+            raise _not_releasable(now)
+        accepted = GroupReleaseAccepted(str(group_id), now, now, False)
     answer = GroupReleaseResponse(
         group_id=group_id,
         status=accepted.expected_status,

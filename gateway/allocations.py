@@ -12,9 +12,10 @@ import datetime as dt
 import hashlib
 import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from enum import StrEnum
+from typing import Any, TypeVar
 
 import asyncpg
 from sqlalchemy import select
@@ -85,6 +86,8 @@ from gateway.temporal import TemporalOps
 from schema.db import driver_connection
 from schema.models import Allocation, Node
 
+T = TypeVar("T")
+
 # Fixed forever: allocation ids derived from idempotency keys must not change between releases.
 ALLOCATION_ID_NAMESPACE = uuid.UUID("6f3c1f0e-5b7a-4d0c-9a61-2f8e9d4b7c15")
 IDEMPOTENCY_HEADER = "X-Idempotency-Key"
@@ -140,6 +143,17 @@ def request_fingerprint(body: AllocationCreate) -> str:
     }
     encoded = json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(encoded).hexdigest()
+
+
+def refuse_unowned_keys(ssh_key_ids: Sequence[uuid.UUID], owned: set[uuid.UUID]) -> None:
+    """422 ssh_key_not_found naming each requested key the project does not own."""
+    missing = [str(k) for k in ssh_key_ids if k not in owned]
+    if missing:
+        raise Unprocessable(
+            "an SSH key in the request does not belong to this project",
+            code=SSH_KEY_NOT_FOUND,
+            details={"ssh_key_ids": missing},
+        )
 
 
 def policy_from(settings: Settings) -> AllocationPolicy:
@@ -265,13 +279,14 @@ async def get_row(
     return row
 
 
-def parse_status(status: str | None) -> str | None:
-    if status is None:
-        return None
-    if status not in {s.value for s in AllocationStatus}:
+def parse_status(
+    status: str | None, statuses: type[StrEnum] = AllocationStatus, noun: str = "allocation"
+) -> str | None:
+    """The `status` filter of a list, one of `statuses` (a 400 naming them otherwise)."""
+    allowed = [s.value for s in statuses]
+    if status is not None and status not in allowed:
         raise InvalidRequest(
-            "unknown allocation status",
-            details={"parameter": "status", "allowed": [s.value for s in AllocationStatus]},
+            f"unknown {noun} status", details={"parameter": "status", "allowed": allowed}
         )
     return status
 
@@ -378,13 +393,7 @@ async def create(
             owned, earlier = await _look_up(
                 pg, project_id, ssh_key_ids, allocation_id if key is not None else None
             )
-    missing = [str(k) for k in ssh_key_ids if k not in owned]
-    if missing:
-        raise Unprocessable(
-            "an SSH key in the request does not belong to this project",
-            code=SSH_KEY_NOT_FOUND,
-            details={"ssh_key_ids": missing},
-        )
+    refuse_unowned_keys(ssh_key_ids, owned)
     replay = _replay(earlier, body)
     if replay is not None:
         return replay
@@ -413,55 +422,80 @@ async def create(
             build_ids_at_start(settings.build_id),
         ]
     )
-    # One update id for every attempt of this request: an attempt the server took is answered
-    # from its outcome, never reserved twice. (Per request, not per key: a retried POST with
-    # another body must reach the workflow's own check of the fingerprint.)
-    update_id = f"reserve-{uuid.uuid4()}"
-    starts: list[WithStartWorkflowOperation[Any, Any]] = []
-
-    async def reserve(client: Client) -> Reservation:
-        start: WithStartWorkflowOperation[Any, Any] = WithStartWorkflowOperation(
-            WORKFLOW_NAME,
-            workflow_input,
-            id=workflow_id,
-            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-            id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
-            task_queue=settings.control_plane_task_queue,
-            result_type=AllocationResult,
-            search_attributes=attributes,
-        )
-        starts.append(start)  # single-use: each attempt builds its own
-        reservation: Reservation = await client.execute_update_with_start_workflow(
+    try:
+        reservation = await update_with_start(
+            temporal,
+            lambda: WithStartWorkflowOperation(
+                WORKFLOW_NAME,
+                workflow_input,
+                id=workflow_id,
+                id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+                id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+                task_queue=settings.control_plane_task_queue,
+                result_type=AllocationResult,
+                search_attributes=attributes,
+            ),
             RESERVE_UPDATE,
             fingerprint,
-            id=update_id,
-            start_workflow_operation=start,
             result_type=Reservation,
+            accepted_as=("allocation", allocation_id),
+        )
+    except WorkflowAlreadyStartedError:
+        # The workflow for this key has already closed: answer what it answered.
+        return await _answer_closed(engine, temporal, allocation_id, project_id, body)
+    return CreateOutcome(created_from_reservation(reservation), replayed=False)
+
+
+async def update_with_start(
+    temporal: TemporalOps,
+    start: Callable[[], WithStartWorkflowOperation[Any, Any]],
+    update: str,
+    arg: Any,
+    *,
+    result_type: type[T],
+    accepted_as: tuple[str, uuid.UUID],
+) -> T:
+    """Send `update` with `arg` to the workflow `start` builds (a fresh operation for each
+    attempt: the SDK's are single-use), starting it unless it runs, through
+    TemporalOps.update_with_start. One update id serves every attempt of this request, so an
+    attempt the server took is answered from its outcome, never applied twice (per request, not
+    per idempotency key: a retry with another body must reach the workflow's own check of the
+    fingerprint). A typed refusal is `rejection()`; Temporal not answering is a 503 naming what
+    the request would have created (`accepted_as`: its name and id), so nothing the client asked
+    for is ever out of its sight. A closed workflow under that id raises
+    WorkflowAlreadyStartedError: the caller answers from its record."""
+    noun, created_id = accepted_as
+    update_id = f"{update}-{uuid.uuid4()}"
+    starts: list[WithStartWorkflowOperation[Any, Any]] = []
+
+    async def call(client: Client) -> T:
+        operation = start()
+        starts.append(operation)
+        answer: T = await client.execute_update_with_start_workflow(
+            update,
+            arg,
+            id=update_id,
+            start_workflow_operation=operation,
+            result_type=result_type,
             rpc_timeout=temporal.rpc_timeout,
         )
-        return reservation
+        return answer
 
     try:
-        reservation = await temporal.update_with_start(reserve)
+        return await temporal.update_with_start(call)
     except TemporalUnavailable as err:
-        # The workflow may have started before Temporal stopped answering: tell the client which
-        # allocation that would be, so nothing it asked for is ever out of its sight.
         raise TemporalUnavailable(
-            f"{err.message}; if the request was accepted, the allocation is {allocation_id}",
-            details={"allocation_id": str(allocation_id)},
+            f"{err.message}; if the request was accepted, the {noun} is {created_id}",
+            details={f"{noun}_id": str(created_id)},
         ) from err
     except WorkflowUpdateFailedError as err:
         cause = err.cause
         if isinstance(cause, ApplicationError):
             raise rejection(cause.type, cause.message) from None
         raise
-    except WorkflowAlreadyStartedError:
-        # The workflow for this key has already closed: answer what it answered.
-        return await _answer_closed(engine, temporal, allocation_id, project_id, body)
     finally:
-        for start in starts:
-            _retrieve_start_error(start)
-    return CreateOutcome(created_from_reservation(reservation), replayed=False)
+        for operation in starts:
+            _retrieve_start_error(operation)
 
 
 def _retrieve_start_error(start: WithStartWorkflowOperation[Any, Any]) -> None:
@@ -525,28 +559,15 @@ async def release(
     row = await get_row(db, allocation_id, project_id)
     prior, workflow_id = row.status, row.workflow_id
     await db.close()
-
-    async def update(client: Client) -> ReleaseAccepted:
-        accepted: ReleaseAccepted = await _handle(client, workflow_id).execute_update(
-            RELEASE_UPDATE, request, result_type=ReleaseAccepted, rpc_timeout=temporal.rpc_timeout
-        )
-        return accepted
-
-    try:
-        accepted = await temporal.update(update)
-    except WorkflowUpdateFailedError as err:
-        cause = err.cause
-        if isinstance(cause, ApplicationError) and cause.type == NOT_RELEASABLE:
-            raise Conflict(
-                "this allocation cannot be released",
-                code=NOT_RELEASABLE,
-                details={"status": prior},
-            ) from None
-        raise
-    except RPCError as err:
-        if err.status != RPCStatusCode.NOT_FOUND:
-            raise
-
+    accepted = await update_running(
+        temporal,
+        workflow_id,
+        RELEASE_UPDATE,
+        request,
+        result_type=ReleaseAccepted,
+        refusals={NOT_RELEASABLE: lambda _: _not_releasable(prior)},
+    )
+    if accepted is None:
         # The workflow has completed: released is released (idempotent); anything else is not
         # releasable.
         try:
@@ -554,29 +575,11 @@ async def release(
         except Exception as closed_err:
             if isinstance(closed_err, ApiError):
                 raise
-            raise Conflict(
-                "this allocation cannot be released",
-                code=NOT_RELEASABLE,
-                details={"status": prior},
-            ) from None
-        if outcome.status == AllocationStatus.RELEASED:
-            released = AllocationStatus.RELEASED.value
-            return (
-                ReleaseResponse(
-                    allocation_id=allocation_id,
-                    status=released,
-                    prior_status=released,
-                    expected_status=released,
-                    release_pending=False,
-                ),
-                prior,
-                workflow_id,
-            )
-        raise Conflict(
-            "this allocation cannot be released",
-            code=NOT_RELEASABLE,
-            details={"status": outcome.status},
-        ) from None
+            raise _not_releasable(prior) from None
+        if outcome.status != AllocationStatus.RELEASED:
+            raise _not_releasable(outcome.status)
+        released = AllocationStatus.RELEASED.value
+        accepted = ReleaseAccepted(str(allocation_id), released, released, False)
     return (
         ReleaseResponse(
             allocation_id=allocation_id,
@@ -588,6 +591,44 @@ async def release(
         prior,
         workflow_id,
     )
+
+
+def _not_releasable(status: str) -> Conflict:
+    return Conflict(
+        "this allocation cannot be released", code=NOT_RELEASABLE, details={"status": status}
+    )
+
+
+async def update_running(
+    temporal: TemporalOps,
+    workflow_id: str,
+    update: str,
+    arg: Any,
+    *,
+    result_type: type[T],
+    refusals: dict[str, Callable[[ApplicationError], ApiError]],
+) -> T | None:
+    """`update` with `arg` to the running workflow `workflow_id`, through TemporalOps.update;
+    None when that workflow has closed (the caller answers from what it left). A refusal whose
+    type `refusals` names is the error it builds from it; any other failure propagates."""
+
+    async def call(client: Client) -> T:
+        answer: T = await client.get_workflow_handle(workflow_id).execute_update(
+            update, arg, result_type=result_type, rpc_timeout=temporal.rpc_timeout
+        )
+        return answer
+
+    try:
+        return await temporal.update(call)
+    except WorkflowUpdateFailedError as err:
+        cause = err.cause
+        if isinstance(cause, ApplicationError) and cause.type in refusals:
+            raise refusals[cause.type](cause) from None
+        raise
+    except RPCError as err:
+        if err.status != RPCStatusCode.NOT_FOUND:
+            raise
+        return None
 
 
 def user_release() -> ReleaseRequest:
@@ -612,27 +653,15 @@ async def detach(
     prior, workflow_id = row.status, row.workflow_id
     if row.detached_at is None:
         await db.close()  # no connection held across the Temporal call
-
-        async def update(client: Client) -> DetachResult:
-            detached: DetachResult = await _handle(client, workflow_id).execute_update(
-                DETACH_UPDATE,
-                DetachRequest(reason=reason, actor=ReleaseActor.ADMIN.value),
-                result_type=DetachResult,
-                rpc_timeout=temporal.rpc_timeout,
-            )
-            return detached
-
-        try:
-            await temporal.update(update)
-        except WorkflowUpdateFailedError as err:
-            cause = err.cause
-            if isinstance(cause, ApplicationError) and cause.type == NOT_DETACHABLE:
-                raise _not_detachable(prior, cause.message) from None
-            raise
-        except RPCError as err:
-            # The workflow has completed: only a detach it did can be answered (below).
-            if err.status != RPCStatusCode.NOT_FOUND:
-                raise
+        # A completed workflow (None) answers only a detach it did (below).
+        await update_running(
+            temporal,
+            workflow_id,
+            DETACH_UPDATE,
+            DetachRequest(reason=reason, actor=ReleaseActor.ADMIN.value),
+            result_type=DetachResult,
+            refusals={NOT_DETACHABLE: lambda cause: _not_detachable(prior, cause.message)},
+        )
         row = await get_row(db, allocation_id, None)
     if row.detached_at is None:
         raise _not_detachable(row.status)

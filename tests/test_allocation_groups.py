@@ -15,6 +15,7 @@ from sqlalchemy import func, select, text
 from contracts.allocation import allocation_workflow_id
 from contracts.allocation_group import allocation_group_workflow_id
 from contracts.host_tasks import SLICE_VM_PROVISION, SLICE_VM_RELEASE, HostErrorType
+from contracts.states import AllocationGroupStatus
 from schema.models import AllocationEvent, AllocationGroupEvent, AuditEntry, NodeTask
 from sim.config import SimHostConfig
 from sim.host import SimulatedHost
@@ -214,6 +215,12 @@ async def test_bad_requests_are_refused_with_codes(tenant: Tenant) -> None:
     assert bad_spread.status_code == 400
     empty = await tenant.client.post(f"{GROUPS}/", json={"members": []})
     assert empty.status_code == 400
+    unknown_status = await tenant.client.get(GROUPS, params={"status": "sleeping"})
+    assert unknown_status.status_code == 400
+    error = unknown_status.json()["error"]
+    assert error["code"] == "invalid_request"
+    assert error["message"] == "unknown allocation group status"
+    assert error["details"]["allowed"] == [s.value for s in AllocationGroupStatus]
 
 
 async def test_group_fails_when_no_required_member_can_become_usable(
