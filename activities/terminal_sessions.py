@@ -25,10 +25,12 @@ from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.allocations import username_for
-from activities.node_task_log import queue_task, record_task_outcome
+from activities.node_task_log import queue_task, record_task_outcome, record_task_progress
+from contracts.host_tasks import HostTaskProgress
 from contracts.states import AllocationStatus, NodeTaskStatus
 from contracts.terminal_session import (
     ACTOR_SYSTEM,
+    ACTOR_USER,
     ALLOCATION_NOT_ACTIVE,
     ALLOCATION_NOT_FOUND,
     APPLY_CHANGE,
@@ -47,7 +49,7 @@ from contracts.terminal_session import (
     TerminalChange,
     TerminalSessionStatus,
 )
-from schema.models import Allocation, NodeTask, TerminalSession, TerminalSessionEvent
+from schema.models import Allocation, TerminalSession, TerminalSessionEvent
 
 log = logging.getLogger(__name__)
 CLOCK = func.clock_timestamp()
@@ -135,7 +137,7 @@ class TerminalSessionActivities:
                         session_id=session_id,
                         from_status=None,
                         to_status=TerminalSessionStatus.OPENING.value,
-                        actor="user",
+                        actor=ACTOR_USER,
                     )
                 )
             return SessionPlan(
@@ -155,7 +157,6 @@ class TerminalSessionActivities:
             if change.to_status:
                 await _transition(session, row, change)
             for task in change.tasks:
-                task_id = uuid.UUID(task.task_id)
                 if not task.status:
                     await queue_task(
                         session,
@@ -166,19 +167,13 @@ class TerminalSessionActivities:
                         row.workflow_id,
                     )
                 elif task.status == NodeTaskStatus.DISPATCHED:
-                    await session.execute(
-                        update(NodeTask)
-                        .where(NodeTask.id == task_id, NodeTask.status == NodeTaskStatus.QUEUED)
-                        .values(
-                            status=NodeTaskStatus.DISPATCHED,
-                            attempts=1,
-                            dispatched_at=CLOCK,
-                        )
-                    )
+                    # The agent attached the stream: its one attempt started (database clock).
+                    progress = HostTaskProgress(task.task_id, attempt=1, started_at="")
+                    await record_task_progress(session, row.workflow_id, progress)
                 else:
                     await record_task_outcome(
                         session,
-                        task_id,
+                        uuid.UUID(task.task_id),
                         task.status,
                         error_type=task.error_type,
                         error_message=task.error_message,

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
-import json
 import logging
 import os
 import signal
@@ -56,7 +55,6 @@ from contracts.terminal_session import (
     FRAME_CLOSED,
     FRAME_RESIZE,
     MAX_FRAME_BYTES,
-    MAX_TERMINAL_CELLS,
     STREAM_ATTACHED_SIGNAL,
     TERMINAL_CLOSE,
     TERMINAL_OPEN,
@@ -65,6 +63,10 @@ from contracts.terminal_session import (
     TerminalCloseResult,
     TerminalOpenInput,
     TerminalOpenResult,
+    close_reason_of,
+    control_frame,
+    parse_control,
+    terminal_size,
 )
 
 logger = logging.getLogger("agent.terminal")
@@ -297,19 +299,6 @@ async def _fd_ready(fd: int, *, writable: bool) -> None:
 # ------------------------------------------------------------------------------------ session
 
 
-def _frame(kind: str, **fields: Any) -> str:
-    return json.dumps({"type": kind, **fields})
-
-
-def _terminal_size(control: dict[str, Any]) -> tuple[int, int] | None:
-    cols, rows = control.get("cols"), control.get("rows")
-    if not isinstance(cols, int) or not isinstance(rows, int):
-        return None
-    if not (0 < cols <= MAX_TERMINAL_CELLS and 0 < rows <= MAX_TERMINAL_CELLS):
-        return None
-    return cols, rows
-
-
 class _Session:
     """One running session; `terminal.close` ends it through `request_close`."""
 
@@ -363,19 +352,12 @@ class _Session:
             if isinstance(message, bytes):
                 await pty.write(message)
                 continue
-            try:
-                control = json.loads(message)
-            except ValueError:
-                continue
-            if not isinstance(control, dict):
-                continue
+            control = parse_control(message)
             kind = control.get("type")
-            if kind == FRAME_RESIZE and (size := _terminal_size(control)) is not None:
+            if kind == FRAME_RESIZE and (size := terminal_size(control)) is not None:
                 pty.resize(*size)
             elif kind == FRAME_CLOSE:
-                reason = control.get("reason")
-                known = {r.value for r in CloseReason}
-                return reason if reason in known else CloseReason.CLIENT_CLOSED.value
+                return close_reason_of(control)
         return CloseReason.CLIENT_CLOSED.value
 
 
@@ -483,7 +465,7 @@ class TerminalActivities:
             if ended_by != CloseReason.NODE_STREAM_DROPPED:
                 # The gateway tells the tenant why; a dropped stream has nobody to tell.
                 with contextlib.suppress(ConnectionClosed):
-                    await ws.send(_frame(FRAME_CLOSED, reason=ended_by))
+                    await ws.send(control_frame(FRAME_CLOSED, reason=ended_by))
             return ended_by
         finally:
             with contextlib.suppress(Exception):
@@ -491,13 +473,12 @@ class TerminalActivities:
 
     async def _authenticate(self, ws: ClientConnection, spec: TerminalOpenInput) -> None:
         try:
-            await ws.send(_frame(FRAME_AUTH, secret=spec.agent_secret))
+            await ws.send(control_frame(FRAME_AUTH, secret=spec.agent_secret))
             async with asyncio.timeout(AUTH_TIMEOUT_SECONDS):
-                answer = await ws.recv()
-            control = json.loads(answer) if isinstance(answer, str) else {}
-        except (ConnectionClosed, TimeoutError, ValueError):
+                control = parse_control(await ws.recv())
+        except (ConnectionClosed, TimeoutError):
             control = {}
-        if not isinstance(control, dict) or control.get("type") != FRAME_ATTACHED:
+        if control.get("type") != FRAME_ATTACHED:
             raise ApplicationError(
                 "the gateway did not attach the stream", type=OPEN_FAILED, non_retryable=True
             )

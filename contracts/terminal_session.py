@@ -18,8 +18,10 @@ agent's WebSocket against.
 
 # Annotations here are evaluated on purpose: see contracts/allocation.py.
 
+import json
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 WORKFLOW_NAME = "TerminalSessionWorkflow"
 OPEN_UPDATE = "open"  # update-with-start: the session row is created, or a typed refusal
@@ -87,6 +89,7 @@ class CloseReason(StrEnum):
     OPEN_FAILED = "open_failed"
 
 
+CLOSE_REASONS = frozenset(r.value for r in CloseReason)
 RETRYABLE_CLOSE_REASONS = frozenset({CloseReason.NODE_STREAM_DROPPED, CloseReason.NODE_UNREACHABLE})
 
 # Error types the gateway maps to HTTP (gateway/terminal_sessions.py).
@@ -317,3 +320,37 @@ AUTH_TIMEOUT_SECONDS = 10.0
 # The route the agent dials on the gateway (beneath the public API URL).
 NODE_STREAM_PATH = "/api/v1/internal/agent/terminal-sessions/{session_id}/stream"
 TENANT_STREAM_PATH = "/api/v1/terminal-sessions/{session_id}/stream"
+
+
+def control_frame(kind: str, **fields: Any) -> str:
+    """A text frame: the JSON control message `{"type": kind, ...}`."""
+    return json.dumps({"type": kind, **fields})
+
+
+def parse_control(text: object) -> dict[str, Any]:
+    """A text frame's control message; {} for anything that is not a JSON object (ignored)."""
+    if not isinstance(text, str):
+        return {}
+    try:
+        control = json.loads(text)
+    except ValueError:
+        return {}
+    return control if isinstance(control, dict) else {}
+
+
+def terminal_size(control: dict[str, Any]) -> tuple[int, int] | None:
+    """A resize frame's (cols, rows), or None when out of bounds or malformed."""
+    cols, rows = control.get("cols"), control.get("rows")
+    if not isinstance(cols, int) or not isinstance(rows, int):
+        return None
+    if not (0 < cols <= MAX_TERMINAL_CELLS and 0 < rows <= MAX_TERMINAL_CELLS):
+        return None
+    return cols, rows
+
+
+def close_reason_of(control: dict[str, Any]) -> str:
+    """A close/closed frame's reason: a known CloseReason value, else client_closed."""
+    reason = control.get("reason")
+    if isinstance(reason, str) and reason in CLOSE_REASONS:
+        return reason
+    return CloseReason.CLIENT_CLOSED.value

@@ -13,6 +13,7 @@ from core.crash_traces import enable_crash_traces
 from core.gc_tuning import tune_for_service
 from gateway.app import create_app
 from gateway.config import GatewayConfig
+from gateway.terminal_relay import UVICORN_WS_OPTIONS
 
 
 def main() -> None:
@@ -31,9 +32,7 @@ def main() -> None:
         timeout_graceful_shutdown=10,
         loop="uvloop",
         http="httptools",
-        # Terminal streams (gateway/terminal_relay.py): the websockets library's sans-I/O
-        # protocol, not its deprecated legacy server.
-        ws="websockets-sansio",
+        **UVICORN_WS_OPTIONS,  # terminal streams (gateway/terminal_relay.py)
         log_config=None,  # keep the logging configured above
     )
 

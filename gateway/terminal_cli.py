@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import sys
@@ -39,6 +38,8 @@ from contracts.terminal_session import (
     MAX_FRAME_BYTES,
     RETRYABLE_CLOSE_REASONS,
     CloseReason,
+    control_frame,
+    parse_control,
 )
 
 PING_INTERVAL_SECONDS = 20.0
@@ -111,7 +112,7 @@ def _resize_frame() -> str | None:
         size = os.get_terminal_size(sys.stdout.fileno())
     except OSError:
         return None
-    return json.dumps({"type": FRAME_RESIZE, "cols": size.columns, "rows": size.lines})
+    return control_frame(FRAME_RESIZE, cols=size.columns, rows=size.lines)
 
 
 async def _keys_to_node(ws: ClientConnection) -> None:
@@ -134,7 +135,7 @@ async def _keys_to_node(ws: ClientConnection) -> None:
 async def _keep_alive(ws: ClientConnection) -> None:
     while True:
         await asyncio.sleep(PING_INTERVAL_SECONDS)
-        await ws.send(json.dumps({"type": FRAME_PING}))
+        await ws.send(control_frame(FRAME_PING))
 
 
 async def _output(ws: ClientConnection) -> str:
@@ -145,7 +146,7 @@ async def _output(ws: ClientConnection) -> str:
             out.write(message)
             out.flush()
             continue
-        control = json.loads(message)
+        control = parse_control(message)
         if control.get("type") == FRAME_CLOSED:
             return str(control.get("reason"))
         if control.get("type") == FRAME_ERROR:
@@ -156,8 +157,8 @@ async def _output(ws: ClientConnection) -> str:
 async def run(args: argparse.Namespace) -> int:
     created = await open_session(args.api.rstrip("/"), args.allocation_id, _token())
     async with connect(created["stream_url"], max_size=MAX_FRAME_BYTES) as ws:
-        await ws.send(json.dumps({"type": FRAME_AUTH, "token": created["open_token"]}))
-        first = json.loads(await ws.recv())
+        await ws.send(control_frame(FRAME_AUTH, token=created["open_token"]))
+        first = parse_control(await ws.recv())
         if first.get("type") != FRAME_READY:
             raise CliError(f"{first.get('code')}: {first.get('message')}")
         print(f"[terminal session {created['session_id']}]", file=sys.stderr)

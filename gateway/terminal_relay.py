@@ -9,7 +9,8 @@
    node) and sends the secret; on a match the two sockets are paired and the bytes relayed.
 
 Frames are relayed as they come, each awaited before the next is read, so nothing queues here
-beyond one frame per direction; a frame over MAX_FRAME_BYTES ends the stream (1009). The tenant's
+beyond one frame per direction; a frame over MAX_FRAME_BYTES ends the stream (1009), refused by
+the server's WebSocket protocol before it is buffered (UVICORN_WS_OPTIONS). The tenant's
 `ping` is answered here (browsers cannot send AnySocket pings); `resize` goes to the agent.
 
 The pairing lives in this process: the agent is sent to the gateway that holds the tenant's
@@ -22,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import secrets
 import uuid
@@ -48,24 +48,31 @@ from contracts.terminal_session import (
     FRAME_READY,
     FRAME_RESIZE,
     MAX_FRAME_BYTES,
-    MAX_TERMINAL_CELLS,
     NODE_STREAM_PATH,
     OPEN_TOKEN_INVALID,
     TENANT_STREAM_PATH,
     ClaimAccepted,
     ClaimRequest,
     CloseReason,
-    TerminalPolicy,
+    close_reason_of,
+    control_frame,
+    parse_control,
+    terminal_size,
     terminal_workflow_id,
 )
 from gateway.errors import ServiceUnavailable
 from gateway.runtime import Runtime, get_runtime
-from gateway.terminal_sessions import hash_secret, websocket_url
+from gateway.terminal_sessions import policy_from, websocket_url
+from gateway.tokens import hash_token
 
 log = logging.getLogger("gateway.terminal")
 AnySocket = WebSocket[Any, Any, Any]
 
 RELAY_STATE_KEY = "gpucloud_terminal_relay"
+# How uvicorn serves these routes (gateway.serve, and the tests' server): the websockets library's
+# sans-I/O protocol (not its deprecated legacy server), which reads one message at a time and
+# closes a connection whose message would exceed MAX_FRAME_BYTES (1009) before buffering it.
+UVICORN_WS_OPTIONS: dict[str, Any] = {"ws": "websockets-sansio", "ws_max_size": MAX_FRAME_BYTES}
 # AnySocket close codes: normal, policy violation (refused auth), too big, server error.
 CLOSE_NORMAL = 1000
 CLOSE_POLICY = 1008
@@ -101,7 +108,7 @@ class TerminalRelay:
     def expect(self, session_id: str) -> tuple[str, _Pending]:
         """A fresh agent secret for the session (returned once) and the slot the node fills."""
         secret = secrets.token_urlsafe(32)
-        pending = _Pending(hash_secret(secret))
+        pending = _Pending(hash_token(secret))
         self._pending[session_id] = pending
         return secret, pending
 
@@ -116,7 +123,7 @@ class TerminalRelay:
         pending = self._pending.get(session_id)
         if pending is None or pending.node.done():
             return None
-        if not hmac.compare_digest(pending.secret_sha256, hash_secret(secret)):
+        if not hmac.compare_digest(pending.secret_sha256, hash_token(secret)):
             return None
         return pending
 
@@ -127,10 +134,6 @@ def relay_of(state: State) -> TerminalRelay:
         relay = TerminalRelay()
         state[RELAY_STATE_KEY] = relay
     return relay
-
-
-def _frame(kind: str, **fields: Any) -> str:
-    return json.dumps({"type": kind, **fields})
 
 
 async def _receive(socket: AnySocket) -> dict[str, Any]:
@@ -149,20 +152,18 @@ async def _auth_field(socket: AnySocket, name: str) -> str:
             message = await _receive(socket)
     except TimeoutError:
         raise _Refused(OPEN_TOKEN_INVALID, "no auth frame in time") from None
-    text = message.get("text")
-    try:
-        control = json.loads(text) if isinstance(text, str) else None
-    except ValueError:
-        control = None
-    value = control.get(name) if isinstance(control, dict) else None
-    if not isinstance(control, dict) or control.get("type") != FRAME_AUTH or not value:
+    control = parse_control(message.get("text"))
+    value = control.get(name)
+    if control.get("type") != FRAME_AUTH or not value:
         raise _Refused(OPEN_TOKEN_INVALID, f"the first frame must be an auth frame with {name}")
     return str(value)
 
 
 async def _refuse(socket: AnySocket, refused: _Refused) -> None:
     with contextlib.suppress(Exception):
-        await socket.send_text(_frame(FRAME_ERROR, code=refused.code, message=refused.message))
+        await socket.send_text(
+            control_frame(FRAME_ERROR, code=refused.code, message=refused.message)
+        )
         await socket.close(code=refused.close_code, reason=refused.code)
 
 
@@ -178,9 +179,9 @@ async def tenant_stream(socket: AnySocket, session_id: FromPath[uuid.UUID]) -> N
         token = await _auth_field(socket, "token")
         secret, pending = relay.expect(key)
         await _claim(runtime, key, token, secret)
-        policy = TerminalPolicy()
+        policy = policy_from(runtime.settings)  # the deadlines the workflow was started with
         wait = (
-            runtime.settings.node_schedule_to_start_seconds
+            policy.node_schedule_to_start_seconds
             + policy.attach_timeout_seconds
             + ATTACH_SLACK_SECONDS
         )
@@ -192,7 +193,7 @@ async def tenant_stream(socket: AnySocket, session_id: FromPath[uuid.UUID]) -> N
                 "the node did not attach the session's stream",
                 CLOSE_ERROR,
             ) from None
-        await socket.send_text(_frame(FRAME_READY, session_id=key))
+        await socket.send_text(control_frame(FRAME_READY, session_id=key))
         await _bridge(socket, node)
     except _Refused as refused:
         await _refuse(socket, refused)
@@ -203,7 +204,7 @@ async def tenant_stream(socket: AnySocket, session_id: FromPath[uuid.UUID]) -> N
 
 async def _claim(runtime: Runtime, session_id: str, token: str, secret: str) -> None:
     request = ClaimRequest(
-        open_token_sha256=hash_secret(token),
+        open_token_sha256=hash_token(token),
         node_stream_url=websocket_url(
             runtime.settings, NODE_STREAM_PATH.format(session_id=session_id)
         ),
@@ -245,18 +246,9 @@ async def node_stream(socket: AnySocket, session_id: FromPath[uuid.UUID]) -> Non
         log.warning("terminal %s: node stream refused (unknown session or secret)", session_id)
         await _refuse(socket, _Refused("stream_refused", "unknown session or wrong secret"))
         return
-    await socket.send_text(_frame(FRAME_ATTACHED))
+    await socket.send_text(control_frame(FRAME_ATTACHED))
     pending.node.set_result(socket)
     await pending.done.wait()
-
-
-def _resize(control: dict[str, Any]) -> str | None:
-    cols, rows = control.get("cols"), control.get("rows")
-    if not isinstance(cols, int) or not isinstance(rows, int):
-        return None
-    if not (0 < cols <= MAX_TERMINAL_CELLS and 0 < rows <= MAX_TERMINAL_CELLS):
-        return None
-    return _frame(FRAME_RESIZE, cols=cols, rows=rows)
 
 
 async def _bridge(tenant: AnySocket, node: AnySocket) -> None:
@@ -278,17 +270,13 @@ async def _bridge(tenant: AnySocket, node: AnySocket) -> None:
                     return CloseReason.CLIENT_CLOSED.value, CLOSE_TOO_BIG
                 await node.send_bytes(data)
                 continue
-            try:
-                control = json.loads(text or "")
-            except ValueError:
-                continue
-            if not isinstance(control, dict):
-                continue
+            control = parse_control(text)
             kind = control.get("type")
             if kind == FRAME_PING:
-                await to_tenant_text(_frame(FRAME_PONG))
-            elif kind == FRAME_RESIZE and (resize := _resize(control)) is not None:
-                await node.send_text(resize)
+                await to_tenant_text(control_frame(FRAME_PONG))
+            elif kind == FRAME_RESIZE and (size := terminal_size(control)) is not None:
+                cols, rows = size
+                await node.send_text(control_frame(FRAME_RESIZE, cols=cols, rows=rows))
             elif kind == FRAME_CLOSE:
                 return CloseReason.CLIENT_CLOSED.value, CLOSE_NORMAL
 
@@ -305,14 +293,9 @@ async def _bridge(tenant: AnySocket, node: AnySocket) -> None:
                 async with tenant_lock:
                     await tenant.send_bytes(data)
                 continue
-            try:
-                control = json.loads(text or "")
-            except ValueError:
-                continue
-            if isinstance(control, dict) and control.get("type") == FRAME_CLOSED:
-                reason = control.get("reason")
-                known = {r.value for r in CloseReason}
-                return reason if reason in known else CloseReason.CLIENT_CLOSED.value
+            control = parse_control(text)
+            if control.get("type") == FRAME_CLOSED:
+                return close_reason_of(control)
 
     upstream = asyncio.create_task(tenant_to_node())
     downstream = asyncio.create_task(node_to_tenant())
@@ -325,7 +308,7 @@ async def _bridge(tenant: AnySocket, node: AnySocket) -> None:
     if downstream in done and downstream.exception() is None:
         reason = downstream.result()
         with contextlib.suppress(Exception):
-            await tenant.send_text(_frame(FRAME_CLOSED, reason=reason))
+            await tenant.send_text(control_frame(FRAME_CLOSED, reason=reason))
             await tenant.close(code=CLOSE_NORMAL, reason=reason)
         with contextlib.suppress(Exception):
             await node.close(code=CLOSE_NORMAL)
@@ -336,7 +319,7 @@ async def _bridge(tenant: AnySocket, node: AnySocket) -> None:
         else (CloseReason.CLIENT_CLOSED.value, CLOSE_ERROR)
     )
     with contextlib.suppress(Exception):
-        await node.send_text(_frame(FRAME_CLOSE, reason=reason))
+        await node.send_text(control_frame(FRAME_CLOSE, reason=reason))
         await node.close(code=CLOSE_NORMAL, reason=reason)
     with contextlib.suppress(Exception):
         await tenant.close(code=code)

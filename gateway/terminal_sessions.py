@@ -11,7 +11,6 @@ controller. Reads come from the `terminal_sessions` read model; the gateway neve
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import secrets
 import uuid
 from typing import Any
@@ -55,6 +54,7 @@ from gateway.pagination import newest_first_page
 from gateway.schemas import Reason
 from gateway.schemas import Request as RequestBody
 from gateway.temporal import TemporalOps
+from gateway.tokens import hash_token
 from schema.models import TerminalSession
 
 # Open tokens are recognisable in a leaked log or paste (and by secret scanners).
@@ -104,10 +104,6 @@ class TerminalCloseAccepted(msgspec.Struct, kw_only=True):
 
 
 # --- helpers ---
-
-
-def hash_secret(value: str) -> str:
-    return hashlib.sha256(value.encode()).hexdigest()
 
 
 def policy_from(settings: Settings) -> TerminalPolicy:
@@ -187,7 +183,7 @@ async def open_session(
         session_id=str(session_id),
         allocation_id=str(allocation_id),
         project_id=str(project_id),
-        open_token_sha256=hash_secret(token),
+        open_token_sha256=hash_token(token),
         policy=policy_from(settings),
     )
     update_id = f"open-{session_id}"
@@ -226,16 +222,32 @@ async def open_session(
     )
 
 
-async def list_for_allocation(
-    db: AsyncSession, *, allocation_id: uuid.UUID, project_id: uuid.UUID | None
+async def _page(
+    db: AsyncSession, query: Select[Any], limit: int, cursor: str | None
 ) -> TerminalSessionList:
-    await get_row(db, allocation_id, project_id)
-    rows = await db.scalars(
-        select(TerminalSession)
-        .where(TerminalSession.allocation_id == allocation_id)
-        .order_by(TerminalSession.created_at.desc(), TerminalSession.id.desc())
+    rows, next_cursor = await newest_first_page(
+        db,
+        query,
+        created=TerminalSession.created_at,
+        row_id=TerminalSession.id,
+        limit=limit,
+        cursor=cursor,
     )
-    return TerminalSessionList(items=[view(r) for r in rows])
+    return TerminalSessionList(items=[view(r) for r in rows], next_cursor=next_cursor)
+
+
+async def list_for_allocation(
+    db: AsyncSession,
+    *,
+    allocation_id: uuid.UUID,
+    project_id: uuid.UUID | None,
+    limit: int,
+    cursor: str | None,
+) -> TerminalSessionList:
+    """The allocation's sessions, newest first: each reconnect is a new one, so paged."""
+    await get_row(db, allocation_id, project_id)
+    query = select(TerminalSession).where(TerminalSession.allocation_id == allocation_id)
+    return await _page(db, query, limit, cursor)
 
 
 async def admin_list(
@@ -259,15 +271,7 @@ async def admin_list(
         query = query.where(TerminalSession.node_id == node_id)
     if project_id is not None:
         query = query.where(TerminalSession.project_id == project_id)
-    rows, next_cursor = await newest_first_page(
-        db,
-        query,
-        created=TerminalSession.created_at,
-        row_id=TerminalSession.id,
-        limit=limit,
-        cursor=cursor,
-    )
-    return TerminalSessionList(items=[view(r) for r in rows], next_cursor=next_cursor)
+    return await _page(db, query, limit, cursor)
 
 
 async def get_session(db: AsyncSession, session_id: uuid.UUID) -> TerminalSession:

@@ -40,6 +40,7 @@ from core.task_queues import node_task_queue
 from devstack.processes import free_port
 from gateway.app import create_app
 from gateway.config import GatewayConfig
+from gateway.terminal_relay import UVICORN_WS_OPTIONS
 from sim.machine_image import build_machine
 from tests.gateway_fixtures import bearer, ed25519_public_key
 from tests.lifecycle_support import baremetal_request, create_fleet, eventually
@@ -266,8 +267,8 @@ async def serve_gateway(
                 host="127.0.0.1",
                 port=port,
                 log_config=None,
-                ws="websockets-sansio",
                 lifespan="on",
+                **UVICORN_WS_OPTIONS,  # as gateway.serve runs it
             )
         )
         task = asyncio.create_task(server.serve())

@@ -19,7 +19,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from contracts.terminal_session import terminal_workflow_id
+from contracts.terminal_session import MAX_FRAME_BYTES, terminal_workflow_id
 from schema.models import AuditEntry, NodeTask, TerminalSession
 from tests.histories import record_history
 from tests.lifecycle_support import eventually
@@ -134,6 +134,13 @@ async def test_token_is_single_use_and_one_session_per_allocation(
     reopened = await rig.open_session()
     assert reopened["session_id"] != session_id
     assert reopened["open_token"] != created["open_token"]
+    # The allocation's list is paged, newest first.
+    path = f"/api/v1/allocations/{rig.allocation_id}/terminal-sessions"
+    page = (await rig.tenant.get(path, params={"limit": 1})).json()
+    assert [i["session_id"] for i in page["items"]] == [reopened["session_id"]]
+    rest = (await rig.tenant.get(path, params={"limit": 1, "cursor": page["next_cursor"]})).json()
+    assert [i["session_id"] for i in rest["items"]] == [session_id]
+    assert rest["next_cursor"] is None
     handle = rig.temporal.get_workflow_handle(terminal_workflow_id(session_id))
     await record_history(handle, HISTORIES, "admin_force_closed")
 
@@ -259,11 +266,16 @@ async def test_the_command_line_client_runs_a_shell(terminal_rig: Rig) -> None:
 
 async def test_the_demo_fleets_simulated_agent_serves_terminals(terminal_rig: Rig) -> None:
     """`gpucloud-agent --backend simulated` (the demo fleet): the tenant's user lives in the
-    simulated host, and the shell is a local one in its home under the machine's root."""
+    simulated host, and the shell is a local one in its home under the machine's root. A frame
+    over MAX_FRAME_BYTES (text too) ends the tenant's stream with 1009."""
     rig = await terminal_rig(backend="simulated")
     created = await rig.open_session()
     async with rig.terminal(created) as term:
         output = await term.run('echo "home=$HOME sum=$((3*3))"', b"sum=9")
         assert f"home={rig.agent.root}/home/gpu-".encode() in output
+        await term.ws.send("x" * (MAX_FRAME_BYTES + 1))
+        async with asyncio.timeout(30):
+            await term.ws.wait_closed()
+        assert term.ws.close_code == 1009
     closed = await rig.wait_session(created["session_id"], "closed")
     assert closed["close_reason"] == "client_closed"

@@ -39,6 +39,7 @@ with workflow.unsafe.imports_passed_through():
         ACTOR_SYSTEM,
         APPLY_CHANGE,
         CLAIM_UPDATE,
+        CLOSE_REASONS,
         CLOSE_UPDATE,
         CREATE_SESSION,
         OPEN_REFUSALS,
@@ -148,7 +149,7 @@ class TerminalSessionWorkflow:
     def _validate_close(self, request: CloseRequest) -> None:
         if self._rejection is not None or self._result is not None:
             raise ApplicationError("the terminal session has ended", type=SESSION_NOT_LIVE)
-        if request.reason not in {r.value for r in CloseReason}:
+        if request.reason not in CLOSE_REASONS:
             raise ApplicationError(
                 f"unknown close reason {request.reason!r}", type="invalid_reason"
             )

@@ -61,17 +61,24 @@ class TerminalSessionsController(Controller):
 
     @get(
         "/",
-        summary="The allocation's terminal sessions (status, opened/closed at, close reason)",
-        responses=errors(403, 404),
+        summary="The allocation's terminal sessions, newest first (status, opened/closed at, "
+        "close reason)",
+        responses=errors(400, 403, 404),
     )
     async def list_sessions(
         self,
         db: NamedDependency[AsyncSession],
         principal: NamedDependency[Principal],
         allocation_id: FromPath[uuid.UUID],
+        limit: Annotated[int, QueryParameter(ge=1, le=200)] = 50,
+        cursor: FromQuery[str | None] = None,
     ) -> TerminalSessionList:
         return await terminals.list_for_allocation(
-            db, allocation_id=allocation_id, project_id=principal.project
+            db,
+            allocation_id=allocation_id,
+            project_id=principal.project,
+            limit=limit,
+            cursor=cursor,
         )
 
 
