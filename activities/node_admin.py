@@ -73,7 +73,9 @@ from schema.models import (
     NodeOnboarding,
 )
 
-# A heartbeat older than this proves nothing about the node now (agents beat every 10-30 s).
+# A contact older than this proves nothing about the node now. An out-of-service node's contact
+# is refreshed by every liveness sweep (30 s) from its agent's long polls, each at most about a
+# minute old (activities/node_liveness.py): a live agent's is always younger.
 HEALTH_PROOF_MAX_AGE_SECONDS = 120.0
 MAAS_DEPLOYED = "Deployed"
 RETIRABLE = (NodeStatus.ACTIVE, NodeStatus.OFFLINE, NodeStatus.QUARANTINED)

@@ -9,11 +9,17 @@ ways are one set-based statement through the one transition function
 worker long-polls `node-{id}`, and Temporal reports each queue's pollers with the time it last
 saw them (DescribeTaskQueue; a live idle agent's is at most one long poll, about a minute, old,
 a dead agent's stops at its death). Each sweep describes the queues of the active nodes whose
-recorded contact is older than half the threshold (oldest first, a bounded number, a bounded
-number at once), and of every node out of service that has an agent (offline: the way back;
-quarantined, draining, retired: the operator's health proof wants a recent contact), and
+recorded contact is older than half the threshold, and of every node out of service that has an
+agent (offline: the way back; quarantined, draining, retired: the operator's health proof wants a
+recent contact), a bounded number, a bounded number at once: the active ones first (each leaves
+that set once described, refreshed or offline, while a dead out-of-service agent stays in its
+set for good and would otherwise hold the bound), the stalest contact first within each; and
 records the newer contact for all of them in one statement before the offline compare-and-set.
-A queue Temporal could not describe this time keeps its node out of that compare-and-set."""
+Only a node whose queue this sweep described can go offline: one Temporal could not describe,
+or one left for the next sweep by the bound, stays as it is (silence is never assumed).
+
+DescribeTaskQueue reads the queue's root partition: the deployment runs node queues with one
+partition (devstack/temporal_cluster.py, `task_queue_partitions`), so that is every poller."""
 
 from __future__ import annotations
 
@@ -21,7 +27,17 @@ import asyncio
 import datetime as dt
 import uuid
 
-from sqlalchemy import ARRAY, ColumnElement, DateTime, Uuid, bindparam, func, select, update
+from sqlalchemy import (
+    ARRAY,
+    ColumnElement,
+    DateTime,
+    Uuid,
+    any_,
+    bindparam,
+    func,
+    select,
+    update,
+)
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from temporalio import activity
 from temporalio.api.enums.v1 import TaskQueueType
@@ -45,7 +61,8 @@ PROBED_EVERY_SWEEP = (
     NodeStatus.RETIRED,
 )
 # A sweep's work stays bounded whatever the fleet: at most this many queues described per run
-# (the stalest contacts first; the rest wait for the next sweep, 30 s later), this many at once.
+# (active nodes first, then the stalest contacts; the rest wait for the next sweep, 30 s later),
+# this many at once.
 MAX_QUEUES_PER_SWEEP = 5_000
 DESCRIBES_IN_FLIGHT = 32
 
@@ -129,11 +146,12 @@ class NodeLivenessActivities:
                         )
                         | Node.status.in_([s.value for s in PROBED_EVERY_SWEEP]),
                     )
-                    .order_by(contact)
+                    .order_by(Node.status != NodeStatus.ACTIVE.value, contact)
                     .limit(MAX_QUEUES_PER_SWEEP)
                 )
             )
         seen, unknown = await self._agents_last_seen(due)
+        described = list(set(due).difference(unknown))
         cutoff = func.clock_timestamp() - dt.timedelta(seconds=input.offline_after_seconds)
         async with self._sessions() as session, session.begin():
             if seen:
@@ -143,7 +161,8 @@ class NodeLivenessActivities:
                 session,
                 [NodeStatus.ACTIVE],
                 NodeStatus.OFFLINE,
-                contact.is_not(None) & (contact < cutoff) & Node.id.not_in(unknown),
+                (contact < cutoff)
+                & (Node.id == any_(bindparam("described", described, type_=ARRAY(Uuid())))),
                 actor=ACTOR,
                 reason=f"agent silent for more than {input.offline_after_seconds:g} s",
             )
@@ -151,11 +170,12 @@ class NodeLivenessActivities:
             back = await bring_back_online(session, contact >= cutoff)
         if offline or back:
             activity.logger.info("nodes offline: %s; back: %s", list(offline), list(back))
-        return LivenessResult([str(n) for n in offline], [str(n) for n in back], len(due))
+        return LivenessResult([str(n) for n in offline], [str(n) for n in back], len(described))
 
     @staticmethod
     async def _record_contact(session: AsyncSession, seen: dict[uuid.UUID, dt.datetime]) -> None:
-        """One statement for every node heard from: contact moves forward, never back."""
+        """One statement for every node heard from: contact moves forward, never back (a row
+        whose contact is already as new is not rewritten)."""
         heard = select(
             func.unnest(bindparam("ids", list(seen), type_=ARRAY(Uuid()))).label("id"),
             func.unnest(
@@ -164,7 +184,10 @@ class NodeLivenessActivities:
         ).subquery("heard")
         await session.execute(
             update(Node)
-            .where(Node.id == heard.c.id)
-            .values(last_agent_contact_at=func.greatest(Node.last_agent_contact_at, heard.c.seen))
+            .where(
+                Node.id == heard.c.id,
+                Node.last_agent_contact_at.is_(None) | (Node.last_agent_contact_at < heard.c.seen),
+            )
+            .values(last_agent_contact_at=heard.c.seen)
             .execution_options(synchronize_session=False)
         )

@@ -34,7 +34,6 @@ class NodeDrainInput:
     node_id: str
     drain_id: str
     poll_seconds: float = POLL_SECONDS
-    polls_done: int = 0  # carried over continue-as-new
 
 
 @dataclass

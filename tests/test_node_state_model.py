@@ -6,20 +6,23 @@ reactivate) through the gateway, the worker, the MAAS simulator and real agent w
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from temporalio.client import Client
 
+from activities import node_liveness
 from activities.node_admin import DRAIN_POLL_ENV
 from agent.heartbeat import send_heartbeat
 from contracts.node_drain import NodeDrainResult, node_drain_workflow_id
 from contracts.node_liveness import LivenessInput
 from contracts.node_presence import ReportedGpu
+from contracts.states import NodeStatus
 from core.config import Settings
 from schema.models import AuditEntry, DomainEvent, GpuSlot, Node, NodeMaasState
 from tests.factories import BAREMETAL_SKU, create_node
@@ -108,6 +111,41 @@ async def test_liveness_moves_each_node_with_its_status_changed_event(
         ("offline", "active", "node_liveness"),
     ]
     assert await status_of(db_sessions, b.id) == "offline"
+
+
+async def test_a_sweep_past_its_bound_takes_offline_only_nodes_it_described(
+    db_sessions: Any, temporal_client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three active nodes silent past the threshold and an offline one silent for longer, with
+    room for two queues a sweep: the two stalest active nodes are described (no poller) and go
+    offline; the third waits for the next sweep rather than going offline unseen, and the
+    offline one, whose dead agent would be the stalest for good, does not take its place."""
+    monkeypatch.setattr(node_liveness, "MAX_QUEUES_PER_SWEEP", 2)
+    nodes = await create_fleet(db_sessions, slice_nodes=4)
+    *silent, gone = [n.id for n in nodes]
+    now = dt.datetime.now(dt.UTC)
+    async with db_sessions() as session, session.begin():
+        for minutes, node_id in zip((12, 11, 10, 20), (*silent, gone), strict=True):
+            await session.execute(
+                update(Node)
+                .where(Node.id == node_id)
+                .values(last_agent_contact_at=now - dt.timedelta(minutes=minutes))
+            )
+        await session.execute(
+            update(Node).where(Node.id == gone).values(status=NodeStatus.OFFLINE.value)
+        )
+    liveness = node_liveness.NodeLivenessActivities(db_sessions, temporal_client)
+
+    first = await liveness.check_liveness(LivenessInput())
+    assert first.queues_described == 2
+    assert sorted(first.went_offline) == sorted(str(n) for n in silent[:2])
+    assert await status_of(db_sessions, silent[2]) == "active"
+
+    second = await liveness.check_liveness(LivenessInput())
+    assert second.queues_described == 2
+    assert second.went_offline == [str(silent[2])]
+    assert await moves(db_sessions, silent[2]) == [("active", "offline", "node_liveness")]
+    assert await moves(db_sessions, gone) == []
 
 
 # --- quarantine by the reconciler, then activate after a health proof --------------------------
