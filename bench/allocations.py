@@ -42,6 +42,7 @@ from bench.stack import (
     machine_cpu_shares,
     machine_cpu_ticks,
     machine_speed_seconds,
+    percentile,
     private_state_dir,
 )
 from contracts.allocation import allocation_workflow_id
@@ -55,12 +56,6 @@ LATENCY_REGION = "bench-b"
 SKU = "h100.slice"
 # Above this share of stolen CPU (the CI VM's slow phases reach 20-50 %), (a) says so.
 STEAL_WARNING = 0.05
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[index]
 
 
 def throughput_region(run: int) -> str:

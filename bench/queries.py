@@ -40,7 +40,7 @@ from typing import Any
 import httpx
 from litestar import Litestar
 
-from bench.stack import machine_cpu_shares, machine_cpu_ticks, private_postgres
+from bench.stack import machine_cpu_shares, machine_cpu_ticks, percentile, private_postgres
 from contracts.host_tasks import SLICE_VM_PROVISION, SLICE_VM_RELEASE
 from contracts.states import TokenRole
 from core.config import Settings
@@ -325,11 +325,6 @@ async def timed(client: httpx.AsyncClient, request: Request, r: random.Random) -
     return elapsed
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 async def run(cluster: PostgresCluster, allocations: int, requests: int, explain: bool) -> int:
     cluster.create_database("bench", recreate=True)
     url = cluster.url("bench")
@@ -369,7 +364,7 @@ async def run(cluster: PostgresCluster, allocations: int, requests: int, explain
     )
     over = 0
     for name, values in samples.items():
-        p99 = percentile(values, 0.99)
+        p99 = percentile(values, 99)
         within = p99 < TARGET_MS
         over += not within
         print(

@@ -168,6 +168,15 @@ def maas_simulator(workdir: Path, n: int) -> Iterator[tuple[str, str, str]]:
             process.wait()
 
 
+def control_client(base_url: str, control: str) -> httpx.AsyncClient:
+    """The MAAS simulator's control API (/_sim/...), with its control token."""
+    return httpx.AsyncClient(
+        base_url=base_url.removesuffix("/MAAS"),
+        headers={"Authorization": f"Bearer {control}"},
+        timeout=CONTROL_TIMEOUT_S,
+    )
+
+
 class ListTimer:
     """Where a pass's machines list spends its time: from the request to the decoded entries
     (MAAS rendering and sending it, then decoding here), and the decoding alone. The list's
@@ -212,11 +221,7 @@ class RoundTrips:
 
 
 async def seed(engine: AsyncEngine, base_url: str, api_key: str, control: str) -> uuid.UUID:
-    async with httpx.AsyncClient(
-        base_url=base_url.removesuffix("/MAAS"),
-        headers={"Authorization": f"Bearer {control}"},
-        timeout=CONTROL_TIMEOUT_S,
-    ) as http:
+    async with control_client(base_url, control) as http:
         machines = (await http.get("/_sim/state")).json()["machines"]
     site_id = uuid.uuid4()
     sessions = session_factory(engine)
@@ -259,11 +264,7 @@ async def seed(engine: AsyncEngine, base_url: str, api_key: str, control: str) -
 
 
 async def drift(base_url: str, control: str, n: int) -> None:
-    async with httpx.AsyncClient(
-        base_url=base_url.removesuffix("/MAAS"),
-        headers={"Authorization": f"Bearer {control}"},
-        timeout=CONTROL_TIMEOUT_S,
-    ) as http:
+    async with control_client(base_url, control) as http:
         for i in range(0, n, 10):
             if i % 20 == 0:
                 r = await http.post(f"/_sim/machines/bench-{i:05d}/release", json={})
@@ -276,11 +277,7 @@ async def drift(base_url: str, control: str, n: int) -> None:
 
 async def truncate(base_url: str, control: str, keep: int) -> None:
     """The next machines list answers only its first `keep` machines."""
-    async with httpx.AsyncClient(
-        base_url=base_url.removesuffix("/MAAS"),
-        headers={"Authorization": f"Bearer {control}"},
-        timeout=CONTROL_TIMEOUT_S,
-    ) as http:
+    async with control_client(base_url, control) as http:
         fault = {"kind": "truncate_list", "op": "machines.read", "keep": keep, "times": 1}
         (await http.post("/_sim/faults", json=fault)).raise_for_status()
 
@@ -302,11 +299,7 @@ async def fingerprint(engine: AsyncEngine) -> tuple[Any, ...]:
 
 async def machines_lists(base_url: str, control: str, *, reset: bool = False) -> int:
     """How many machines lists MAAS answered since the last reset (and reset, if asked)."""
-    async with httpx.AsyncClient(
-        base_url=base_url.removesuffix("/MAAS"),
-        headers={"Authorization": f"Bearer {control}"},
-        timeout=CONTROL_TIMEOUT_S,
-    ) as http:
+    async with control_client(base_url, control) as http:
         path = "/_sim/counters/reset" if reset else "/_sim/counters"
         answer = await (http.post(path) if reset else http.get(path))
         answer.raise_for_status()

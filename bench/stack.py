@@ -32,6 +32,13 @@ def machine_speed_seconds() -> float:
 _PROC_STAT_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
 
 
+def percentile(values: list[float], q: float) -> float:
+    """The `q`th percentile (0-100) of `values`, the nearest of them."""
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
 def machine_cpu_ticks() -> dict[str, int]:
     """The whole machine's CPU time so far, all cores together, by kind (/proc/stat)."""
     first_line = Path("/proc/stat").read_text().split("\n", 1)[0].split()

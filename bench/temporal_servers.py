@@ -38,11 +38,12 @@ from temporalio.client import Client, WithStartWorkflowOperation
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
-from bench.allocations import fund_tenant, percentile, seed_bench_fleets, throughput
+from bench.allocations import fund_tenant, seed_bench_fleets, throughput
 from bench.stack import (
     bench_stack_options,
     cpu_seconds,
     machine_speed_seconds,
+    percentile,
     private_state_dir,
 )
 from devstack.temporal_cluster import TUNING, ClusterTuning

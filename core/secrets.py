@@ -76,6 +76,12 @@ _UNAVAILABLE_STATUS = {
     hvac.exceptions.VaultNotInitialized: 501,
     hvac.exceptions.RateLimitExceeded: 429,
 }
+# The settings that give each credential (core.config), named when none is configured.
+_VARIABLES = {
+    "Vault token": "GPUCLOUD_VAULT_TOKEN_FILE or GPUCLOUD_VAULT_TOKEN",
+    "Vault AppRole role id": "GPUCLOUD_VAULT_ROLE_ID_FILE or GPUCLOUD_VAULT_ROLE_ID",
+    "Vault AppRole secret id": "GPUCLOUD_VAULT_SECRET_ID_FILE or GPUCLOUD_VAULT_SECRET_ID",
+}
 
 
 def split_path(path: str) -> tuple[str, str]:
@@ -102,18 +108,19 @@ class AppRoleCredentials:
 
     def read(self, path: str) -> tuple[str, str]:
         return (
-            _value_or_file(self.role_id, self.role_id_file, "AppRole role id", path),
-            _value_or_file(self.secret_id, self.secret_id_file, "AppRole secret id", path),
+            _value_or_file(self.role_id, self.role_id_file, "Vault AppRole role id", path),
+            _value_or_file(self.secret_id, self.secret_id_file, "Vault AppRole secret id", path),
         )
 
 
 def _value_or_file(value: str | None, file: Path | None, what: str, path: str) -> str:
-    """`value`, else the stripped content of `file`; SecretStoreMisconfigured when neither is
-    there (the message names the file, never its content)."""
+    """The stripped content of `file` (re-read at each call, so a rotated file needs no
+    restart), else `value`; SecretStoreMisconfigured when neither is there (the message names
+    the file, never its content)."""
     if file is None:
         if value:
             return value
-        raise SecretStoreMisconfigured(f"no Vault {what} configured", path=path)
+        raise SecretStoreMisconfigured(f"no {what} configured ({_VARIABLES[what]})", path=path)
     try:
         text = file.read_text().strip()
     except OSError as exc:
@@ -267,38 +274,19 @@ class VaultSecretStore:
     def _current_token(self, path: str) -> str:
         if self._approle is not None:
             return self._approle_token(path)
-        if self._token_file is None:
-            if not self._token:
-                raise SecretStoreMisconfigured(
-                    "no Vault token configured (GPUCLOUD_VAULT_TOKEN_FILE or GPUCLOUD_VAULT_TOKEN)",
-                    path=path,
-                )
-            return self._token
-        try:
-            token = self._token_file.read_text().strip()
-        except OSError as exc:
-            reason = exc.strerror or type(exc).__name__
-            error = SecretStoreMisconfigured(
-                f"cannot read the Vault token file {str(self._token_file)!r}: {reason}", path=path
-            )
-        else:
-            if token:
-                return token
-            error = SecretStoreMisconfigured(
-                f"the Vault token file {str(self._token_file)!r} is empty", path=path
-            )
-        raise error from None
+        return _value_or_file(self._token, self._token_file, "Vault token", path)
 
     def _approle_token(self, path: str) -> str:
         """The logged-in token: renewed past two thirds of its TTL, replaced by a new login once
-        expired or when a renewal no longer extends it by a third (its max TTL is near)."""
+        expired or when a renewal no longer extends it by its whole TTL (the max TTL caps it:
+        renewing on would only give ever shorter tokens)."""
         with self._login_lock:
             login, now = self._login, self._clock()
             if login is None or now >= login.expires_at:
                 login = self._log_in(path)
             elif login.renewable and now >= login.renew_at:
                 renewed = self._renew(login, path)
-                login = renewed if renewed.lease_s >= login.lease_s / 3 else self._log_in(path)
+                login = renewed if renewed.lease_s >= login.lease_s else self._log_in(path)
             self._login = login
             return login.token
 

@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from devstack.private_files import write_private
+
 
 def _bindir() -> Path:
     for candidate in sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True):
@@ -91,9 +93,7 @@ class PostgresCluster:
                     "start afresh (bin/stack --reset drops the local data)"
                 )
             return
-        fd = os.open(self.password_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(24) + "\n")
+        write_private(self.password_file, secrets.token_hex(24) + "\n")
         self.datadir.mkdir(parents=True, exist_ok=True)
         self._chown(self.datadir)
         subprocess.run(
@@ -160,14 +160,19 @@ class PostgresCluster:
         self._ensure_app_role()
 
     def _ensure_app_role(self) -> None:
-        # The password goes on psql's stdin, never its command line (which `ps` shows).
+        self.ensure_login_role(self.user, self.password())
+
+    def ensure_login_role(self, name: str, password: str) -> None:
+        """A role that logs in with `password` and is no superuser (created if missing; the
+        password set again). The password goes on psql's stdin, never its command line (which
+        `ps` shows); role names come from our own code."""
         self.psql(
             f"""DO $$ BEGIN
-              IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{self.user}') THEN
-                CREATE ROLE "{self.user}" LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE;
+              IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{name}') THEN
+                CREATE ROLE "{name}" LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE;
               END IF;
             END $$;
-            ALTER ROLE "{self.user}" PASSWORD '{self.password()}'"""
+            ALTER ROLE "{name}" PASSWORD '{password}'"""
         )
 
     def running(self) -> bool:

@@ -30,6 +30,7 @@ from typing import Any
 from core.search_attributes import ALL as SEARCH_ATTRIBUTES
 from devstack.go_tools import TOOLS_DIR, go_module_dir, go_tool_path
 from devstack.postgres import PostgresCluster
+from devstack.private_files import write_private
 from devstack.processes import port_in_use
 from devstack.temporal import LONG_POLLS_PER_NAMESPACE, temporal_cli_path
 
@@ -295,12 +296,6 @@ def dynamic_config_document(values: dict[str, Any]) -> dict[str, Any]:
     return {key: [{"value": value}] for key, value in values.items()}
 
 
-def _write_private(path: Path, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-
-
 @dataclass
 class TemporalCluster:
     """One Temporal server process (all four services) on `pg`, configured under `root`."""
@@ -322,7 +317,7 @@ class TemporalCluster:
     def _password(self) -> str:
         if not self.password_file.exists():
             self.root.mkdir(parents=True, exist_ok=True)
-            _write_private(self.password_file, secrets.token_hex(24) + "\n")
+            write_private(self.password_file, secrets.token_hex(24) + "\n")
         return self.password_file.read_text().strip()
 
     def prepare(self) -> list[str]:
@@ -331,14 +326,7 @@ class TemporalCluster:
         newer and keeps the history."""
         tools = server_tools()
         password = self._password()
-        self.pg.psql(
-            f"""DO $$ BEGIN
-              IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{ROLE}') THEN
-                CREATE ROLE "{ROLE}" LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE;
-              END IF;
-            END $$;
-            ALTER ROLE "{ROLE}" PASSWORD '{password}'"""
-        )
+        self.pg.ensure_login_role(ROLE, password)
         for database in DATABASES:
             self.pg.create_database(database, owner=ROLE)
             self._schema(tools, database, password)
@@ -355,7 +343,7 @@ class TemporalCluster:
             tuning=self.tuning,
             dynamic_config=dynamic,
         )
-        _write_private(config_dir / f"{ENV_NAME}.yaml", json.dumps(config, indent=1))
+        write_private(config_dir / f"{ENV_NAME}.yaml", json.dumps(config, indent=1))
         return [
             str(tools.server),
             "--root",

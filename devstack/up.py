@@ -69,6 +69,7 @@ from devstack.dev_server_visibility import (
 )
 from devstack.go_tools import TOOLS_DIR
 from devstack.postgres import LegacyClusterError, PostgresCluster
+from devstack.private_files import write_private
 from devstack.processes import Child, port_in_use, python_entry, tail
 from devstack.stripe_mock import stripe_mock_argv
 from devstack.temporal import DEV_SERVER_ENV, dev_server_extra_args, temporal_cli_path
@@ -243,15 +244,6 @@ def pg_datadir(state_dir: Path) -> Path:
     return real
 
 
-def _write_private(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(tmp, 0o600)
-    tmp.replace(path)
-
-
 def _load_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
@@ -322,7 +314,7 @@ async def seed(database_url: str, tokens_file: Path) -> dict[str, str]:
             await session.commit()
     finally:
         await engine.dispose()
-    _write_private(tokens_file, json.dumps(result, indent=2) + "\n")
+    write_private(tokens_file, json.dumps(result, indent=2) + "\n")
     return result
 
 
@@ -344,7 +336,7 @@ def _maas_api_key(path: Path) -> str:
     if path.exists():
         return path.read_text().strip().splitlines()[0]
     key = ":".join(secrets.token_urlsafe(n) for n in (14, 14, 24))
-    _write_private(path, key + "\n")
+    write_private(path, key + "\n")
     return key
 
 
@@ -355,7 +347,7 @@ def _maas_control_token(path: Path) -> str:
     if path.exists():
         return path.read_text().strip()
     token = secrets.token_urlsafe(24)
-    _write_private(path, token + "\n")
+    write_private(path, token + "\n")
     return token
 
 
@@ -855,7 +847,7 @@ def print_summary(o: StackOptions, tokens: dict[str, str], stack: Stack) -> None
         # gpucloud-admin and alembic straight against the stack's database.
         f"export GPUCLOUD_DATABASE_URL={cluster.url(DATABASE)}",
     ]
-    _write_private(o.env_file, "\n".join(env_lines) + "\n")
+    write_private(o.env_file, "\n".join(env_lines) + "\n")
     agents = "simulated fleet of 5 demo nodes" if o.agents else "no node agents (--no-agents)"
     if o.agents and o.hosts != "simulated":
         agents += f", {o.hosts} hosts"

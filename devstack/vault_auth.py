@@ -11,24 +11,15 @@ processes pick the new one up at their next login, without a restart.
 from __future__ import annotations
 
 import contextlib
-import os
 from pathlib import Path
 
 import hvac
 import hvac.exceptions
 
 from core.vault_policies import COMPONENTS, TOKEN_MAX_TTL_S, TOKEN_TTL_S, Component
+from devstack.private_files import write_private
 
 APPROLE_MOUNT = "approle"
-
-
-def _write_private(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    tmp.replace(path)
 
 
 def enable_approle(client: hvac.Client) -> None:
@@ -58,9 +49,10 @@ def provision_component(client: hvac.Client, component: Component, folder: Path)
                 component.role, accessor_file.read_text().strip(), mount_point=APPROLE_MOUNT
             )
     role_id_file, secret_id_file = folder / "role-id", folder / "secret-id"
-    _write_private(role_id_file, role_id + "\n")
-    _write_private(secret_id_file, issued["secret_id"] + "\n")
-    _write_private(accessor_file, issued["secret_id_accessor"] + "\n")
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    write_private(role_id_file, role_id + "\n")
+    write_private(secret_id_file, issued["secret_id"] + "\n")
+    write_private(accessor_file, issued["secret_id_accessor"] + "\n")
     return {
         "GPUCLOUD_VAULT_ROLE_ID_FILE": str(role_id_file),
         "GPUCLOUD_VAULT_SECRET_ID_FILE": str(secret_id_file),

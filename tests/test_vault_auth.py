@@ -22,6 +22,7 @@ from core.payment_settings import STRIPE_API_KEY_PATH, STRIPE_WEBHOOK_SECRET_PAT
 from core.secrets import AppRoleCredentials, SecretStoreForbidden, VaultSecretStore
 from core.vault_policies import GATEWAY, WORKER
 from devstack.vault_auth import provision
+from sim.vault.auth import Auth
 from tests.vault_fixtures import VaultServer
 
 
@@ -104,6 +105,41 @@ async def test_each_component_logs_in_and_reads_only_its_paths(
         client.auth.approle.generate_secret_id(WORKER.role)
 
 
+def test_the_simulator_matches_policy_paths_by_vaults_priority_rules() -> None:
+    """One matching path decides, by Vault's documented priority (exact, later first wildcard,
+    no trailing `*`, fewer `+`, longer); the same path in two policies has both's capabilities."""
+    auth = Auth("root")
+    auth.write_policy("a", """
+        path "kv/data/+/x" { capabilities = ["read"] }
+        path "kv/data/+/x*" { capabilities = ["deny"] }
+        path "kv/data/+/ab*" { capabilities = ["read"] }
+        path "kv/data/+/a*" { capabilities = ["deny"] }
+        path "kv/data/app/*" { capabilities = ["read"] }
+        path "kv/data/app/locked" { capabilities = ["deny"] }
+        path "kv/data/s/x+" { capabilities = ["read"] }
+    """)  # fmt: skip
+    auth.write_policy("b", 'path "kv/data/app/*" { capabilities = ["update"] }')
+    auth.write_role("r", {"token_policies": ["a", "b"]})
+    secret_id = auth.new_secret_id("r")["secret_id"]
+    token = auth.lookup(auth.login(auth.role_id("r"), secret_id)["client_token"])
+    assert token is not None
+
+    def allowed(path: str, capability: str = "read") -> bool:
+        return auth.allowed(token, path, capability)
+
+    assert allowed("kv/data/n/x")  # no trailing `*` beats `x*`
+    assert not allowed("kv/data/n/xy")
+    assert allowed("kv/data/n/abc")  # the longer of two globs
+    assert not allowed("kv/data/n/ac")
+    assert allowed("kv/data/app/k")
+    assert allowed("kv/data/app/k", "update")  # the same path in the other policy
+    assert not allowed("kv/data/app/locked")  # an exact path beats every glob
+    assert not allowed("kv/data/s/xy")  # `+` inside a segment is no wildcard
+    assert allowed("kv/data/s/x+")
+    assert allowed("auth/token/lookup-self")  # the default policy
+    assert not allowed("kv/data/other")
+
+
 def test_login_lookup_and_renewal_follow_the_role_ttls(start_vault: Any) -> None:
     server = start_vault()
     root = server.client()
@@ -142,7 +178,7 @@ async def test_the_store_renews_its_token_and_logs_in_again_after_the_max_ttl(
     server = start_vault()
     root = server.client()
     root.sys.create_or_update_acl_policy(WORKER.policy, WORKER.rules)
-    name, role_id = short_lived_role(root, WORKER.policy, ttl=3, max_ttl=5)
+    name, role_id = short_lived_role(root, WORKER.policy, ttl=3, max_ttl=6)
     secret_id_file = tmp_path / "secret-id"
     secret_id_file.write_text(root.auth.approle.generate_secret_id(name)["data"]["secret_id"])
     store = VaultSecretStore(
@@ -157,12 +193,39 @@ async def test_the_store_renews_its_token_and_logs_in_again_after_the_max_ttl(
     wait_logged(server, "auth/token/renew-self", 1)
     assert (calls(server, "auth/token/renew-self"), calls(server, "auth/approle/login")) == (1, 1)
 
-    await asyncio.sleep(
-        2.5
-    )  # the max TTL (5 s) is near: renewal can no longer extend it, so a new login
+    # The max TTL (6 s) is near: a renewal can no longer extend the token by its TTL, so a new
+    # login.
+    await asyncio.sleep(2.5)
     assert await store.read(path) == {"v": "1"}
     wait_logged(server, "auth/approle/login", 2)
     assert calls(server, "auth/approle/login") == 2
+
+
+async def test_a_renewal_capped_by_the_max_ttl_is_followed_by_a_fresh_login(
+    start_vault: Any,
+) -> None:
+    """Renewing on past the max TTL's cap would give ever shorter tokens, the last ones
+    seconds long: the first renewal that does not extend the token by its whole TTL is the
+    last, and the store logs in again at once."""
+    server = start_vault()
+    root = server.client()
+    root.sys.create_or_update_acl_policy(WORKER.policy, WORKER.rules)
+    name, role_id = short_lived_role(root, WORKER.policy, ttl=3, max_ttl=4)
+    secret_id = root.auth.approle.generate_secret_id(name)["data"]["secret_id"]
+    now = [0.0]  # the store's clock; Vault's runs on its own
+    store = VaultSecretStore(
+        server.addr,
+        approle=AppRoleCredentials(role_id=role_id, secret_id=secret_id),
+        clock=lambda: now[0],
+    )
+    path = f"kv/nodes/{uuid.uuid4()}/agent"
+    await store.write(path, {"v": "1"})
+    # Past 1.5 s Vault caps a renewal at the 4 s max TTL: at most 2 s of the 3 s TTL.
+    await asyncio.sleep(1.6)
+    now[0] = 2.5  # past two thirds of the TTL, before the store's own deadline
+    assert await store.read(path) == {"v": "1"}
+    wait_logged(server, "auth/approle/login", 2)
+    assert (calls(server, "auth/token/renew-self"), calls(server, "auth/approle/login")) == (1, 2)
 
 
 async def test_a_token_vault_refuses_is_replaced_by_a_fresh_login(

@@ -9,9 +9,11 @@ auth endpoints onto these methods. Auth state lives in memory (the stack provisi
 policies on each start); secret ids and tokens are kept as SHA-256 digests only.
 
 Simplifications: no entities, groups, token roles, batch tokens, CIDR bindings, response
-wrapping or parameter constraints in policies; when several policy paths match, the most specific
-one (exact, then the longest prefix before a wildcard) decides, as in Vault's priority rules for
-the common cases.
+wrapping or parameter constraints in policies. When several policy paths match a request, one
+decides, by Vault's priority rules (its policy documentation, "Priority matching"): an exact path
+first, then the later first wildcard, no trailing `*`, fewer `+` segments, the longer path, the
+lexicographically larger; the same path in several of the token's policies has the union of
+their capabilities, and a `deny` among them wins.
 """
 
 from __future__ import annotations
@@ -143,18 +145,21 @@ def _json_rules(document: Any) -> dict[str, set[str]]:
 
 
 def _matches(pattern: str, path: str) -> bool:
-    """Vault's path patterns: `+` is one segment, a trailing `*` any suffix."""
+    """Vault's path patterns: a `+` segment is any one segment, a trailing `*` any suffix."""
     glob = pattern.endswith("*")
     body = pattern[:-1] if glob else pattern
-    regex = "".join("[^/]+" if part == "+" else re.escape(part) for part in re.split(r"(\+)", body))
+    regex = "/".join("[^/]+" if part == "+" else re.escape(part) for part in body.split("/"))
     return re.fullmatch(regex + (".*" if glob else ""), path) is not None
 
 
-def _specificity(pattern: str) -> tuple[int, int, int]:
-    """Higher wins: no wildcard at all, then the longer literal prefix, then fewer `+`."""
-    literal = re.split(r"[+*]", pattern, maxsplit=1)[0]
-    wildcard = "*" in pattern or "+" in pattern
-    return (0 if wildcard else 1, len(literal), -pattern.count("+"))
+def _priority(pattern: str) -> tuple[bool, int, bool, int, int, str]:
+    """Vault's order among the policy paths that match a request; the highest decides."""
+    glob = pattern.endswith("*")
+    plus = pattern.find("+")
+    if plus < 0 and not glob:
+        return (True, len(pattern), True, 0, len(pattern), pattern)  # exact: always first
+    first_wildcard = plus if plus >= 0 else len(pattern) - 1
+    return (False, first_wildcard, not glob, -pattern.count("+"), len(pattern), pattern)
 
 
 # --- tokens and AppRole --------------------------------------------------------------------------
@@ -367,8 +372,8 @@ class Auth:
                     if _matches(pattern, path)]  # fmt: skip
         if not matching:
             return False
-        best = max(_specificity(pattern) for pattern, _ in matching)
-        granted = set().union(*(caps for p, caps in matching if _specificity(p) == best))
+        winner = max((pattern for pattern, _ in matching), key=_priority)
+        granted = set().union(*(caps for pattern, caps in matching if pattern == winner))
         return "deny" not in granted and capability in granted
 
     # --- AppRole ---
