@@ -74,6 +74,7 @@ _ERROR_HEADERS: Final[Mapping[int, dict[str, Any]]] = {
 
 BEARER: Final = "bearer"
 CODEC_COOKIE: Final = "codecSession"
+CONSOLE_COOKIE: Final = "consoleSession"
 
 
 def errors(*statuses: int) -> dict[int, ResponseSpec]:
@@ -124,8 +125,8 @@ def _security(handler: HTTPRouteHandler) -> list[dict[str, list[str]]] | None:
     guards = handler.resolve_guards()
     if not guards:
         return None
-    if codec_guard in guards:  # Temporal Web in a browser sends the cookie, not a token
-        return [{BEARER: []}, {CODEC_COOKIE: []}]
+    if codec_guard in guards:  # Temporal Web in a browser sends a cookie, not a token
+        return [{BEARER: []}, {CODEC_COOKIE: []}, {CONSOLE_COOKIE: []}]
     return [{BEARER: []}]
 
 
@@ -237,6 +238,12 @@ def openapi_config(*, title: str, version: str) -> OpenAPIConfig:
                     security_scheme_in="cookie",
                     name=codec_session.COOKIE_NAME,
                     description="set by POST /api/v1/admin/codec/session (for Temporal Web)",
+                ),
+                CONSOLE_COOKIE: SecurityScheme(
+                    type="apiKey",
+                    security_scheme_in="cookie",
+                    name=codec_session.CONSOLE_COOKIE_NAME,
+                    description="set by the operator console's sign-in (/console/sign-in)",
                 ),
             }
         ),

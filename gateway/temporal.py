@@ -39,6 +39,8 @@ UPDATE_WITH_START_BACKOFF_SECONDS = (0.05, 0.1, 0.2, 0.4, 0.8)
 # A healthy answer is trusted this long: under load one check serves many requests instead of
 # doubling the gRPC calls per POST. Failures are never cached.
 HEALTH_TRUSTED_SECONDS = 1.0
+# How an RPC that ran out of time comes back: the server's deadline, or the client's own.
+RPC_TIMED_OUT = frozenset({RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.CANCELLED})
 
 
 class TemporalOps:
@@ -83,7 +85,7 @@ class TemporalOps:
         """A call that waits on a workflow (an update; update-with-start goes through
         update_with_start). A cheap health check first, so a Temporal that went away answers
         503 at once rather than after the SDK's own retries."""
-        await self.check_health()
+        await self._check_reachable()
         # A little beyond the RPC timeout so the SDK's own deadline fires first when it can.
         return await self._bounded(call, self._rpc_seconds + 0.5)
 
@@ -91,7 +93,7 @@ class TemporalOps:
         """update(), for an update-with-start: `call` must build a fresh start operation each
         time (the SDK's are single-use) and send the same update id, so that an attempt the
         server did take is answered from it, not applied twice."""
-        await self.check_health()
+        await self._check_reachable()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._rpc_seconds + 0.5
         for pause in (*UPDATE_WITH_START_BACKOFF_SECONDS, None):
@@ -107,6 +109,22 @@ class TemporalOps:
                 log.info("update-with-start aborted by the server (%s); retrying", cause)
             await asyncio.sleep(pause)
         raise AssertionError("unreachable: the last pause is None")
+
+    async def _check_reachable(self) -> None:
+        """The health check before a call that waits on a workflow. A refusal (nothing listens,
+        not serving) answers 503 at once; a check that only ran out of time proves nothing (a
+        loaded server is slow, not gone), so the call goes ahead under its own deadline. The
+        SDK's client reports its own RPC deadline as CANCELLED "Timeout expired"."""
+        try:
+            await self.check_health()
+        except TemporalUnavailable as err:
+            cause = err.__cause__
+            timed_out = isinstance(cause, TimeoutError) or (
+                isinstance(cause, RPCError) and cause.status in RPC_TIMED_OUT
+            )
+            if not timed_out:
+                raise
+            log.info("Temporal's health check ran out of time (%s); calling anyway", cause)
 
     async def check_health(self) -> None:
         loop = asyncio.get_running_loop()

@@ -5,11 +5,14 @@ they send, are driven in a real browser by tests/test_console_browser.py."""
 
 from __future__ import annotations
 
+import datetime as dt
 import re
 import uuid
 
 from core.codec import AesGcmPayloadCodec
 from gateway import codec_session
+from schema.models import MaasSite, NodeDriftEvent, NodeMaasState
+from tests.factories import REGION, create_node, create_sku
 from tests.gateway_fixtures import TEMPORAL_UI_ORIGIN, bearer
 from tests.test_gateway_codec import DECODE, from_json, plain, to_json
 
@@ -144,3 +147,106 @@ async def test_forged_or_foreign_requests_are_refused(api, make_token, settings)
         fresh.cookies.set(codec_session.CONSOLE_COOKIE_NAME, cookie)
         page = await fresh.get("/console/inventory", follow_redirects=False)
         assert page.status_code == 303, cookie
+
+
+async def test_each_action_form_posts_to_its_kinds_actions(api, make_token, settings):
+    """One form handler serves every job kind's actions, at the admin API's spellings, and one
+    an allocation's: an unknown action or target is 404, and the form token is checked before
+    anything is sent."""
+    client = await api()
+    await sign_in(client, await make_token("admin"))
+    form_token = codec_session.csrf_token(
+        codec_session.console_signing_key(settings.codec_key),
+        client.cookies[codec_session.CONSOLE_COOKIE_NAME],
+    )
+    for kind, action, listed in [
+        ("onboardings", "retry", "one of: retry, resume"),
+        ("decommissions", "retry", "one of: retry, resume"),
+        ("allocations", "force-release", "one of: force-release, detach"),
+        ("allocations", "detach", "one of: force-release, detach"),
+    ]:
+        target = f"/console/{kind}/{uuid.uuid4()}"
+        unknown = await client.post(
+            f"{target}/reboot", data={"reason": "x", "csrf_token": form_token}
+        )
+        assert unknown.status_code == 404, (kind, unknown.text)
+        assert listed in unknown.text
+        forged = await client.post(f"{target}/{action}", data={"reason": "x", "csrf_token": "no"})
+        assert forged.status_code == 403, kind
+        assert error_code(forged.text) == "csrf_failed"
+        missing = await client.post(
+            f"{target}/{action}", data={"reason": "x", "csrf_token": form_token}
+        )
+        assert missing.status_code == 404, (kind, missing.text)
+        assert error_code(missing.text) == "not_found"
+
+
+async def test_the_drift_page_shows_each_open_drifts_severity_as_the_api(
+    api, make_token, db_sessions
+):
+    """The severity of a node's open drift is its rule's latest event (the admin API's drift
+    list), not whatever the node's latest drift event of another rule says."""
+    await create_sku(db_sessions)
+    node = await create_node(db_sessions)
+    site_id = uuid.uuid4()
+    now = dt.datetime.now(dt.UTC)
+    async with db_sessions() as session, session.begin():
+        session.add(
+            MaasSite(
+                id=site_id,
+                name=f"console-{site_id.hex[:6]}",
+                region_code=REGION,
+                api_base_url="http://127.0.0.1:9/MAAS",
+                api_token_vault_path=f"kv/maas-sites/{site_id}/api-token",
+                default_power_creds_vault_path=f"kv/maas-sites/{site_id}/power/default",
+                deploy_password_vault_path=f"kv/maas-sites/{site_id}/deploy-password",
+                pxe_iface="ens19",
+                pxe_vlan_vid=46,
+                node_pxe_iface="eno8303",
+            )
+        )
+        await session.flush()
+        session.add(
+            NodeMaasState(
+                node_id=node.id,
+                site_id=site_id,
+                maas_system_id="abc123",
+                drift_detected=True,
+                drift_rule="released_outside_workflow",
+            )
+        )
+        await session.flush()
+        session.add_all(
+            [
+                NodeDriftEvent(
+                    node_id=node.id,
+                    site_id=site_id,
+                    rule="released_outside_workflow",
+                    severity="CRITICAL",
+                    occurred_at=now - dt.timedelta(minutes=5),
+                ),
+                NodeDriftEvent(
+                    node_id=node.id,
+                    site_id=site_id,
+                    rule="hw_sync_stale",
+                    severity="INFO",
+                    occurred_at=now,
+                ),
+            ]
+        )
+    admin_token = await make_token("admin")
+    listed = await (await api(token=admin_token)).get("/api/v1/admin/reconciliation/drift")
+    assert [d["severity"] for d in listed.json()["items"]] == ["CRITICAL"]
+
+    client = await api()
+    await sign_in(client, admin_token)
+    page = await client.get("/console/drift")
+    assert page.status_code == 200, page.text
+    row = re.search(rf'<tr data-node="{node.hostname}">.*?</tr>', page.text, re.S)
+    assert row, page.text
+    assert '<span class="badge sev-critical">CRITICAL</span>' in row.group(0)
+    # Both events are in the alerts, each with its own severity.
+    alerts = re.search(r'data-testid="alerts">.*?</table>', page.text, re.S)
+    assert alerts
+    assert "hw_sync_stale" in alerts.group(0)
+    assert '<span class="badge sev-info">INFO</span>' in alerts.group(0)

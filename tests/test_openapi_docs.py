@@ -94,10 +94,12 @@ async def test_guarded_public_and_bodiless_routes_are_documented_as_they_answer(
         assert {"401", "403", "503"} <= set(operation["responses"]), path
         assert operation["security"] == [{"bearer": []}]
 
-    # The codec: the bearer token or the session cookie; dropping the cookie is public, 204.
+    # The codec: the bearer token, its session cookie or the console's; dropping the cookie is
+    # public, 204.
     assert paths["/api/v1/admin/codec/decode"]["post"]["security"] == [
         {"bearer": []},
         {"codecSession": []},
+        {"consoleSession": []},
     ]
     drop = paths["/api/v1/admin/codec/session"]["delete"]
     assert set(drop["responses"]) == {"204"}

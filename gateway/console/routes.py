@@ -6,15 +6,19 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
+from functools import partial
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Protocol
 from urllib.parse import quote, urlencode
 
 from jinja2 import Environment
 from litestar import Controller, Request, Response, Router, get, post
 from litestar.di import NamedDependency
 from litestar.enums import RequestEncodingType
+from litestar.handlers import HTTPRouteHandler
 from litestar.params import Body, FromPath, FromQuery
 from litestar.plugins.jinja import JinjaTemplateEngine
 from litestar.response import Redirect, Template
@@ -25,14 +29,15 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from contracts import decommission as decommission_contract
 from contracts.decommission import STAGES_BY_MODE, Mode
+from contracts.lifecycle import FAILED_JOB_STATUSES, TERMINAL_JOB_STATUSES, JobStatus
 from contracts.onboarding import STAGE_ORDER
 from contracts.onboarding_policy import ALLOWED_ACTIONS as ONBOARDING_ALLOWED_ACTIONS
-from contracts.states import AllocationStatus, NodeStatus
+from contracts.states import LIVE_ALLOCATION_STATUSES, AllocationStatus, NodeStatus
 from gateway import allocations, audit, decommissions, onboardings, timeline
 from gateway.auth import Principal, principal_for_token
 from gateway.console import session
 from gateway.console.links import TemporalWeb
-from gateway.console.views import allowed_actions, stage_line, time_axis
+from gateway.console.views import StageLine, allowed_actions, stage_line, time_axis
 from gateway.controllers import decommissions as decommission_routes
 from gateway.controllers import onboardings as onboarding_routes
 from gateway.controllers.admin import detach_audited, force_release_audited
@@ -40,6 +45,7 @@ from gateway.controllers.nodes import node_detail, node_page, slot_counts_by_nod
 from gateway.controllers.reconciliation import drift_list, reconciliation_status, resolve_drift
 from gateway.errors import Forbidden, InvalidRequest, NotFound, exception_handler
 from gateway.lifecycle_jobs import checked_reason
+from gateway.onboarding_schemas import MAX_BATCH_NODES
 from gateway.runtime import Runtime
 from gateway.temporal import TemporalOps
 from schema.models import MaasSite, Node, NodeDriftEvent
@@ -47,7 +53,8 @@ from schema.models import MaasSite, Node, NodeDriftEvent
 TEMPLATES = Path(__file__).parent / "templates"
 STATIC = Path(__file__).parent / "static"
 MAX_REASON_CHARS = 500
-PAGE = 200  # rows per list page; a batch page reads every page
+PAGE = 200  # rows per list page
+SETTLED = TERMINAL_JOB_STATUSES | FAILED_JOB_STATUSES  # a batch page stops refreshing
 ALERTS_SHOWN = 50  # the drift page's newest drift events
 
 
@@ -107,6 +114,133 @@ def _as_uuid(value: str | None, name: str) -> uuid.UUID | None:
         return uuid.UUID(value)
     except ValueError:
         raise InvalidRequest(f"{name} must be a UUID", details={"parameter": name}) from None
+
+
+class JobActionAnswer(Protocol):
+    """What every job kind's operator_action answers (the admin API's action routes' bodies)."""
+
+    @property
+    def action(self) -> str: ...
+    @property
+    def accepted(self) -> bool: ...
+    @property
+    def expected_status(self) -> str: ...
+    @property
+    def message(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class JobKind:
+    """A lifecycle job kind as the console shows it and acts on it: its operator actions as the
+    admin API spells them in the URL, the job states its workflow admits each from, and the
+    function the API's action route calls."""
+
+    name: str  # onboarding | decommission; its pages are /console/<name>s/<id>
+    paths: Mapping[str, StrEnum]
+    allowed: Mapping[Any, Collection[JobStatus]]
+    send: Callable[
+        [AsyncSession, TemporalOps, Principal, uuid.UUID, Any, str], Awaitable[JobActionAnswer]
+    ]
+
+    def page(self, job_id: uuid.UUID) -> str:
+        return f"/console/{self.name}s/{job_id}"
+
+
+ONBOARDING = JobKind(
+    "onboarding",
+    onboarding_routes.ACTION_PATHS,
+    ONBOARDING_ALLOWED_ACTIONS,
+    partial(onboardings.operator_action, idempotency_key=None),
+)
+DECOMMISSION = JobKind(
+    "decommission",
+    decommission_routes.ACTION_PATHS,
+    decommission_contract.ALLOWED_ACTIONS,
+    decommissions.operator_action,
+)
+
+
+def _job_page(
+    request: AnyRequest,
+    runtime: Runtime,
+    kind: JobKind,
+    job: Any,
+    *,
+    job_id: uuid.UUID,
+    ips: Sequence[str],
+    stages: list[StageLine],
+) -> Template:
+    """A lifecycle job's page: its facts, its stages, and the actions its state allows."""
+    return _page(
+        request,
+        runtime,
+        "job.html",
+        kind=kind.name,
+        job=job,
+        ips=ips,
+        stages=stages,
+        actions=allowed_actions(kind.paths, kind.allowed, job.status),
+        action_base=kind.page(job_id),
+    )
+
+
+def _operator_action_route(kind: JobKind) -> HTTPRouteHandler:
+    """The form post of a job kind's operator actions, one handler for every kind: sent as the
+    admin API's action route sends it, then back to the job's page with the workflow's answer."""
+
+    @post(f"/{kind.name}s/{{job_id:uuid}}/{{action:str}}", status_code=303)
+    async def operator_action(
+        self: Controller,
+        data: Annotated[ReasonForm, Body(media_type=RequestEncodingType.URL_ENCODED)],
+        request: AnyRequest,
+        db: NamedDependency[AsyncSession],
+        temporal: NamedDependency[TemporalOps],
+        principal: NamedDependency[Principal],
+        job_id: FromPath[uuid.UUID],
+        action: FromPath[str],
+    ) -> Redirect:
+        chosen = kind.paths.get(action)
+        if chosen is None:
+            raise NotFound(f"no action {action!r}; one of: {', '.join(kind.paths)}")
+        answer = await kind.send(db, temporal, principal, job_id, chosen, _reason(request, data))
+        return _done(
+            kind.page(job_id),
+            sent=answer.action,
+            accepted=str(answer.accepted).lower(),
+            expected=answer.expected_status,
+            message=answer.message,
+        )
+
+    return operator_action
+
+
+async def _force_release(
+    db: AsyncSession,
+    temporal: TemporalOps,
+    principal: Principal,
+    allocation_id: uuid.UUID,
+    reason: str,
+) -> str:
+    answer = await force_release_audited(db, temporal, principal, allocation_id, reason)
+    return answer.expected_status or answer.status
+
+
+async def _detach(
+    db: AsyncSession,
+    temporal: TemporalOps,
+    principal: Principal,
+    allocation_id: uuid.UUID,
+    reason: str,
+) -> str:
+    return (await detach_audited(db, temporal, principal, allocation_id, reason)).status
+
+
+# An allocation's admin actions as the console's forms post them: the name its notice shows,
+# and the admin API's operation (audited the same way), answering the state expected after it.
+ALLOCATION_ACTIONS: Mapping[
+    str,
+    tuple[str, Callable[[AsyncSession, TemporalOps, Principal, uuid.UUID, str], Awaitable[str]]],
+] = {"force-release": ("force_release", _force_release), "detach": ("detach", _detach)}
 
 
 class SignInController(Controller):
@@ -276,6 +410,7 @@ class ConsoleController(Controller):
                 )
             ).items,
             status=status or "",
+            statuses=[s.value for s in JobStatus],
         )
 
     @get("/onboardings/{onboarding_id:uuid}")
@@ -287,44 +422,14 @@ class ConsoleController(Controller):
         onboarding_id: FromPath[uuid.UUID],
     ) -> Template:
         job = await onboardings.detail(db, onboarding_id)
-        return _page(
+        return _job_page(
             request,
             runtime,
-            "job.html",
-            kind="onboarding",
-            job=job,
-            job_id=job.onboarding_id,
+            ONBOARDING,
+            job,
+            job_id=onboarding_id,
             ips=job.last_maas_ips,
             stages=stage_line(STAGE_ORDER, job.events, job.current_stage),
-            actions=allowed_actions(
-                onboarding_routes.ACTION_PATHS, ONBOARDING_ALLOWED_ACTIONS, job.status
-            ),
-            action_base=f"/console/onboardings/{job.onboarding_id}",
-        )
-
-    @post("/onboardings/{onboarding_id:uuid}/{action:str}", status_code=303)
-    async def onboarding_action(
-        self,
-        data: Annotated[ReasonForm, Body(media_type=RequestEncodingType.URL_ENCODED)],
-        request: AnyRequest,
-        db: NamedDependency[AsyncSession],
-        temporal: NamedDependency[TemporalOps],
-        principal: NamedDependency[Principal],
-        onboarding_id: FromPath[uuid.UUID],
-        action: FromPath[str],
-    ) -> Redirect:
-        chosen = onboarding_routes.ACTION_PATHS.get(action)
-        if chosen is None:
-            raise NotFound(f"no action {action!r}")
-        answer = await onboardings.operator_action(
-            db, temporal, principal, onboarding_id, chosen, _reason(request, data), None
-        )
-        return _done(
-            f"/console/onboardings/{onboarding_id}",
-            sent=answer.action,
-            accepted=str(answer.accepted).lower(),
-            expected=answer.expected_status,
-            message=answer.message,
         )
 
     @get("/decommissions/{decommission_id:uuid}")
@@ -337,47 +442,18 @@ class ConsoleController(Controller):
     ) -> Template:
         job = await decommissions.detail(db, decommission_id)
         node = await node_detail(db, job.node_id)
-        return _page(
+        return _job_page(
             request,
             runtime,
-            "job.html",
-            kind="decommission",
-            job=job,
-            job_id=job.decommission_id,
+            DECOMMISSION,
+            job,
+            job_id=decommission_id,
             ips=node.maas.last_maas_ips if node.maas else [],
             stages=stage_line(STAGES_BY_MODE[Mode(job.mode)], job.events, job.current_stage),
-            actions=allowed_actions(
-                decommission_routes.ACTION_PATHS,
-                decommission_contract.ALLOWED_ACTIONS,
-                job.status,
-            ),
-            action_base=f"/console/decommissions/{job.decommission_id}",
         )
 
-    @post("/decommissions/{decommission_id:uuid}/{action:str}", status_code=303)
-    async def decommission_action(
-        self,
-        data: Annotated[ReasonForm, Body(media_type=RequestEncodingType.URL_ENCODED)],
-        request: AnyRequest,
-        db: NamedDependency[AsyncSession],
-        temporal: NamedDependency[TemporalOps],
-        principal: NamedDependency[Principal],
-        decommission_id: FromPath[uuid.UUID],
-        action: FromPath[str],
-    ) -> Redirect:
-        chosen = decommission_routes.ACTION_PATHS.get(action)
-        if chosen is None:
-            raise NotFound(f"no action {action!r}")
-        answer = await decommissions.operator_action(
-            db, temporal, principal, decommission_id, chosen, _reason(request, data)
-        )
-        return _done(
-            f"/console/decommissions/{decommission_id}",
-            sent=answer.action,
-            accepted=str(answer.accepted).lower(),
-            expected=answer.expected_status,
-            message=answer.message,
-        )
+    onboarding_action = _operator_action_route(ONBOARDING)
+    decommission_action = _operator_action_route(DECOMMISSION)
 
     # --- batch progress (the gpucloud-onboard CLI's table, live) -------------------------------
 
@@ -390,7 +466,8 @@ class ConsoleController(Controller):
                 status=None,
                 site_id=None,
                 hostname=None,
-                limit=PAGE,
+                # A batch holds at most this many: one page (and one count) per 2 s refresh.
+                limit=MAX_BATCH_NODES,
                 cursor=cursor,
             )
             rows += page.items
@@ -477,12 +554,14 @@ class ConsoleController(Controller):
             runtime,
             "allocation.html",
             allocation=detail,
+            # A force-release is for an allocation that may still hold its node.
+            releasable=detail.status in LIVE_ALLOCATION_STATUSES,
             timeline=events,
             axis=time_axis(events, dt.datetime.now(dt.UTC)),
         )
 
-    @post("/allocations/{allocation_id:uuid}/force-release", status_code=303)
-    async def force_release(
+    @post("/allocations/{allocation_id:uuid}/{action:str}", status_code=303)
+    async def allocation_action(
         self,
         data: Annotated[ReasonForm, Body(media_type=RequestEncodingType.URL_ENCODED)],
         request: AnyRequest,
@@ -490,35 +569,15 @@ class ConsoleController(Controller):
         temporal: NamedDependency[TemporalOps],
         principal: NamedDependency[Principal],
         allocation_id: FromPath[uuid.UUID],
+        action: FromPath[str],
     ) -> Redirect:
-        answer = await force_release_audited(
-            db, temporal, principal, allocation_id, _reason(request, data)
-        )
+        chosen = ALLOCATION_ACTIONS.get(action)
+        if chosen is None:
+            raise NotFound(f"no action {action!r}; one of: {', '.join(ALLOCATION_ACTIONS)}")
+        name, send = chosen
+        expected = await send(db, temporal, principal, allocation_id, _reason(request, data))
         return _done(
-            f"/console/allocations/{allocation_id}",
-            sent="force_release",
-            accepted="true",
-            expected=answer.expected_status or answer.status,
-        )
-
-    @post("/allocations/{allocation_id:uuid}/detach", status_code=303)
-    async def detach(
-        self,
-        data: Annotated[ReasonForm, Body(media_type=RequestEncodingType.URL_ENCODED)],
-        request: AnyRequest,
-        db: NamedDependency[AsyncSession],
-        temporal: NamedDependency[TemporalOps],
-        principal: NamedDependency[Principal],
-        allocation_id: FromPath[uuid.UUID],
-    ) -> Redirect:
-        answer = await detach_audited(
-            db, temporal, principal, allocation_id, _reason(request, data)
-        )
-        return _done(
-            f"/console/allocations/{allocation_id}",
-            sent="detach",
-            accepted="true",
-            expected=answer.status,
+            f"/console/allocations/{allocation_id}", sent=name, accepted="true", expected=expected
         )
 
     # --- drift and alerts ----------------------------------------------------------------------
@@ -530,16 +589,6 @@ class ConsoleController(Controller):
         db: NamedDependency[AsyncSession],
         runtime: NamedDependency[Runtime],
     ) -> Template:
-        drifts = (await drift_list(db, None)).items
-        # The severity of each open drift is its latest drift event's (seed 003 §6.4 alerts).
-        newest = (
-            select(func.max(NodeDriftEvent.id))
-            .where(NodeDriftEvent.node_id.in_([d.node_id for d in drifts]))
-            .group_by(NodeDriftEvent.node_id)
-        )
-        latest = select(NodeDriftEvent.node_id, NodeDriftEvent.severity).where(
-            NodeDriftEvent.id.in_(newest)
-        )
         alerts = (
             await db.execute(
                 select(NodeDriftEvent, Node.hostname)
@@ -553,8 +602,8 @@ class ConsoleController(Controller):
             runtime,
             "drift.html",
             status=await reconciliation_status(db, None),
-            drifts=drifts,
-            severities=dict((await db.execute(latest)).all()),
+            # Each with its severity (seed 003 §6.4 alerts), as GET /admin/reconciliation/drift.
+            drifts=(await drift_list(db, None)).items,
             alerts=alerts,
         )
 
@@ -574,11 +623,6 @@ class ConsoleController(Controller):
             accepted="true",
             expected=f"{resolved.hostname}: no open drift",
         )
-
-
-SETTLED = frozenset(
-    {"completed", "reconciled", "cancelled", "failed_retryable", "failed_manual_intervention"}
-)
 
 
 def _error_page(request: AnyRequest, exc: Exception) -> Response[Any]:

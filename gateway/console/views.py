@@ -6,10 +6,8 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
-from typing import TypeVar
 
-from contracts.lifecycle import JobStatus, expected_job_status
+from contracts.lifecycle import Action, JobStatus, expected_job_status
 from gateway.lifecycle_jobs import JobEventView
 from gateway.schemas import Timeline, TimelineTaskItem
 
@@ -60,9 +58,6 @@ class ActionButton:
     path: str  # how the admin API spells it in the URL (retry, mark-manual-intervention, ...)
     action: str  # the workflow's name for it
     expected_status: str  # where the job goes when it succeeds
-
-
-Action = TypeVar("Action", bound=StrEnum)
 
 
 def allowed_actions(
