@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import asyncpg
-from sqlalchemy import and_, delete, exists, func, insert, or_, select, update
+from sqlalchemy import Select, and_, delete, exists, func, insert, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from temporalio import activity
 from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
@@ -71,6 +71,8 @@ from contracts.states import (
     SkuShape,
     SlotStatus,
 )
+from contracts.storage import AttachmentStatus
+from contracts.terminal_session import LIVE_TERMINAL_STATUSES
 from core.redaction import redact_optional
 from schema.db import driver_connection, session_factory
 from schema.models import (
@@ -83,6 +85,8 @@ from schema.models import (
     ProjectSliceVlan,
     Sku,
     SshKey,
+    StorageAttachment,
+    TerminalSession,
 )
 
 log = logging.getLogger(__name__)
@@ -470,9 +474,13 @@ class AllocationActivities:
             await queue_task(
                 session, input.task_id, allocation.id, allocation.node_id, kind, input.workflow_id
             )
-        return ReleasePlan(
-            task_id=input.task_id, task_kind=kind, username=username_for(input.allocation_id)
-        )
+            plan = ReleasePlan(
+                task_id=input.task_id, task_kind=kind, username=username_for(input.allocation_id)
+            )
+            if input.transition:
+                counts = (await session.execute(_release_prerequisites(allocation_id))).one()
+                plan.live_terminal_sessions, plan.storage_attachments = counts
+        return plan
 
     @activity.defn(name="allocation.finish_release")
     async def finish_release(self, input: FinishReleaseInput) -> None:
@@ -805,6 +813,20 @@ def _detach_result(allocation: Allocation) -> DetachResult:
     )
 
 
+def _release_prerequisites(allocation_id: uuid.UUID) -> Select[int, int]:
+    """The allocation's live terminal sessions and its storage attachments not yet detached:
+    what its release ends first. One round trip, on the tables' allocation indexes."""
+    sessions = select(func.count()).where(
+        TerminalSession.allocation_id == allocation_id,
+        TerminalSession.status.in_([s.value for s in LIVE_TERMINAL_STATUSES]),
+    )
+    attachments = select(func.count()).where(
+        StorageAttachment.allocation_id == allocation_id,
+        StorageAttachment.status != AttachmentStatus.DETACHED,
+    )
+    return select(sessions.scalar_subquery(), attachments.scalar_subquery())
+
+
 async def _free_claims(session: AsyncSession, allocation_id: uuid.UUID) -> None:
     await session.execute(
         update(AllocationResourceClaim)
@@ -825,11 +847,10 @@ async def _return_slice_vlan(session: AsyncSession, allocation: Allocation) -> N
     """Give the project's slice VLAN in the allocation's region back to the pool when nothing of
     the project there can still be on it: no slice allocation of the project in the region that
     is not released, and none that ended (failed, or released by an admin detach) without its
-    cleanup proven (its VM may live on). Safe
-    against a concurrent placement of the project (activities/placement_sql.py, _SLICE_VLAN):
-    the row is locked before anything is counted, and a placement that read it has committed by
-    the time the lock is granted; one that comes later waits, then finds the row gone and takes
-    a new vid."""
+    cleanup proven (its VM may live on). Safe against a concurrent placement of the project
+    (activities/placement_sql.py, _SLICE_VLAN): the row is locked before anything is counted,
+    and a placement that read it has committed by the time the lock is granted; one that comes
+    later waits, then finds the row gone and takes a new vid."""
     if allocation.shape != SkuShape.GPU_SLICE:
         return
     mine = and_(

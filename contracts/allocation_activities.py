@@ -128,6 +128,12 @@ class ReleasePlan:
     task_id: str
     task_kind: str
     username: str
+    # What the release ends before its host task: live terminal sessions (seed 001 §6) and
+    # storage attachments not yet detached (§7), counted in the transaction that made the
+    # allocation `releasing` (both opens hold its row and need it `active`, so none opens after).
+    # None: a plan from an older build (in recorded histories), whose release ran both steps.
+    live_terminal_sessions: int | None = None
+    storage_attachments: int | None = None
 
 
 @dataclass

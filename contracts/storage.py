@@ -112,8 +112,12 @@ HOST_TASK_QUEUE = "storage.host_task_queue"
 HOST_TASK_FINISH = "storage.host_task_finish"
 DETACH_FOR_RELEASE = "storage.detach_for_release"
 
-# AllocationWorkflow's release detaches the allocation's attachments first (behind this patch).
+# AllocationWorkflow's release detaches the allocation's attachments first: when its release
+# plan counts any; a plan recorded by an older build has no count, and this patch decided.
 RELEASE_DETACHES_STORAGE_PATCH = "release-detaches-storage"
+# StorageAttachmentWorkflow: a detach that ends `detached` answers every detach request waiting
+# on it, also those accepted while it ran (before: they waited forever, and so did the workflow).
+DETACHED_ANSWERS_ALL_PATCH = "storage-detached-answers-all"
 
 # AdminOperationWorkflow operations (named, and listed in OPERATIONS, in contracts.admin_operation).
 NAMESPACE_CREATE = STORAGE_NAMESPACE_CREATE

@@ -202,15 +202,20 @@ async def _wait_polled(client: Client, queue: str, timeout: float = 60.0) -> Non
 
 
 def start_agent_process(
-    settings: Settings, node_id: str, directory: Path, *, backend: str = "host"
+    settings: Settings,
+    node_id: str,
+    directory: Path,
+    *,
+    backend: str = "host",
+    agent_config: str = "",
 ) -> AgentProcess:
     """`gpucloud-agent --node-id` on a fresh simulated machine: with the production backend
     (`host`) its bare-metal users are real account files under the machine's root; `simulated`
-    is the demo fleet's plugin."""
+    is the demo fleet's plugin. `agent_config`: tables of agent.toml (as cloud-init writes them)."""
     machine = build_machine(directory, address="127.0.0.1", machine_key=node_id)
     config = machine.root / "etc/gpucloud/agent.toml"
     config.parent.mkdir(parents=True, exist_ok=True)
-    config.write_text("# written by the terminal tests; facts in agent.d/\n")
+    config.write_text("# written by the terminal tests; facts in agent.d/\n" + agent_config)
     log = directory / "agent.log"
     env = {
         **os.environ,
@@ -301,12 +306,16 @@ async def terminal_rig(
         clients.append(http)
         return http
 
-    async def build(backend: str = "host", **settings_changes: Any) -> TerminalRig:
+    async def build(
+        backend: str = "host", *, agent_config: str = "", **settings_changes: Any
+    ) -> TerminalRig:
         gateway = await serve_gateway(**settings_changes)
         (node,) = await create_fleet(db_sessions, slice_nodes=0, baremetal_nodes=1)
         node_id = str(node.id)
         machine = tmp_path / f"machine-{node_id[:8]}"
-        agent = start_agent_process(gateway.settings, node_id, machine, backend=backend)
+        agent = start_agent_process(
+            gateway.settings, node_id, machine, backend=backend, agent_config=agent_config
+        )
         project = await make_project()
         tenant_token = await make_token("tenant", project)
         tenant = client(gateway, tenant_token)

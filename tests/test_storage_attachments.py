@@ -6,7 +6,9 @@ agent worker whose storage.mount / storage.unmount bind-mount into its simulated
 Every transition of seed 001 §7's machine is driven through production paths: the happy path,
 each precheck refusal, a grant that fails, a mount the node cannot do, an unmount the kernel
 refuses (a busy mount), the tenant's and the admin's retried detach, and the allocation's release
-detaching first (and failing while a detach fails). Histories are recorded for replay.
+detaching first (and failing while a detach fails). Histories are recorded for replay. One test
+runs the deployed agent instead (`python -m agent.main`, its `[storage]` table as cloud-init
+writes it), so the production config path mounts too.
 """
 
 from __future__ import annotations
@@ -23,15 +25,17 @@ from typing import Any
 import httpx
 import pytest
 from sqlalchemy import select
+from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 
+from activities.cloud_init import AgentBootstrap, render_agent_toml
 from agent.backends.system_root import SystemRoot
 from agent.maintenance import _unescape_mount
 from agent.node_worker import NodeServices, build_node_worker
 from agent.storage_mounts import KernelBindMounter, MountFailed
 from contracts.allocation import allocation_workflow_id
 from contracts.host_tasks import STORAGE_MOUNT, STORAGE_UNMOUNT
-from contracts.storage import attachment_workflow_id
+from contracts.storage import DETACH_FOR_RELEASE, AttachmentView, attachment_workflow_id
 from schema.models import AuditEntry, StorageAttachmentEvent
 from sim.config import SimHostConfig
 from sim.host import SimulatedHost
@@ -39,6 +43,8 @@ from sim.machine_image import build_machine
 from sim.node_services import machine_services, simulated_storage
 from tests.histories import record_history
 from tests.lifecycle_support import Tenant, create_fleet, eventually, slice_request, wait_status
+from tests.terminal_fixtures import TerminalRig
+from tests.test_allocation_release_steps import release_steps
 
 pytestmark = [
     pytest.mark.usefixtures("control_plane"),
@@ -401,7 +407,9 @@ async def test_release_detaches_storage_first_and_keeps_the_data(
     assert actors == ["allocation_release"]
     await record(temporal_client, aid, "detached_by_release")
     handle = temporal_client.get_workflow_handle(allocation_workflow_id(allocation_id))
-    await record_history(handle, "allocation", "release_detaches_storage")
+    # Its release plan counted the attachment: the detach ran, no terminal close, no patch marker.
+    assert await release_steps(handle) == ([DETACH_FOR_RELEASE], [])
+    await record_history(handle, "allocation", "release_detaches_counted_storage")
 
 
 async def test_a_busy_mount_fails_the_release_until_its_detach_is_retried(
@@ -437,7 +445,9 @@ async def test_a_busy_mount_fails_the_release_until_its_detach_is_retried(
     await wait_status(tenant.client, allocation_id, "released")
     await record(temporal_client, aid, "mounted_detach_failed_retried")
     handle = temporal_client.get_workflow_handle(allocation_workflow_id(allocation_id))
-    await record_history(handle, "allocation", "release_failed_on_storage_detach")
+    # The second release found the attachment detached already: it detached nothing again.
+    assert await release_steps(handle) == ([DETACH_FOR_RELEASE], [])
+    await record_history(handle, "allocation", "release_failed_on_counted_storage_detach")
 
 
 async def test_attach_refusals_answer_typed_errors(
@@ -469,3 +479,82 @@ async def test_attach_refusals_answer_typed_errors(
     )
     assert late.status_code == 409
     assert late.json()["error"]["code"] == "allocation_not_attachable"
+
+
+async def test_a_release_during_the_tenants_detach_is_answered_by_that_detach(
+    tenant: Tenant, db_sessions: Any, start_storage_agent: StartStorageAgent,
+    storage_root: Path, temporal_client: Client,
+) -> None:  # fmt: skip
+    allocation_id, node = await active_allocation(tenant, db_sessions, start_storage_agent)
+    namespace = await create_namespace(tenant.client, "racing")
+    attachment = await attach(tenant.client, allocation_id, namespace["id"], "read_only")
+    aid = attachment["attachment_id"]
+    await wait_attachment(tenant.client, allocation_id, aid, "mounted")
+    # The provider cannot revoke the grant for now (a directory where its file is): the tenant's
+    # detach unmounts, then retries the revoke, and the release asks for a detach meanwhile.
+    grant = storage_root / "grants" / namespace["id"] / f"{aid}.json"
+    grant.unlink()
+    grant.mkdir()
+    response = await tenant.client.delete(f"/api/v1/allocations/{allocation_id}/attachments/{aid}")
+    assert response.status_code == 202, response.text
+    await eventually(
+        lambda: asyncio.sleep(0, result=str(node.mount_dir(aid)) not in mounted_points()),
+        timeout=30,
+    )
+    response = await tenant.client.post(f"/api/v1/allocations/{allocation_id}/release")
+    assert response.status_code == 202, response.text
+    handle = temporal_client.get_workflow_handle(
+        attachment_workflow_id(aid), result_type=AttachmentView
+    )
+
+    async def both_detaches_accepted() -> bool:
+        accepted = EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED
+        events = (await handle.fetch_history()).events
+        return sum(e.event_type == accepted for e in events) == 3  # open, tenant, release
+
+    await eventually(both_detaches_accepted, timeout=10, interval=0.1)
+    grant.rmdir()
+    # The tenant's detach run ends detached and answers the release's request too: the
+    # attachment's workflow ends, and the release goes on at once (not after its detach times out).
+    final = await asyncio.wait_for(handle.result(), timeout=15)
+    assert final.status == "detached"
+    await wait_status(tenant.client, allocation_id, "released", timeout=15)
+    assert await transitions(db_sessions, aid) == [*ATTACH_PATH, "detaching", "detached"]
+    await record(temporal_client, aid, "release_answered_by_running_detach")
+
+
+async def test_the_deployed_agent_mounts_with_the_storage_table_cloud_init_writes(
+    terminal_rig: Callable[..., Awaitable[TerminalRig]], storage_root: Path, db_sessions: Any
+) -> None:
+    """`gpucloud-agent` as a node runs it (its own process, the `host` backend, agent.toml's
+    `[storage]` table as activities/cloud_init.py renders it) mounts, and its release unmounts."""
+    bootstrap = AgentBootstrap(
+        api_url="https://api.invalid",
+        enrollment_token="unused",
+        storage_export_root=str(storage_root),
+    )
+    rendered = render_agent_toml(bootstrap)
+    rig = await terminal_rig(agent_config="\n" + rendered[rendered.index("[storage]") :])
+    namespace = await create_namespace(rig.tenant, "deployed")
+    attachment = await attach(rig.tenant, rig.allocation_id, namespace["id"], "single_writer")
+    aid = attachment["attachment_id"]
+    try:
+        mounted = await wait_attachment(rig.tenant, rig.allocation_id, aid, "mounted")
+    except AssertionError as err:
+        raise AssertionError(f"{err}\nagent log:\n{rig.agent.log_tail()}") from None
+    point = rig.agent.root / mounted["mount_path"].lstrip("/")
+    try:
+        assert str(point) in mounted_points()
+        (point / "written-on-the-node").write_bytes(b"x")
+        assert (storage_root / "namespaces" / namespace["id"] / "written-on-the-node").exists()
+
+        response = await rig.tenant.post(f"/api/v1/allocations/{rig.allocation_id}/release")
+        assert response.status_code == 202, response.text
+        await wait_status(rig.tenant, rig.allocation_id, "released", timeout=60)
+        await wait_attachment(rig.tenant, rig.allocation_id, aid, "detached")
+        assert str(point) not in mounted_points()
+        assert await transitions(db_sessions, aid) == [*ATTACH_PATH, "detaching", "detached"]
+    finally:
+        if str(point) in mounted_points():  # a failed run leaves no mount behind
+            with contextlib.suppress(MountFailed):
+                await asyncio.to_thread(KernelBindMounter().unmount, point)

@@ -407,12 +407,12 @@ class AllocationWorkflow:
         # Seed 001 §6: a live terminal session is closed first (allocation_released, its ack or
         # the close timeout), then the release goes on. The allocation is `releasing` by now, so
         # no new session opens behind this.
-        if workflow.patched(RELEASE_CLOSES_TERMINAL_SESSIONS):
+        if _release_step_needed(plan.live_terminal_sessions, RELEASE_CLOSES_TERMINAL_SESSIONS):
             await self._close_terminal_sessions(input)
         try:
             # Seed 001 §7: the allocation's storage attachments are detached first; one that does
             # not detach fails the release (its mount is still on the node).
-            if workflow.patched(RELEASE_DETACHES_STORAGE_PATCH):
+            if _release_step_needed(plan.storage_attachments, RELEASE_DETACHES_STORAGE_PATCH):
                 await self._detach_storage(input, request)
             result = await self._host_release(
                 input,
@@ -621,6 +621,14 @@ class _Cleanup:
     proven: bool
     error: str = ""  # why it is not proven: "error_type: message"
     unhealthy_gpus: list[UnhealthyGpu] = field(default_factory=list)
+
+
+def _release_step_needed(counted: int | None, legacy_patch: str) -> bool:
+    """Whether a release closes terminal sessions or detaches storage before its host task: when
+    begin_release counted any (a release with neither runs no activity and writes no patch
+    marker, whose TemporalChangeVersion upsert is a visibility write). None: a plan recorded by an
+    older build, whose release decided by this patch marker (kept so its histories replay)."""
+    return workflow.patched(legacy_patch) if counted is None else counted > 0
 
 
 def _describe_error(error: BaseException, kind: str = "") -> tuple[str, str]:

@@ -45,6 +45,7 @@ with workflow.unsafe.imports_passed_through():
         ATTACHMENT_PRECHECK,
         ATTACHMENT_TRANSITION,
         DETACH_UPDATE,
+        DETACHED_ANSWERS_ALL_PATCH,
         GRANT_APPLY,
         GRANT_FAILED,
         GRANT_REVOKE,
@@ -162,6 +163,12 @@ class StorageAttachmentWorkflow:
             request = self._next_detach
             assert request is not None
             detached = await self._detach(input, request)
+            # Detached answers every request, also those accepted while this run went on (the
+            # allocation's release may ask while the tenant's detach runs); a failed run leaves
+            # those for the next run.
+            late = self._detach_requests > answered
+            if detached and late and workflow.patched(DETACHED_ANSWERS_ALL_PATCH):
+                answered = self._detach_requests
             self._detaches_answered = answered
             if detached:
                 break
