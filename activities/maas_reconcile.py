@@ -62,7 +62,9 @@ Sync drift is acted on (§9.1 "whenever reconciliation detects sync drift on a d
 after the writes, one statement claims the open hw_sync_stale drift events that no run has
 claimed yet (`reseed` absent from their details; at most MAX_RESEEDS_PER_RUN, the rest next run),
 marking each `reseed.status` dispatched, with the host task's id, or skipped (the node is no
-longer active, or no agent of it was ever heard from), in the event and in node_maas_state. The
+longer active, or no agent of it was ever heard from), and the claiming workflow run's id, in the
+event and in node_maas_state. A retry of the pass (same run) gets back, unchanged, the claims an
+earlier attempt committed before it failed and that have no outcome yet. The
 dispatched ones are returned (`ReconcileResult.reseeds`): the workflow runs `node.hw_sync_reseed`
 on each node's queue and writes the outcome back (`record_reseeds`). So a drift event is
 re-seeded at most once, however many runs see it open; a failure is recorded, not retried; the
@@ -423,7 +425,9 @@ class MaasReconcileActivities:
                     cleanup_done[d.binding.node_id] = await _cleanup_retired(maas, d)
         for start in range(0, len(decisions), CHUNK):
             await self._write(site_id, decisions[start : start + CHUNK], cleanup_done, result)
-        await self._claim_reseeds(site_id, sync_policy, result)
+        # A retry of this local activity runs in the same workflow run: the claims an attempt
+        # before it committed are that run's, and come back (not lost, not claimed twice).
+        await self._claim_reseeds(site_id, activity.info().workflow_run_id, sync_policy, result)
         if result.unmanaged_machines:
             log.debug(
                 "site %s: %d unmanaged MAAS machines", input.site_id, result.unmanaged_machines
@@ -431,22 +435,29 @@ class MaasReconcileActivities:
         return result
 
     async def _claim_reseeds(
-        self, site_id: uuid.UUID, sync: SyncPolicy, result: ReconcileResult
+        self, site_id: uuid.UUID, run_id: str | None, sync: SyncPolicy, result: ReconcileResult
     ) -> None:
-        """The open hw_sync_stale drift events no run has claimed: dispatched (returned for the
-        workflow to run) or skipped, each marked in one statement (module docstring)."""
+        """The open hw_sync_stale drift events no run has claimed, claimed for workflow run
+        `run_id`: dispatched (returned for the workflow to run) or skipped, each marked in one
+        statement (module docstring); with those this run claimed before and has no outcome
+        for (an earlier attempt of this activity committed them, then failed), as they were."""
         async with self._sessions() as session, session.begin():
             claimed = (
                 await session.execute(
                     _CLAIM_RESEEDS,
-                    {"site": site_id, "rule": HW_SYNC_STALE.name, "limit": MAX_RESEEDS_PER_RUN},
+                    {
+                        "site": site_id,
+                        "run": run_id,
+                        "rule": HW_SYNC_STALE.name,
+                        "limit": MAX_RESEEDS_PER_RUN,
+                    },
                 )
             ).all()
         for event_id, node_id, reseed, maas_interval_s in claimed:
             if reseed["status"] == ReseedStatus.DISPATCHED:
                 # The timer posts at the interval MAAS judges this machine's sync by (its
-                # sync_interval, set from MAAS's config when the profile's onboarding enabled
-                # the sync), else the site's.
+                # sync_interval, set from MAAS's global config when onboarding enabled the
+                # sync), else the site's.
                 interval = dt.timedelta(seconds=maas_interval_s) if maas_interval_s else None
                 result.reseeds.append(
                     ReseedRequest(
@@ -601,8 +612,10 @@ _UPDATE_STATE = text(
 
 
 # The latest drift event of each node whose open drift is sync drift, unclaimed, is claimed:
-# `reseed` set on the event (dispatched with a fresh task id, or skipped with its reason) and
-# mirrored onto node_maas_state.drift_details.
+# `reseed` set on the event (dispatched with a fresh task id, or skipped with its reason, and the
+# claiming workflow run's id) and mirrored onto node_maas_state.drift_details. The events the
+# same run claimed before and has no outcome for (no `finished_at`) come back unchanged, first:
+# an attempt that committed its claims and then failed leaves them to its retry.
 _CLAIM_RESEEDS = text(
     "WITH latest AS ("
     "  SELECT DISTINCT ON (e.node_id) e.id, e.node_id, e.details"
@@ -611,10 +624,14 @@ _CLAIM_RESEEDS = text(
     "  WHERE s.site_id = :site AND s.drift_detected AND s.drift_rule = :rule"
     "  ORDER BY e.node_id, e.id DESC"
     "), due AS ("
-    "  SELECT l.id, n.status, n.last_agent_contact_at IS NOT NULL AS has_agent"
+    "  SELECT l.id, l.node_id, l.details -> 'reseed' AS reseed,"
+    "    l.details ->> 'sync_interval_s' AS sync_interval_s,"
+    "    n.status, n.last_agent_contact_at IS NOT NULL AS has_agent"
     "  FROM latest l JOIN nodes n ON n.id = l.node_id"
     "  WHERE l.details -> 'reseed' IS NULL"
-    "  ORDER BY l.id LIMIT :limit"
+    "    OR (l.details -> 'reseed' ->> 'run_id' = CAST(:run AS text)"
+    "      AND l.details -> 'reseed' -> 'finished_at' IS NULL)"
+    "  ORDER BY l.details -> 'reseed' IS NULL, l.id LIMIT :limit"
     "), claimed AS ("
     "  UPDATE node_drift_events e SET details = e.details || jsonb_build_object('reseed',"
     "    CASE"
@@ -623,17 +640,21 @@ _CLAIM_RESEEDS = text(
     "      WHEN NOT due.has_agent THEN jsonb_build_object("
     "        'status', 'skipped', 'reason', 'no_agent')"
     "      ELSE jsonb_build_object('status', 'dispatched', 'task_id', gen_random_uuid()::text)"
-    "    END || jsonb_build_object('at', clock_timestamp()))"
-    "  FROM due WHERE e.id = due.id"
+    "    END || jsonb_build_object('at', clock_timestamp(), 'run_id', CAST(:run AS text)))"
+    "  FROM due WHERE e.id = due.id AND due.reseed IS NULL"
     "  RETURNING e.id, e.node_id, e.details -> 'reseed' AS reseed,"
-    "    (e.details ->> 'sync_interval_s')::int AS sync_interval_s"
+    "    e.details ->> 'sync_interval_s' AS sync_interval_s"
     "), mirrored AS ("
     "  UPDATE node_maas_state s"
     "  SET drift_details = COALESCE(s.drift_details, '{}'::jsonb)"
     "    || jsonb_build_object('reseed', c.reseed)"
     "  FROM claimed c WHERE s.node_id = c.node_id"
+    "), mine AS ("
+    "  SELECT id, node_id, reseed, sync_interval_s FROM claimed"
+    "  UNION ALL"
+    "  SELECT id, node_id, reseed, sync_interval_s FROM due WHERE reseed IS NOT NULL"
     ")"
-    " SELECT id, node_id, reseed, sync_interval_s FROM claimed ORDER BY id"
+    " SELECT id, node_id, reseed, CAST(sync_interval_s AS int) FROM mine ORDER BY id"
 )
 
 # A re-seed's outcome merged into its event's `reseed` (and node_maas_state's, while that drift

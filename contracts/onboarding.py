@@ -199,8 +199,13 @@ class SitePolicyView:
         return waits.get(stage, 0)
 
 
-# Every knob a run uses; a site profile may override each (seed 003 §3.7).
+# Every knob a run uses; a site profile may override each (seed 003 §3.7) but the site-only ones.
 POLICY_KNOBS: tuple[str, ...] = tuple(f.name for f in fields(SitePolicyView))
+# Knobs a profile cannot override, each one setting of the site's whole MAAS region: MAAS has a
+# single global config `hardware_sync_interval` (a machine's sync_interval is set from it when its
+# enable_hw_sync is saved), which onboarding sets to the run's value, so two profiles with
+# different values would overwrite each other's. A run always takes the site's value.
+SITE_ONLY_KNOBS: frozenset[str] = frozenset({"hardware_sync_interval"})
 
 
 def profile_value(profile: object, site: object, name: str) -> Any:
@@ -211,9 +216,14 @@ def profile_value(profile: object, site: object, name: str) -> Any:
 
 def resolve_policy(site_policy: object, profile: object) -> SitePolicyView:
     """The policy a run with `profile` uses, resolved once (an activity, or the gateway's
-    view) so the workflow only ever sees the snapshot."""
+    view) so the workflow only ever sees the snapshot. Site-only knobs are the site's."""
     return SitePolicyView(
-        **{name: profile_value(profile, site_policy, name) for name in POLICY_KNOBS}
+        **{
+            name: getattr(site_policy, name)
+            if name in SITE_ONLY_KNOBS
+            else profile_value(profile, site_policy, name)
+            for name in POLICY_KNOBS
+        }
     )
 
 

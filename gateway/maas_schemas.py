@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -37,6 +37,15 @@ BundleRef = Annotated[str, msgspec.Meta(max_length=300)]
 EnrollmentTtl = Annotated[int, msgspec.Meta(ge=60, le=7 * 24 * 3600)]
 VlanVid = Annotated[int, msgspec.Meta(ge=0, le=4094)]
 Description = Annotated[str, msgspec.Meta(max_length=2000)]
+# A site-only knob in a profile request (contracts.onboarding.SITE_ONLY_KNOBS): read only to
+# refuse a value.
+SiteOnly = Annotated[
+    Any,
+    msgspec.Meta(
+        description="Site-only (MAAS keeps one global value): any value but null is refused, "
+        "422 site_only_setting; set it in the site policy."
+    ),
+]
 
 
 class RunPolicy(msgspec.Struct, kw_only=True):
@@ -280,7 +289,8 @@ ProfileStatus = Literal["active", "disabled"]
 
 class ProfileOverrides(msgspec.Struct, kw_only=True):
     """What a profile sets itself (seed 003 §3.7): the profile-scoped site values of §3.6 and
-    every run knob. `null` falls back to the site's value."""
+    every run knob but the site-only ones (contracts.onboarding.SITE_ONLY_KNOBS). `null` falls
+    back to the site's value."""
 
     distro_series: DistroSeries | None = None
     architecture: Architecture | None = None
@@ -289,7 +299,6 @@ class ProfileOverrides(msgspec.Struct, kw_only=True):
     strict_pxe_preflight: bool | None = None
     enable_phase2_roce: bool | None = None
     require_hw_sync: bool | None = None
-    hardware_sync_interval: HwSyncInterval | None = None
     release_fallback_no_erase: bool | None = None
     enable_deploy_retry_on_datasource_failure: bool | None = None
     max_deploy_retry_attempts: DeployRetries | None = None
@@ -312,17 +321,20 @@ PROFILE_OVERRIDES = ProfileOverrides.__struct_fields__
 
 
 class ProfileCreate(Request, ProfileOverrides, kw_only=True):
-    """An absent (null) override falls back to the site's own value."""
+    """An absent (null) override falls back to the site's own value. A site-only knob is
+    refused: 422 `site_only_setting` (set it in the site policy)."""
 
     name: Name
     description: Description | None = None
+    hardware_sync_interval: SiteOnly = msgspec.UNSET
     reason: Reason | None = None
 
 
 class ProfilePatch(Request):
     """Absent fields stay as they are; `null` clears an override (the site's value applies).
     `status: disabled` takes the profile out of new onboardings and decommissions (not the
-    site's default profile); running jobs go on with the policy they resolved at their start."""
+    site's default profile); running jobs go on with the policy they resolved at their start.
+    A site-only knob is refused as in ProfileCreate."""
 
     name: Name | msgspec.UnsetType = msgspec.UNSET
     description: Description | msgspec.UnsetType | None = msgspec.UNSET
@@ -334,7 +346,7 @@ class ProfilePatch(Request):
     strict_pxe_preflight: bool | msgspec.UnsetType | None = msgspec.UNSET
     enable_phase2_roce: bool | msgspec.UnsetType | None = msgspec.UNSET
     require_hw_sync: bool | msgspec.UnsetType | None = msgspec.UNSET
-    hardware_sync_interval: HwSyncInterval | msgspec.UnsetType | None = msgspec.UNSET
+    hardware_sync_interval: SiteOnly = msgspec.UNSET
     release_fallback_no_erase: bool | msgspec.UnsetType | None = msgspec.UNSET
     enable_deploy_retry_on_datasource_failure: bool | msgspec.UnsetType | None = msgspec.UNSET
     max_deploy_retry_attempts: DeployRetries | msgspec.UnsetType | None = msgspec.UNSET

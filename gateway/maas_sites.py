@@ -53,7 +53,7 @@ from contracts.admin_operation import (
 )
 from contracts.maas_reconciler import WORKFLOW_NAME as RECONCILER_WORKFLOW
 from contracts.maas_reconciler import ReconcileInput, reconciler_schedule_id
-from contracts.onboarding import profile_value, resolve_policy
+from contracts.onboarding import SITE_ONLY_KNOBS, profile_value, resolve_policy
 from core.config import Settings
 from core.schedules import periodic_schedule, put_schedule
 from core.secret_paths import (
@@ -420,6 +420,22 @@ async def usable_profile(
     return profile, None
 
 
+def _refuse_site_only(body: ProfileCreate | ProfilePatch) -> None:
+    """422 site_only_setting for a value of a knob a profile cannot set (`null` is no value)."""
+    errors = [
+        FieldError(
+            name,
+            "site_only_setting",
+            f"{name} is one MAAS setting for the whole site (MAAS keeps a single global value):"
+            " set it in the site policy",
+        )
+        for name in sorted(SITE_ONLY_KNOBS)
+        if getattr(body, name) not in (None, msgspec.UNSET)
+    ]
+    if errors:
+        raise unprocessable(errors)
+
+
 async def load_profile(
     db: AsyncSession, site_id: uuid.UUID, profile_id: uuid.UUID
 ) -> MaasSiteProfile:
@@ -443,6 +459,7 @@ async def create_profile(
     reason: str | None,
 ) -> ProfileView:
     site, policy = await load_site(db, site_id)
+    _refuse_site_only(body)
     profile_id = uuid.uuid4()
     profile = MaasSiteProfile(
         id=profile_id,
@@ -505,10 +522,11 @@ async def patch_profile(
 ) -> ProfileView:
     site, policy = await load_site(db, site_id)
     profile = await load_profile(db, site_id, profile_id)
+    _refuse_site_only(body)
     prior_status = profile.status
     changed: list[str] = []
     for field in ProfilePatch.__struct_fields__:
-        if field == "reason":
+        if field == "reason" or field in SITE_ONLY_KNOBS:
             continue
         value = getattr(body, field)
         if value is msgspec.UNSET or getattr(profile, field) == value:

@@ -586,7 +586,8 @@ class MaasSitePolicy(Base):
 
 class MaasSiteProfile(Base):
     """A policy bundle and runtime shape one site can run (seed 003 §3.7): every knob a run
-    uses (contracts.onboarding.SitePolicyView), plus the profile-scoped site values of §3.6.
+    uses (contracts.onboarding.SitePolicyView) but the site-only ones, plus the profile-scoped
+    site values of §3.6.
     NULL columns fall back to the site's own values and policy; a disabled profile takes no new
     onboardings or decommissions (running ones go on with the policy they resolved)."""
 
@@ -603,7 +604,7 @@ class MaasSiteProfile(Base):
     strict_pxe_preflight: Mapped[bool | None] = mapped_column(Boolean)
     enable_phase2_roce: Mapped[bool | None] = mapped_column(Boolean)
     require_hw_sync: Mapped[bool | None] = mapped_column(Boolean)
-    hardware_sync_interval: Mapped[str | None] = mapped_column(String(16))
+    # No hardware_sync_interval: site-only (contracts.onboarding.SITE_ONLY_KNOBS), since 0027.
     release_fallback_no_erase: Mapped[bool | None] = mapped_column(Boolean)
     enable_deploy_retry_on_datasource_failure: Mapped[bool | None] = mapped_column(Boolean)
     max_deploy_retry_attempts: Mapped[int | None] = mapped_column(Integer)
@@ -629,9 +630,6 @@ class MaasSiteProfile(Base):
         ),
         CheckConstraint("batch_max_parallel BETWEEN 1 AND 500", name="profile_batch_parallel"),
         CheckConstraint("enrollment_token_ttl_seconds > 0", name="profile_enrollment_ttl"),
-        CheckConstraint(
-            "hardware_sync_interval ~ '^[0-9]+[smh]$'", name="profile_hw_sync_interval"
-        ),
         CheckConstraint(
             "maas_poll_interval_ms BETWEEN 10 AND 600000", name="profile_poll_interval"
         ),

@@ -11,6 +11,7 @@ re-seed is recorded on it and not tried again while it stays open."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 import uuid
 from typing import Any
@@ -18,15 +19,23 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 from temporalio.client import WorkflowHandle
+from temporalio.testing import ActivityEnvironment
 
 from activities.maas.client import MaasClient
-from contracts.maas_reconciler import ReconcileInput, ReconcileResult
-from schema.models import NodeDriftEvent, NodeMaasState
+from activities.maas_reconcile import MaasReconcileActivities
+from contracts.maas_reconciler import (
+    ReconcileInput,
+    ReconcileResult,
+    ReseedOutcome,
+    ReseedOutcomes,
+)
+from schema.models import Node, NodeDriftEvent, NodeMaasState
 from sim.first_boot import BootRecord
 from tests.histories import record_history
 from tests.lifecycle_support import eventually
 from tests.maas_fixtures import sim_machine, sim_scenario
 from tests.onboarding_fixtures import OnboardingRig
+from tests.test_maas_reconciler import make_site
 from workflows.maas_reconciler import MaasSiteReconcilerWorkflow
 
 HOSTNAME, BMC = "sync-node", "10.176.16.70"
@@ -60,14 +69,7 @@ async def _sync_timer(rig: OnboardingRig, system_id: str, *, running: bool) -> A
 
 
 async def _drift_events(rig: OnboardingRig, node_id: uuid.UUID) -> list[NodeDriftEvent]:
-    async with rig.sessions() as session:
-        return list(
-            await session.scalars(
-                select(NodeDriftEvent)
-                .where(NodeDriftEvent.node_id == node_id)
-                .order_by(NodeDriftEvent.id)
-            )
-        )
+    return await _drift_events_of(rig.sessions, node_id)
 
 
 async def _state(rig: OnboardingRig, node_id: uuid.UUID) -> NodeMaasState:
@@ -232,3 +234,100 @@ async def test_sim_hw_sync_timer_stops_and_a_restart_posts_unless_the_os_cannot(
             f"/_sim/machines/{ok}/hw-sync-timer", json={"running": "yes"}
         )
         assert bad.status_code == 400
+
+
+STALE = sim_scenario(
+    sim_machine("retry-stale", "10.176.16.73", status="Deployed", enable_hw_sync=True,
+                faults=[{"kind": "hw_sync_never_healthy"}]),
+    site={"hardware_sync_interval": SYNC_INTERVAL},
+)  # fmt: skip
+
+
+@pytest.mark.maas_scenario(STALE)
+async def test_a_retried_pass_gets_back_its_own_claims_and_no_other_run_does(
+    maas_sim: Any, db_sessions: Any, secret_store: Any
+) -> None:
+    """The reconcile pass commits its re-seed claims and can still fail after (its local
+    activity is then retried, in the same workflow run): the retry gets back exactly the claims
+    that run made and has no outcome for, with the same task ids, so none stays `dispatched`
+    without a re-seed; another run gets none of them, nor does the same run once the outcome is
+    recorded. The pass runs as the worker runs it, against PostgreSQL, Vault and the MAAS
+    simulator; only the activity's info (its workflow run id) is the test's."""
+    site_id = await make_site(db_sessions, secret_store, maas_sim)
+    machine = await maas_sim.machine("retry-stale")
+    node_id = uuid.uuid4()
+    async with db_sessions() as session, session.begin():
+        session.add(
+            Node(
+                id=node_id,
+                hostname=f"retry-stale-{node_id.hex[:6]}",
+                region="us-east-1",
+                sku="h100-8x",
+                status="active",
+                gpu_count=8,
+                host_address=machine["ip_addresses"][0],
+                last_agent_contact_at=dt.datetime.now(dt.UTC),
+            )
+        )
+        await session.flush()
+        session.add(
+            NodeMaasState(node_id=node_id, site_id=site_id, maas_system_id=machine["system_id"])
+        )
+    await asyncio.sleep(STALE_AFTER_S)
+    acts = MaasReconcileActivities(db_sessions, secret_store)
+
+    async def attempt(run_id: str) -> ReconcileResult:
+        env = ActivityEnvironment()
+        env.info = dataclasses.replace(env.info, workflow_run_id=run_id, is_local=True)
+        return await env.run(acts.reconcile, ReconcileInput(str(site_id)))
+
+    first = await attempt("run-a")
+    assert first.drift_detected == 1
+    assert [r.node_id for r in first.reseeds] == [str(node_id)]
+    (event,) = await _drift_events_of(db_sessions, node_id)
+    assert event.details["reseed"]["status"] == "dispatched"
+    assert event.details["reseed"]["run_id"] == "run-a"
+
+    retried = await attempt("run-a")  # the same run's retry after the claim was committed
+    assert retried.drift_detected == 0
+    assert retried.reseeds == first.reseeds  # same event, same task id
+    assert f"reseed_dispatched:{node_id}" in retried.actions
+    (again,) = await _drift_events_of(db_sessions, node_id)
+    assert again.details["reseed"] == event.details["reseed"]  # not claimed anew
+
+    other = await attempt("run-b")
+    assert (other.drift_detected, other.reseeds) == (0, [])
+    assert not [a for a in other.actions if a.startswith("reseed_")]
+
+    (request,) = first.reseeds
+    await ActivityEnvironment().run(
+        acts.record_reseeds,
+        ReseedOutcomes(
+            site_id=str(site_id),
+            outcomes=[
+                ReseedOutcome(
+                    node_id=request.node_id,
+                    drift_event_id=request.drift_event_id,
+                    task_id=request.task_id,
+                    status="failed",
+                    message="test",
+                )
+            ],
+        ),
+    )
+    done = await attempt("run-a")  # the outcome is recorded: nothing left to this run either
+    assert done.reseeds == []
+    (recorded,) = await _drift_events_of(db_sessions, node_id)
+    assert recorded.details["reseed"]["status"] == "failed"
+    assert recorded.details["reseed"]["run_id"] == "run-a"
+
+
+async def _drift_events_of(sessions: Any, node_id: uuid.UUID) -> list[NodeDriftEvent]:
+    async with sessions() as session:
+        return list(
+            await session.scalars(
+                select(NodeDriftEvent)
+                .where(NodeDriftEvent.node_id == node_id)
+                .order_by(NodeDriftEvent.id)
+            )
+        )

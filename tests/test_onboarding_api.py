@@ -764,7 +764,6 @@ async def test_profile_policy_knobs_default_and_disable(admin: Any, db_sessions:
             "enable_deploy_retry_on_datasource_failure": False,
             "max_deploy_retry_attempts": 0,
             "release_fallback_no_erase": False,
-            "hardware_sync_interval": "5m",
             "pxe_vlan_vid": 47,
             "deploy_timeout_seconds": 600,
         },
@@ -779,13 +778,32 @@ async def test_profile_policy_knobs_default_and_disable(admin: Any, db_sessions:
     assert effective["max_deploy_retry_attempts"] == 0
     assert effective["enable_deploy_retry_on_datasource_failure"] is False
     assert effective["release_fallback_no_erase"] is False
-    assert effective["hardware_sync_interval"] == "5m"
+    assert effective["hardware_sync_interval"] == "15m"  # site-only: always the site's
+    assert "hardware_sync_interval" not in profile  # no override a profile could hold
     assert (effective["pxe_vlan_vid"], effective["deploy_timeout_seconds"]) == (47, 600)
     assert effective["strict_pxe_preflight"] is True  # the site's
     default = (await admin.get(f"{base}/{site['default_profile_id']}")).json()
     assert default["effective"]["max_deploy_retry_attempts"] == 2  # the site policy's
     bad = await admin.post(base, json={"name": "x", "max_deploy_retry_attempts": 11})
     assert_error(bad, 400, "invalid_request")
+
+    # hardware_sync_interval is site-only (MAAS has one global value): a profile setting it is
+    # 422 site_only_setting and nothing is written; `null` (no override) is accepted.
+    refused = await admin.post(base, json={"name": "fast-sync", "hardware_sync_interval": "5m"})
+    assert_error(refused, 422, "site_only_setting")
+    assert field_errors(refused) == {"hardware_sync_interval": "site_only_setting"}
+    names = [p["name"] for p in (await admin.get(base)).json()["items"]]
+    assert "fast-sync" not in names
+    patched = await admin.patch(
+        f"{base}/{profile['id']}",
+        json={"hardware_sync_interval": "5m", "max_deploy_retry_attempts": 3},
+    )
+    assert_error(patched, 422, "site_only_setting")
+    unchanged = (await admin.get(f"{base}/{profile['id']}")).json()
+    assert unchanged["max_deploy_retry_attempts"] == 0
+    assert unchanged["effective"]["hardware_sync_interval"] == "15m"
+    kept = await admin.patch(f"{base}/{profile['id']}", json={"hardware_sync_interval": None})
+    assert kept.status_code == 200, kept.text
 
     # Clearing an override falls back to the site.
     cleared = await admin.patch(f"{base}/{profile['id']}", json={"max_deploy_retry_attempts": None})

@@ -5,12 +5,14 @@ Temporal, PostgreSQL, the MAAS simulator over HTTP and the real agent process.""
 from __future__ import annotations
 
 import uuid
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from sqlalchemy import func, select
 
-from schema.models import NodeDecommission, NodeMaasState, NodeOnboarding
+from contracts.onboarding import SITE_ONLY_KNOBS, SitePolicyView, resolve_policy
+from schema.models import MaasSiteProfile, NodeDecommission, NodeMaasState, NodeOnboarding
 from tests.decommission_fixtures import DecommissionRig
 from tests.maas_fixtures import sim_machine, sim_scenario
 from tests.onboarding_fixtures import OnboardingRig
@@ -103,3 +105,15 @@ async def test_decommission_takes_a_profile_of_the_nodes_site(
             select(NodeOnboarding.profile_id).where(NodeOnboarding.node_id == uuid.UUID(node_id))
         )
     assert onboarded == rig.profile_id  # not the profile the decommission ran with
+
+
+def test_the_resolver_takes_site_only_knobs_from_the_site() -> None:
+    """MAAS has one global hardware_sync_interval, which onboarding sets to the run's value:
+    a profile's value (even one a stand-in row still carries) never reaches a run, and the
+    profiles table has no such column since 0027."""
+    site = SitePolicyView(hardware_sync_interval="30m", max_deploy_retry_attempts=2)
+    profile = SimpleNamespace(hardware_sync_interval="5m", max_deploy_retry_attempts=0)
+    resolved = resolve_policy(site, profile)
+    assert (resolved.hardware_sync_interval, resolved.max_deploy_retry_attempts) == ("30m", 0)
+    assert "hardware_sync_interval" in SITE_ONLY_KNOBS
+    assert not set(SITE_ONLY_KNOBS) & set(MaasSiteProfile.__table__.columns.keys())

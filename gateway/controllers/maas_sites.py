@@ -171,9 +171,9 @@ class AdminMaasSitesController(Controller):
         "/{site_id:uuid}/profiles",
         status_code=201,
         summary="Add a profile: a policy bundle and runtime shape of the site (overrides of "
-        "distro series, architecture, PXE interface and VLAN, and of every policy knob; "
-        "absent = the site's value)",
-        responses=errors(400, 403, 404, 409, 413),
+        "distro series, architecture, PXE interface and VLAN, and of every policy knob but the "
+        "site-only hardware_sync_interval, 422 site_only_setting; absent = the site's value)",
+        responses=errors(400, 403, 404, 409, 413, 422),
     )
     async def create_profile(
         self,
@@ -212,8 +212,8 @@ class AdminMaasSitesController(Controller):
     @patch(
         "/{site_id:uuid}/profiles/{profile_id:uuid}",
         summary="Change a profile; null clears an override (the default profile keeps its name "
-        "and cannot be disabled)",
-        responses=errors(400, 403, 404, 409, 413),
+        "and cannot be disabled; a site-only knob is 422 site_only_setting)",
+        responses=errors(400, 403, 404, 409, 413, 422),
     )
     async def patch_profile(
         self,
