@@ -349,17 +349,16 @@ async def build_timeline(
             .order_by(AllocationGroupEvent.occurred_at, AllocationGroupEvent.id)
         )
     ).all()
-    placed = [a.id for _, a in await _members(db, group_id) if a is not None]
+    placed = [a for _, a in await _members(db, group_id) if a is not None]
     entries = [
         # A member's refused placement is the group's event, shown with the member's id.
         GroupTimelineEntry(allocation_id=_member_of(e), item=timeline.event_item(e))
         for e in events
     ]
     warnings: set[str] = set()
-    for allocation_id in placed:
-        member = await timeline.build(db, temporal, allocation_id=allocation_id, project_id=None)
+    for member in await timeline.build_many(db, temporal, placed):
         entries.extend(
-            GroupTimelineEntry(allocation_id=allocation_id, item=i) for i in member.items
+            GroupTimelineEntry(allocation_id=member.allocation_id, item=i) for i in member.items
         )
         warnings.update(member.warnings)
     entries.sort(key=lambda e: (e.item.started_at, e.allocation_id is not None))

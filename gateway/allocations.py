@@ -69,7 +69,6 @@ from gateway.errors import (
     Conflict,
     InvalidRequest,
     NotFound,
-    TemporalUnavailable,
     Unprocessable,
 )
 from gateway.pagination import newest_first_page
@@ -455,55 +454,18 @@ async def update_with_start(
     result_type: type[T],
     accepted_as: tuple[str, uuid.UUID],
 ) -> T:
-    """Send `update` with `arg` to the workflow `start` builds (a fresh operation for each
-    attempt: the SDK's are single-use), starting it unless it runs, through
-    TemporalOps.update_with_start. One update id serves every attempt of this request, so an
-    attempt the server took is answered from its outcome, never applied twice (per request, not
-    per idempotency key: a retry with another body must reach the workflow's own check of the
-    fingerprint). A typed refusal is `rejection()`; Temporal not answering is a 503 naming what
-    the request would have created (`accepted_as`: its name and id), so nothing the client asked
-    for is ever out of its sight. A closed workflow under that id raises
-    WorkflowAlreadyStartedError: the caller answers from its record."""
-    noun, created_id = accepted_as
-    update_id = f"{update}-{uuid.uuid4()}"
-    starts: list[WithStartWorkflowOperation[Any, Any]] = []
-
-    async def call(client: Client) -> T:
-        operation = start()
-        starts.append(operation)
-        answer: T = await client.execute_update_with_start_workflow(
-            update,
-            arg,
-            id=update_id,
-            start_workflow_operation=operation,
-            result_type=result_type,
-            rpc_timeout=temporal.rpc_timeout,
-        )
-        return answer
-
+    """TemporalOps.update_with_start for an allocation or a group: the workflow's typed refusal
+    is `rejection()`. A closed workflow under that id raises WorkflowAlreadyStartedError: the
+    caller answers from its record."""
     try:
-        return await temporal.update_with_start(call)
-    except TemporalUnavailable as err:
-        raise TemporalUnavailable(
-            f"{err.message}; if the request was accepted, the {noun} is {created_id}",
-            details={f"{noun}_id": str(created_id)},
-        ) from err
+        return await temporal.update_with_start(
+            start, update, arg, result_type=result_type, accepted_as=accepted_as
+        )
     except WorkflowUpdateFailedError as err:
         cause = err.cause
         if isinstance(cause, ApplicationError):
             raise rejection(cause.type, cause.message) from None
         raise
-    finally:
-        for operation in starts:
-            _retrieve_start_error(operation)
-
-
-def _retrieve_start_error(start: WithStartWorkflowOperation[Any, Any]) -> None:
-    """The SDK also parks a failed start's error in the operation's handle future; read it so
-    asyncio does not report it as never retrieved (there is no public non-blocking accessor)."""
-    future = start._workflow_handle
-    if future.done() and not future.cancelled():
-        future.exception()
 
 
 async def _answer_closed(

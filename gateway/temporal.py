@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from temporalio.client import Client, WorkflowUpdateRPCTimeoutOrCancelledError
+from temporalio.client import (
+    Client,
+    WithStartWorkflowOperation,
+    WorkflowUpdateRPCTimeoutOrCancelledError,
+)
 from temporalio.service import RPCError, RPCStatusCode
 
 from core.config import Settings
@@ -89,10 +94,57 @@ class TemporalOps:
         # A little beyond the RPC timeout so the SDK's own deadline fires first when it can.
         return await self._bounded(call, self._rpc_seconds + 0.5)
 
-    async def update_with_start(self, call: Callable[[Client], Awaitable[T]]) -> T:
-        """update(), for an update-with-start: `call` must build a fresh start operation each
-        time (the SDK's are single-use) and send the same update id, so that an attempt the
-        server did take is answered from it, not applied twice."""
+    async def update_with_start(
+        self,
+        start: Callable[[], WithStartWorkflowOperation[Any, Any]],
+        update: str,
+        *args: Any,
+        result_type: type[T],
+        accepted_as: tuple[str, object] | None = None,
+    ) -> T:
+        """Send `update` (with `args`) to the workflow `start` builds, starting it unless it
+        runs: the one path for update-with-start. A health check first, as update() does, then
+        attempts the server aborted are retried, a little later each time, within the call's
+        deadline. `start` builds a fresh operation for each attempt (the SDK's are single-use);
+        one update id serves every attempt of this request, so an attempt the server did take
+        is answered from its outcome, never applied twice (per request, not per idempotency
+        key: a retry with another body must reach the workflow's own check of it).
+
+        A refused update (WorkflowUpdateFailedError) and a closed workflow under that id
+        (WorkflowAlreadyStartedError) pass through for the caller to map. Temporal not answering
+        is a 503; with `accepted_as` (a name and an id) it names what the request would have
+        created, so nothing the client asked for is ever out of its sight."""
+        update_id = f"{update}-{uuid.uuid4()}"
+        starts: list[WithStartWorkflowOperation[Any, Any]] = []
+
+        async def call(client: Client) -> T:
+            operation = start()
+            starts.append(operation)
+            answer: T = await client.execute_update_with_start_workflow(
+                update,
+                args=args,
+                id=update_id,
+                start_workflow_operation=operation,
+                result_type=result_type,
+                rpc_timeout=self.rpc_timeout,
+            )
+            return answer
+
+        try:
+            return await self._retrying_aborted(call)
+        except TemporalUnavailable as err:
+            if accepted_as is None:
+                raise
+            noun, created_id = accepted_as
+            raise TemporalUnavailable(
+                f"{err.message}; if the request was accepted, the {noun} is {created_id}",
+                details={f"{noun}_id": str(created_id)},
+            ) from err
+        finally:
+            for operation in starts:
+                _retrieve_start_error(operation)
+
+    async def _retrying_aborted(self, call: Callable[[Client], Awaitable[T]]) -> T:
         await self._check_reachable()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._rpc_seconds + 0.5
@@ -138,3 +190,11 @@ class TemporalOps:
         if not await self._bounded(check, seconds + 0.5):
             raise TemporalUnavailable("Temporal reports its workflow service is not serving")
         self._healthy_until = loop.time() + HEALTH_TRUSTED_SECONDS
+
+
+def _retrieve_start_error(start: WithStartWorkflowOperation[Any, Any]) -> None:
+    """The SDK also parks a failed start's error in the operation's handle future; read it so
+    asyncio does not report it as never retrieved (there is no public non-blocking accessor)."""
+    future = start._workflow_handle
+    if future.done() and not future.cancelled():
+        future.exception()

@@ -186,28 +186,19 @@ async def open_session(
         open_token_sha256=hash_token(token),
         policy=policy_from(settings),
     )
-    update_id = f"open-{session_id}"
-
-    async def open_(client: Client) -> TerminalSessionOpened:
-        start: WithStartWorkflowOperation[Any, Any] = WithStartWorkflowOperation(
-            WORKFLOW_NAME,
-            workflow_input,
-            id=terminal_workflow_id(str(session_id)),
-            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-            task_queue=settings.control_plane_task_queue,
-            result_type=TerminalSessionResult,
-        )
-        opened: TerminalSessionOpened = await client.execute_update_with_start_workflow(
-            OPEN_UPDATE,
-            id=update_id,
-            start_workflow_operation=start,
-            result_type=TerminalSessionOpened,
-            rpc_timeout=temporal.rpc_timeout,
-        )
-        return opened
-
     try:
-        opened = await temporal.update_with_start(open_)
+        opened = await temporal.update_with_start(
+            lambda: WithStartWorkflowOperation(
+                WORKFLOW_NAME,
+                workflow_input,
+                id=terminal_workflow_id(str(session_id)),
+                id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+                task_queue=settings.control_plane_task_queue,
+                result_type=TerminalSessionResult,
+            ),
+            OPEN_UPDATE,
+            result_type=TerminalSessionOpened,
+        )
     except WorkflowUpdateFailedError as err:
         if isinstance(err.cause, ApplicationError):
             raise _refusal(err.cause) from None

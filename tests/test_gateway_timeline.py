@@ -10,6 +10,8 @@ import datetime as dt
 import time
 import uuid
 from datetime import timedelta
+from types import SimpleNamespace
+from typing import cast
 
 from temporalio import activity, workflow
 from temporalio.client import Client
@@ -18,6 +20,10 @@ from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
 from contracts.host_tasks import SLICE_VM_PROVISION, TASK_SUMMARIES, HostPhase
 from contracts.states import AllocationStatus, NodeTaskStatus
+from core.config import Settings
+from gateway import timeline
+from gateway.allocations import get_row
+from gateway.temporal import TemporalOps
 from schema.models import AllocationEvent, NodeTask, NodeTaskEvent
 from tests.test_gateway_auth import assert_error
 
@@ -285,3 +291,36 @@ async def test_live_task_without_a_workflow_keeps_database_phases(
     assert task["phases"] == []
     assert task["phases_source"] == "database"
     assert body["warnings"] == ["live_phases_unavailable"]
+
+
+async def test_timelines_built_together_are_each_as_built_alone(
+    make_project, make_allocation, db_sessions
+):
+    """build_many (a group's members) reads each table once for all of them: no allocation's
+    rows leak into another's timeline, each keeps its own order and warnings."""
+    project = await make_project()
+    done = [await make_allocation(project, status=AllocationStatus.ACTIVE) for _ in range(2)]
+    for allocation in done:
+        await seed_history(db_sessions, allocation)  # the same instants: interleaved rows
+    live = await make_allocation(project, status=AllocationStatus.PROVISIONING)
+    await seed_history(db_sessions, live, live=True)
+    settings = cast(Settings, SimpleNamespace(temporal_rpc_timeout_seconds=1.0))
+    no_temporal = TemporalOps(None, settings)  # a live task's heartbeat: unavailable
+    order = [live, *done]
+
+    async with db_sessions() as db:
+        rows = [await get_row(db, a.id, None) for a in order]
+        together = await timeline.build_many(db, no_temporal, rows)
+    alone = []
+    for allocation in order:
+        async with db_sessions() as db:
+            alone.append(
+                await timeline.build(db, no_temporal, allocation_id=allocation.id, project_id=None)
+            )
+
+    assert [t.allocation_id for t in together] == [a.id for a in order]
+    assert together[1:] == alone[1:]
+    assert [len(t.items) for t in together] == [4, 5, 5]
+    assert together[0].warnings == alone[0].warnings == ["live_phases_unavailable"]
+    assert [i.name for i in together[0].items] == [i.name for i in alone[0].items]
+    assert [t.warnings for t in together[1:]] == [[], []]

@@ -10,6 +10,8 @@ from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
+from temporalio.client import WithStartWorkflowOperation
+from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.service import RPCError, RPCStatusCode
 
 from core.config import Settings
@@ -19,10 +21,27 @@ from gateway.temporal import TemporalOps
 RPC_SECONDS = 0.2  # the health check's bound is this + 0.5 s
 
 
-def ops(check_health: Any) -> TemporalOps:
-    client = SimpleNamespace(service_client=SimpleNamespace(check_health=check_health))
+def ops(check_health: Any, sends: list[dict[str, Any]] | None = None) -> TemporalOps:
+    """A TemporalOps on a client that answers the health check with `check_health` and each
+    update-with-start with "sent", recording what it was sent in `sends`."""
+    sent_log = [] if sends is None else sends
+
+    async def execute_update_with_start_workflow(update: str, **kwargs: Any) -> str:
+        sent_log.append({"update": update, **kwargs})
+        return "sent"
+
+    client = SimpleNamespace(
+        service_client=SimpleNamespace(check_health=check_health),
+        execute_update_with_start_workflow=execute_update_with_start_workflow,
+    )
     settings = cast(Settings, SimpleNamespace(temporal_rpc_timeout_seconds=RPC_SECONDS))
     return TemporalOps(cast(Any, client), settings)
+
+
+def start_operation() -> WithStartWorkflowOperation[Any, Any]:
+    return WithStartWorkflowOperation(
+        "Workflow", id="wf-1", task_queue="q", id_conflict_policy=WorkflowIDConflictPolicy.FAIL
+    )
 
 
 def answering(error: BaseException | None = None, *, hang: bool = False) -> Any:
@@ -52,7 +71,8 @@ async def sent(client: Any) -> str:
 async def test_a_health_check_that_ran_out_of_time_does_not_refuse_the_update(check: Any) -> None:
     temporal = ops(check)
     assert await temporal.update(sent) == "sent"
-    assert await temporal.update_with_start(sent) == "sent"
+    result = await temporal.update_with_start(start_operation, "open", result_type=str)
+    assert result == "sent"
 
 
 async def not_serving(timeout: Any) -> bool:
@@ -75,9 +95,50 @@ async def test_a_temporal_that_refuses_answers_503_before_the_update(check: Any)
         called.append(client)
         return "sent"
 
-    temporal = ops(check)
+    sends: list[dict[str, Any]] = []
+    temporal = ops(check, sends)
     with pytest.raises(TemporalUnavailable):
         await temporal.update(call)
     with pytest.raises(TemporalUnavailable):
-        await temporal.update_with_start(call)
+        await temporal.update_with_start(start_operation, "open", result_type=str)
     assert called == []
+    assert sends == []
+
+
+async def test_an_aborted_update_with_start_is_retried_with_one_update_id_and_fresh_starts() -> (
+    None
+):
+    sends: list[dict[str, Any]] = []
+    temporal = ops(answering(), sends)
+    aborted = RPCError("workflow update was aborted", RPCStatusCode.UNAVAILABLE, b"")
+    client = cast(Any, temporal.client)
+    answer = client.execute_update_with_start_workflow
+
+    async def aborting_twice(update: str, **kwargs: Any) -> str:
+        result = await answer(update, **kwargs)
+        if len(sends) <= 2:
+            raise aborted
+        return str(result)
+
+    client.execute_update_with_start_workflow = aborting_twice
+
+    assert await temporal.update_with_start(start_operation, "open", "x", result_type=str) == "sent"
+
+    assert len(sends) == 3
+    assert len({s["id"] for s in sends}) == 1
+    assert sends[0]["id"].startswith("open-")
+    assert all(s["args"] == ("x",) for s in sends)
+    operations = [s["start_workflow_operation"] for s in sends]
+    assert len({id(o) for o in operations}) == 3  # the SDK's operations are single-use
+
+
+async def test_a_503_names_what_the_request_would_have_created() -> None:
+    temporal = ops(answering(RPCError("connection refused", RPCStatusCode.UNAVAILABLE, b"")))
+
+    with pytest.raises(TemporalUnavailable) as raised:
+        await temporal.update_with_start(
+            start_operation, "reserve", result_type=str, accepted_as=("allocation", "a-1")
+        )
+
+    assert raised.value.details == {"allocation_id": "a-1"}
+    assert raised.value.message.endswith("if the request was accepted, the allocation is a-1")

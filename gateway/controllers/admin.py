@@ -16,8 +16,9 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from contracts.states import TokenRole
 from gateway import allocations, audit, identity, timeline
 from gateway.auth import Principal, admin_guard
-from gateway.controllers.common import audit_reason, errors
+from gateway.controllers.common import audit_reason
 from gateway.errors import InvalidRequest, NotFound, Unprocessable
+from gateway.openapi import errors
 from gateway.schemas import (
     AllocationDetail,
     AllocationList,

@@ -23,7 +23,7 @@ from gateway.allocation_group_schemas import (
 )
 from gateway.allocations import IDEMPOTENCY_HEADER
 from gateway.auth import Principal, admin_guard, tenant_guard
-from gateway.controllers.common import errors
+from gateway.openapi import errors
 from gateway.runtime import Runtime
 from gateway.schemas import ForceRelease
 from gateway.temporal import TemporalOps

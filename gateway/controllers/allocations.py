@@ -14,7 +14,7 @@ from core.config import Settings
 from gateway import allocations, timeline
 from gateway.allocations import IDEMPOTENCY_HEADER
 from gateway.auth import Principal, tenant_guard
-from gateway.controllers.common import errors
+from gateway.openapi import errors
 from gateway.runtime import Runtime
 from gateway.schemas import (
     AllocationCreate,

@@ -22,8 +22,8 @@ from temporalio.api.common.v1 import Payload
 from core.codec import AesGcmPayloadCodec
 from gateway import audit, codec_session
 from gateway.auth import Principal, admin_guard, codec_guard
-from gateway.controllers.common import errors
 from gateway.errors import InvalidRequest, Unprocessable
+from gateway.openapi import errors
 from gateway.runtime import Runtime
 from gateway.schemas import CodecPayload, CodecPayloads, CodecSession
 

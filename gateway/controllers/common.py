@@ -13,7 +13,6 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from core.config import Settings
 from gateway.auth import Principal
 from gateway.errors import InvalidRequest
-from gateway.openapi import errors as errors  # routes declare their own error statuses with it
 from gateway.runtime import Runtime
 from gateway.temporal import TemporalOps
 

@@ -14,7 +14,6 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from contracts.decommission import OperatorAction
 from gateway import decommissions
 from gateway.auth import Principal, admin_guard
-from gateway.controllers.common import errors
 from gateway.decommissions import (
     ActionAnswer,
     ActionRequest,
@@ -25,6 +24,7 @@ from gateway.decommissions import (
     StorageCleanupCreate,
 )
 from gateway.errors import NotFound
+from gateway.openapi import errors
 from gateway.runtime import Runtime
 from gateway.temporal import TemporalOps
 

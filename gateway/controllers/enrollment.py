@@ -31,8 +31,9 @@ from core.enrollment_token import (
 from core.task_queues import node_task_queue
 from gateway.admin_operations import actor, per_request, run_admin_operation
 from gateway.auth import Principal, admin_guard
-from gateway.controllers.common import audit_reason, errors
+from gateway.controllers.common import audit_reason
 from gateway.errors import ApiError
+from gateway.openapi import errors
 from gateway.runtime import Runtime
 from gateway.schemas import Reason
 from gateway.schemas import Request as RequestBody

@@ -25,8 +25,8 @@ from contracts.admin_operation import (
 from core.timestamps import parse_iso
 from gateway.admin_operations import actor, run_admin_operation
 from gateway.auth import Principal, admin_guard
-from gateway.controllers.common import errors
 from gateway.errors import NotFound
+from gateway.openapi import errors
 from gateway.runtime import Runtime
 from gateway.schemas import Reason
 from gateway.schemas import Request as RequestBody

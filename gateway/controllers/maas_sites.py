@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway import maas_sites
 from gateway.auth import admin_guard
-from gateway.controllers.common import AdminCall, errors, provide_admin_call
+from gateway.controllers.common import AdminCall, provide_admin_call
 from gateway.maas_schemas import (
     CredentialsWritten,
     PowerOverrideCreate,
@@ -37,6 +37,7 @@ from gateway.maas_schemas import (
     SitePatch,
     SiteView,
 )
+from gateway.openapi import errors
 from schema.models import MaasPowerCredentialOverride, MaasRoceAssignment
 
 SiteRow = TypeVar("SiteRow", MaasRoceAssignment, MaasPowerCredentialOverride)

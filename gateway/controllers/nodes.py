@@ -40,9 +40,10 @@ from contracts.node_drain import DrainStatus
 from contracts.states import NodeStatus, SlotStatus
 from gateway.admin_operations import actor, run_admin_operation
 from gateway.auth import admin_guard
-from gateway.controllers.common import AdminCall, errors, provide_admin_call
+from gateway.controllers.common import AdminCall, provide_admin_call
 from gateway.errors import NotFound, unknown_query_value
 from gateway.lifecycle_jobs import checked_reason
+from gateway.openapi import errors
 from gateway.pagination import newest_first_page
 from gateway.schemas import Reason
 from gateway.schemas import Request as RequestBody

@@ -35,8 +35,8 @@ from core.payment_settings import NotificationSettings
 from core.timestamps import parse_iso
 from gateway.admin_operations import actor, per_request, run_admin_operation
 from gateway.auth import Principal, tenant_guard
-from gateway.controllers.common import errors
 from gateway.errors import NotFound, Unprocessable
+from gateway.openapi import errors
 from gateway.pagination import newest_first_page
 from gateway.runtime import Runtime
 from gateway.schemas import Request as RequestBody

@@ -15,7 +15,6 @@ from contracts.onboarding import OperatorAction
 from gateway import onboardings
 from gateway.allocations import IDEMPOTENCY_HEADER
 from gateway.auth import Principal, admin_guard
-from gateway.controllers.common import errors
 from gateway.errors import NotFound
 from gateway.onboarding_schemas import (
     BatchCreated,
@@ -27,6 +26,7 @@ from gateway.onboarding_schemas import (
     OperatorActionAnswer,
     OperatorActionRequest,
 )
+from gateway.openapi import errors
 from gateway.runtime import Runtime
 from gateway.temporal import TemporalOps
 

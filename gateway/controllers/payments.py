@@ -23,7 +23,7 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath, HeaderParameter, JSONBody, QueryParameter
 from sqlalchemy import func, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
-from temporalio.client import Client, WithStartWorkflowOperation, WorkflowUpdateFailedError
+from temporalio.client import WithStartWorkflowOperation, WorkflowUpdateFailedError
 from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 from temporalio.exceptions import ApplicationError
 
@@ -56,7 +56,6 @@ from core.timestamps import parse_iso
 from gateway.admin_operations import run_admin_operation
 from gateway.allocations import IDEMPOTENCY_HEADER, validate_idempotency_key
 from gateway.auth import Principal, admin_guard, tenant_guard
-from gateway.controllers.common import errors
 from gateway.errors import (
     ApiError,
     InvalidRequest,
@@ -64,6 +63,7 @@ from gateway.errors import (
     ServiceUnavailable,
     Unprocessable,
 )
+from gateway.openapi import errors
 from gateway.runtime import Runtime
 from gateway.temporal import TemporalOps
 from schema.models import PaymentSession, PaymentSessionEvent
@@ -210,35 +210,29 @@ async def create_checkout_session(
     await db.close()  # never hold a connection across a Temporal call
 
     fingerprint = request_fingerprint(body)
-    start: WithStartWorkflowOperation[Any, Any] = WithStartWorkflowOperation(
-        WORKFLOW_NAME,
-        PaymentSessionInput(
-            payment_session_id=str(payment_session_id),
-            project_id=str(project_id),
-            amount_minor=body.amount_minor,
-            currency=body.currency,
-            idempotency_key=key,
-            request_fingerprint=fingerprint,
-        ),
-        id=payment_session_workflow_id(str(payment_session_id)),
-        id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-        id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE_FAILED_ONLY,
-        task_queue=task_queue,
-        result_type=SettleResult,
+    workflow_input = PaymentSessionInput(
+        payment_session_id=str(payment_session_id),
+        project_id=str(project_id),
+        amount_minor=body.amount_minor,
+        currency=body.currency,
+        idempotency_key=key,
+        request_fingerprint=fingerprint,
     )
-
-    async def checkout(client: Client) -> CheckoutCreated:
-        created: CheckoutCreated = await client.execute_update_with_start_workflow(
+    try:
+        created = await temporal.update_with_start(
+            lambda: WithStartWorkflowOperation(
+                WORKFLOW_NAME,
+                workflow_input,
+                id=payment_session_workflow_id(str(payment_session_id)),
+                id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+                id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE_FAILED_ONLY,
+                task_queue=task_queue,
+                result_type=SettleResult,
+            ),
             CHECKOUT_UPDATE,
             fingerprint,
-            start_workflow_operation=start,
             result_type=CheckoutCreated,
-            rpc_timeout=temporal.rpc_timeout,
         )
-        return created
-
-    try:
-        created = await temporal.update(checkout)
     except WorkflowUpdateFailedError as err:
         cause = err.cause
         if isinstance(cause, ApplicationError) and cause.type == IDEMPOTENCY_KEY_REUSED:

@@ -25,8 +25,8 @@ from contracts.maas_reconciler import reconciler_schedule_id
 from core.timestamps import parse_iso
 from gateway.admin_operations import actor, run_admin_operation
 from gateway.auth import Principal, admin_guard
-from gateway.controllers.common import errors
 from gateway.errors import Conflict, NotFound, unknown_query_value
+from gateway.openapi import errors
 from gateway.runtime import Runtime
 from gateway.schemas import Reason
 from gateway.schemas import Request as RequestBody

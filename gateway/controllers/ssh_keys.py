@@ -14,8 +14,8 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway import audit
 from gateway.auth import Principal, tenant_guard
-from gateway.controllers.common import errors
 from gateway.errors import Conflict, NotFound, Unprocessable
+from gateway.openapi import errors
 from gateway.schemas import SshKeyCreate, SshKeyList, SshKeyView
 from gateway.sshkeys import SshKeyInvalid, parse_public_key
 from schema.models import SshKey

@@ -55,8 +55,9 @@ from gateway import audit
 from gateway.admin_operations import actor, run_admin_operation
 from gateway.allocations import IDEMPOTENCY_HEADER
 from gateway.auth import Principal, admin_guard, tenant_guard
-from gateway.controllers.common import audit_reason, errors
+from gateway.controllers.common import audit_reason
 from gateway.errors import ApiError, Conflict, NotFound
+from gateway.openapi import errors
 from gateway.pagination import newest_first_page
 from gateway.runtime import Runtime
 from gateway.schemas import Reason
@@ -371,29 +372,20 @@ class AllocationAttachmentsController(Controller):
                 retry_initial_seconds=settings.release_retry_initial_seconds,
             ),
         )
-        update_id = f"open-{uuid.uuid4()}"
-
-        async def open_attachment(client: Client) -> AttachmentView:
-            start: WithStartWorkflowOperation[Any, Any] = WithStartWorkflowOperation(
-                WORKFLOW_NAME,
-                workflow_input,
-                id=workflow_id,
-                id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-                id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
-                task_queue=settings.control_plane_task_queue,
-                result_type=AttachmentView,
-            )
-            view: AttachmentView = await client.execute_update_with_start_workflow(
-                OPEN_UPDATE,
-                id=update_id,
-                start_workflow_operation=start,
-                result_type=AttachmentView,
-                rpc_timeout=temporal.rpc_timeout,
-            )
-            return view
-
         try:
-            await temporal.update_with_start(open_attachment)
+            await temporal.update_with_start(
+                lambda: WithStartWorkflowOperation(
+                    WORKFLOW_NAME,
+                    workflow_input,
+                    id=workflow_id,
+                    id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+                    id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+                    task_queue=settings.control_plane_task_queue,
+                    result_type=AttachmentView,
+                ),
+                OPEN_UPDATE,
+                result_type=AttachmentView,
+            )
         except WorkflowUpdateFailedError as err:
             cause = err.cause
             if isinstance(cause, ApplicationError):

@@ -14,7 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from gateway import audit
 from gateway import terminal_sessions as terminals
 from gateway.auth import Principal, admin_guard, tenant_guard
-from gateway.controllers.common import errors
+from gateway.openapi import errors
 from gateway.runtime import Runtime
 from gateway.temporal import TemporalOps
 from gateway.terminal_sessions import (
