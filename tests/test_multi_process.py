@@ -1,15 +1,26 @@
-"""Two control-plane workers and two gateways at once, all real processes (`python -m worker`,
-`python -m gateway.serve`) on one task queue, as a production deployment with more than one of
-each runs. One worker is killed (SIGKILL) mid-provision, mid-onboarding and mid-decommission: the
-one that holds the lifecycle's workflow (it completed the last workflow task, so the workflow
-sits in its sticky cache), so Temporal has to move the workflow to the survivor. Every lifecycle
-still ends exactly once:
+"""Two control-plane workers and two gateways at once, all real processes (`worker.main`,
+`gateway.serve.main`, started as bin/stack starts them) on one task queue, as a production
+deployment with more than one of each runs. One worker is killed (SIGKILL) mid-provision, mid-onboarding and mid-decommission:
+
+- mid-onboarding and mid-decommission, the worker RUNNING the in-flight control-plane activity
+  (the MAAS deploy wait, the MAAS release wait; Temporal's pending activity names the worker):
+  it stops heartbeating, the activity's heartbeat timeout (the workflow's, as production sets
+  it) expires and a survivor runs the next attempt, which has to pick the MAAS wait up where it
+  stands rather than deploy or release again;
+- mid-provision, the in-flight activity is the host task, run by the node's agent (its node
+  queue), not by a control-plane worker: the worker killed is the one that holds the workflow
+  (it completed the last workflow task, so the workflow sits in its sticky cache), so Temporal
+  has to move the workflow to the survivor while the host works.
+
+Every lifecycle still ends exactly once:
 
 - in SQL: one allocation row in its final state with one usage window, one onboarding and one
   node record per machine, one MAAS deploy and one MAAS release per machine (the MAAS
-  simulator's own request counters), one final job state and its domain event;
-- in Temporal's history: the workflow completed once, each side effect's activity completed
-  once, and workflow tasks ran on both the killed worker and the survivor.
+  simulator's own request counters), one final job state and its domain event; the host ran
+  the provision once;
+- in Temporal's history: the workflow completed once, by a survivor; each side effect's
+  activity completed once; the killed activity's attempt was lost to its heartbeat timeout and
+  the attempt that completed ran on a survivor; a killed workflow holder had run workflow tasks.
 
 Requests alternate between the two gateways (a tenant's POST on one, its reads on the other).
 Each process logs in to Vault by AppRole with its component's policy (devstack/vault_auth.py), as
@@ -19,13 +30,10 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,7 +41,12 @@ from typing import Any
 import httpx
 import pytest
 from sqlalchemy import func, select, text
-from temporalio.api.enums.v1 import EventType, TaskQueueType
+from temporalio.api.enums.v1 import (
+    EventType,
+    PendingActivityState,
+    TaskQueueType,
+    TimeoutType,
+)
 from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.client import Client, WorkflowHandle
@@ -44,19 +57,20 @@ from contracts.onboarding import onboarding_workflow_id
 from core.config import Settings
 from core.temporal import process_identity
 from core.vault_policies import GATEWAY, WORKER
-from devstack.processes import free_port
+from devstack.processes import Child, free_port, python_entry, tail
 from devstack.vault_auth import provision
 from schema.models import DomainEvent, Node, NodeOnboardingEvent
 from sim.config import SimHostConfig
 from sim.host import SimulatedHost
 from tests.gateway_fixtures import bearer, ed25519_public_key
-from tests.lifecycle_support import create_fleet, events_of, slice_request
+from tests.lifecycle_support import create_fleet, events_of, eventually, slice_request
 from tests.maas_fixtures import sim_machine, sim_scenario
 from tests.onboarding_fixtures import ONBOARD_SKU, OnboardingRig
 from tests.vault_fixtures import VaultServer
 
 REPO = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 60.0
+WAIT_TIMEOUT_S = 90.0
 WORKER_IDENTITY = "gpucloud-control-plane@"
 
 
@@ -84,26 +98,27 @@ def worker_identity(pid: int) -> str:
 
 @dataclass
 class Deployment:
-    """The control-plane processes of one test; each is stopped at the fixture's teardown."""
+    """The control-plane processes of one test, each started as bin/stack starts it
+    (devstack.processes.Child: its own log, dies with the test process); each is stopped at
+    the fixture's teardown."""
 
     env: dict[str, str]
     logs: Path
     # Each component logs in to Vault by AppRole with its own policy, as under bin/stack.
     vault_auth: dict[str, dict[str, str]]
-    workers: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
-    gateways: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
+    workers: dict[int, Child] = field(default_factory=dict)
+    gateways: list[tuple[str, Child]] = field(default_factory=list)
 
-    def _spawn(
-        self, argv: list[str], env: dict[str, str], log_name: str
-    ) -> subprocess.Popen[bytes]:
-        with (self.logs / log_name).open("ab") as log:
-            return subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    async def _spawn(self, name: str, module: str, env: dict[str, str]) -> Child:
+        child = Child(name, python_entry(module), self.logs / f"{name}.log", env, REPO)
+        await child.start()
+        return child
 
-    def start_worker(self, **extra_env: str) -> subprocess.Popen[bytes]:
+    async def start_worker(self, **extra_env: str) -> None:
         env = {**self.env, **self.vault_auth[WORKER.role], **extra_env}
-        process = self._spawn([sys.executable, "-m", "worker"], env, "workers.log")
-        self.workers[process.pid] = process
-        return process
+        child = await self._spawn(f"worker-{len(self.workers)}", "worker", env)
+        assert child.pid is not None
+        self.workers[child.pid] = child
 
     async def start_gateway(self) -> str:
         port = free_port()
@@ -113,20 +128,20 @@ class Deployment:
             "GPUCLOUD_GATEWAY_HOST": "127.0.0.1",
             "GPUCLOUD_GATEWAY_PORT": str(port),
         }
-        process = self._spawn([sys.executable, "-m", "gateway.serve"], env, "gateways.log")
+        child = await self._spawn(f"gateway-{len(self.gateways)}", "gateway.serve", env)
         url = f"http://127.0.0.1:{port}"
-        self.gateways.append((url, process))
+        self.gateways.append((url, child))
         deadline = time.monotonic() + READY_TIMEOUT_S
         async with httpx.AsyncClient(timeout=2) as client:
             while time.monotonic() < deadline:
-                assert process.poll() is None, self.log_tail("gateways.log")
+                assert child.running, tail(child.log_path)
                 try:
                     if (await client.get(f"{url}/healthz")).status_code == 200:
                         return url
                 except httpx.HTTPError:
                     pass
                 await asyncio.sleep(0.1)
-        raise AssertionError(f"gateway {url} never answered:\n{self.log_tail('gateways.log')}")
+        raise AssertionError(f"gateway {url} never answered:\n{tail(child.log_path)}")
 
     async def wait_polling(self, client: Client, queue: str) -> None:
         """Until every live worker polls the queue for workflow and activity tasks: a request
@@ -149,31 +164,20 @@ class Deployment:
                     return False
             return True
 
-        await until(polled_by_all, "the workers to poll", timeout=READY_TIMEOUT_S)
+        await eventually(polled_by_all, timeout=READY_TIMEOUT_S)
 
     def live_workers(self) -> list[int]:
-        return [pid for pid, p in self.workers.items() if p.poll() is None]
+        return [pid for pid, child in self.workers.items() if child.running]
 
-    def kill(self, pid: int) -> None:
-        process = self.workers[pid]
-        process.send_signal(signal.SIGKILL)
-        process.wait(timeout=10)
+    async def kill(self, pid: int) -> None:
+        """SIGKILL: the worker gets no chance to fail its tasks or leave its sticky queue."""
+        child = self.workers[pid]
+        child.kill()
+        await asyncio.wait_for(child.wait(), 10)
 
-    def log_tail(self, name: str) -> str:
-        path = self.logs / name
-        return path.read_text(errors="replace")[-4000:] if path.exists() else ""
-
-    def stop(self) -> None:
-        processes = [*self.workers.values(), *(p for _, p in self.gateways)]
-        for process in processes:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in processes:
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+    async def stop(self) -> None:
+        children = [*self.workers.values(), *(child for _, child in self.gateways)]
+        await asyncio.gather(*(child.stop(grace_s=20) for child in children))
 
 
 @pytest.fixture
@@ -185,16 +189,7 @@ async def deployment(
     try:
         yield running
     finally:
-        running.stop()
-
-
-async def until(check: Callable[[], Awaitable[Any]], what: str, timeout: float = 90.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := await check():
-            return value
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+        await running.stop()
 
 
 async def history_of(handle: WorkflowHandle[Any, Any]) -> list[Any]:
@@ -214,26 +209,70 @@ async def worker_holding(handle: WorkflowHandle[Any, Any], deployment: Deploymen
     raise AssertionError(f"no live worker has run {handle.id} yet: {sorted(live)}")
 
 
-async def assert_completed_once(handle: WorkflowHandle[Any, Any], killed: int) -> Counter[str]:
-    """The workflow closed once, as completed; its workflow tasks ran on the killed worker and on
-    a survivor. Returns how many times each activity type completed."""
+async def worker_running(
+    handle: WorkflowHandle[Any, Any], activity: str, deployment: Deployment
+) -> int:
+    """The pid of the live worker running the first attempt of the workflow's pending
+    `activity`: Temporal names the worker that polled it (last_worker_identity)."""
+    live = {worker_identity(pid): pid for pid in deployment.live_workers()}
+
+    async def started() -> int | None:
+        description = await handle.describe()
+        for pending in description.raw_description.pending_activities:
+            if (
+                pending.activity_type.name == activity
+                and pending.state == PendingActivityState.PENDING_ACTIVITY_STATE_STARTED
+            ):
+                assert pending.attempt == 1, pending
+                assert pending.last_worker_identity in live, (pending, sorted(live))
+                return live[pending.last_worker_identity]
+        return None
+
+    return await eventually(started, timeout=WAIT_TIMEOUT_S)
+
+
+def pid_of(identity: str) -> int:
+    assert identity.startswith(WORKER_IDENTITY), identity
+    return int(identity.rpartition(":")[2])
+
+
+async def assert_completed_once(
+    handle: WorkflowHandle[Any, Any], killed: int, *, retried: str | None = None
+) -> Counter[str]:
+    """The workflow closed once, as completed, its last workflow task on a survivor. With
+    `retried`, the killed worker ran that activity: its attempt was lost to the heartbeat
+    timeout and the one that completed ran on a survivor. Without, the killed worker held the
+    workflow: workflow tasks ran on it and on a survivor. Returns how many times each activity
+    type completed."""
     history = await history_of(handle)
     closes = [e for e in history if e.event_type in CLOSE_EVENTS]
     assert [e.event_type for e in closes] == [EventType.EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED]
     assert history[-1] is closes[0]
-    pids = {
-        int(e.workflow_task_completed_event_attributes.identity.rpartition(":")[2])
+    workflow_tasks = [
+        pid_of(e.workflow_task_completed_event_attributes.identity)
         for e in history
         if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED
-        and e.workflow_task_completed_event_attributes.identity.startswith(WORKER_IDENTITY)
-    }
-    assert killed in pids, pids
-    assert len(pids) >= 2, pids
+    ]
+    assert workflow_tasks[-1] != killed, workflow_tasks
     scheduled = {
         e.event_id: e.activity_task_scheduled_event_attributes.activity_type.name
         for e in history
         if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
     }
+    if retried is None:
+        assert killed in workflow_tasks, workflow_tasks
+        assert len(set(workflow_tasks)) >= 2, workflow_tasks
+    else:
+        (started,) = [
+            e.activity_task_started_event_attributes
+            for e in history
+            if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED
+            and scheduled[e.activity_task_started_event_attributes.scheduled_event_id] == retried
+        ]
+        assert started.attempt >= 2, started
+        assert pid_of(started.identity) != killed, started
+        timeout = started.last_failure.timeout_failure_info.timeout_type
+        assert timeout == TimeoutType.TIMEOUT_TYPE_HEARTBEAT, started.last_failure
     return Counter(
         scheduled[e.activity_task_completed_event_attributes.scheduled_event_id]
         for e in history
@@ -257,7 +296,7 @@ async def api_status(client: httpx.AsyncClient, path: str, *wanted: str) -> dict
         return body if body.get("status") in wanted else None
 
     try:
-        return await until(check, f"{path} to reach {wanted}")  # type: ignore[no-any-return]
+        return await eventually(check, timeout=WAIT_TIMEOUT_S)
     except AssertionError:
         current = (await client.get(path)).text
     raise AssertionError(f"{path} never reached {wanted}: {current}")
@@ -275,7 +314,7 @@ async def test_a_worker_killed_mid_provision_leaves_one_allocation_lifecycle(
     host = SimulatedHost(str(node.id), config=SimHostConfig(phase_delay_s=1.0))
     await start_node_agent(node.id, host=host)
     for _ in range(2):
-        deployment.start_worker()
+        await deployment.start_worker()
     await deployment.wait_polling(temporal_client, deployment.env["GPUCLOUD_TASK_QUEUE"])
     first_url, second_url = [await deployment.start_gateway() for _ in range(2)]
     token = bearer(await make_token("tenant", await make_project()))
@@ -299,11 +338,11 @@ async def test_a_worker_killed_mid_provision_leaves_one_allocation_lifecycle(
         async def host_provisioning() -> int:
             return host.attempts(SLICE_VM_PROVISION, allocation_id)
 
-        await until(host_provisioning, "the host provisioning to start")
+        await eventually(host_provisioning, timeout=WAIT_TIMEOUT_S)
 
         handle = temporal_client.get_workflow_handle(f"allocation-{allocation_id}")
         killed = await worker_holding(handle, deployment)
-        deployment.kill(killed)
+        await deployment.kill(killed)
 
         assert (await api_status(first, path, "active", "failed"))["status"] == "active"
         released = await second.post(f"{path}/release")
@@ -332,9 +371,14 @@ async def test_a_worker_killed_mid_provision_leaves_one_allocation_lifecycle(
 
 
 MACHINE = ("mp-a", "10.176.21.10")
+# Long enough (simulated seconds, at TEST_TIME_SCALE) for the deploy and the release waits to be
+# caught running and their worker killed; both are over when the next attempt starts, after the
+# heartbeat timeout (15 s for onboarding's stages, 60 s for decommission's), which then finds
+# the machine Deployed, or Ready with its disks erased (adopted), and issues nothing again.
+SLOW_MAAS = {"deploying": 8_000, "disk_erasing": 8_000}
 
 
-@pytest.mark.maas_scenario(sim_scenario(sim_machine(*MACHINE, status="New")))
+@pytest.mark.maas_scenario(sim_scenario(sim_machine(*MACHINE, status="New", timings=SLOW_MAAS)))
 async def test_a_worker_killed_mid_onboarding_and_mid_decommission_leaves_one_of_each(
     onboarding_without_worker: OnboardingRig,
     deployment: Deployment,
@@ -352,11 +396,11 @@ async def test_a_worker_killed_mid_onboarding_and_mid_decommission_leaves_one_of
         "GPUCLOUD_SIM_MACHINES_DIR": str(rig.first_boot.machines_dir),
     }
 
-    def start_worker(n: int) -> None:
-        deployment.start_worker(GPUCLOUD_PUBLIC_API_URL=gateways[n % 2], **simulated_hosts)
+    async def start_worker(n: int) -> None:
+        await deployment.start_worker(GPUCLOUD_PUBLIC_API_URL=gateways[n % 2], **simulated_hosts)
 
     for n in range(2):
-        start_worker(n)
+        await start_worker(n)
     queue = deployment.env["GPUCLOUD_TASK_QUEUE"]
     await deployment.wait_polling(temporal_client, queue)
     admin = bearer(await make_token("admin"))
@@ -390,11 +434,13 @@ async def test_a_worker_killed_mid_onboarding_and_mid_decommission_leaves_one_of
                     )
                 )
 
-        await until(deployed, "the deploy to be issued")
+        await eventually(deployed, timeout=WAIT_TIMEOUT_S)
         onboarding = temporal_client.get_workflow_handle(onboarding_workflow_id(onboarding_id))
-        killed_onboarding = await worker_holding(onboarding, deployment)
-        deployment.kill(killed_onboarding)
-        start_worker(2)  # two workers again before the next lifecycle
+        killed_onboarding = await worker_running(
+            onboarding, "onboarding.wait_for_deployed", deployment
+        )
+        await deployment.kill(killed_onboarding)
+        await start_worker(2)  # two workers again before the next lifecycle
         await deployment.wait_polling(temporal_client, queue)
 
         job = await api_status(
@@ -414,23 +460,28 @@ async def test_a_worker_killed_mid_onboarding_and_mid_decommission_leaves_one_of
         assert started.status_code in (200, 201, 202), started.text
         decommission_id = started.json()["decommission_id"]
         path = f"/api/v1/admin/decommissions/{decommission_id}"
-        await until(
-            lambda: _at_stage(first, path, "release_maas_node", "power_off_maas_node"),
-            "the MAAS release",
+        await eventually(
+            lambda: _at_stage(first, path, "release_maas_node"), timeout=WAIT_TIMEOUT_S
         )
         decommission = temporal_client.get_workflow_handle(
             decommission_workflow_id(decommission_id)
         )
-        killed_decommission = await worker_holding(decommission, deployment)
-        deployment.kill(killed_decommission)
+        killed_decommission = await worker_running(
+            decommission, "decommission.release_maas_node", deployment
+        )
+        await deployment.kill(killed_decommission)
         final = await api_status(
             first, path, "completed", "failed_retryable", "failed_manual_intervention"
         )
         assert final["status"] == "completed", final
 
-    onboarded = await assert_completed_once(onboarding, killed_onboarding)
+    onboarded = await assert_completed_once(
+        onboarding, killed_onboarding, retried="onboarding.wait_for_deployed"
+    )
     assert onboarded["onboarding.deploy_via_maas"] == 1, onboarded
-    decommissioned = await assert_completed_once(decommission, killed_decommission)
+    decommissioned = await assert_completed_once(
+        decommission, killed_decommission, retried="decommission.release_maas_node"
+    )
     assert decommissioned["decommission.release_maas_node"] == 1, decommissioned
     counters = await rig.maas_sim.counters()
     (machine,) = counters["machines"].values()
