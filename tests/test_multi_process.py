@@ -1,6 +1,7 @@
 """Two control-plane workers and two gateways at once, all real processes (`worker.main`,
 `gateway.serve.main`, started as bin/stack starts them) on one task queue, as a production
-deployment with more than one of each runs. One worker is killed (SIGKILL) mid-provision, mid-onboarding and mid-decommission:
+deployment with more than one of each runs. One worker is killed (SIGKILL) mid-provision,
+mid-onboarding and mid-decommission:
 
 - mid-onboarding and mid-decommission, the worker RUNNING the in-flight control-plane activity
   (the MAAS deploy wait, the MAAS release wait; Temporal's pending activity names the worker):
