@@ -374,6 +374,9 @@ def _member_of(event: AllocationGroupEvent) -> uuid.UUID | None:
 
 # --- release ---
 
+# Group states in which a plain (not forced) release asks nothing more of the members.
+_RELEASE_ANSWERED = frozenset({AllocationGroupStatus.RELEASING, AllocationGroupStatus.RELEASED})
+
 
 async def release(
     db: AsyncSession,
@@ -388,6 +391,17 @@ async def release(
     group = await get_row(db, group_id, project_id)
     prior, workflow_id = group.status, group.workflow_id
     await db.close()
+    if prior in _RELEASE_ANSWERED and not request.force:
+        # What the workflow would answer (the read model never runs ahead of it), without an
+        # update: a client repeating its release costs Temporal nothing.
+        answer = GroupReleaseResponse(
+            group_id=group_id,
+            status=prior,
+            prior_status=prior,
+            expected_status=prior,
+            members_asked=False,
+        )
+        return answer, prior, workflow_id
     accepted = await allocations.update_running(
         temporal,
         workflow_id,

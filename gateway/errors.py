@@ -152,6 +152,18 @@ class TemporalUnavailable(ServiceUnavailable):
         super().__init__(message, code="temporal_unavailable", details=details)
 
 
+class TemporalBusy(ServiceUnavailable):
+    """Temporal refused the call for load (RESOURCE_EXHAUSTED): most often more concurrent
+    updates on one workflow than the server admits (history.maxInFlightUpdates, 10 by default).
+    The SDK retried it already; nothing was applied, so the same request again is safe."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "Temporal is busy with this resource's other requests; retry shortly",
+            code="temporal_busy",
+        )
+
+
 class SecretStoreUnavailable(ServiceUnavailable):
     def __init__(self, message: str = "the secret store is not reachable; retry shortly") -> None:
         super().__init__(message, code="secret_store_unavailable")
@@ -188,6 +200,13 @@ def is_temporal_unavailable(exc: BaseException) -> bool:
         if isinstance(e, RuntimeError) and "client connect" in str(e).lower():
             return True
     return False
+
+
+def is_temporal_busy(exc: BaseException) -> bool:
+    return any(
+        isinstance(e, RPCError) and e.status == RPCStatusCode.RESOURCE_EXHAUSTED
+        for e in _chain(exc)
+    )
 
 
 def cause_summary(exc: BaseException) -> str:
@@ -232,6 +251,8 @@ def translate(exc: BaseException) -> ApiError | None:
         return exc
     if is_temporal_unavailable(exc):
         return TemporalUnavailable()
+    if is_temporal_busy(exc):
+        return TemporalBusy()
     if is_database_unavailable(exc):
         return DatabaseUnavailable()
     if isinstance(exc, SecretStoreError):

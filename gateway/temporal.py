@@ -1,5 +1,8 @@
 """Every Temporal call the gateway makes goes through TemporalOps, which bounds it in time and
-turns "Temporal is not answering" into TemporalUnavailable (503 temporal_unavailable).
+turns "Temporal is not answering" into TemporalUnavailable (503 temporal_unavailable) and
+"Temporal refused it for load" (RESOURCE_EXHAUSTED, which the SDK retries for ~16 s first: a
+workflow with more concurrent updates than the server admits) into TemporalBusy (503
+temporal_busy).
 
 The SDK retries UNAVAILABLE for ~10 s on its own, and update-with-start loops until a worker
 accepts the update; an outer deadline keeps the HTTP answer prompt. Answers from Temporal that
@@ -24,7 +27,12 @@ from temporalio.client import (
 from temporalio.service import RPCError, RPCStatusCode
 
 from core.config import Settings
-from gateway.errors import TemporalUnavailable, is_temporal_unavailable
+from gateway.errors import (
+    TemporalBusy,
+    TemporalUnavailable,
+    is_temporal_busy,
+    is_temporal_unavailable,
+)
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -80,6 +88,8 @@ class TemporalOps:
         except Exception as err:
             if isinstance(err, OSError) or is_temporal_unavailable(err):
                 raise TemporalUnavailable() from err
+            if is_temporal_busy(err):
+                raise TemporalBusy() from err
             raise
 
     async def read(self, call: Callable[[Client], Awaitable[T]]) -> T:

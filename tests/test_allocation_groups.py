@@ -381,11 +381,29 @@ async def test_concurrent_group_releases_release_each_member_once(
     group_id = created["group_id"]
     member_ids = [m["allocation_id"] for m in created["members"]]
 
-    answers = await asyncio.gather(
-        *(tenant.client.post(f"{GROUPS}/{group_id}/release") for _ in range(100))
-    )
-    assert {a.status_code for a in answers} == {202}
-    assert sum(a.json()["members_asked"] for a in answers) == 1
+    url = f"{GROUPS}/{group_id}/release"
+    answers = await asyncio.gather(*(tenant.client.post(url) for _ in range(100)))
+    # Temporal admits 10 concurrent updates per workflow; beyond that, once the SDK's own
+    # retries run out (a loaded machine), the answer is a retryable 503 that says so, never a
+    # 500. A client repeats it, as Retry-After asks.
+    refused = [a for a in answers if a.status_code != 202]
+    codes = {a.json()["error"]["code"] for a in refused}
+    assert codes <= {"temporal_busy", "temporal_unavailable"}, codes
+    assert all(a.headers["Retry-After"] for a in refused)
+    for _ in refused:
+        for _attempt in range(20):
+            again = await tenant.client.post(url)
+            if again.status_code == 202:
+                answers.append(again)
+                break
+            assert again.status_code == 503, again.text
+            await asyncio.sleep(0.5)
+        else:
+            raise AssertionError("a release was refused 20 times in a row")
+    asked = sum(a.json()["members_asked"] for a in answers if a.status_code == 202)
+    # temporal_busy means nothing was applied; only a timed-out call may have asked the
+    # members with its answer lost.
+    assert asked == 1 or (asked == 0 and "temporal_unavailable" in codes)
     await wait_group(tenant, group_id, "released", timeout=60)
     events = await group_events(db_sessions, group_id)
     assert events[0] == "requested"

@@ -15,7 +15,7 @@ from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.service import RPCError, RPCStatusCode
 
 from core.config import Settings
-from gateway.errors import TemporalUnavailable
+from gateway.errors import TemporalBusy, TemporalUnavailable, translate
 from gateway.temporal import TemporalOps
 
 RPC_SECONDS = 0.2  # the health check's bound is this + 0.5 s
@@ -142,3 +142,23 @@ async def test_a_503_names_what_the_request_would_have_created() -> None:
 
     assert raised.value.details == {"allocation_id": "a-1"}
     assert raised.value.message.endswith("if the request was accepted, the allocation is a-1")
+
+
+async def test_a_call_temporal_refused_for_load_is_a_503_temporal_busy() -> None:
+    """RESOURCE_EXHAUSTED is what the server answers a workflow's eleventh concurrent update
+    once the SDK stops retrying it: a 503 the client can repeat, never a 500."""
+    exhausted = RPCError(
+        "limit on number of concurrent in-flight updates has been reached (10)",
+        RPCStatusCode.RESOURCE_EXHAUSTED,
+        b"",
+    )
+
+    async def refused(client: Any) -> str:
+        raise exhausted
+
+    with pytest.raises(TemporalBusy) as raised:
+        await ops(answering()).update(refused)
+    assert raised.value.status_code == 503
+    assert raised.value.code == "temporal_busy"
+    assert raised.value.__cause__ is exhausted
+    assert isinstance(translate(exhausted), TemporalBusy)
