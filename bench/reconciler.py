@@ -36,6 +36,7 @@ from unittest import mock
 import httpx
 from sqlalchemy import event, func, insert, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine
+from temporalio.testing import ActivityEnvironment
 
 from activities.maas import client as maas_client
 from activities.maas.client import MaasClient
@@ -333,7 +334,10 @@ async def main_async(n: int) -> int:
                 await machines_lists(base_url, control, reset=True)
                 start = time.perf_counter()
                 with timer.installed():
-                    result = await activities.reconcile(ReconcileInput(str(site_id)))
+                    # The activity reads its context (the run id its re-seed claims carry).
+                    result = await ActivityEnvironment().run(
+                        activities.reconcile, ReconcileInput(str(site_id))
+                    )
                 wall = time.perf_counter() - start
                 lists = await machines_lists(base_url, control)
                 target = target_seconds(n)
