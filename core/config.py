@@ -72,6 +72,8 @@ class Settings:
     # and how long a close waits for the node agent's ack before it goes on regardless.
     terminal_session_max_ttl_seconds: float = 4 * 3600.0
     terminal_close_timeout_seconds: float = 15.0
+    # How long a terminal session's single-use open token may wait for the tenant's stream.
+    terminal_open_token_ttl_seconds: float = 60.0
     # The build id the control-plane worker reports to Temporal; the gateway starts workflows
     # with the BuildIds it implies (core.build_id). Unset, a checksum of the workflow code.
     build_id: str = field(default_factory=workflow_code_build_id)
@@ -128,6 +130,9 @@ class Settings:
                 e.get("GPUCLOUD_TERMINAL_SESSION_MAX_TTL_S", str(4 * 3600))
             ),
             terminal_close_timeout_seconds=float(e.get("GPUCLOUD_TERMINAL_CLOSE_TIMEOUT_S", "15")),
+            terminal_open_token_ttl_seconds=float(
+                e.get("GPUCLOUD_TERMINAL_OPEN_TOKEN_TTL_S", "60")
+            ),
             build_id=e.get("GPUCLOUD_BUILD_ID") or workflow_code_build_id(),
         )
 

@@ -112,6 +112,7 @@ def policy_from(settings: Settings) -> TerminalPolicy:
         node_schedule_to_start_seconds=settings.node_schedule_to_start_seconds,
         heartbeat_timeout_seconds=settings.host_heartbeat_timeout_seconds,
         close_timeout_seconds=settings.terminal_close_timeout_seconds,
+        open_token_ttl_seconds=settings.terminal_open_token_ttl_seconds,
     )
 
 

@@ -219,6 +219,55 @@ async def test_a_killed_agent_drops_the_stream(terminal_rig: Rig) -> None:
     await record_history(handle, HISTORIES, "node_stream_dropped")
 
 
+async def test_an_unclaimed_open_token_expires(terminal_rig: Rig) -> None:
+    """opening → error: nobody presents the open token in time. The session ends with
+    open_token_expired, the node never got a task, and the spent token opens nothing."""
+    rig = await terminal_rig(terminal_open_token_ttl_seconds=2.0)
+    created = await rig.open_session()
+    session_id = created["session_id"]
+    failed = await rig.wait_session(session_id, "error")
+    assert failed["close_reason"] == "open_token_expired"
+    assert failed["opened_at"] is None
+    late = await rig.connect(created)
+    assert (await late.control("error"))["code"] == "open_token_invalid"
+    timeline = (await rig.tenant.get(f"/api/v1/allocations/{rig.allocation_id}/timeline")).json()
+    assert not [i for i in timeline["items"] if i.get("name", "").startswith("terminal.")]
+    # The allocation has no live session any more: a reopen is a new one.
+    reopened = await rig.open_session()
+    assert reopened["session_id"] != session_id
+    handle = rig.temporal.get_workflow_handle(terminal_workflow_id(session_id))
+    await record_history(handle, HISTORIES, "open_token_expired")
+
+
+async def test_an_unreachable_node_fails_the_open(
+    terminal_rig: Rig, db_sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    """opening → error: the token is claimed but the node's agent is gone, so terminal.open
+    waits in the node's queue past its schedule-to-start deadline. The tenant's stream is told
+    node_unreachable, the session ends in error with that reason, and its task is failed."""
+    rig = await terminal_rig(node_schedule_to_start_seconds=4.0)
+    rig.agent.kill()
+    created = await rig.open_session()
+    session_id = created["session_id"]
+    term = await rig.connect(created)
+    error = await term.control("error", timeout=90)
+    assert error["code"] == "node_unreachable"
+    failed = await rig.wait_session(session_id, "error")
+    assert failed["close_reason"] == "node_unreachable"
+    assert failed["opened_at"] is None
+    async with db_sessions() as session:
+        (task,) = (
+            await session.scalars(
+                select(NodeTask)
+                .where(NodeTask.allocation_id == uuid.UUID(rig.allocation_id))
+                .where(NodeTask.kind == "terminal.open")
+            )
+        ).all()
+    assert task.status == "failed"
+    handle = rig.temporal.get_workflow_handle(terminal_workflow_id(session_id))
+    await record_history(handle, HISTORIES, "node_unreachable")
+
+
 async def test_another_projects_allocation_is_not_found(
     terminal_rig: Rig, make_project: Any, make_token: Any
 ) -> None:
