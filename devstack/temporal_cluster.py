@@ -139,8 +139,8 @@ UI_SERVER_VERSION = "v2.42.1"
 
 
 def ui_server_path(*, build: bool = True) -> Path:
-    """The UI server binary, built once into the tools cache; only `bin/stack` needs it (the
-    tests do not), so bin/bootstrap leaves it to the stack's first run."""
+    """The UI server binary, built once into the tools cache (bin/bootstrap builds it: bin/stack
+    runs it, and the console's browser test checks in it that payloads decode)."""
     return go_tool_path(
         f"temporal-ui-server-{UI_SERVER_VERSION}",
         f"{UI_SERVER_MODULE}/cmd/server@{UI_SERVER_VERSION}",

@@ -9,8 +9,9 @@ screenshot under .artifacts/console/ (gitignored).
 - the batch page updates without a reload while the batch runs;
 - actions sent from the console (freezing a batch node's onboarding, force-releasing the
   allocation) reach their workflows and are in the audit log with the typed reason;
-- Temporal Web (the dev server's UI, its codec endpoint the gateway) decodes a workflow's input
-  after the console sign-in, with the dev server's one browser setting (README).
+- Temporal Web as bin/stack runs it (temporalio/ui-server, codec calls with the browser's
+  cookies, its codec endpoint the gateway) decodes a workflow's input after the console sign-in,
+  with nothing set in the browser by hand.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import uvicorn
 from playwright.async_api import Browser, Page, async_playwright, expect
@@ -31,6 +33,7 @@ from core.config import Settings
 from core.temporal import data_converter
 from devstack.processes import free_port
 from devstack.temporal import dev_server_extra_args, temporal_cli_path
+from devstack.temporal_cluster import ui_server_argv, ui_server_config
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from tests.conftest import TEST_CODEC_KEY
@@ -224,10 +227,12 @@ async def serve(settings: Settings, temporal_client: Any, config: GatewayConfig,
 
 
 async def test_temporal_web_decodes_after_console_sign_in(
-    settings: Settings, temporal_client: Any, make_token: Any
+    settings: Settings, temporal_client: Any, make_token: Any, tmp_path: Path
 ) -> None:
-    """The dev server's own Temporal Web, its codec endpoint this gateway (as bin/stack starts
-    it): after the console sign-in, a workflow's input shows decoded, not as ciphertext."""
+    """Temporal Web as bin/stack runs it: `temporalio/ui-server` (its configuration from
+    devstack.temporal_cluster.ui_server_config, codec calls with the browser's cookies) on a
+    headless dev server, its codec endpoint this gateway. After the console sign-in, and with
+    nothing set in the browser by hand, a workflow's input shows decoded, not as ciphertext."""
     from temporalio.testing import WorkflowEnvironment
 
     ui_port, gateway_port = free_port(), free_port()
@@ -237,12 +242,19 @@ async def test_temporal_web_decodes_after_console_sign_in(
         namespace="default",
         data_converter=data_converter(TEST_CODEC_KEY),
         dev_server_existing_path=str(temporal_cli_path()),
-        dev_server_extra_args=dev_server_extra_args(codec_endpoint=codec_endpoint),
-        ui=True,
-        ui_port=ui_port,
+        dev_server_extra_args=dev_server_extra_args(),
+        ui=False,
     )
+    frontend = env.client.service_client.config.target_host
+    config = ui_server_config(frontend, ui_port, namespace="default", codec_endpoint=codec_endpoint)
+    argv = ui_server_argv(tmp_path / "temporal-web", config)
+    web_log = tmp_path / "temporal-web.log"
     marker = f"console-decoded-{uuid.uuid4().hex[:8]}"
     workflow_id = f"console-probe-{uuid.uuid4()}"
+    with web_log.open("wb") as log:
+        web = await asyncio.create_subprocess_exec(
+            *argv, cwd=tmp_path / "temporal-web", stdout=log, stderr=log
+        )
     try:
         # Never run (no worker polls this queue): its input is only stored, encrypted.
         await env.client.start_workflow(
@@ -251,29 +263,41 @@ async def test_temporal_web_decodes_after_console_sign_in(
         history = await env.client.get_workflow_handle(workflow_id).fetch_history()
         assert marker not in json.dumps(history.to_json_dict())  # ciphertext at rest
         admin_token = await make_token("admin")
-        config = GatewayConfig(temporal_ui_origin=ui)
-        async with serve(settings, temporal_client, config, gateway_port), chromium() as browser:
+        gateway_config = GatewayConfig(temporal_ui_origin=ui)
+        async with (
+            serve(settings, temporal_client, gateway_config, gateway_port),
+            chromium() as browser,
+        ):
             page = await browser.new_page()
             await page.goto(f"{gateway}/console/sign-in")
             await page.get_by_test_id("token").fill(admin_token)
             await page.get_by_test_id("sign-in").click()
             await expect(page.get_by_test_id("inventory")).to_be_visible()
 
-            # The dev server's UI cannot be told to send credentials (the CLI has no flag for
-            # it): its Codec Server setting does, once per browser (README, "Operator console").
-            await page.goto(ui)
-            await page.evaluate(
-                """endpoint => {
-                    localStorage.setItem("endpoint", JSON.stringify(endpoint));
-                    localStorage.setItem("includeCredentials", "true");
-                    localStorage.setItem("passAccessToken", "false");
-                    localStorage.setItem("overrideRemoteCodecConfiguration", "true");
-                }""",
-                codec_endpoint,
-            )
+            await _wait_http(ui, web, web_log)
             await page.goto(f"{ui}/namespaces/default/workflows/{workflow_id}")
             await expect(page.get_by_text(marker).first).to_be_visible(timeout=30_000)
             await snap(page, "09-temporal-web-decoded")
             assert "Codec Server could not connect" not in await page.content()
     finally:
+        if web.returncode is None:
+            web.terminate()
+        await web.wait()
         await env.shutdown()
+
+
+def _tail(log: Path) -> str:
+    return log.read_text(errors="replace")[-3000:]
+
+
+async def _wait_http(url: str, process: asyncio.subprocess.Process, log: Path) -> None:
+    """Until `url` answers; fails with the process's log if it exits first."""
+    async with httpx.AsyncClient(timeout=2) as http:
+        for _ in range(150):
+            if process.returncode is not None:
+                raise AssertionError(f"ui-server exited:\n{_tail(log)}")
+            with contextlib.suppress(httpx.HTTPError):
+                if (await http.get(url)).status_code < 500:
+                    return
+            await asyncio.sleep(0.2)
+    raise AssertionError(f"ui-server never answered:\n{_tail(log)}")
