@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import contextlib
 import statistics
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -261,7 +262,25 @@ def figures(fleet: Fleet) -> str:
     )
 
 
-async def main_async(args: argparse.Namespace) -> None:
+# Issue 27's target: placement p50 on the largest fleet at most this many times the smallest's.
+P50_GROWTH_TARGET = 1.5
+
+
+def growth_verdict(fleets: list[Fleet]) -> tuple[str, bool]:
+    """The largest fleet's p50 over the smallest's, against P50_GROWTH_TARGET."""
+    smallest = min(fleets, key=lambda fleet: fleet.nodes)
+    largest = max(fleets, key=lambda fleet: fleet.nodes)
+    ratio = statistics.median(largest.walls) / statistics.median(smallest.walls)
+    met = ratio <= P50_GROWTH_TARGET
+    return (
+        f"p50 at {largest.nodes} nodes / p50 at {smallest.nodes} nodes = {ratio:.2f}x "
+        f"(target <= {P50_GROWTH_TARGET}x): {'met' if met else 'NOT MET'}",
+        met,
+    )
+
+
+async def main_async(args: argparse.Namespace) -> bool:
+    """Prints the figures; answers whether the growth target was met (or not judged)."""
     print(
         f"{args.placements} slice placements of {args.gpus} GPUs, {args.concurrency} at a time, "
         f"on each fleet half full (of one-GPU allocations), in {ROUNDS} rounds taking turns"
@@ -287,6 +306,11 @@ async def main_async(args: argparse.Namespace) -> None:
                 print(figures(fleet), flush=True)
                 if args.explain:
                     print("\n".join(f"    {line}" for line in await explain(fleet, args.gpus)))
+            if len({fleet.nodes for fleet in fleets}) < 2:
+                return True
+            verdict, met = growth_verdict(fleets)
+            print(verdict, flush=True)
+            return met
         finally:
             for fleet in fleets:
                 await fleet.engine.dispose()
@@ -302,7 +326,8 @@ def main() -> None:
         "--explain", action="store_true", help="print EXPLAIN (ANALYZE, BUFFERS) of a placement"
     )
     args = parser.parse_args()
-    asyncio.run(main_async(args))
+    # Exit 1 when the growth target is missed, so a script run can hold it.
+    sys.exit(0 if asyncio.run(main_async(args)) else 1)
 
 
 if __name__ == "__main__":

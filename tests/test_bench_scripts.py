@@ -36,7 +36,11 @@ def run_bench(module: str, *args: str) -> str:
 @pytest.mark.parametrize(
     ("module", "args", "figures"),
     [
-        ("bench.placement", ("--nodes", "20", "--placements", "10"), ["20 nodes", "wall p50"]),
+        (
+            "bench.placement",
+            ("--nodes", "20", "40", "--placements", "10"),
+            ["20 nodes", "40 nodes", "wall p50", "p50 at 40 nodes / p50 at 20 nodes"],
+        ),
         (
             "bench.queries",
             ("--allocations", "5000", "--requests", "5"),
