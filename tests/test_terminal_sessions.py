@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import os
 import sys
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import pytest
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -37,8 +39,11 @@ async def _row(sessions: async_sessionmaker[AsyncSession], session_id: str) -> T
 
 
 async def test_open_type_resize_and_close(
-    terminal_rig: Rig, db_sessions: async_sessionmaker[AsyncSession]
+    terminal_rig: Rig,
+    db_sessions: async_sessionmaker[AsyncSession],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.DEBUG)
     rig = await terminal_rig()
     created = await rig.open_session()
     session_id, token = created["session_id"], created["open_token"]
@@ -80,6 +85,13 @@ async def test_open_type_resize_and_close(
     raw = (await handle.fetch_history()).to_json()
     for secret in (token, "sum=42", username):
         assert secret not in raw
+    # Nor any log: the gateway's (this process, every logger at DEBUG) and the agent's file.
+    gateway_logs = "\n".join(record.getMessage() for record in caplog.records)
+    agent_log = rig.agent.log.read_text(errors="replace")
+    assert session_id in agent_log  # the agent does log the session, by id
+    for secret in (token, "sum=42", "43 132"):
+        assert secret not in gateway_logs
+        assert secret not in agent_log
     await record_history(handle, HISTORIES, "client_closed")
 
 
