@@ -54,6 +54,7 @@ from contracts.terminal_session import (
     ClaimAccepted,
     ClaimRequest,
     CloseReason,
+    TerminalSessionResult,
     close_reason_of,
     control_frame,
     parse_control,
@@ -185,14 +186,7 @@ async def tenant_stream(socket: AnySocket, session_id: FromPath[uuid.UUID]) -> N
             + policy.attach_timeout_seconds
             + ATTACH_SLACK_SECONDS
         )
-        try:
-            node = await asyncio.wait_for(asyncio.shield(pending.node), timeout=wait)
-        except TimeoutError:
-            raise _Refused(
-                CloseReason.NODE_UNREACHABLE.value,
-                "the node did not attach the session's stream",
-                CLOSE_ERROR,
-            ) from None
+        node = await _node_or_end(runtime, key, pending, wait)
         await socket.send_text(control_frame(FRAME_READY, session_id=key))
         await _bridge(socket, node)
     except _Refused as refused:
@@ -200,6 +194,47 @@ async def tenant_stream(socket: AnySocket, session_id: FromPath[uuid.UUID]) -> N
     finally:
         if pending is not None:
             relay.forget(key, pending)
+
+
+async def _node_or_end(
+    runtime: Runtime, session_id: str, pending: _Pending, wait: float
+) -> AnySocket:
+    """The node's stream once the agent attaches it. The session's workflow is watched
+    meanwhile: when it ends first (the node's queue found no poller before its deadline, the
+    shell could not start), the tenant is told its reason then, not when `wait` runs out."""
+
+    async def ended() -> TerminalSessionResult:
+        handle = runtime.temporal.client.get_workflow_handle(
+            terminal_workflow_id(session_id), result_type=TerminalSessionResult
+        )
+        result: TerminalSessionResult = await handle.result()
+        return result
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait
+    node: asyncio.Future[Any] = asyncio.ensure_future(asyncio.shield(pending.node))
+    end: asyncio.Future[Any] = asyncio.ensure_future(ended())
+    try:
+        await asyncio.wait([node, end], timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+        if end.done() and not node.done():
+            if not end.cancelled() and end.exception() is None:
+                reason = end.result().close_reason or CloseReason.OPEN_FAILED.value
+                raise _Refused(
+                    reason, "the session ended before the node attached its stream", CLOSE_ERROR
+                )
+            # The watch itself failed (Temporal out of reach a moment): the node alone decides.
+            await asyncio.wait([node], timeout=max(0.0, deadline - loop.time()))
+        if node.done() and not node.cancelled():
+            attached: AnySocket = node.result()
+            return attached
+        raise _Refused(
+            CloseReason.NODE_UNREACHABLE.value,
+            "the node did not attach the session's stream",
+            CLOSE_ERROR,
+        )
+    finally:
+        for task in (node, end):
+            task.cancel()
 
 
 async def _claim(runtime: Runtime, session_id: str, token: str, secret: str) -> None:

@@ -13,6 +13,7 @@ import hashlib
 import logging
 import os
 import sys
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -256,14 +257,19 @@ async def test_an_unreachable_node_fails_the_open(
 ) -> None:
     """opening → error: the token is claimed but the node's agent is gone, so terminal.open
     waits in the node's queue past its schedule-to-start deadline. The tenant's stream is told
-    node_unreachable, the session ends in error with that reason, and its task is failed."""
+    node_unreachable as soon as the workflow ends, the session ends in error with that reason,
+    and its task is failed."""
     rig = await terminal_rig(node_schedule_to_start_seconds=4.0)
     rig.agent.kill()
     created = await rig.open_session()
     session_id = created["session_id"]
+    connected = time.monotonic()
     term = await rig.connect(created)
     error = await term.control("error", timeout=90)
     assert error["code"] == "node_unreachable"
+    # Told when the workflow gave up (the 4 s deadline), not when the gateway's own wait for
+    # the stream (deadline + the 30 s attach timeout) would have run out.
+    assert time.monotonic() - connected < 25
     failed = await rig.wait_session(session_id, "error")
     assert failed["close_reason"] == "node_unreachable"
     assert failed["opened_at"] is None
