@@ -8,7 +8,7 @@ Reports the wall time from the POST to the last node settled, the highest number
 flight (the batch workflow's own count, and the read model sampled every 250 ms), the
 outcome counts, and the batch workflow's history per run (bounded by its continue-as-new).
 
-    .venv/bin/python -m bench.onboarding [--nodes 200] [--parallel 10]
+    .venv/bin/python -m bench.onboarding [--nodes 200] [--parallel 10] [--max-agents 150]
 
 Target on a 2-core machine (issue 4): 200 nodes in under 120 s, never more than 10 in flight.
 """
@@ -34,6 +34,7 @@ from core.temporal import connect, run_histories
 from devstack.up import Stack
 from schema.db import create_engine
 from sim.demo_fleet import BAREMETAL_SKU
+from sim.first_boot import MAX_RUNNING_AGENTS_ENV
 
 SETTLED = {"completed", "reconciled", "cancelled", "failed_retryable", "failed_manual_intervention"}
 
@@ -87,6 +88,10 @@ def scenario(n: int) -> dict[str, Any]:
 
 
 async def main(args: argparse.Namespace) -> None:
+    # Each deployed node's agent is a real process of about 60 MB: a 500-node batch would hold
+    # 500 of them (the OOM killer stopped such a run at ~350). The first-boot simulator keeps at
+    # most --max-agents, stopping those enrolled longest ago: nothing of the batch needs them.
+    os.environ[MAX_RUNNING_AGENTS_ENV] = str(args.max_agents)
     state = private_state_dir()
     options = bench_stack_options(state)
     stack = Stack(options)
@@ -167,6 +172,7 @@ async def main(args: argparse.Namespace) -> None:
         f"({args.nodes / wall:.1f} nodes/s; target < 120 s for 200)"
     )
     print(f"outcomes: {dict(statuses)}")
+    print(f"agent processes: at most {args.max_agents} running (the longest-enrolled stopped)")
     print(
         "CPU seconds during the batch: "
         + ", ".join(f"{name} {used:.1f}" for name, used in sorted(cpu.items(), key=lambda x: -x[1]))
@@ -231,4 +237,7 @@ if __name__ == "__main__":
     parser.add_argument("--parallel", type=int, default=10)
     parser.add_argument("--poll-ms", type=int, default=100)
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument(
+        "--max-agents", type=int, default=150, help="agent processes running at once, at most"
+    )
     asyncio.run(main(parser.parse_args()))

@@ -90,6 +90,10 @@ IDENTITY_PATH = str(DEFAULT_STATE_DIR / "identity.json")
 # Left in a machine's directory by an SSH config push: the agent restarts at the next poll.
 RESTART_MARKER = "restart-agent"
 AGENT_STOP_TIMEOUT_S = 15.0
+# With max_running_agents, an agent is stopped only this long after its node enrolled, so the
+# onboarding that waited for the enrollment has finished with it.
+SHED_AFTER_ENROLLED_S = 60.0
+MAX_RUNNING_AGENTS_ENV = "GPUCLOUD_SIM_MAX_RUNNING_AGENTS"
 DEFAULT_MACHINES_DIR = Path(".state/machines")
 DEPLOYED = "Deployed"
 HTTP_TIMEOUT_S = 10.0
@@ -271,7 +275,11 @@ class FirstBootSimulator:
     these machines (default: this environment's installed console script); `agent_env`: extra
     environment for every agent (e.g. GPUCLOUD_AGENT_HEARTBEAT_S); `max_restart_delay_s` caps
     the unit's RestartSec. `control_http`: the client for the MAAS simulator's control API (by
-    default one is made and closed here)."""
+    default one is made and closed here). `max_running_agents`: at most this many agent
+    processes at once (each is a Python process of about 60 MB): past it, the agents enrolled
+    longest ago (and at least SHED_AFTER_ENROLLED_S ago) are stopped as `systemctl stop` would,
+    so that one machine can play more deployed nodes than its memory holds agents (the
+    500-node onboarding bench); their nodes then stop polling, as powered-down nodes do."""
 
     def __init__(
         self,
@@ -284,6 +292,7 @@ class FirstBootSimulator:
         agent_env: Mapping[str, str] | None = None,
         max_restart_delay_s: float = 2.0,
         control_http: httpx.AsyncClient | None = None,
+        max_running_agents: int | None = None,
     ) -> None:
         self.maas_base_url = maas_base_url
         self.poll_interval = poll_interval
@@ -291,6 +300,8 @@ class FirstBootSimulator:
         self.agent_command = tuple(agent_command or default_agent_command())
         self.agent_env = dict(agent_env or {})
         self.max_restart_delay_s = max_restart_delay_s
+        self.max_running_agents = max_running_agents
+        self.agents_shed = 0
         self.booted: dict[str, BootRecord] = {}  # hostname -> its latest boot
         self.polls = 0
         self._control_token = control_token
@@ -412,6 +423,27 @@ class FirstBootSimulator:
                 gone = self._boots.pop(system_id)  # powered off or released
                 await self._stop_agent(gone)
                 self._unlink_address(gone)
+            await self._shed_agents()
+
+    async def _shed_agents(self) -> None:
+        """Past max_running_agents, stop the agents enrolled longest ago (class docstring)."""
+        if self.max_running_agents is None:
+            return
+        running = [r for r in self._boots.values() if r.agent_running]
+        excess = len(running) - self.max_running_agents
+        if excess <= 0:
+            return
+        settled_before = time.monotonic() - SHED_AFTER_ENROLLED_S
+        settled = sorted(
+            (r for r in running if r.enrolled_at is not None and r.enrolled_at <= settled_before),
+            key=lambda r: r.enrolled_at or 0.0,
+        )
+        for record in settled[:excess]:
+            record.stopped = True  # not restarted, as after `systemctl stop`
+            await self._stop_agent(record)
+            self.agents_shed += 1
+            logger.info("%s: agent stopped (more than %d running)", record.hostname,
+                        self.max_running_agents)  # fmt: skip
 
     def machine_at(self, address: str) -> dict[str, Any] | None:
         """The snapshot (last poll) of the machine with this deployed IP address or hostname."""
@@ -856,6 +888,12 @@ def main(argv: list[str] | None = None) -> int:
         default=DEFAULT_MACHINES_DIR,
         help="each machine's disk, one directory per system_id (default: %(default)s)",
     )
+    parser.add_argument(
+        "--max-running-agents",
+        type=int,
+        default=int(os.environ.get(MAX_RUNNING_AGENTS_ENV) or 0) or None,
+        help=f"stop the longest-enrolled agents past this many (also {MAX_RUNNING_AGENTS_ENV})",
+    )
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
@@ -872,7 +910,11 @@ def main(argv: list[str] | None = None) -> int:
             "--control-token-file or GPUCLOUD_SIM_MAAS_CONTROL_TOKEN"
         )
     simulator = FirstBootSimulator(
-        args.maas_url, token, machines_dir=args.machines_dir, poll_interval=args.poll_interval
+        args.maas_url,
+        token,
+        machines_dir=args.machines_dir,
+        poll_interval=args.poll_interval,
+        max_running_agents=args.max_running_agents,
     )
     print(f"sim.first_boot: booting what {args.maas_url} deploys (poll every "
           f"{args.poll_interval:g}s)", flush=True)  # fmt: skip

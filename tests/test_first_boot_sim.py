@@ -26,6 +26,7 @@ import uvicorn
 from sqlalchemy import text
 from temporalio.client import Client
 
+import sim.first_boot
 from activities.cloud_init import (
     AgentBootstrap,
     CloudInitInput,
@@ -332,6 +333,39 @@ async def test_a_held_machine_enrolls_only_once_released(
     assert record.agent_starts == 1
     assert identity_node_id(record) == str(node.id)
     assert (await enrollment(db_sessions, node.id)).enrolled_at is not None
+
+
+@pytest.mark.maas_scenario(THREE_READY)
+async def test_past_max_running_agents_the_longest_enrolled_agent_is_stopped(
+    maas_sim: MaasSim,
+    gateway: Gateway,
+    first_boot: Callable[[], FirstBootSimulator],
+    node: Any,
+    db_sessions: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The bound the 500-node onboarding bench runs under: with max_running_agents 1, the
+    second node's agent enrolls and runs, and the first one's is stopped (not restarted)."""
+    monkeypatch.setattr(sim.first_boot, "SHED_AFTER_ENROLLED_S", 0.0)
+    second = await create_node(db_sessions)
+    fb = first_boot()
+    fb.max_running_agents = 1
+    async with fb:
+        records = []
+        for hostname, node_id in (("node-a", node.id), ("node-b", second.id)):
+            token = await gateway.issue(node_id)
+            system_id = await system_id_of(maas_sim, hostname)
+            user_data = cloud_init(gateway.bootstrap(token), hostname, system_id, maas_sim.base_url)
+            await deploy(maas_sim, hostname, user_data)
+            records.append(await enrolled(fb, hostname))
+        first, last = records
+        await wait_until(lambda: not first.agent_running, "stopped", first)
+        await polls(fb, 5)
+        assert (first.stopped, first.agent_running, first.agent_starts) == (True, False, 1)
+        assert (last.stopped, last.agent_running) == (False, True)
+        assert fb.agents_shed == 1
+    for node_id in (node.id, second.id):
+        assert (await enrollment(db_sessions, node_id)).enrolled_at is not None
 
 
 @pytest.mark.maas_scenario(THREE_READY)
