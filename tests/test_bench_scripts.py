@@ -1,7 +1,7 @@
-"""The benchmark scripts that need only PostgreSQL (and the MAAS simulator) run at small sizes,
-so a change that breaks one fails here rather than in the next quiet-machine run: the
-reconciler bench once called its activity outside an activity context after the activity
-started reading its run id, and nothing noticed for a session.
+"""The benchmark scripts run at small sizes (the Temporal servers' one with a whole stack on
+each server), so a change that breaks one fails here rather than in the next quiet-machine
+run: the reconciler bench once called its activity outside an activity context after the
+activity started reading its run id, and nothing noticed for a session.
 
 Their timing targets are not judged here (a CI machine runs the suite beside them); exit 1 is
 a missed target, anything else, or a traceback, is a broken script."""
@@ -51,8 +51,18 @@ def run_bench(module: str, *args: str) -> str:
             ("--machines", "60"),
             ["60 machines, clean pass", "60 machines, after drift", "refused as reconcile_suspect"],
         ),
+        (
+            # Both Temporal servers, each under a whole stack of its own (issue 26 item 2: the
+            # benchmark once in CI); about 35 s.
+            "bench.temporal_servers",
+            (
+                *("--requests", "40", "--empty-requests", "40", "--idle-seconds", "2"),
+                *("--clients", "4", "--warmup", "4"),
+            ),
+            ["dev: (i) idle", "cluster: (i) idle", "| (a) POST /allocations, /s |"],
+        ),
     ],
-    ids=["placement", "queries", "reconciler"],
+    ids=["placement", "queries", "reconciler", "temporal_servers"],
 )
 def test_bench_script_runs_and_prints_its_figures(
     module: str, args: tuple[str, ...], figures: list[str]
