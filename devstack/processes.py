@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+import httpx
+
 _PR_SET_PDEATHSIG = 1
 # Loaded here, not in the child: between fork and exec the child only makes the one call.
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
@@ -55,6 +57,15 @@ def tail(path: Path, lines: int = 25) -> str:
     except OSError:
         return ""
     return "\n".join(data.splitlines()[-lines:])
+
+
+async def http_ok(url: str) -> bool:
+    """Whether `url` answers 200 now (a readiness probe; never raises for a network error)."""
+    try:
+        async with httpx.AsyncClient(timeout=2.0) as http:
+            return (await http.get(url)).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def free_port() -> int:

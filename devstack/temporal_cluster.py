@@ -31,7 +31,7 @@ from core.search_attributes import ALL as SEARCH_ATTRIBUTES
 from devstack.go_tools import TOOLS_DIR, go_module_dir, go_tool_path
 from devstack.postgres import PostgresCluster
 from devstack.private_files import write_private
-from devstack.processes import port_in_use
+from devstack.processes import Child, port_in_use
 from devstack.temporal import LONG_POLLS_PER_NAMESPACE, temporal_cli_path
 
 TEMPORAL_SERVER_MODULE = "go.temporal.io/server"
@@ -181,6 +181,16 @@ def ui_server_config(
         "notifyOnNewVersion": False,  # nothing outside this machine is called
         "codec": {"endpoint": codec_endpoint, "includeCredentials": True, "passAccessToken": False},
     }
+
+
+def temporal_web_child(
+    root: Path, log_path: Path, frontend: str, port: int, *, namespace: str, codec_endpoint: str
+) -> Child:
+    """Temporal Web as bin/stack runs it (not started): the ui-server on `frontend`, its
+    configuration under `root`. Blocking: the first call may build the ui-server."""
+    config = ui_server_config(frontend, port, namespace=namespace, codec_endpoint=codec_endpoint)
+    argv = ui_server_argv(root, config)
+    return Child("temporal-web", argv, log_path, dict(os.environ), root)
 
 
 def ui_server_argv(root: Path, config: dict[str, Any]) -> list[str]:

@@ -70,7 +70,7 @@ from devstack.dev_server_visibility import (
 from devstack.go_tools import TOOLS_DIR
 from devstack.postgres import LegacyClusterError, PostgresCluster
 from devstack.private_files import write_private
-from devstack.processes import Child, port_in_use, python_entry, tail
+from devstack.processes import Child, http_ok, port_in_use, python_entry, tail
 from devstack.stripe_mock import stripe_mock_argv
 from devstack.temporal import DEV_SERVER_ENV, dev_server_extra_args, temporal_cli_path
 from devstack.temporal_cluster import (
@@ -78,9 +78,8 @@ from devstack.temporal_cluster import (
     UI_SERVER_VERSION,
     ClusterTuning,
     TemporalCluster,
-    ui_server_argv,
+    temporal_web_child,
     ui_server_build_problem,
-    ui_server_config,
 )
 from devstack.vault_auth import provision as provision_vault_auth
 
@@ -422,14 +421,6 @@ async def _nodes_offline(engine: AsyncEngine, node_ids: list[uuid.UUID]) -> int:
     return int(offline or 0)
 
 
-async def _http_ok(url: str) -> bool:
-    try:
-        async with httpx.AsyncClient(timeout=2.0) as http:
-            return (await http.get(url)).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 # --- the stack ---------------------------------------------------------------------------------
 
 
@@ -594,11 +585,15 @@ class Stack:
         """Temporal Web (temporalio/ui-server) on the Temporal frontend, dev server or cluster,
         decoding payloads through the gateway's codec endpoint with the browser's cookies."""
         o = self.o
-        config = ui_server_config(o.temporal_address, o.ui_port, namespace=o.namespace,
-                                  codec_endpoint=o.codec_endpoint)  # fmt: skip
-        root = o.state_dir / "temporal-web"
-        argv = await asyncio.to_thread(ui_server_argv, root, config)
-        web = Child("temporal-web", argv, o.logs_dir / "temporal-web.log", dict(os.environ), root)
+        web = await asyncio.to_thread(
+            temporal_web_child,
+            o.state_dir / "temporal-web",
+            o.logs_dir / "temporal-web.log",
+            o.temporal_address,
+            o.ui_port,
+            namespace=o.namespace,
+            codec_endpoint=o.codec_endpoint,
+        )
         self.children.append(web)
         await web.start()
         return web
@@ -689,7 +684,7 @@ class Stack:
         await self._wait_for("Temporal", self._connect_temporal, temporal)
         if web_problem is None or o.temporal == "dev":
             web = await self._start_temporal_web() if web_problem is None else temporal
-            await self._wait_for("Temporal Web", lambda: _http_ok(o.ui_url.replace("localhost",
+            await self._wait_for("Temporal Web", lambda: http_ok(o.ui_url.replace("localhost",
                                  "127.0.0.1")), web, limit_s=30)  # fmt: skip
         _say(f"  temporal   ready on {o.temporal_address} ({time.monotonic() - t0:.1f}s)")
         if o.temporal == "dev":
@@ -700,7 +695,7 @@ class Stack:
             if await asyncio.to_thread(guard_full_text_triggers, temporal_db):
                 _say("  temporal   full-text visibility triggers now write only what changed")
         # Before the worker and the gateway: they read secrets from it at call time.
-        await self._wait_for("Vault", lambda: _http_ok(f"{o.vault_addr}/v1/sys/health"), vault,
+        await self._wait_for("Vault", lambda: http_ok(f"{o.vault_addr}/v1/sys/health"), vault,
                              limit_s=30)  # fmt: skip
         _say(f"  vault      ready on {o.vault_addr} (pid {vault.pid}), log {vault.log_path}")
         await seed_stripe_secrets(o)
@@ -759,7 +754,7 @@ class Stack:
             return polling and await _nodes_offline(readiness_db, demo_nodes) == 0
 
         async def gateway_ready() -> bool:
-            return await _http_ok(f"{o.gateway_probe_url}/healthz")
+            return await http_ok(f"{o.gateway_probe_url}/healthz")
 
         from schema.db import create_engine
 
@@ -773,7 +768,7 @@ class Stack:
         finally:
             await readiness_db.dispose()
         await self._wait_for("the MAAS simulator",
-                             lambda: _http_ok(f"{o.maas_url}/api/2.0/version/"), maas,
+                             lambda: http_ok(f"{o.maas_url}/api/2.0/version/"), maas,
                              limit_s=30)  # fmt: skip
         tokens["maas_site_id"] = await seed_demo_site(o, tokens["admin_token"], maas_key)
         _say(f"  maas-sim   ready on {o.maas_url} (pid {maas.pid}), demo site 'demo-maas'")

@@ -24,16 +24,15 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import uvicorn
 from playwright.async_api import Browser, Page, async_playwright, expect
 
 from core.config import Settings
 from core.temporal import data_converter
-from devstack.processes import free_port
+from devstack.processes import Child, free_port, http_ok, tail
 from devstack.temporal import dev_server_extra_args, temporal_cli_path
-from devstack.temporal_cluster import ui_server_argv, ui_server_config
+from devstack.temporal_cluster import temporal_web_child
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from tests.conftest import TEST_CODEC_KEY
@@ -245,16 +244,17 @@ async def test_temporal_web_decodes_after_console_sign_in(
         dev_server_extra_args=dev_server_extra_args(),
         ui=False,
     )
-    frontend = env.client.service_client.config.target_host
-    config = ui_server_config(frontend, ui_port, namespace="default", codec_endpoint=codec_endpoint)
-    argv = ui_server_argv(tmp_path / "temporal-web", config)
-    web_log = tmp_path / "temporal-web.log"
+    web = temporal_web_child(
+        tmp_path / "temporal-web",
+        tmp_path / "temporal-web.log",
+        env.client.service_client.config.target_host,
+        ui_port,
+        namespace="default",
+        codec_endpoint=codec_endpoint,
+    )
+    await web.start()
     marker = f"console-decoded-{uuid.uuid4().hex[:8]}"
     workflow_id = f"console-probe-{uuid.uuid4()}"
-    with web_log.open("wb") as log:
-        web = await asyncio.create_subprocess_exec(
-            *argv, cwd=tmp_path / "temporal-web", stdout=log, stderr=log
-        )
     try:
         # Never run (no worker polls this queue): its input is only stored, encrypted.
         await env.client.start_workflow(
@@ -274,30 +274,21 @@ async def test_temporal_web_decodes_after_console_sign_in(
             await page.get_by_test_id("sign-in").click()
             await expect(page.get_by_test_id("inventory")).to_be_visible()
 
-            await _wait_http(ui, web, web_log)
+            await _until_answering(ui, web)
             await page.goto(f"{ui}/namespaces/default/workflows/{workflow_id}")
             await expect(page.get_by_text(marker).first).to_be_visible(timeout=30_000)
             await snap(page, "09-temporal-web-decoded")
             assert "Codec Server could not connect" not in await page.content()
     finally:
-        if web.returncode is None:
-            web.terminate()
-        await web.wait()
+        await web.stop()
         await env.shutdown()
 
 
-def _tail(log: Path) -> str:
-    return log.read_text(errors="replace")[-3000:]
-
-
-async def _wait_http(url: str, process: asyncio.subprocess.Process, log: Path) -> None:
-    """Until `url` answers; fails with the process's log if it exits first."""
-    async with httpx.AsyncClient(timeout=2) as http:
-        for _ in range(150):
-            if process.returncode is not None:
-                raise AssertionError(f"ui-server exited:\n{_tail(log)}")
-            with contextlib.suppress(httpx.HTTPError):
-                if (await http.get(url)).status_code < 500:
-                    return
-            await asyncio.sleep(0.2)
-    raise AssertionError(f"ui-server never answered:\n{_tail(log)}")
+async def _until_answering(url: str, child: Child) -> None:
+    """Until `url` answers 200; fails with the child's log if it exits first or never does."""
+    for _ in range(150):
+        assert child.running, f"{child.name} exited:\n{tail(child.log_path)}"
+        if await http_ok(url):
+            return
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"{child.name} never answered:\n{tail(child.log_path)}")
