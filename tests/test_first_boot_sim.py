@@ -135,8 +135,8 @@ def machines_dir(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def first_boot(maas_sim: MaasSim, machines_dir: Path) -> Callable[[], FirstBootSimulator]:
-    def make() -> FirstBootSimulator:
+def first_boot(maas_sim: MaasSim, machines_dir: Path) -> Callable[..., FirstBootSimulator]:
+    def make(**options: Any) -> FirstBootSimulator:
         return FirstBootSimulator(
             maas_sim.base_url,
             maas_sim.control_token,
@@ -144,6 +144,7 @@ def first_boot(maas_sim: MaasSim, machines_dir: Path) -> Callable[[], FirstBootS
             poll_interval=0.05,
             agent_env={"GPUCLOUD_AGENT_HEARTBEAT_S": "2"},
             max_restart_delay_s=0.5,
+            **options,
         )
 
     return make
@@ -339,7 +340,7 @@ async def test_a_held_machine_enrolls_only_once_released(
 async def test_past_max_running_agents_the_longest_enrolled_agent_is_stopped(
     maas_sim: MaasSim,
     gateway: Gateway,
-    first_boot: Callable[[], FirstBootSimulator],
+    first_boot: Callable[..., FirstBootSimulator],
     node: Any,
     db_sessions: Any,
     monkeypatch: pytest.MonkeyPatch,
@@ -348,9 +349,7 @@ async def test_past_max_running_agents_the_longest_enrolled_agent_is_stopped(
     second node's agent enrolls and runs, and the first one's is stopped (not restarted)."""
     monkeypatch.setattr(sim.first_boot, "SHED_AFTER_ENROLLED_S", 0.0)
     second = await create_node(db_sessions)
-    fb = first_boot()
-    fb.max_running_agents = 1
-    async with fb:
+    async with first_boot(max_running_agents=1) as fb:
         records = []
         for hostname, node_id in (("node-a", node.id), ("node-b", second.id)):
             token = await gateway.issue(node_id)
