@@ -12,11 +12,20 @@ Same wire format, so either side reads the other's payloads (and recorded histor
 JSON objects keyed by field name, enums by value. Keys come in field order rather than sorted,
 which no reader depends on. Anything msgspec does not take (a value that is not a dataclass, a
 type it cannot encode, a payload it would judge stricter than the SDK) goes the SDK's way.
+
+Each dataclass type gets one `msgspec.json.Decoder`, built under a lock. That lock is what keeps
+the worker alive: the SDK converts a workflow's payloads in its workflow-task threads, and
+msgspec (0.22.0 and its source today) caches a dataclass's field table on the class *before*
+filling it in, so a second thread decoding the same type for the first time can read the
+half-built table and dereference a NULL field. That is the segfault the worker once died of
+seconds after start (when the first activations of many workflows arrive at once);
+tests/msgspec_first_decode_race.py reproduces it with plain `msgspec.json.decode`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any
 
 import msgspec
@@ -28,6 +37,20 @@ from temporalio.converter import (
 )
 
 _encoder = msgspec.json.Encoder()
+_decoders: dict[type, msgspec.json.Decoder[Any]] = {}
+_decoders_built = threading.Lock()
+
+
+def dataclass_decoder(type_hint: type) -> msgspec.json.Decoder[Any]:
+    """The one decoder of `type_hint`; the first call builds msgspec's type tables (for this
+    type and every type in its fields) while no other thread is building any."""
+    decoder = _decoders.get(type_hint)
+    if decoder is None:
+        with _decoders_built:
+            decoder = _decoders.get(type_hint)
+            if decoder is None:
+                decoder = _decoders[type_hint] = msgspec.json.Decoder(type_hint)
+    return decoder
 
 
 class DataclassJSONPayloadConverter(JSONPlainPayloadConverter):
@@ -45,7 +68,7 @@ class DataclassJSONPayloadConverter(JSONPlainPayloadConverter):
     def from_payload(self, payload: Payload, type_hint: type | None = None) -> Any:
         if isinstance(type_hint, type) and dataclasses.is_dataclass(type_hint):
             try:
-                return msgspec.json.decode(payload.data, type=type_hint)
+                return dataclass_decoder(type_hint).decode(payload.data)
             except (msgspec.ValidationError, msgspec.DecodeError, TypeError):
                 pass  # the SDK's own rules decide, and word the error if there is one
         return super().from_payload(payload, type_hint)

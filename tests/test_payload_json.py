@@ -4,7 +4,11 @@ payloads (and recorded histories) pass both ways between it and the SDK's defaul
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -80,3 +84,26 @@ def test_what_msgspec_refuses_gets_the_sdk_answer() -> None:
 def test_values_that_are_not_dataclasses_keep_the_sdk_encoding() -> None:
     for value in ({"b": 1, "a": [1, 2]}, "text", 3, None, b"raw"):
         assert OURS.to_payloads([value]) == SDK.to_payloads([value])
+
+
+def run_first_decode_race(mode: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tests.msgspec_first_decode_race", mode, "50"],
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_threads_decoding_a_type_for_the_first_time_at_once_do_not_crash_the_process() -> None:
+    """The worker's one native crash: msgspec's first decode of a dataclass type, in several
+    workflow-task threads at once. Plain msgspec dies of it here; our converter decodes them all."""
+    plain = run_first_decode_race("plain")
+    assert plain.returncode == -signal.SIGSEGV, (plain.returncode, plain.stdout, plain.stderr)
+    assert "Fatal Python error: Segmentation fault" in plain.stderr
+    assert "msgspec_first_decode_race.py" in plain.stderr  # the trace names the decode
+
+    ours = run_first_decode_race("converter")
+    assert ours.returncode == 0, (ours.stdout, ours.stderr)
+    assert ours.stdout.strip() == "decoded 200 of 200"
