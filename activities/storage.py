@@ -37,8 +37,10 @@ from contracts.admin_operation import NOT_FOUND
 from contracts.states import AllocationStatus, NodeTaskStatus
 from contracts.storage import (
     ALLOCATION_NOT_ATTACHABLE,
+    ATTACHMENT_NODE_STATUS,
     ATTACHMENT_OPEN,
     ATTACHMENT_PRECHECK,
+    ATTACHMENT_PRECHECK_WITH_USAGE,
     ATTACHMENT_TRANSITION,
     DETACH_FOR_RELEASE,
     DETACH_UPDATE,
@@ -52,6 +54,8 @@ from contracts.storage import (
     NAMESPACE_DELETE,
     NAMESPACE_EXISTS,
     NAMESPACE_NOT_FOUND,
+    NAMESPACE_USAGE,
+    PROVIDER_UNAVAILABLE,
     QUOTA_EXCEEDED,
     STORAGE_DETACH_FAILED,
     TRANSITIONS,
@@ -71,14 +75,27 @@ from contracts.storage import (
     NamespaceState,
     NamespaceStatus,
     OpenInput,
+    PrecheckInput,
     PrecheckResult,
     TransitionInput,
     WriteMode,
 )
-from schema.models import Allocation, StorageAttachment, StorageAttachmentEvent, StorageNamespace
+from schema.models import (
+    Allocation,
+    Node,
+    StorageAttachment,
+    StorageAttachmentEvent,
+    StorageNamespace,
+)
 
-# A failed attachment refused by its precheck never held a grant or a mount: it is no writer.
-PRECHECK_REFUSALS = (QUOTA_EXCEEDED, MULTI_WRITER_NOT_ALLOWED, WRITER_CONFLICT)
+# A failed attachment refused by its precheck, or failed before it (the provider could not
+# measure the namespace), never held a grant or a mount: it is no writer.
+PRECHECK_REFUSALS = (
+    QUOTA_EXCEEDED,
+    MULTI_WRITER_NOT_ALLOWED,
+    WRITER_CONFLICT,
+    PROVIDER_UNAVAILABLE,
+)
 # How often detach_for_release heartbeats while it waits, without a heartbeat timeout (with one:
 # three times per timeout).
 _HEARTBEAT_S = 5.0
@@ -180,6 +197,9 @@ class StorageActivities:
             self.attachment_open,
             self.attachment_transition,
             self.attachment_precheck,
+            self.namespace_usage,
+            self.attachment_precheck_with_usage,
+            self.attachment_node_status,
             self.grant_apply,
             self.grant_revoke,
             self.host_task_queue,
@@ -357,8 +377,29 @@ class StorageActivities:
         async with transaction(self._sessions) as session:
             return attachment_view(await _apply_transition(session, input))
 
+    @activity.defn(name=NAMESPACE_USAGE)
+    async def namespace_usage(self, attachment_id: str) -> int:
+        """The attachment's namespace's usage in bytes, as its provider measures it; raises (and
+        is retried) while the provider cannot, e.g. its directory is not in the export."""
+        async with transaction(self._sessions) as session:
+            loaded = await session.get(StorageAttachment, uuid.UUID(attachment_id))
+            if loaded is None:
+                raise refusal(NOT_FOUND, "storage attachment not found")
+            namespace_key = str(loaded.namespace_id)
+        usage: int = await asyncio.to_thread(self._provider.usage_bytes, namespace_key)
+        return usage
+
     @activity.defn(name=ATTACHMENT_PRECHECK)
     async def attachment_precheck(self, attachment_id: str) -> PrecheckResult:
+        """What workflows of older builds run: the measure and the decision in one activity."""
+        usage = await self.namespace_usage(attachment_id)
+        return await self._precheck(attachment_id, usage)
+
+    @activity.defn(name=ATTACHMENT_PRECHECK_WITH_USAGE)
+    async def attachment_precheck_with_usage(self, input: PrecheckInput) -> PrecheckResult:
+        return await self._precheck(input.attachment_id, input.usage_bytes)
+
+    async def _precheck(self, attachment_id: str, usage: int) -> PrecheckResult:
         """prechecking → grant_applying, or → failed with the reason the mode is not allowed:
         read_only always is; a writer needs the namespace under quota and no other writer
         (single_writer: none at all; multi_writer: no single_writer, and both the provider's
@@ -368,22 +409,19 @@ class StorageActivities:
             loaded = await session.get(StorageAttachment, key)
             if loaded is None:
                 raise refusal(NOT_FOUND, "storage attachment not found")
-            namespace_key = str(loaded.namespace_id)
-        usage = await asyncio.to_thread(self._provider.usage_bytes, namespace_key)
-        async with transaction(self._sessions) as session:
             namespace = await session.scalar(
                 select(StorageNamespace)
-                .where(StorageNamespace.id == uuid.UUID(namespace_key))
+                .where(StorageNamespace.id == loaded.namespace_id)
                 .with_for_update()
             )
-            attachment = await session.get(StorageAttachment, key)
+            attachment = await session.get(StorageAttachment, key, populate_existing=True)
             allocation = await session.get(Allocation, loaded.allocation_id)
             assert namespace is not None
             assert attachment is not None
             assert allocation is not None
             result = PrecheckResult(
                 node_id=str(attachment.node_id),
-                namespace_key=namespace_key,
+                namespace_key=str(namespace.id),
                 provider=namespace.provider,
                 usage_bytes=usage,
                 quota_bytes=namespace.quota_bytes,
@@ -410,6 +448,20 @@ class StorageActivities:
                 ),
             )
             return result
+
+    @activity.defn(name=ATTACHMENT_NODE_STATUS)
+    async def attachment_node_status(self, attachment_id: str) -> str:
+        """The coarse status of the node the attachment is on (seed 004 §3), as liveness and
+        the operators last set it."""
+        async with transaction(self._sessions) as session:
+            status = await session.scalar(
+                select(Node.status)
+                .join(StorageAttachment, StorageAttachment.node_id == Node.id)
+                .where(StorageAttachment.id == uuid.UUID(attachment_id))
+            )
+        if status is None:
+            raise refusal(NOT_FOUND, "storage attachment or its node not found")
+        return str(status)
 
     async def _refusal(
         self,

@@ -92,9 +92,19 @@ class SharedDirectoryProvider:
                 shutil.rmtree(path)
 
     def usage_bytes(self, key: str) -> int:
+        """Bytes allocated under the namespace's directory. A directory that is not there (the
+        export not mounted on this worker, or removed under us) raises: os.walk alone would
+        answer 0, and the precheck would take an unmeasured namespace for an empty one."""
+        top = self.namespace_dir(key)
+        if not top.is_dir():
+            raise FileNotFoundError(f"namespace {key} is not a directory in the storage export")
         seen: set[tuple[int, int]] = set()
         total = 0
-        for directory, dirs, files in os.walk(self.namespace_dir(key)):
+
+        def unreadable(err: OSError) -> None:
+            raise err
+
+        for directory, dirs, files in os.walk(top, onerror=unreadable):
             for name in (*dirs, *files):
                 st = os.lstat(os.path.join(directory, name))
                 if (st.st_dev, st.st_ino) in seen:

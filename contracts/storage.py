@@ -105,7 +105,10 @@ class NamespaceStatus(StrEnum):
 # Control-plane activities (worker: activities/storage.py).
 ATTACHMENT_OPEN = "storage.attachment_open"
 ATTACHMENT_TRANSITION = "storage.attachment_transition"
-ATTACHMENT_PRECHECK = "storage.attachment_precheck"
+ATTACHMENT_PRECHECK = "storage.attachment_precheck"  # measures, then decides (older builds)
+NAMESPACE_USAGE = "storage.namespace_usage"  # the provider's measure, while `requested`
+ATTACHMENT_PRECHECK_WITH_USAGE = "storage.attachment_precheck_with_usage"
+ATTACHMENT_NODE_STATUS = "storage.attachment_node_status"  # before a detach asks the node
 GRANT_APPLY = "storage.grant_apply"
 GRANT_REVOKE = "storage.grant_revoke"
 HOST_TASK_QUEUE = "storage.host_task_queue"
@@ -118,6 +121,16 @@ RELEASE_DETACHES_STORAGE_PATCH = "release-detaches-storage"
 # StorageAttachmentWorkflow: a detach that ends `detached` answers every detach request waiting
 # on it, also those accepted while it ran (before: they waited forever, and so did the workflow).
 DETACHED_ANSWERS_ALL_PATCH = "storage-detached-answers-all"
+# StorageAttachmentWorkflow: the provider measures the namespace before the precheck begins, so a
+# provider that cannot fails the attachment from `requested` (before: the precheck measured, and
+# a missing namespace directory measured as empty).
+MEASURE_BEFORE_PRECHECK_PATCH = "storage-measure-before-precheck"
+# StorageAttachmentWorkflow: a detach asked for before the mount began stops the attach once the
+# grant is applied (grant_applied → failed, then detached) instead of mounting only to unmount.
+DETACH_BEFORE_MOUNT_CANCELS_PATCH = "storage-detach-before-mount-cancels"
+# StorageAttachmentWorkflow: a detach whose node is offline fails at once (a mounted attachment:
+# mounted → detach_failed) instead of waiting out the unmount's schedule-to-start timeout.
+OFFLINE_NODE_FAILS_DETACH_PATCH = "storage-offline-node-fails-detach"
 
 # AdminOperationWorkflow operations (named, and listed in OPERATIONS, in contracts.admin_operation).
 NAMESPACE_CREATE = STORAGE_NAMESPACE_CREATE
@@ -137,6 +150,9 @@ WRITER_CONFLICT = "writer_conflict"
 GRANT_FAILED = "storage_grant_failed"
 MOUNT_FAILED = "storage_mount_failed"
 UNMOUNT_FAILED = "storage_unmount_failed"
+PROVIDER_UNAVAILABLE = "storage_provider_unavailable"  # the namespace could not be measured
+DETACHED_BEFORE_MOUNT = "detached_before_mount"  # the attach stopped for a detach
+NODE_OFFLINE = "node_offline"  # the node's agent is silent (seed 003 §6.3): no unmount to ask
 # An allocation release whose attachments did not all detach: the release ends release_failed.
 STORAGE_DETACH_FAILED = "storage_detach_failed"
 OPEN_REFUSALS = (NAMESPACE_NOT_FOUND, ALLOCATION_NOT_ATTACHABLE)
@@ -267,6 +283,12 @@ class PrecheckResult:
     message: str = ""
     usage_bytes: int = 0
     quota_bytes: int = 0
+
+
+@dataclass
+class PrecheckInput:
+    attachment_id: str
+    usage_bytes: int  # NAMESPACE_USAGE's measure
 
 
 @dataclass

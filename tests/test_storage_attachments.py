@@ -30,13 +30,15 @@ from temporalio.client import Client
 
 from activities.cloud_init import AgentBootstrap, render_agent_toml
 from agent.backends.system_root import SystemRoot
+from agent.heartbeat import send_heartbeat
 from agent.maintenance import _unescape_mount
 from agent.node_worker import NodeServices, build_node_worker
 from agent.storage_mounts import KernelBindMounter, MountFailed
 from contracts.allocation import allocation_workflow_id
 from contracts.host_tasks import STORAGE_MOUNT, STORAGE_UNMOUNT
+from contracts.node_liveness import LivenessInput
 from contracts.storage import DETACH_FOR_RELEASE, AttachmentView, attachment_workflow_id
-from schema.models import AuditEntry, StorageAttachmentEvent
+from schema.models import AuditEntry, Node, StorageAttachmentEvent
 from sim.config import SimHostConfig
 from sim.host import SimulatedHost
 from sim.machine_image import build_machine
@@ -45,6 +47,7 @@ from tests.histories import record_history
 from tests.lifecycle_support import Tenant, create_fleet, eventually, slice_request, wait_status
 from tests.terminal_fixtures import TerminalRig
 from tests.test_allocation_release_steps import release_steps
+from workflows.node_liveness import NodeLivenessWorkflow
 
 pytestmark = [
     pytest.mark.usefixtures("control_plane"),
@@ -558,3 +561,149 @@ async def test_the_deployed_agent_mounts_with_the_storage_table_cloud_init_write
         if str(point) in mounted_points():  # a failed run leaves no mount behind
             with contextlib.suppress(MountFailed):
                 await asyncio.to_thread(KernelBindMounter().unmount, point)
+
+
+async def test_a_namespace_the_provider_cannot_measure_fails_while_requested(
+    tenant: Tenant, db_sessions: Any, start_storage_agent: StartStorageAgent,
+    storage_root: Path, temporal_client: Client,
+) -> None:  # fmt: skip
+    """requested → failed: the precheck never began, as the namespace could not be measured (its
+    directory is not in the export, as when the export is not mounted on the worker)."""
+    allocation_id, node = await active_allocation(tenant, db_sessions, start_storage_agent)
+    namespace = await create_namespace(tenant.client, "unmounted-export")
+    data_dir = storage_root / "namespaces" / namespace["id"]
+    (data_dir / "kept").write_bytes(b"data")
+    away = storage_root / "away"
+    data_dir.rename(away)
+    attachment = await attach(tenant.client, allocation_id, namespace["id"], "single_writer")
+    aid = attachment["attachment_id"]
+    body = await wait_attachment(tenant.client, allocation_id, aid, "failed", timeout=40)
+    assert body["failure_reason"] == "storage_provider_unavailable"
+    assert "not a directory in the storage export" in body["failure_message"]
+    assert await transitions(db_sessions, aid) == ["requested", "failed"]
+    assert not (storage_root / "grants" / namespace["id"]).exists()  # no grant was applied
+
+    # The export is back; the tenant detaches the failed attachment: nothing to unmount.
+    away.rename(data_dir)
+    response = await tenant.client.delete(f"/api/v1/allocations/{allocation_id}/attachments/{aid}")
+    assert response.status_code == 202, response.text
+    await wait_attachment(tenant.client, allocation_id, aid, "detached")
+    assert await transitions(db_sessions, aid) == ["requested", "failed", "detaching", "detached"]
+    assert not node.mount_dir(aid).exists()
+    assert (data_dir / "kept").read_bytes() == b"data"
+    # It held no grant, so it is no writer: a single writer attaches next.
+    writer = await attach(tenant.client, allocation_id, namespace["id"], "single_writer")
+    await wait_attachment(tenant.client, allocation_id, writer["attachment_id"], "mounted")
+    await record(temporal_client, aid, "provider_unavailable_then_detached")
+
+
+async def test_a_detach_before_the_mount_began_stops_the_attach_once_the_grant_is_applied(
+    tenant: Tenant, db_sessions: Any, start_storage_agent: StartStorageAgent,
+    storage_root: Path, temporal_client: Client,
+) -> None:  # fmt: skip
+    """grant_applied → failed: the tenant detached while the provider was still granting (its
+    grant directory briefly unwritable). The attach stops there, mounts nothing, and the detach
+    revokes the grant."""
+    allocation_id, node = await active_allocation(tenant, db_sessions, start_storage_agent)
+    namespace = await create_namespace(tenant.client, "changed-my-mind")
+    blocker = storage_root / "grants" / namespace["id"]
+    blocker.parent.mkdir()
+    blocker.write_text("not a directory yet")
+    attachment = await attach(tenant.client, allocation_id, namespace["id"], "read_only")
+    aid = attachment["attachment_id"]
+    await wait_attachment(tenant.client, allocation_id, aid, "grant_applying")
+    response = await tenant.client.delete(f"/api/v1/allocations/{allocation_id}/attachments/{aid}")
+    assert response.status_code == 202, response.text
+    handle = temporal_client.get_workflow_handle(
+        attachment_workflow_id(aid), result_type=AttachmentView
+    )
+
+    async def detach_accepted() -> bool:
+        accepted = EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED
+        events = (await handle.fetch_history()).events
+        return sum(e.event_type == accepted for e in events) == 2  # open, the tenant's detach
+
+    await eventually(detach_accepted, timeout=5, interval=0.05)
+    blocker.unlink()  # the provider's next try grants
+    final = await asyncio.wait_for(handle.result(), timeout=30)
+    assert final.status == "detached"
+    assert await transitions(db_sessions, aid) == [
+        "requested", "prechecking", "grant_applying", "grant_applied", "failed",
+        "detaching", "detached",
+    ]  # fmt: skip
+    async with db_sessions() as session:
+        reasons = list(
+            await session.scalars(
+                select(StorageAttachmentEvent.details["failure_reason"].astext).where(
+                    StorageAttachmentEvent.attachment_id == uuid.UUID(aid),
+                    StorageAttachmentEvent.to_status == "failed",
+                )
+            )
+        )
+    assert reasons == ["detached_before_mount"]
+    timeline = (await tenant.client.get(f"/api/v1/allocations/{allocation_id}/timeline")).json()
+    assert not [i for i in timeline["items"] if i.get("kind") == "node_task"
+                and i.get("name") in (STORAGE_MOUNT, STORAGE_UNMOUNT)]  # fmt: skip
+    assert not node.mount_dir(aid).exists()
+    assert not (storage_root / "grants" / namespace["id"] / f"{aid}.json").exists()
+    await record(temporal_client, aid, "detach_before_mount_cancels")
+
+
+async def test_a_detach_on_an_offline_node_fails_at_once_and_is_retried_once_it_is_back(
+    tenant: Tenant, admin: httpx.AsyncClient, db_sessions: Any,
+    start_storage_agent: StartStorageAgent, temporal_client: Client, settings: Any,
+) -> None:  # fmt: skip
+    """mounted → detach_failed: the node's agent went silent and liveness took the node offline,
+    so nothing can unmount there; the detach says so at once rather than after the unmount's
+    schedule-to-start timeout, leaves the mount alone, and an operator's retry detaches once the
+    agent is back."""
+    allocation_id, node = await active_allocation(tenant, db_sessions, start_storage_agent)
+    namespace = await create_namespace(tenant.client, "on-a-lost-node")
+    attachment = await attach(tenant.client, allocation_id, namespace["id"], "single_writer")
+    aid = attachment["attachment_id"]
+    await wait_attachment(tenant.client, allocation_id, aid, "mounted")
+
+    queue = settings.control_plane_task_queue
+    await send_heartbeat(temporal_client, node.node_id, control_plane_queue=queue)
+    await node.stop()
+    await asyncio.sleep(2.5)  # silent for longer than the sweep's threshold below
+    sweep = await temporal_client.execute_workflow(
+        NodeLivenessWorkflow.run,
+        LivenessInput(offline_after_seconds=2),
+        id=f"node-liveness-test-{uuid.uuid4()}",
+        task_queue=queue,
+    )
+    assert node.node_id in sweep.went_offline
+
+    started = asyncio.get_running_loop().time()
+    response = await tenant.client.delete(f"/api/v1/allocations/{allocation_id}/attachments/{aid}")
+    assert response.status_code == 202, response.text
+    body = await wait_attachment(tenant.client, allocation_id, aid, "detach_failed")
+    assert asyncio.get_running_loop().time() - started < 10  # no schedule-to-start wait
+    assert body["failure_reason"] == "node_offline"
+    assert await transitions(db_sessions, aid) == [*ATTACH_PATH, "detach_failed"]
+    assert str(node.mount_dir(aid)) in mounted_points()  # nothing on the node was touched
+    stuck = (await admin.get("/api/v1/admin/storage/attachments")).json()["items"]
+    assert aid in [a["attachment_id"] for a in stuck]
+
+    # The agent is back (its presence brings the node back); the operator retries the detach.
+    await start_storage_agent(node.node_id)
+    await send_heartbeat(temporal_client, node.node_id, control_plane_queue=queue)
+
+    async def node_active() -> bool:
+        async with db_sessions() as session:
+            row = await session.get(Node, uuid.UUID(node.node_id))
+            return row is not None and row.status == "active"
+
+    await eventually(node_active, timeout=15)
+    response = await admin.post(
+        f"/api/v1/admin/storage/attachments/{aid}/retry-detach",
+        json={"reason": "agent restarted; OPS-12"},
+    )
+    assert response.status_code == 202, response.text
+    await wait_attachment(tenant.client, allocation_id, aid, "detached")
+    assert await transitions(db_sessions, aid) == [
+        *ATTACH_PATH, "detach_failed", "detaching", "detached"
+    ]  # fmt: skip
+    assert str(node.mount_dir(aid)) not in mounted_points()
+    await record(temporal_client, aid, "offline_node_detach_failed_admin_retry")

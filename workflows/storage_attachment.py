@@ -8,13 +8,16 @@ namespace bound to one allocation's node.
 
 The gateway starts it with update-with-start (`open`): the first activity puts the attachment on
 record (or refuses: no such namespace, allocation not active) and the update hands that back to
-the HTTP call. The precheck decides the write mode against the namespace's quota posture and
-other writers, the provider grants the node access, and the node's agent mounts it (a typed host
-task on `node-{id}`). Then the workflow waits for a detach (`detach` update: the tenant, an admin
-retry of a stuck attachment, or the allocation's release), which unmounts on the node and revokes
-the grant. A detach asked for before the attach settled runs once it has. A failed detach waits
-for the next one; the workflow ends when the attachment is detached. Nothing here deletes the
-namespace's data.
+the HTTP call. The provider measures the namespace (one that cannot be measured fails the
+attachment while it is still `requested`), the precheck decides the write mode against that
+quota posture and other writers, the provider grants the node access, and the node's agent
+mounts it (a typed host task on `node-{id}`). Then the workflow waits for a detach (`detach`
+update: the tenant, an admin retry of a stuck attachment, or the allocation's release), which
+unmounts on the node and revokes the grant. A detach asked for before the mount began stops the
+attach once the grant is applied (grant_applied → failed) and then detaches; one asked for
+while the mount runs waits for it. A detach whose node is offline fails at once (mounted →
+detach_failed: nothing can unmount there). A failed detach waits for the next one; the workflow
+ends when the attachment is detached. Nothing here deletes the namespace's data.
 
 Every transition is applied by an activity as compare-and-set with an event row; the workflow
 only decides what comes next.
@@ -40,20 +43,30 @@ with workflow.unsafe.imports_passed_through():
         HostTaskProgress,
         phases_of_failure,
     )
+    from contracts.states import NodeStatus
     from contracts.storage import (
+        ATTACHMENT_NODE_STATUS,
         ATTACHMENT_OPEN,
         ATTACHMENT_PRECHECK,
+        ATTACHMENT_PRECHECK_WITH_USAGE,
         ATTACHMENT_TRANSITION,
+        DETACH_BEFORE_MOUNT_CANCELS_PATCH,
         DETACH_UPDATE,
         DETACHED_ANSWERS_ALL_PATCH,
+        DETACHED_BEFORE_MOUNT,
         GRANT_APPLY,
         GRANT_FAILED,
         GRANT_REVOKE,
         HOST_TASK_FINISH,
         HOST_TASK_QUEUE,
+        MEASURE_BEFORE_PRECHECK_PATCH,
         MOUNT_FAILED,
+        NAMESPACE_USAGE,
+        NODE_OFFLINE,
+        OFFLINE_NODE_FAILS_DETACH_PATCH,
         OPEN_REFUSALS,
         OPEN_UPDATE,
+        PROVIDER_UNAVAILABLE,
         STATUS_QUERY,
         UNMOUNT_FAILED,
         WORKFLOW_NAME,
@@ -65,6 +78,7 @@ with workflow.unsafe.imports_passed_through():
         HostTaskFinishInput,
         HostTaskQueueInput,
         OpenInput,
+        PrecheckInput,
         PrecheckResult,
         StorageMountInput,
         StorageMountResult,
@@ -158,7 +172,7 @@ class StorageAttachmentWorkflow:
             )
         await self._attach(input)
         while True:
-            await workflow.wait_condition(lambda: self._detach_requests > self._detaches_answered)
+            await workflow.wait_condition(self._detach_pending)
             answered = self._detach_requests
             request = self._next_detach
             assert request is not None
@@ -204,14 +218,35 @@ class StorageAttachmentWorkflow:
         return True
 
     async def _attach(self, input: AttachmentInput) -> None:
-        await self._transition(AttachmentStatus.PRECHECKING, actor=input.requested_by)
-        check: PrecheckResult = await workflow.execute_activity(
-            ATTACHMENT_PRECHECK,
-            input.attachment_id,
-            result_type=PrecheckResult,
-            start_to_close_timeout=_DB,
-            retry_policy=_DB_RETRY,
-        )
+        if workflow.patched(MEASURE_BEFORE_PRECHECK_PATCH):
+            try:
+                usage: int = await workflow.execute_activity(
+                    NAMESPACE_USAGE,
+                    input.attachment_id,
+                    result_type=int,
+                    start_to_close_timeout=_DB,
+                    retry_policy=_PROVIDER_RETRY,
+                )
+            except ActivityError as err:
+                await self._fail(AttachmentStatus.FAILED, PROVIDER_UNAVAILABLE, err)
+                return
+            await self._transition(AttachmentStatus.PRECHECKING, actor=input.requested_by)
+            check: PrecheckResult = await workflow.execute_activity(
+                ATTACHMENT_PRECHECK_WITH_USAGE,
+                PrecheckInput(input.attachment_id, usage),
+                result_type=PrecheckResult,
+                start_to_close_timeout=_DB,
+                retry_policy=_DB_RETRY,
+            )
+        else:
+            await self._transition(AttachmentStatus.PRECHECKING, actor=input.requested_by)
+            check = await workflow.execute_activity(
+                ATTACHMENT_PRECHECK,
+                input.attachment_id,
+                result_type=PrecheckResult,
+                start_to_close_timeout=_DB,
+                retry_policy=_DB_RETRY,
+            )
         if check.refusal is not None:
             self._set(AttachmentStatus.FAILED, failure_reason=check.refusal, message=check.message)
             return
@@ -225,6 +260,13 @@ class StorageAttachmentWorkflow:
             await self._fail(AttachmentStatus.FAILED, GRANT_FAILED, err)
             return
         await self._transition(AttachmentStatus.GRANT_APPLIED)
+        if self._detach_pending() and workflow.patched(DETACH_BEFORE_MOUNT_CANCELS_PATCH):
+            await self._transition(
+                AttachmentStatus.FAILED,
+                failure_reason=DETACHED_BEFORE_MOUNT,
+                failure_message="a detach was asked for before the mount began",
+            )
+            return
         await self._transition(AttachmentStatus.MOUNTING)
         self._mount_attempted = True
         spec = StorageMountInput(
@@ -255,11 +297,35 @@ class StorageAttachmentWorkflow:
         """One detach run: unmount on the node (when a mount was ever attempted), revoke the
         grant; detached, or detach_failed to wait for the next request."""
         assert self._view is not None
+        node_id = self._view.node_id
+        unmount = self._mount_attempted and node_id is not None
+        if unmount and workflow.patched(OFFLINE_NODE_FAILS_DETACH_PATCH):
+            node_status: str = await workflow.execute_activity(
+                ATTACHMENT_NODE_STATUS,
+                input.attachment_id,
+                result_type=str,
+                start_to_close_timeout=_DB,
+                retry_policy=_DB_RETRY,
+            )
+            if node_status == NodeStatus.OFFLINE:
+                # Its agent is silent: the unmount would only wait out its schedule-to-start.
+                # A mounted attachment says so at once; a failed one passes through detaching.
+                if self._view.status != AttachmentStatus.MOUNTED:
+                    await self._transition(
+                        AttachmentStatus.DETACHING, actor=request.actor, reason=request.reason
+                    )
+                await self._transition(
+                    AttachmentStatus.DETACH_FAILED,
+                    actor=request.actor,
+                    failure_reason=NODE_OFFLINE,
+                    failure_message=f"node {node_id} is offline: its agent cannot unmount",
+                )
+                return False
         await self._transition(
             AttachmentStatus.DETACHING, actor=request.actor, reason=request.reason
         )
-        node_id = self._view.node_id
-        if self._mount_attempted and node_id is not None:
+        if unmount:
+            assert node_id is not None
             spec = StorageUnmountInput(
                 task_id=str(workflow.uuid4()),
                 attachment_id=input.attachment_id,
@@ -337,6 +403,9 @@ class StorageAttachmentWorkflow:
         await workflow.execute_activity(
             HOST_TASK_FINISH, finish, start_to_close_timeout=_DB, retry_policy=_DB_RETRY
         )
+
+    def _detach_pending(self) -> bool:
+        return self._detach_requests > self._detaches_answered
 
     async def _fail(self, status: AttachmentStatus, reason: str, error: ActivityError) -> None:
         error_type, message = _describe(error)
