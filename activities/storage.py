@@ -111,6 +111,7 @@ def attachment_view(row: StorageAttachment) -> AttachmentView:
         failure_reason=row.failure_reason,
         failure_message=row.failure_message,
         detach_attempts=row.detach_attempts,
+        guest_mount_tag=row.guest_mount_tag,
     )
 
 
@@ -153,11 +154,19 @@ async def _apply_transition(session: AsyncSession, input: TransitionInput) -> St
     if to_status in (AttachmentStatus.FAILED, AttachmentStatus.DETACH_FAILED):
         values |= {"failure_reason": input.failure_reason, "failure_message": input.failure_message}
     if to_status == AttachmentStatus.MOUNTED:
-        values |= {"mount_path": input.mount_path, "mounted_at": func.clock_timestamp()}
+        values |= {
+            "mount_path": input.mount_path,
+            "guest_mount_tag": input.guest_mount_tag,
+            "mounted_at": func.clock_timestamp(),
+        }
     if to_status == AttachmentStatus.DETACHING:
         values["detach_attempts"] = StorageAttachment.detach_attempts + 1
     if to_status == AttachmentStatus.DETACHED:
-        values |= {"detached_at": func.clock_timestamp(), "mount_path": None}
+        values |= {
+            "detached_at": func.clock_timestamp(),
+            "mount_path": None,
+            "guest_mount_tag": None,
+        }
     row = await session.scalar(
         update(StorageAttachment)
         .where(StorageAttachment.id == attachment_id)
@@ -425,6 +434,7 @@ class StorageActivities:
                 provider=namespace.provider,
                 usage_bytes=usage,
                 quota_bytes=namespace.quota_bytes,
+                allocation_shape=allocation.shape,
             )
             if attachment.status != AttachmentStatus.PRECHECKING:
                 # A retried activity whose first attempt committed: answer what it decided.

@@ -21,6 +21,11 @@ Rules:
 - An unmount removes the mount and then the empty mount point, never anything in it: a mount
   point that still holds files after the unmount is left alone and reported, so a failed unmount
   can never delete namespace data. Unmounting what is not mounted succeeds.
+- A gpu_slice allocation's tenant works inside its VM, not on the host: after the host mount, the
+  VM gets it as a virtiofs filesystem (`guest_attached`, tagged `virtiofs_tag(attachment id)`,
+  through the node's slice backend: hot-plugged and kept in the domain's definition), and the
+  tenant mounts the tag inside the guest. An unmount takes it out of the VM first
+  (`guest_detached`; a guest still using it refuses, and the host mount stays).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from agent.host_activities import HostActivities
 from agent.maintenance import _unescape_mount
 from agent.progress import utc_now_iso
 from contracts.host_tasks import STORAGE_MOUNT, STORAGE_UNMOUNT, HostErrorType
+from contracts.states import SkuShape
 from contracts.storage import (
     PROVIDER_SHARED_DIRECTORY,
     StorageMountInput,
@@ -53,12 +59,15 @@ from contracts.storage import (
     StorageUnmountInput,
     StorageUnmountResult,
     WriteMode,
+    virtiofs_tag,
 )
 
 logger = logging.getLogger("agent.storage")
 
 MOUNT_PHASES = ("grant_checked", "mount_point_prepared", "mounted")
 UNMOUNT_PHASES = ("unmounted", "mount_point_removed")
+GUEST_ATTACH_PHASE = "guest_attached"  # after MOUNT_PHASES, for a slice VM
+GUEST_DETACH_PHASE = "guest_detached"  # before UNMOUNT_PHASES, for a slice VM
 DEFAULT_MOUNT_BASE = "/mnt/gpucloud/storage"
 MOUNT_COMMAND_TIMEOUT_S = 60
 MOUNT_TABLE = Path("/proc/self/mountinfo")
@@ -93,6 +102,17 @@ class Mounter(Protocol):
     def unmount(self, target: Path) -> None: ...
 
     def is_mounted(self, target: Path) -> bool: ...
+
+
+class GuestFilesystems(Protocol):
+    """The node's slice VMs, as far as storage needs them (agent.backends.libvirt_slice);
+    blocking. Each answers a phase message."""
+
+    def attach_filesystem(
+        self, allocation_id: str, source_dir: Path, tag: str, *, read_only: bool
+    ) -> str: ...
+
+    def detach_filesystem(self, allocation_id: str, tag: str) -> str: ...
 
 
 class MountFailed(Exception):
@@ -145,6 +165,7 @@ class MountOutcome:
     mount_path: str
     read_only: bool
     adopted_existing: bool
+    guest_mount_tag: str | None = None
 
 
 @dataclass(frozen=True)
@@ -157,17 +178,25 @@ class StorageMountBackend:
     machine's disk in the stack and the tests)."""
 
     def __init__(
-        self, root: SystemRoot, config: StorageMountConfig, mounter: Mounter | None = None
+        self,
+        root: SystemRoot,
+        config: StorageMountConfig,
+        mounter: Mounter | None = None,
+        *,
+        guests: GuestFilesystems | None = None,
     ) -> None:
+        """`guests`: the node's slice VMs (None: the node runs none)."""
         self.root = root
         self.config = config
         self._mounter = mounter or KernelBindMounter()
+        self.guests = guests
 
     def mount_point(self, attachment_id: str) -> str:
         """The mount point as seen on the node."""
         return str(PurePosixPath(self.config.mount_base) / attachment_id)
 
     def mount(self, spec: StorageMountInput, progress: Progress) -> MountOutcome:
+        guests = self._guests_for(spec)
         grant_phase, point_phase, mount_phase = MOUNT_PHASES
         progress(grant_phase, PhaseStatus.STARTED)
         source, read_only = self._granted_source(spec)
@@ -180,22 +209,36 @@ class StorageMountBackend:
         progress(point_phase, PhaseStatus.SUCCEEDED)
 
         progress(mount_phase, PhaseStatus.STARTED)
-        if self._mounter.is_mounted(target):
+        adopted = self._mounter.is_mounted(target)
+        if adopted:
             progress(mount_phase, PhaseStatus.SUCCEEDED, "already mounted")
-            return MountOutcome(point, read_only, adopted_existing=True)
-        try:
-            self._mounter.bind(source, target, read_only=read_only)
-        except (MountFailed, OSError, subprocess.TimeoutExpired) as err:
-            raise HostError(
-                HostErrorType.STORAGE_ERROR, f"mount failed: {_describe(err)}"
-            ) from None
-        progress(mount_phase, PhaseStatus.SUCCEEDED, "read-only" if read_only else "read-write")
-        return MountOutcome(point, read_only, adopted_existing=False)
+        else:
+            try:
+                self._mounter.bind(source, target, read_only=read_only)
+            except (MountFailed, OSError, subprocess.TimeoutExpired) as err:
+                raise HostError(
+                    HostErrorType.STORAGE_ERROR, f"mount failed: {_describe(err)}"
+                ) from None
+            progress(mount_phase, PhaseStatus.SUCCEEDED, "read-only" if read_only else "read-write")
+        if guests is None:
+            return MountOutcome(point, read_only, adopted_existing=adopted)
+        tag = virtiofs_tag(spec.attachment_id)
+        progress(GUEST_ATTACH_PHASE, PhaseStatus.STARTED)
+        message = guests.attach_filesystem(spec.allocation_id, target, tag, read_only=read_only)
+        progress(GUEST_ATTACH_PHASE, PhaseStatus.SUCCEEDED, message)
+        return MountOutcome(point, read_only, adopted_existing=adopted, guest_mount_tag=tag)
 
     def unmount(self, spec: StorageUnmountInput, progress: Progress) -> UnmountOutcome:
         unmount_phase, remove_phase = UNMOUNT_PHASES
         point = self.mount_point(spec.attachment_id)
         target = self.root.host_path(point)
+        if spec.allocation_shape == SkuShape.GPU_SLICE and self.guests is not None:
+            # Out of the VM first: the host mount is what the guest's filesystem reads.
+            progress(GUEST_DETACH_PHASE, PhaseStatus.STARTED)
+            message = self.guests.detach_filesystem(
+                spec.allocation_id, virtiofs_tag(spec.attachment_id)
+            )
+            progress(GUEST_DETACH_PHASE, PhaseStatus.SUCCEEDED, message)
         progress(unmount_phase, PhaseStatus.STARTED)
         was_mounted = self._mounter.is_mounted(target)
         if was_mounted:
@@ -213,6 +256,17 @@ class StorageMountBackend:
         return UnmountOutcome(was_mounted=was_mounted)
 
     # ------------------------------------------------------------------ helpers
+
+    def _guests_for(self, spec: StorageMountInput) -> GuestFilesystems | None:
+        """The VMs to give the mount to: a slice allocation's, which this node must run. (A task
+        from an older workflow names no shape and mounts on the host only, as it did then.)"""
+        if spec.allocation_shape != SkuShape.GPU_SLICE:
+            return None
+        if self.guests is None:
+            raise HostError(
+                HostErrorType.UNSUPPORTED, "this node runs no slice VMs to give the storage to"
+            )
+        return self.guests
 
     def _granted_source(self, spec: StorageMountInput) -> tuple[Path, bool]:
         """The namespace directory and whether to mount it read-only, from the provider's grant
@@ -348,6 +402,7 @@ class StorageMountActivities:
             mount_path=outcome.mount_path,
             read_only=outcome.read_only,
             adopted_existing=outcome.adopted_existing,
+            guest_mount_tag=outcome.guest_mount_tag,
         )
 
     @activity.defn(name=STORAGE_UNMOUNT)

@@ -14,6 +14,7 @@ itself (refused while it is attached) does.
 
 # Annotations here are evaluated on purpose: see contracts/allocation.py.
 
+import uuid
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -31,6 +32,13 @@ STATUS_QUERY = "status"
 
 def attachment_workflow_id(attachment_id: str) -> str:
     return f"{WORKFLOW_ID_PREFIX}{attachment_id}"
+
+
+def virtiofs_tag(attachment_id: str) -> str:
+    """The tag a slice VM mounts an attachment by (`mount -t virtiofs <tag> <dir>`): the
+    attachment's id, 36 characters, which is virtiofs's limit. (A shorter prefixed form would
+    read as a secret token to the log and API redaction, core/redaction.py.)"""
+    return str(uuid.UUID(attachment_id))
 
 
 class AttachmentStatus(StrEnum):
@@ -192,6 +200,7 @@ class AttachmentView:
     failure_reason: str | None = None
     failure_message: str | None = None
     detach_attempts: int = 0
+    guest_mount_tag: str | None = None
 
 
 @dataclass
@@ -217,6 +226,9 @@ class StorageMountInput:
     provider: str
     namespace_key: str
     mode: str  # WriteMode: read_only mounts read-only
+    # SkuShape: a gpu_slice allocation's VM gets the mount as a virtiofs filesystem too. Empty
+    # from workflows of older builds: the VM gets it if the node has one for the allocation.
+    allocation_shape: str = ""
 
 
 @dataclass
@@ -228,6 +240,7 @@ class StorageMountResult:
     mount_path: str  # as seen on the node
     read_only: bool
     adopted_existing: bool = False
+    guest_mount_tag: str | None = None  # the slice VM's virtiofs tag (virtiofs_tag)
 
 
 @dataclass
@@ -236,6 +249,7 @@ class StorageUnmountInput:
     attachment_id: str
     allocation_id: str
     node_id: str
+    allocation_shape: str = ""  # SkuShape: a gpu_slice VM gives the filesystem back first
 
 
 @dataclass
@@ -270,6 +284,7 @@ class TransitionInput:
     failure_reason: str | None = None
     failure_message: str | None = None
     mount_path: str | None = None
+    guest_mount_tag: str | None = None
 
 
 @dataclass
@@ -283,6 +298,7 @@ class PrecheckResult:
     message: str = ""
     usage_bytes: int = 0
     quota_bytes: int = 0
+    allocation_shape: str = ""  # SkuShape
 
 
 @dataclass

@@ -1247,6 +1247,8 @@ class StorageAttachment(Base):
     workflow_id: Mapped[str] = mapped_column(String(100))
     requested_by: Mapped[str] = mapped_column(String(100))
     mount_path: Mapped[str | None] = mapped_column(Text)
+    # A slice VM's virtiofs tag for the mount (contracts.storage.virtiofs_tag), while mounted.
+    guest_mount_tag: Mapped[str | None] = mapped_column(String(36))
     failure_reason: Mapped[str | None] = mapped_column(String(64))
     failure_message: Mapped[str | None] = mapped_column(Text)
     detach_attempts: Mapped[int] = mapped_column(Integer, server_default=text("0"))

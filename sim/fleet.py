@@ -171,7 +171,7 @@ class LibvirtTestHosts:
             host=host.backend,
             maintenance=services.maintenance,
             terminal=services.terminal,
-            storage=simulated_storage(SystemRoot(machine.root)),
+            storage=simulated_storage(SystemRoot(machine.root), guests=host.slice_backend),
         )
 
     def close(self) -> None:

@@ -14,6 +14,7 @@ import random
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from agent.backend import (
     HARD_STOP_PHASE,
@@ -63,6 +64,8 @@ class SimDomain:
     state: str  # "defined" | "running" | "shutoff"
     connect_host: str
     guest_ready: bool = False
+    # virtiofs filesystems given to the guest (agent/storage_mounts.py): tag -> host directory.
+    filesystems: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -352,6 +355,37 @@ class SimulatedHost:
             raise _GracefulShutdownFailed("guest ignored the shutdown request")
         state = self._set_domain_state(run.allocation_id, "shutoff")
         return "no domain (already released)" if state is None else "guest shut down"
+
+    # ------------------------------------------------------------------ guest filesystems
+
+    def attach_filesystem(
+        self, allocation_id: str, source_dir: Path, tag: str, *, read_only: bool
+    ) -> str:
+        """What LibvirtSliceBackend.attach_filesystem does, on the simulated domain."""
+        with self._lock:
+            domain = self._domains.get(allocation_id)
+            if domain is None:
+                raise HostError(
+                    HostErrorType.INVALID_SPEC, f"allocation {allocation_id} has no VM on this node"
+                )
+            if tag in dict(domain.filesystems):
+                return f"virtiofs {tag} already attached"
+            self._domains[allocation_id] = replace(
+                domain, filesystems=(*domain.filesystems, (tag, str(source_dir)))
+            )
+        return f"virtiofs {tag} attached (simulated VM{', read-only' if read_only else ''})"
+
+    def detach_filesystem(self, allocation_id: str, tag: str) -> str:
+        with self._lock:
+            domain = self._domains.get(allocation_id)
+            if domain is None:
+                return "no VM: nothing attached"
+            if tag not in dict(domain.filesystems):
+                return f"virtiofs {tag} was not attached"
+            self._domains[allocation_id] = replace(
+                domain, filesystems=tuple(f for f in domain.filesystems if f[0] != tag)
+            )
+        return f"virtiofs {tag} detached (simulated VM)"
 
     def _set_domain_state(self, allocation_id: str, state: str) -> bool | None:
         """Set a domain's state; answers whether it already was in it (None: no such domain)."""

@@ -22,7 +22,7 @@ from agent.config_file import read_agent_config
 from agent.main import BackendContext
 from agent.maintenance import MaintenanceBackend
 from agent.node_worker import NodeServices
-from agent.storage_mounts import StorageMountBackend, StorageMountConfig
+from agent.storage_mounts import GuestFilesystems, StorageMountBackend, StorageMountConfig
 from sim.config import SimHostConfig
 from sim.host import SimulatedHost
 from sim.machine_image import Machine, build_machine
@@ -41,14 +41,17 @@ def machine_maintenance(directory: Path, *, key: str | None = None) -> Maintenan
     return machine_services(machine).maintenance
 
 
-def simulated_storage(root: SystemRoot) -> StorageMountBackend | None:
+def simulated_storage(
+    root: SystemRoot, guests: GuestFilesystems | None = None
+) -> StorageMountBackend | None:
     """Storage mounts on a simulated machine's disk. The simulated machines run on the worker's
     computer, so they see the shared directory provider's tree where the worker keeps it
-    (GPUCLOUD_STORAGE_ROOT, activities/storage_provider.py); unset: no storage on the node."""
+    (GPUCLOUD_STORAGE_ROOT, activities/storage_provider.py); unset: no storage on the node.
+    `guests`: the node's slice VMs (a libvirt-test host's slice backend)."""
     export = os.environ.get(STORAGE_ROOT_ENV)
     if not export:
         return None
-    return StorageMountBackend(root, StorageMountConfig(export_root=Path(export)))
+    return StorageMountBackend(root, StorageMountConfig(export_root=Path(export)), guests=guests)
 
 
 def simulated_services(
@@ -59,7 +62,7 @@ def simulated_services(
         host=host,
         maintenance=machine_services(machine).maintenance,
         terminal=SimulatedShell(host, machine.directory / "terminal-homes"),
-        storage=simulated_storage(SystemRoot(machine.root)),
+        storage=simulated_storage(SystemRoot(machine.root), guests=host),
     )
 
 
@@ -68,12 +71,16 @@ def simulated_node_services(context: BackendContext) -> NodeServices:
     production backend on the agent's host root (GPUCLOUD_AGENT_ROOT: a simulated machine's
     disk). On the real root a throwaway machine is made instead, so no maintenance task ever
     touches this computer's own files."""
+    host = SimulatedHost(
+        context.node_id, hostname=context.hostname, config=SimHostConfig.from_env(context.node_id)
+    )
+    # The simulated host's VMs take a slice allocation's storage (not the config's libvirt).
     if context.root.is_real_root:
         directory = Path(tempfile.mkdtemp(prefix=f"gpucloud-sim-{context.node_id[:8]}-"))
         machine = build_machine(directory, address=context.hostname, machine_key=context.node_id)
         maintenance = machine_services(machine).maintenance
         homes = directory / "terminal-homes"
-        storage = simulated_storage(SystemRoot(machine.root))
+        storage = simulated_storage(SystemRoot(machine.root), guests=host)
     else:
         configured = node_services_from_config(
             context.config, context.root, hostname=context.hostname
@@ -81,10 +88,12 @@ def simulated_node_services(context: BackendContext) -> NodeServices:
         maintenance = configured.maintenance
         homes = context.root.host_path("/home")
         # The config's [storage] (what cloud-init writes), else the provider's root from the env.
-        storage = configured.storage or simulated_storage(context.root)
-    host = SimulatedHost(
-        context.node_id, hostname=context.hostname, config=SimHostConfig.from_env(context.node_id)
-    )
+        if configured.storage is not None:
+            storage = StorageMountBackend(
+                configured.storage.root, configured.storage.config, guests=host
+            )
+        else:
+            storage = simulated_storage(context.root, guests=host)
     return NodeServices(
         host=host,
         maintenance=maintenance,

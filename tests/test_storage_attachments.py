@@ -21,28 +21,39 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from xml.etree import ElementTree
 
 import httpx
+import libvirt
 import pytest
 from sqlalchemy import select
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 
 from activities.cloud_init import AgentBootstrap, render_agent_toml
+from agent.backends.domain_xml import filesystem_element, parse_domain
 from agent.backends.system_root import SystemRoot
 from agent.heartbeat import send_heartbeat
 from agent.maintenance import _unescape_mount
 from agent.node_worker import NodeServices, build_node_worker
-from agent.storage_mounts import KernelBindMounter, MountFailed
+from agent.storage_mounts import MOUNT_PHASES, KernelBindMounter, MountFailed
 from contracts.allocation import allocation_workflow_id
 from contracts.host_tasks import STORAGE_MOUNT, STORAGE_UNMOUNT
 from contracts.node_liveness import LivenessInput
-from contracts.storage import DETACH_FOR_RELEASE, AttachmentView, attachment_workflow_id
+from contracts.storage import (
+    DETACH_FOR_RELEASE,
+    AttachmentView,
+    attachment_workflow_id,
+    virtiofs_tag,
+)
 from schema.models import AuditEntry, Node, StorageAttachmentEvent
 from sim.config import SimHostConfig
+from sim.demo_fleet import Fleet, build_node, seed_fleet
+from sim.fleet import AgentNode, LibvirtTestHosts
 from sim.host import SimulatedHost
 from sim.machine_image import build_machine
 from sim.node_services import machine_services, simulated_storage
+from tests.factories import REGION, SLICE_SKU, create_sku
 from tests.histories import record_history
 from tests.lifecycle_support import Tenant, create_fleet, eventually, slice_request, wait_status
 from tests.terminal_fixtures import TerminalRig
@@ -77,6 +88,7 @@ class StorageNode:
     node_id: str
     machine_root: Path
     stop: Callable[[], Awaitable[None]]
+    host: SimulatedHost
 
     def mount_dir(self, attachment_id: str) -> Path:
         return self.machine_root / "mnt/gpucloud/storage" / attachment_id
@@ -96,14 +108,14 @@ async def start_storage_agent(
     async def start(node_id: uuid.UUID | str, *, export: bool = True) -> StorageNode:
         key = str(node_id)
         machine = build_machine(tmp_path / f"machine-{key}", address="127.0.0.1", machine_key=key)
-        # What the simulated fleet mounts with: the provider's tree from GPUCLOUD_STORAGE_ROOT.
-        storage = simulated_storage(SystemRoot(machine.root))
+        host = SimulatedHost(key, config=SimHostConfig())
+        # What the simulated fleet mounts with: the provider's tree from GPUCLOUD_STORAGE_ROOT,
+        # and the simulated host's VMs for a slice's virtiofs filesystem.
+        storage = simulated_storage(SystemRoot(machine.root), guests=host)
         assert storage is not None
         assert storage.config.export_root == storage_root
         services = NodeServices(
-            SimulatedHost(key, config=SimHostConfig()),
-            machine_services(machine).maintenance,
-            storage=storage if export else None,
+            host, machine_services(machine).maintenance, storage=storage if export else None
         )
         worker = build_node_worker(temporal_client, key, services)
         run = asyncio.create_task(worker.run())
@@ -113,7 +125,7 @@ async def start_storage_agent(
                 await worker.shutdown()
             await asyncio.gather(run, return_exceptions=True)
 
-        node = StorageNode(key, machine.root, stop)
+        node = StorageNode(key, machine.root, stop, host)
         nodes.append(node)
         return node
 
@@ -218,8 +230,13 @@ async def test_mount_write_detach_keeps_the_data_and_namespace_delete_waits_for_
     (mount_task,) = [i for i in timeline["items"] if i.get("name") == STORAGE_MOUNT]
     assert mount_task["status"] == "succeeded"
     assert [p["phase"] for p in mount_task["phases"] if p["status"] == "succeeded"] == [
-        "grant_checked", "mount_point_prepared", "mounted"
+        "grant_checked", "mount_point_prepared", "mounted", "guest_attached"
     ]  # fmt: skip
+    # A slice: its (simulated) VM has the mount as a virtiofs filesystem, tagged by the id.
+    assert mounted["guest_mount_tag"] == aid
+    vm = node.host.domain(allocation_id)
+    assert vm is not None
+    assert vm.filesystems == ((aid, str(node.mount_dir(aid))),)
 
     refused = await tenant.client.delete(f"/api/v1/storage/namespaces/{namespace['id']}")
     assert refused.status_code == 409, refused.text
@@ -229,7 +246,11 @@ async def test_mount_write_detach_keeps_the_data_and_namespace_delete_waits_for_
     assert response.status_code == 202, response.text
     detached = await wait_attachment(tenant.client, allocation_id, aid, "detached")
     assert detached["mount_path"] is None
+    assert detached["guest_mount_tag"] is None
     assert detached["detached_at"] is not None
+    vm = node.host.domain(allocation_id)
+    assert vm is not None
+    assert vm.filesystems == ()
     assert str(node.mount_dir(aid)) not in mounted_points()
     assert not node.mount_dir(aid).exists()
     assert not (storage_root / "grants" / namespace["id"] / f"{aid}.json").exists()
@@ -707,3 +728,87 @@ async def test_a_detach_on_an_offline_node_fails_at_once_and_is_retried_once_it_
     ]  # fmt: skip
     assert str(node.mount_dir(aid)) not in mounted_points()
     await record(temporal_client, aid, "offline_node_detach_failed_admin_retry")
+
+
+async def test_a_slice_vm_gets_the_mount_as_virtiofs_and_gives_it_back_first(
+    tenant: Tenant, db_sessions: Any, temporal_client: Client, tmp_path: Path,
+    storage_root: Path,
+) -> None:  # fmt: skip
+    """A gpu_slice tenant works inside its VM: on a node whose slice VMs are the production
+    libvirt backend (on libvirt's test driver), the mount reaches the allocation's domain as a
+    virtiofs filesystem (read-only when the mount is), and the detach takes it out of the domain
+    before the host unmounts. The test driver has no device hot-plug, so the domain's persistent
+    definition carries it, as the task's phase says; on QEMU the same call hot-plugs."""
+    await create_sku(db_sessions)
+    node = build_node(f"gpu-{uuid.uuid4().hex[:8]}.libvirt.test", sku=SLICE_SKU, region=REGION)
+    async with db_sessions() as session, session.begin():
+        await seed_fleet(session, Fleet(skus=(), nodes=(node,)))
+    hosts = LibvirtTestHosts(tmp_path / "libvirt-hosts")
+    run: asyncio.Task[None] | None = None
+    points: list[Path] = []
+    try:
+        async with db_sessions() as session:
+            await hosts.load(session, [str(node.id)])
+        services = hosts(AgentNode(str(node.id), node.hostname))
+        assert services.storage is not None
+        worker = build_node_worker(temporal_client, str(node.id), services)
+        run = asyncio.create_task(worker.run())
+        created = await tenant.client.post("/api/v1/allocations", json=slice_request(2))
+        assert created.status_code == 201, created.text
+        allocation_id = created.json()["allocation_id"]
+        await wait_status(tenant.client, allocation_id, "active", timeout=60)
+        domain = hosts.hosts[str(node.id)].connection.lookupByName(f"gpc-{allocation_id}")
+        namespace = await create_namespace(tenant.client, "vm-datasets")
+        attachment = await attach(tenant.client, allocation_id, namespace["id"], "read_only")
+        aid = attachment["attachment_id"]
+        mounted = await wait_attachment(tenant.client, allocation_id, aid, "mounted")
+
+        tag = virtiofs_tag(aid)
+        assert mounted["guest_mount_tag"] == tag
+        point = services.storage.root.host_path(mounted["mount_path"])
+        points.append(point)
+        assert str(point) in mounted_points()  # the host's read-only bind mount
+        definition = domain.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE)
+        assert parse_domain(definition).filesystems == {tag: str(point)}
+        device = filesystem_element(definition, tag)
+        assert device is not None
+        assert "virtiofs" in device
+        assert "<readonly" in device
+        access = ElementTree.fromstring(definition).find("memoryBacking/access")  # noqa: S314
+        assert access is not None
+        assert access.get("mode") == "shared"  # virtiofs needs the guest's memory shared
+        timeline = (await tenant.client.get(f"/api/v1/allocations/{allocation_id}/timeline")).json()
+        (mount_task,) = [i for i in timeline["items"] if i.get("name") == STORAGE_MOUNT]
+        phases = {p["phase"]: p for p in mount_task["phases"] if p["status"] == "succeeded"}
+        assert list(phases) == [*MOUNT_PHASES, "guest_attached"]
+        assert phases["guest_attached"]["message"] == (
+            f"virtiofs {tag} attached in the definition (this driver has no hot-plug)"
+        )
+
+        response = await tenant.client.delete(
+            f"/api/v1/allocations/{allocation_id}/attachments/{aid}"
+        )
+        assert response.status_code == 202, response.text
+        detached = await wait_attachment(tenant.client, allocation_id, aid, "detached")
+        assert detached["guest_mount_tag"] is None
+        assert parse_domain(domain.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE)).filesystems == {}
+        assert str(point) not in mounted_points()
+        timeline = (await tenant.client.get(f"/api/v1/allocations/{allocation_id}/timeline")).json()
+        (unmount_task,) = [i for i in timeline["items"] if i.get("name") == STORAGE_UNMOUNT]
+        assert [p["phase"] for p in unmount_task["phases"] if p["status"] == "succeeded"] == [
+            "guest_detached", "unmounted", "mount_point_removed"
+        ]  # fmt: skip
+        await record(temporal_client, aid, "slice_vm_virtiofs_mount_detach")
+
+        released = await tenant.client.post(f"/api/v1/allocations/{allocation_id}/release")
+        assert released.status_code == 202, released.text
+        await wait_status(tenant.client, allocation_id, "released", timeout=60)
+    finally:
+        if run is not None and not run.done():
+            await worker.shutdown()
+            await asyncio.gather(run, return_exceptions=True)
+        for point in points:
+            if str(point) in mounted_points():
+                with contextlib.suppress(MountFailed):
+                    await asyncio.to_thread(KernelBindMounter().unmount, point)
+        hosts.close()

@@ -116,6 +116,7 @@ class StorageAttachmentWorkflow:
         self._view: AttachmentView | None = None
         self._rejection: ApplicationError | None = None
         self._mount_attempted = False
+        self._allocation_shape = ""  # the precheck's answer (SkuShape)
         # Detach requests accepted, and how many of them a finished detach run has answered.
         self._detach_requests = 0
         self._detaches_answered = 0
@@ -250,6 +251,7 @@ class StorageAttachmentWorkflow:
         if check.refusal is not None:
             self._set(AttachmentStatus.FAILED, failure_reason=check.refusal, message=check.message)
             return
+        self._allocation_shape = check.allocation_shape
         self._set(AttachmentStatus.GRANT_APPLYING)
         grant = GrantInput(input.attachment_id, check.namespace_key, check.node_id, input.mode)
         try:
@@ -277,6 +279,7 @@ class StorageAttachmentWorkflow:
             provider=check.provider,
             namespace_key=check.namespace_key,
             mode=input.mode,
+            allocation_shape=check.allocation_shape,
         )
         try:
             mounted: StorageMountResult = await self._host_task(
@@ -291,7 +294,11 @@ class StorageAttachmentWorkflow:
             await self._fail(AttachmentStatus.FAILED, MOUNT_FAILED, err)
             return
         await self._finish_task(HostTaskFinishInput(spec.task_id, mount=mounted))
-        await self._transition(AttachmentStatus.MOUNTED, mount_path=mounted.mount_path)
+        await self._transition(
+            AttachmentStatus.MOUNTED,
+            mount_path=mounted.mount_path,
+            guest_mount_tag=mounted.guest_mount_tag,
+        )
 
     async def _detach(self, input: AttachmentInput, request: DetachRequest) -> bool:
         """One detach run: unmount on the node (when a mount was ever attempted), revoke the
@@ -331,6 +338,7 @@ class StorageAttachmentWorkflow:
                 attachment_id=input.attachment_id,
                 allocation_id=input.allocation_id,
                 node_id=node_id,
+                allocation_shape=self._allocation_shape,
             )
             try:
                 unmounted: StorageUnmountResult = await self._host_task(
@@ -422,6 +430,7 @@ class StorageAttachmentWorkflow:
         failure_reason: str | None = None,
         failure_message: str | None = None,
         mount_path: str | None = None,
+        guest_mount_tag: str | None = None,
     ) -> None:
         self._view = await workflow.execute_activity(
             ATTACHMENT_TRANSITION,
@@ -433,6 +442,7 @@ class StorageAttachmentWorkflow:
                 failure_reason=failure_reason,
                 failure_message=failure_message,
                 mount_path=mount_path,
+                guest_mount_tag=guest_mount_tag,
             ),
             result_type=AttachmentView,
             start_to_close_timeout=_DB,

@@ -157,6 +157,11 @@ def render_domain(plan: SliceDomain) -> str:
     for key, value in plan.extra.items():
         _sub(meta, f"{METADATA_PREFIX}:{key}", value)
     _sub(dom, "memory", str(plan.memory_mib), unit="MiB")
+    # Guest memory shared with the host's virtiofsd: what a virtiofs filesystem (an attached
+    # storage namespace, agent/storage_mounts.py) needs to be hot-plugged into the VM later.
+    backing = _sub(dom, "memoryBacking")
+    _sub(backing, "source", type="memfd")
+    _sub(backing, "access", mode="shared")
     _sub(dom, "vcpu", str(plan.vcpus), placement="static")
     cputune = _sub(dom, "cputune")
     cpuset = format_cpuset(plan.cpuset)
@@ -217,6 +222,44 @@ def render_domain(plan: SliceDomain) -> str:
     return ET.tostring(dom, encoding="unicode")
 
 
+def render_filesystem(source_dir: str, tag: str, *, read_only: bool) -> str:
+    """A host directory for the guest to mount as virtiofs (`mount -t virtiofs <tag> <dir>`).
+    `read_only` also marks the device; the host directory is a read-only bind mount already."""
+    fs = ET.Element("filesystem", {"type": "mount", "accessmode": "passthrough"})
+    _sub(fs, "driver", type="virtiofs")
+    _sub(fs, "source", dir=source_dir)
+    _sub(fs, "target", dir=tag)
+    if read_only:
+        _sub(fs, "readonly")
+    return ET.tostring(fs, encoding="unicode")
+
+
+def filesystem_element(xml_text: str, tag: str) -> str | None:
+    """The domain's filesystem device with this target tag, as XML (None: not there)."""
+    for fs in _parse(xml_text).findall("devices/filesystem"):
+        target = fs.find("target")
+        if target is not None and target.get("dir") == tag:
+            return ET.tostring(fs, encoding="unicode")
+    return None
+
+
+def with_filesystem(xml_text: str, device_xml: str | None, *, remove_tag: str | None = None) -> str:
+    """The domain XML with `device_xml` added, or the filesystem `remove_tag` taken out: for a
+    driver that cannot attach or detach devices, whose persistent definition is redefined."""
+    root = _parse(xml_text)
+    devices = root.find("devices")
+    if devices is None:
+        devices = _sub(root, "devices")
+    if remove_tag is not None:
+        for fs in devices.findall("filesystem"):
+            target = fs.find("target")
+            if target is not None and target.get("dir") == remove_tag:
+                devices.remove(fs)
+    if device_xml is not None:
+        devices.append(_parse(device_xml))
+    return ET.tostring(root, encoding="unicode")
+
+
 # ------------------------------------------------------------------------------ reading back
 
 
@@ -230,6 +273,8 @@ class DomainFacts:
     numa_nodeset: str | None
     vcpupins: Mapping[int, str]
     mac_addresses: tuple[str, ...]
+    # virtiofs filesystems: target tag -> host source directory.
+    filesystems: Mapping[str, str] = field(default_factory=dict)
 
 
 def parse_domain(xml_text: str) -> DomainFacts:
@@ -250,6 +295,11 @@ def parse_domain(xml_text: str) -> DomainFacts:
     pins = {int(p.get("vcpu", "-1")): p.get("cpuset", "") for p in root.findall("cputune/vcpupin")}
     macs = tuple(m.get("address", "") for m in root.findall("devices/interface/mac"))
     alloc = root.find(f"metadata/{{{METADATA_NS}}}allocation/{{{METADATA_NS}}}id")
+    filesystems: dict[str, str] = {}
+    for fs in root.findall("devices/filesystem"):
+        fs_target, fs_source = fs.find("target"), fs.find("source")
+        if fs_target is not None and fs_source is not None:
+            filesystems[fs_target.get("dir", "")] = fs_source.get("dir", "")
     return DomainFacts(
         allocation_id=alloc.text if alloc is not None else None,
         hostdevs=tuple(hostdevs),
@@ -257,6 +307,7 @@ def parse_domain(xml_text: str) -> DomainFacts:
         numa_nodeset=memory.get("nodeset") if memory is not None else None,
         vcpupins=pins,
         mac_addresses=macs,
+        filesystems=filesystems,
     )
 
 

@@ -249,10 +249,11 @@ def node_services_from_config(
         allow_unverified_gpu=allow_unverified,
     )
     storage = StorageMountConfig.from_table(table(data, "storage"))
+    slices = slice_backend_from_config(data, root)
     return NodeServices(
-        host=NodeHostBackend(slice=slice_backend_from_config(data, root), baremetal=baremetal),
+        host=NodeHostBackend(slice=slices, baremetal=baremetal),
         maintenance=maintenance,
-        storage=StorageMountBackend(root, storage) if storage.export_root else None,
+        storage=StorageMountBackend(root, storage, guests=slices) if storage.export_root else None,
         terminal=NodeShells(
             baremetal=BaremetalLoginShell(baremetal),
             slice=SliceSerialConsole(str(table(data, "libvirt").get("uri", "qemu:///system"))),

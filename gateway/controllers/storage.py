@@ -110,6 +110,9 @@ class AttachmentDetail(msgspec.Struct, kw_only=True):
     mode: str
     status: str
     mount_path: str | None  # on the node, once mounted
+    # A gpu_slice allocation's VM gets the mount as a virtiofs filesystem with this tag: inside
+    # the VM, `mount -t virtiofs <tag> <dir>`. None for bare metal (mount_path is on the host).
+    guest_mount_tag: str | None
     failure_reason: str | None
     failure_message: str | None
     detach_attempts: int
@@ -169,6 +172,7 @@ def attachment_detail(row: StorageAttachment) -> AttachmentDetail:
         mode=row.mode,
         status=row.status,
         mount_path=row.mount_path,
+        guest_mount_tag=row.guest_mount_tag,
         failure_reason=row.failure_reason,
         failure_message=row.failure_message,
         detach_attempts=row.detach_attempts,
