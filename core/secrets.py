@@ -19,6 +19,7 @@ so neither __cause__ nor __context__ links back to it.
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -76,6 +77,8 @@ _UNAVAILABLE_STATUS = {
     hvac.exceptions.VaultNotInitialized: 501,
     hvac.exceptions.RateLimitExceeded: 429,
 }
+# What a refused AppRole login says when a Vault release answers it with 500 instead of 400.
+_REFUSED_LOGIN = re.compile(r"invalid (?:role id|secret id|role or secret id)", re.IGNORECASE)
 # The settings that give each credential (core.config), named when none is configured.
 _VARIABLES = {
     "Vault token": "GPUCLOUD_VAULT_TOKEN_FILE or GPUCLOUD_VAULT_TOKEN",
@@ -337,6 +340,18 @@ class VaultSecretStore:
                 "secret id is wrong or expired",
                 path=path,
             )
+        except hvac.exceptions.InternalServerError as exc:
+            # Some releases (v1.13.0, checked) answer an unknown secret id with 500 "invalid
+            # secret id": a refusal, not an outage that a retry would get past.
+            refused = _REFUSED_LOGIN.search(str(exc))
+            if refused is None:
+                error = self._translate(exc, operation.removesuffix(" for"), path)
+            else:
+                error = SecretStoreForbidden(
+                    f"Vault {operation} {path!r} was refused (HTTP 500, {refused.group(0)}): "
+                    "the AppRole role id or secret id is wrong or expired",
+                    path=path,
+                )
         except Exception as exc:  # translated below, outside this block, so nothing chains
             error = self._translate(exc, operation.removesuffix(" for"), path)
         raise error from None

@@ -36,6 +36,32 @@ def go_tool_path(name: str, module: str, *, build: bool = True, on_path: bool = 
     return cached
 
 
+def go_wrapper_build(
+    name: str, module: str, version: str, package: str | None = None, *, build: bool = True
+) -> Path:
+    """`package` (default: the module's main package) of `module@version` built into the cache
+    as `name`, through a throwaway module that requires it: `go install module@version` refuses a
+    module whose go.mod has replace directives, which a wrapper module simply does not apply."""
+    cached = TOOLS_DIR / name
+    if cached.exists():
+        return cached
+    if not build:
+        raise RuntimeError(f"{name} not found; run bin/bootstrap")
+    TOOLS_DIR.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=TOOLS_DIR, prefix=f".build-{name}-") as work:
+        (Path(work) / "go.mod").write_text(
+            f"module gpucloud.build/{name}\n\ngo 1.19\n\nrequire {module} {version}\n"
+        )
+        output = Path(work) / name
+        subprocess.run(
+            ["go", "build", "-mod=mod", "-o", str(output), package or module],
+            check=True,
+            cwd=work,
+        )
+        output.replace(cached)
+    return cached
+
+
 def go_module_dir(module_at_version: str) -> Path:
     """Where a module's source lies in Go's module cache (downloaded if it is not there): the
     Temporal server's SQL schemas and sample configurations ship in its module."""

@@ -1,4 +1,5 @@
-"""core.secrets.VaultSecretStore against the Vault simulator over HTTP: reads see the latest
+"""core.secrets.VaultSecretStore over HTTP, against HashiCorp Vault itself and the Vault
+simulator (the sealing, outage and data-file cases: the simulator only): reads see the latest
 version at call time (rotation needs no restart), absence is None, and failures are typed errors
 that name the path but never carry a secret value, in any text a log or a trace could show."""
 
@@ -23,7 +24,7 @@ from core.secrets import (
     SecretStoreUnavailable,
     VaultSecretStore,
 )
-from tests.vault_fixtures import VaultServer
+from tests.vault_fixtures import VaultServer, launch_hashicorp_vault
 
 
 @pytest.fixture(autouse=True)
@@ -66,84 +67,102 @@ def silent_listener() -> Iterator[str]:
         yield f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
+@pytest.fixture(scope="module", params=["hashicorp-vault", "simulator"])
+def kv_server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VaultServer]:
+    """The KV and token behaviour below, against HashiCorp Vault itself and the simulator."""
+    if request.param == "simulator":
+        yield request.getfixturevalue("vault_server")
+        return
+    server = launch_hashicorp_vault(tmp_path_factory.mktemp("hashicorp-vault"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def kv_store(kv_server: VaultServer) -> VaultSecretStore:
+    return VaultSecretStore(kv_server.addr, token=kv_server.token, timeout=5.0)
+
+
 # --- reads and writes --------------------------------------------------------------------------
 
 
 async def test_write_then_read_and_rotation_is_seen_by_the_next_read(
-    secret_store: VaultSecretStore,
+    kv_store: VaultSecretStore,
 ) -> None:
     path = site_path()
-    assert await secret_store.write(path, {"token": "ck:tk:ts-1"}) == 1
-    assert await secret_store.read(path) == {"token": "ck:tk:ts-1"}
-    assert await secret_store.write(path, {"token": "ck:tk:ts-2"}) == 2
-    assert await secret_store.read(path) == {"token": "ck:tk:ts-2"}
+    assert await kv_store.write(path, {"token": "ck:tk:ts-1"}) == 1
+    assert await kv_store.read(path) == {"token": "ck:tk:ts-1"}
+    assert await kv_store.write(path, {"token": "ck:tk:ts-2"}) == 2
+    assert await kv_store.read(path) == {"token": "ck:tk:ts-2"}
 
 
 async def test_writes_by_another_client_are_read_at_call_time(
-    secret_store: VaultSecretStore, vault_server: VaultServer
+    kv_store: VaultSecretStore, kv_server: VaultServer
 ) -> None:
     path = site_path("power/default")
-    await secret_store.write(path, {"user": "root", "pass": "one"})
-    vault_server.client().secrets.kv.v2.create_or_update_secret(
+    await kv_store.write(path, {"user": "root", "pass": "one"})
+    kv_server.client().secrets.kv.v2.create_or_update_secret(
         path=path.removeprefix("kv/"), secret={"user": "root", "pass": "two"}, mount_point="kv"
     )
-    assert await secret_store.read(path) == {"user": "root", "pass": "two"}
+    assert await kv_store.read(path) == {"user": "root", "pass": "two"}
 
 
 async def test_absent_and_soft_deleted_secrets_read_as_none(
-    secret_store: VaultSecretStore, vault_server: VaultServer
+    kv_store: VaultSecretStore, kv_server: VaultServer
 ) -> None:
-    assert await secret_store.read(site_path()) is None
+    assert await kv_store.read(site_path()) is None
     path = site_path()
-    await secret_store.write(path, {"token": "x"})
-    vault_server.client().secrets.kv.v2.delete_latest_version_of_secret(
+    await kv_store.write(path, {"token": "x"})
+    kv_server.client().secrets.kv.v2.delete_latest_version_of_secret(
         path=path.removeprefix("kv/"), mount_point="kv"
     )
-    assert await secret_store.read(path) is None
+    assert await kv_store.read(path) is None
 
 
 async def test_delete_removes_every_version_and_is_idempotent(
-    secret_store: VaultSecretStore, vault_server: VaultServer
+    kv_store: VaultSecretStore, kv_server: VaultServer
 ) -> None:
     path = site_path()
-    await secret_store.write(path, {"token": "1"})
-    await secret_store.write(path, {"token": "2"})
-    await secret_store.delete(path)
-    assert await secret_store.read(path) is None
-    response = vault_server.client().adapter.get(
+    await kv_store.write(path, {"token": "1"})
+    await kv_store.write(path, {"token": "2"})
+    await kv_store.delete(path)
+    assert await kv_store.read(path) is None
+    response = kv_server.client().adapter.get(
         f"/v1/kv/metadata/{path.removeprefix('kv/')}", raise_exception=False
     )
     assert response.status_code == 404  # metadata gone too, not only the data
-    await secret_store.delete(path)  # nothing there: still fine
-    assert await secret_store.write(path, {"token": "fresh"}) == 1
+    await kv_store.delete(path)  # nothing there: still fine
+    assert await kv_store.write(path, {"token": "fresh"}) == 1
 
 
-async def test_concurrent_calls(secret_store: VaultSecretStore) -> None:
+async def test_concurrent_calls(kv_store: VaultSecretStore) -> None:
     paths = [site_path() for _ in range(10)]
-    await asyncio.gather(*(secret_store.write(p, {"token": p}) for p in paths))
-    results = await asyncio.gather(*(secret_store.read(p) for p in paths))
+    await asyncio.gather(*(kv_store.write(p, {"token": p}) for p in paths))
+    results = await asyncio.gather(*(kv_store.read(p) for p in paths))
     assert results == [{"token": p} for p in paths]
 
 
 async def test_a_secret_that_is_not_a_map_of_strings_is_an_error(
-    secret_store: VaultSecretStore, vault_server: VaultServer
+    kv_store: VaultSecretStore, kv_server: VaultServer
 ) -> None:
     path = site_path()
-    vault_server.client().secrets.kv.v2.create_or_update_secret(
+    kv_server.client().secrets.kv.v2.create_or_update_secret(
         path=path.removeprefix("kv/"), secret={"port": 623}, mount_point="kv"
     )
     with pytest.raises(SecretStoreError, match="not a map of strings"):
-        await secret_store.read(path)
+        await kv_store.read(path)
 
 
 # --- typed errors that leak nothing ------------------------------------------------------------
 
 
 async def test_a_wrong_token_is_forbidden_and_leaks_no_value(
-    vault_server: VaultServer, caplog: pytest.LogCaptureFixture
+    kv_server: VaultServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.DEBUG)
-    store = VaultSecretStore(vault_server.addr, token="hvs.not-the-root-token", timeout=5)
+    store = VaultSecretStore(kv_server.addr, token="hvs.not-the-root-token", timeout=5)
     path, secret = site_path("power/default"), secret_value()
     with pytest.raises(SecretStoreForbidden) as caught:
         await store.write(path, {"user": "root", "pass": secret})

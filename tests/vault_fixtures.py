@@ -9,11 +9,18 @@ spoken to over HTTP by hvac and core.secrets, as production speaks to Vault.
         server = start_vault(data_file=tmp_path / "vault.json")
         server.stop(); server = start_vault(data_file=..., token_file=server.token_file)
 
+`start_hashicorp_vault` starts HashiCorp Vault itself (devstack/vault_release.py, built by
+bin/bootstrap) in dev mode, with what the stack's Vault has: KV v2 at `kv/`, AppRole enabled,
+and a file audit device, whose request entries `VaultServer.requests` counts as it counts the
+simulator's access log.
+
 Every server started here is stopped at its fixture's teardown.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import secrets
 import subprocess
 import sys
@@ -29,6 +36,8 @@ import pytest
 
 from core.secrets import VaultSecretStore
 from devstack.processes import free_port
+from devstack.vault_auth import enable_approle
+from devstack.vault_release import vault_path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 20.0
@@ -42,12 +51,27 @@ class VaultServer:
     data_file: Path | None
     log_file: Path
     process: subprocess.Popen[bytes]
+    audit_file: Path | None = None  # HashiCorp Vault's: its request log
 
     def client(self, token: str | None = None) -> hvac.Client:
         return hvac.Client(url=self.addr, token=self.token if token is None else token, timeout=5)
 
     def log_text(self) -> str:
         return self.log_file.read_text(errors="replace")
+
+    def requests(self, route: str) -> int:
+        """How many requests the server logged for `route` (e.g. "auth/approle/login"),
+        answered or refused: the simulator's access log, or Vault's audit log."""
+        if self.audit_file is None:
+            return len(re.findall(rf'"[A-Z]+ /v1/{re.escape(route)} HTTP', self.log_text()))
+        if not self.audit_file.exists():
+            return 0
+        count = 0
+        for line in self.audit_file.read_text().splitlines():
+            entry = json.loads(line)
+            if entry.get("type") == "request" and entry["request"].get("path") == route:
+                count += 1
+        return count
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -72,7 +96,7 @@ def _wait_healthy(server: VaultServer) -> bool:
             pass
         time.sleep(0.05)
     server.stop()
-    raise RuntimeError(f"the Vault simulator did not answer in {READY_TIMEOUT_S:.0f}s:\n"
+    raise RuntimeError(f"the Vault server did not answer in {READY_TIMEOUT_S:.0f}s:\n"
                        f"{server.log_text()[-3000:]}")  # fmt: skip
 
 
@@ -114,6 +138,56 @@ def launch_vault(
             server.token = token_file.read_text().strip()
             return server
     raise RuntimeError(f"the Vault simulator would not start:\n{server.log_text()[-3000:]}")
+
+
+def launch_hashicorp_vault(workdir: Path) -> VaultServer:
+    """`vault server -dev` on a free port, with a random root token, KV v2 at `kv/`, AppRole and
+    a file audit device."""
+    binary = vault_path(build=False)
+    workdir.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_urlsafe(24)  # a chosen id may not take Vault's own `hvs.` prefix
+    token_file = workdir / f"root-token-{secrets.token_hex(4)}"
+    token_file.write_text(token + "\n")
+    token_file.chmod(0o600)
+    for _ in range(3):  # a free port can be taken between the probe and the server's bind
+        port = free_port()
+        log_file = workdir / f"hashicorp-vault-{port}.log"
+        argv = [str(binary), "server", "-dev", f"-dev-root-token-id={token}",
+                f"-dev-listen-address=127.0.0.1:{port}", "-dev-no-store-token"]  # fmt: skip
+        with log_file.open("wb") as log:
+            process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
+        server = VaultServer(
+            addr=f"http://127.0.0.1:{port}",
+            token=token,
+            token_file=token_file,
+            data_file=None,
+            log_file=log_file,
+            process=process,
+        )
+        if _wait_healthy(server):
+            root = server.client()
+            root.sys.enable_secrets_engine("kv", path="kv", options={"version": "2"})
+            enable_approle(root)
+            audit = workdir / f"audit-{port}.log"
+            root.sys.enable_audit_device("file", options={"file_path": str(audit)})
+            server.audit_file = audit
+            return server
+    raise RuntimeError(f"Vault would not start:\n{server.log_text()[-3000:]}")
+
+
+@pytest.fixture
+def start_hashicorp_vault(tmp_path: Path) -> Iterator[Callable[[], VaultServer]]:
+    """A factory for private HashiCorp Vault dev servers, stopped at teardown."""
+    started: list[VaultServer] = []
+
+    def start() -> VaultServer:
+        server = launch_hashicorp_vault(tmp_path / "hashicorp-vault")
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
 
 
 @pytest.fixture(scope="session")
