@@ -14,7 +14,10 @@ Starts, in order, with all state under .state/ in the repository:
                     is generated once into .state/vault-token (0600), secrets are kept in
                     .state/vault-data.json (0600) across restarts; the root token provisions
                     an AppRole role and policy per component (devstack/vault_auth.py) and the
-                    worker and the gateway get only their own role and secret ids
+                    worker and the gateway get only their own role and secret ids; with
+                    --vault hashicorp HashiCorp Vault itself (devstack/hashicorp_vault.py:
+                    file storage in .state/hashicorp-vault/, initialised once, unsealed on
+                    every start)
   worker            the control-plane Temporal worker (python -m worker); it reaches BMCs and
                     deployed hosts through the simulators (GPUCLOUD_HOST_ACCESS=simulated)
   fleet             simulated node agents, one Temporal worker per node queue (sim.fleet); with
@@ -68,6 +71,7 @@ from devstack.dev_server_visibility import (
     guard_full_text_triggers,
 )
 from devstack.go_tools import TOOLS_DIR
+from devstack.hashicorp_vault import VaultServerFiles, initialize_and_unseal, server_argv
 from devstack.postgres import LegacyClusterError, PostgresCluster
 from devstack.private_files import write_private
 from devstack.processes import Child, http_ok, port_in_use, python_entry, tail
@@ -82,6 +86,7 @@ from devstack.temporal_cluster import (
     ui_server_build_problem,
 )
 from devstack.vault_auth import provision as provision_vault_auth
+from devstack.vault_release import VAULT_VERSION
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DATABASE = "gpucloud"
@@ -126,6 +131,8 @@ class StackOptions:
     # The cluster's shards, connection pools and dynamic config (bench/temporal_servers.py
     # compares others; the defaults are the measured ones).
     temporal_tuning: ClusterTuning = TUNING
+    # "simulator": sim/vault; "hashicorp": HashiCorp Vault (devstack/hashicorp_vault.py).
+    vault: str = "simulator"
 
     @property
     def worker_metrics_address(self) -> str:
@@ -181,7 +188,13 @@ class StackOptions:
         return f"http://127.0.0.1:{self.vault_port}"
 
     @property
+    def hashicorp_vault(self) -> VaultServerFiles:
+        return VaultServerFiles(self.state_dir / "hashicorp-vault", self.vault_port)
+
+    @property
     def vault_token_file(self) -> Path:
+        if self.vault == "hashicorp":
+            return self.hashicorp_vault.root_token_file
         return self.state_dir / "vault-token"
 
     @property
@@ -640,9 +653,13 @@ class Stack:
             self.children.append(temporal)
             await temporal.start()
             _say(f"  temporal   starting (pid {temporal.pid}), log {temporal.log_path}")
-        vault_argv = [sys.executable, "-m", "sim.vault", "--host", "127.0.0.1",
-                      "--port", str(o.vault_port), "--root-token-file", str(o.vault_token_file),
-                      "--data-file", str(o.vault_data_file)]  # fmt: skip
+        if o.vault == "hashicorp":
+            vault_argv = server_argv(o.hashicorp_vault)
+        else:
+            vault_argv = [sys.executable, "-m", "sim.vault", "--host", "127.0.0.1",
+                          "--port", str(o.vault_port),
+                          "--root-token-file", str(o.vault_token_file),
+                          "--data-file", str(o.vault_data_file)]  # fmt: skip
         vault = Child("vault", vault_argv, o.logs_dir / "vault.log", dict(os.environ), REPO_ROOT)
         self.children.append(vault)
         await vault.start()
@@ -695,6 +712,12 @@ class Stack:
             if await asyncio.to_thread(guard_full_text_triggers, temporal_db):
                 _say("  temporal   full-text visibility triggers now write only what changed")
         # Before the worker and the gateway: they read secrets from it at call time.
+        if o.vault == "hashicorp":
+            # Answers while sealed or uninitialised too (sys/health would not say 200 then).
+            await self._wait_for("Vault", lambda: http_ok(f"{o.vault_addr}/v1/sys/seal-status"),
+                                 vault, limit_s=30)  # fmt: skip
+            did = await asyncio.to_thread(initialize_and_unseal, o.hashicorp_vault)
+            _say(f"  vault      HashiCorp Vault {VAULT_VERSION}: {did}")
         await self._wait_for("Vault", lambda: http_ok(f"{o.vault_addr}/v1/sys/health"), vault,
                              limit_s=30)  # fmt: skip
         _say(f"  vault      ready on {o.vault_addr} (pid {vault.pid}), log {vault.log_path}")
@@ -832,6 +855,8 @@ def print_summary(o: StackOptions, tokens: dict[str, str], stack: Stack) -> None
         temporal_kind = "Temporal server on PostgreSQL"
     else:
         temporal_kind = "dev server on SQLite"
+    vault_kind = f"HashiCorp Vault {VAULT_VERSION}" if o.vault == "hashicorp" else "simulator"
+    approle_dir = _shown(o.state_dir / "vault-approle")
     cluster = PostgresCluster(pg_datadir(o.state_dir), o.pg_port)
     pg_password_file = _shown(cluster.password_file)
     pg_url = f"postgresql://gpucloud@127.0.0.1:{o.pg_port}/{DATABASE}"
@@ -858,8 +883,8 @@ def print_summary(o: StackOptions, tokens: dict[str, str], stack: Stack) -> None
  OpenAPI docs       {api}/schema/swagger
  Worker metrics     http://{o.worker_metrics_address}/metrics  (Temporal SDK, Prometheus)
  PostgreSQL         {pg_url}  (password in {pg_password_file})
- Vault (simulator)  {o.vault_addr}  (root token in {_shown(o.vault_token_file)}; the worker
-                    and the gateway log in by AppRole: {_shown(o.state_dir / "vault-approle")})
+ Vault              {o.vault_addr}  ({vault_kind}; root token in {_shown(o.vault_token_file)};
+                    the worker and the gateway log in by AppRole: {approle_dir})
  Stripe (mock)      {o.stripe_api_base}  (stripe-mock; API key and webhook secret in Vault)
  MAAS (simulator)   {o.maas_url}  (site "demo-maas", API key in {_shown(o.maas_api_key_file)})
  Logs               {_shown(o.logs_dir)}/{{{",".join(logs)}}}
@@ -990,6 +1015,14 @@ def parse_args(argv: list[str] | None = None) -> StackOptions:
         "(default: %(default)s)",
     )
     add(
+        "--vault",
+        choices=("simulator", "hashicorp"),
+        default=env.get("GPUCLOUD_STACK_VAULT") or "simulator",
+        help="simulator: our Vault-compatible store; hashicorp: HashiCorp Vault itself "
+        "(built by bin/bootstrap), with file storage, initialised once and unsealed on every "
+        "start (default: %(default)s)",
+    )
+    add(
         "--temporal",
         choices=("dev", "cluster"),
         default=env.get("GPUCLOUD_STACK_TEMPORAL") or "dev",
@@ -1001,6 +1034,7 @@ def parse_args(argv: list[str] | None = None) -> StackOptions:
         state_dir=args.state_dir.resolve(),
         pg_port=args.pg_port,
         temporal=args.temporal,
+        vault=args.vault,
         temporal_port=args.temporal_port,
         ui_port=args.ui_port,
         gateway_host=args.gateway_host,
