@@ -387,21 +387,20 @@ class StorageActivities:
             return attachment_view(await _apply_transition(session, input))
 
     @activity.defn(name=NAMESPACE_USAGE)
-    async def namespace_usage(self, attachment_id: str) -> int:
-        """The attachment's namespace's usage in bytes, as its provider measures it; raises (and
-        is retried) while the provider cannot, e.g. its directory is not in the export."""
-        async with transaction(self._sessions) as session:
-            loaded = await session.get(StorageAttachment, uuid.UUID(attachment_id))
-            if loaded is None:
-                raise refusal(NOT_FOUND, "storage attachment not found")
-            namespace_key = str(loaded.namespace_id)
+    async def namespace_usage(self, namespace_key: str) -> int:
+        """The namespace's usage in bytes, as its provider measures it; raises (and is retried)
+        while the provider cannot, e.g. its directory is not in the export."""
         usage: int = await asyncio.to_thread(self._provider.usage_bytes, namespace_key)
         return usage
 
     @activity.defn(name=ATTACHMENT_PRECHECK)
     async def attachment_precheck(self, attachment_id: str) -> PrecheckResult:
         """What workflows of older builds run: the measure and the decision in one activity."""
-        usage = await self.namespace_usage(attachment_id)
+        async with transaction(self._sessions) as session:
+            loaded = await session.get(StorageAttachment, uuid.UUID(attachment_id))
+            if loaded is None:
+                raise refusal(NOT_FOUND, "storage attachment not found")
+        usage = await self.namespace_usage(str(loaded.namespace_id))
         return await self._precheck(attachment_id, usage)
 
     @activity.defn(name=ATTACHMENT_PRECHECK_WITH_USAGE)

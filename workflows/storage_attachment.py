@@ -223,7 +223,7 @@ class StorageAttachmentWorkflow:
             try:
                 usage: int = await workflow.execute_activity(
                     NAMESPACE_USAGE,
-                    input.attachment_id,
+                    input.namespace_id,
                     result_type=int,
                     start_to_close_timeout=_DB,
                     retry_policy=_PROVIDER_RETRY,
