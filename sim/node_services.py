@@ -71,16 +71,12 @@ def simulated_node_services(context: BackendContext) -> NodeServices:
     production backend on the agent's host root (GPUCLOUD_AGENT_ROOT: a simulated machine's
     disk). On the real root a throwaway machine is made instead, so no maintenance task ever
     touches this computer's own files."""
-    host = SimulatedHost(
-        context.node_id, hostname=context.hostname, config=SimHostConfig.from_env(context.node_id)
-    )
-    # The simulated host's VMs take a slice allocation's storage (not the config's libvirt).
     if context.root.is_real_root:
         directory = Path(tempfile.mkdtemp(prefix=f"gpucloud-sim-{context.node_id[:8]}-"))
         machine = build_machine(directory, address=context.hostname, machine_key=context.node_id)
         maintenance = machine_services(machine).maintenance
         homes = directory / "terminal-homes"
-        storage = simulated_storage(SystemRoot(machine.root), guests=host)
+        storage = simulated_storage(SystemRoot(machine.root))
     else:
         configured = node_services_from_config(
             context.config, context.root, hostname=context.hostname
@@ -88,12 +84,12 @@ def simulated_node_services(context: BackendContext) -> NodeServices:
         maintenance = configured.maintenance
         homes = context.root.host_path("/home")
         # The config's [storage] (what cloud-init writes), else the provider's root from the env.
-        if configured.storage is not None:
-            storage = StorageMountBackend(
-                configured.storage.root, configured.storage.config, guests=host
-            )
-        else:
-            storage = simulated_storage(context.root, guests=host)
+        storage = configured.storage or simulated_storage(context.root)
+    host = SimulatedHost(
+        context.node_id, hostname=context.hostname, config=SimHostConfig.from_env(context.node_id)
+    )
+    if storage is not None:
+        storage.guests = host  # the slice VMs are the simulated host's, not the config's libvirt
     return NodeServices(
         host=host,
         maintenance=maintenance,

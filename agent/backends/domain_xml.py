@@ -234,27 +234,31 @@ def render_filesystem(source_dir: str, tag: str, *, read_only: bool) -> str:
     return ET.tostring(fs, encoding="unicode")
 
 
+def _filesystems(root: ET.Element) -> dict[str, ET.Element]:
+    """The domain's filesystem devices by target tag."""
+    found = {}
+    for fs in root.findall("devices/filesystem"):
+        target = fs.find("target")
+        if target is not None:
+            found[target.get("dir", "")] = fs
+    return found
+
+
 def filesystem_element(xml_text: str, tag: str) -> str | None:
     """The domain's filesystem device with this target tag, as XML (None: not there)."""
-    for fs in _parse(xml_text).findall("devices/filesystem"):
-        target = fs.find("target")
-        if target is not None and target.get("dir") == tag:
-            return ET.tostring(fs, encoding="unicode")
-    return None
+    fs = _filesystems(_parse(xml_text)).get(tag)
+    return None if fs is None else ET.tostring(fs, encoding="unicode")
 
 
-def with_filesystem(xml_text: str, device_xml: str | None, *, remove_tag: str | None = None) -> str:
-    """The domain XML with `device_xml` added, or the filesystem `remove_tag` taken out: for a
+def with_filesystem(xml_text: str, tag: str, device_xml: str | None) -> str:
+    """The domain XML with filesystem `tag` replaced by `device_xml` (None: taken out): for a
     driver that cannot attach or detach devices, whose persistent definition is redefined."""
     root = _parse(xml_text)
     devices = root.find("devices")
-    if devices is None:
-        devices = _sub(root, "devices")
-    if remove_tag is not None:
-        for fs in devices.findall("filesystem"):
-            target = fs.find("target")
-            if target is not None and target.get("dir") == remove_tag:
-                devices.remove(fs)
+    assert devices is not None  # every domain we define has devices
+    existing = _filesystems(root).get(tag)
+    if existing is not None:
+        devices.remove(existing)
     if device_xml is not None:
         devices.append(_parse(device_xml))
     return ET.tostring(root, encoding="unicode")
@@ -295,11 +299,11 @@ def parse_domain(xml_text: str) -> DomainFacts:
     pins = {int(p.get("vcpu", "-1")): p.get("cpuset", "") for p in root.findall("cputune/vcpupin")}
     macs = tuple(m.get("address", "") for m in root.findall("devices/interface/mac"))
     alloc = root.find(f"metadata/{{{METADATA_NS}}}allocation/{{{METADATA_NS}}}id")
-    filesystems: dict[str, str] = {}
-    for fs in root.findall("devices/filesystem"):
-        fs_target, fs_source = fs.find("target"), fs.find("source")
-        if fs_target is not None and fs_source is not None:
-            filesystems[fs_target.get("dir", "")] = fs_source.get("dir", "")
+    filesystems = {
+        tag: fs_source.get("dir", "")
+        for tag, fs in _filesystems(root).items()
+        if (fs_source := fs.find("source")) is not None
+    }
     return DomainFacts(
         allocation_id=alloc.text if alloc is not None else None,
         hostdevs=tuple(hostdevs),

@@ -375,12 +375,12 @@ class LibvirtSliceBackend:
             raise HostError(
                 HostErrorType.INVALID_SPEC, f"allocation {allocation_id} has no VM on this node"
             )
-        device = domain_xml.render_filesystem(str(source_dir), tag, read_only=read_only)
         with self._define_lock:
             persistent = domain.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE)
             if domain_xml.filesystem_element(persistent, tag) is not None:
                 return f"virtiofs {tag} already attached"
-            return self._change_device(domain, persistent, attach=device, tag=tag)
+            device = domain_xml.render_filesystem(str(source_dir), tag, read_only=read_only)
+            return self._change_device(domain, persistent, tag, device, attach=True)
 
     def detach_filesystem(self, allocation_id: str, tag: str) -> str:
         """Take filesystem `tag` out of the VM (live and its definition); what is not there (or a
@@ -391,21 +391,19 @@ class LibvirtSliceBackend:
             return "no VM: nothing attached"
         with self._define_lock:
             persistent = domain.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE)
-            if domain_xml.filesystem_element(persistent, tag) is None:
+            device = domain_xml.filesystem_element(persistent, tag)
+            if device is None:
                 return f"virtiofs {tag} was not attached"
-            return self._change_device(domain, persistent, attach=None, tag=tag)
+            return self._change_device(domain, persistent, tag, device, attach=False)
 
-    def _change_device(self, domain: Any, persistent: str, *, attach: str | None, tag: str) -> str:
+    def _change_device(
+        self, domain: Any, persistent: str, tag: str, device: str, *, attach: bool
+    ) -> str:
         live = domain.isActive()
         flags = libvirt.VIR_DOMAIN_AFFECT_CONFIG | (libvirt.VIR_DOMAIN_AFFECT_LIVE if live else 0)
-        verb = "attached" if attach is not None else "detached"
+        verb = "attached" if attach else "detached"
         try:
-            if attach is not None:
-                domain.attachDeviceFlags(attach, flags)
-            else:
-                current = domain_xml.filesystem_element(persistent, tag)
-                assert current is not None
-                domain.detachDeviceFlags(current, flags)
+            (domain.attachDeviceFlags if attach else domain.detachDeviceFlags)(device, flags)
         except libvirt.libvirtError as err:
             if err.get_error_code() != libvirt.VIR_ERR_NO_SUPPORT:
                 # A guest that holds the filesystem mounted refuses the unplug, for one.
@@ -415,9 +413,7 @@ class LibvirtSliceBackend:
             # The driver has no device hot-plug at all (libvirt's test driver): the persistent
             # definition carries the change, and the guest sees it from its next boot.
             self.conn.defineXML(
-                domain_xml.with_filesystem(
-                    persistent, attach, remove_tag=None if attach is not None else tag
-                )
+                domain_xml.with_filesystem(persistent, tag, device if attach else None)
             )
             return f"virtiofs {tag} {verb} in the definition (this driver has no hot-plug)"
         return f"virtiofs {tag} {verb}{' live' if live else ''}"
