@@ -20,7 +20,7 @@ import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,7 @@ from devstack.processes import free_port
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.terminal_relay import UVICORN_WS_OPTIONS
+from sim.libvirt_hosts import GpuPlacement
 from sim.machine_image import build_machine
 from tests.gateway_fixtures import bearer, ed25519_public_key
 from tests.lifecycle_support import baremetal_request, create_fleet, eventually
@@ -187,7 +188,7 @@ class TerminalRig:
                 await ws.close()
 
 
-async def _wait_polled(client: Client, queue: str, timeout: float = 60.0) -> None:
+async def wait_polled(client: Client, queue: str, timeout: float = 60.0) -> None:
     async def polled() -> bool:
         response = await client.workflow_service.describe_task_queue(
             DescribeTaskQueueRequest(
@@ -208,11 +209,14 @@ def start_agent_process(
     *,
     backend: str = "host",
     agent_config: str = "",
+    gpus: Sequence[GpuPlacement] = (),
 ) -> AgentProcess:
     """`gpucloud-agent --node-id` on a fresh simulated machine: with the production backend
-    (`host`) its bare-metal users are real account files under the machine's root; `simulated`
-    is the demo fleet's plugin. `agent_config`: tables of agent.toml (as cloud-init writes them)."""
-    machine = build_machine(directory, address="127.0.0.1", machine_key=node_id)
+    (`host`) its bare-metal users are real account files under the machine's root and its slice
+    VMs are libvirt test-driver domains on the machine's host.xml (`gpus`: the node's, as the
+    inventory has them); `simulated` is the demo fleet's plugin. `agent_config`: tables of
+    agent.toml (as cloud-init writes them)."""
+    machine = build_machine(directory, address="127.0.0.1", gpus=gpus, machine_key=node_id)
     config = machine.root / "etc/gpucloud/agent.toml"
     config.parent.mkdir(parents=True, exist_ok=True)
     config.write_text("# written by the terminal tests; facts in agent.d/\n" + agent_config)
@@ -325,7 +329,7 @@ async def terminal_rig(
         )
         rigs.append(rig)
         try:
-            await _wait_polled(temporal_client, node_task_queue(node_id))
+            await wait_polled(temporal_client, node_task_queue(node_id))
         except AssertionError:
             raise AssertionError(f"the agent never polled:\n{agent.log_tail()}") from None
         key = await tenant.post(

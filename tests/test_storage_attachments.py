@@ -46,17 +46,19 @@ from contracts.storage import (
     attachment_workflow_id,
     virtiofs_tag,
 )
+from core.task_queues import node_task_queue
 from schema.models import AuditEntry, Node, StorageAttachmentEvent
 from sim.config import SimHostConfig
-from sim.demo_fleet import Fleet, build_node, seed_fleet
+from sim.demo_fleet import Fleet, NodeSpec, build_node, seed_fleet
 from sim.fleet import AgentNode, LibvirtTestHosts
 from sim.host import SimulatedHost
+from sim.libvirt_hosts import GpuPlacement
 from sim.machine_image import build_machine
 from sim.node_services import machine_services, simulated_storage
 from tests.factories import REGION, SLICE_SKU, create_sku
 from tests.histories import record_history
 from tests.lifecycle_support import Tenant, create_fleet, eventually, slice_request, wait_status
-from tests.terminal_fixtures import TerminalRig
+from tests.terminal_fixtures import TerminalRig, start_agent_process, wait_polled
 from tests.test_allocation_release_steps import release_steps
 from workflows.node_liveness import NodeLivenessWorkflow
 
@@ -201,6 +203,23 @@ async def transitions(db_sessions: Any, attachment_id: str) -> list[str]:
 async def record(temporal_client: Client, attachment_id: str, name: str) -> None:
     handle = temporal_client.get_workflow_handle(attachment_workflow_id(attachment_id))
     await record_history(handle, "storage_attachment", name)
+
+
+def cloud_init_storage_table(storage_root: Path) -> str:
+    """agent.toml's `[storage]` table as activities/cloud_init.py renders it for this export."""
+    rendered = render_agent_toml(
+        AgentBootstrap("https://api.invalid", "unused", storage_export_root=str(storage_root))
+    )
+    return "\n" + rendered[rendered.index("[storage]") :]
+
+
+async def seed_slice_node(db_sessions: Any) -> NodeSpec:
+    """A demo-fleet slice node (its GPUs' PCI addresses and NUMA layout) and its SKU."""
+    await create_sku(db_sessions)
+    node = build_node(f"gpu-{uuid.uuid4().hex[:8]}.libvirt.test", sku=SLICE_SKU, region=REGION)
+    async with db_sessions() as session, session.begin():
+        await seed_fleet(session, Fleet(skus=(), nodes=(node,)))
+    return node
 
 
 ATTACH_PATH = ["requested", "prechecking", "grant_applying", "grant_applied", "mounting", "mounted"]
@@ -552,13 +571,7 @@ async def test_the_deployed_agent_mounts_with_the_storage_table_cloud_init_write
 ) -> None:
     """`gpucloud-agent` as a node runs it (its own process, the `host` backend, agent.toml's
     `[storage]` table as activities/cloud_init.py renders it) mounts, and its release unmounts."""
-    bootstrap = AgentBootstrap(
-        api_url="https://api.invalid",
-        enrollment_token="unused",
-        storage_export_root=str(storage_root),
-    )
-    rendered = render_agent_toml(bootstrap)
-    rig = await terminal_rig(agent_config="\n" + rendered[rendered.index("[storage]") :])
+    rig = await terminal_rig(agent_config=cloud_init_storage_table(storage_root))
     namespace = await create_namespace(rig.tenant, "deployed")
     attachment = await attach(rig.tenant, rig.allocation_id, namespace["id"], "single_writer")
     aid = attachment["attachment_id"]
@@ -739,10 +752,7 @@ async def test_a_slice_vm_gets_the_mount_as_virtiofs_and_gives_it_back_first(
     virtiofs filesystem (read-only when the mount is), and the detach takes it out of the domain
     before the host unmounts. The test driver has no device hot-plug, so the domain's persistent
     definition carries it, as the task's phase says; on QEMU the same call hot-plugs."""
-    await create_sku(db_sessions)
-    node = build_node(f"gpu-{uuid.uuid4().hex[:8]}.libvirt.test", sku=SLICE_SKU, region=REGION)
-    async with db_sessions() as session, session.begin():
-        await seed_fleet(session, Fleet(skus=(), nodes=(node,)))
+    node = await seed_slice_node(db_sessions)
     hosts = LibvirtTestHosts(tmp_path / "libvirt-hosts")
     run: asyncio.Task[None] | None = None
     points: list[Path] = []
@@ -812,3 +822,59 @@ async def test_a_slice_vm_gets_the_mount_as_virtiofs_and_gives_it_back_first(
                 with contextlib.suppress(MountFailed):
                     await asyncio.to_thread(KernelBindMounter().unmount, point)
         hosts.close()
+
+
+async def test_the_deployed_agent_gives_a_slice_vm_its_storage(
+    tenant: Tenant, db_sessions: Any, settings: Any, temporal_client: Client, tmp_path: Path,
+    storage_root: Path,
+) -> None:  # fmt: skip
+    """`gpucloud-agent` as a slice node runs it: its own process, the `host` backend built from
+    its config (the machine image's `[libvirt]`, on libvirt's test driver; `[storage]` as
+    cloud-init renders it), so the storage backend and the slice VMs it gives the mount to are
+    wired as in production."""
+    node = await seed_slice_node(db_sessions)
+    agent = start_agent_process(
+        settings,
+        str(node.id),
+        tmp_path / "machine",
+        agent_config=cloud_init_storage_table(storage_root),
+        gpus=[GpuPlacement(slot.pci_address, slot.numa_node) for slot in node.slots],
+    )
+    point: Path | None = None
+    try:
+        await wait_polled(temporal_client, node_task_queue(str(node.id)))
+        created = await tenant.client.post("/api/v1/allocations", json=slice_request(2))
+        assert created.status_code == 201, created.text
+        allocation_id = created.json()["allocation_id"]
+        await wait_status(tenant.client, allocation_id, "active", timeout=60)
+        namespace = await create_namespace(tenant.client, "deployed-slice")
+        attachment = await attach(tenant.client, allocation_id, namespace["id"], "single_writer")
+        aid = attachment["attachment_id"]
+        mounted = await wait_attachment(tenant.client, allocation_id, aid, "mounted")
+        assert mounted["guest_mount_tag"] == aid
+        point = agent.root / mounted["mount_path"].lstrip("/")
+        assert str(point) in mounted_points()
+        timeline = (await tenant.client.get(f"/api/v1/allocations/{allocation_id}/timeline")).json()
+        (mount_task,) = [i for i in timeline["items"] if i.get("name") == STORAGE_MOUNT]
+        phases = {p["phase"]: p for p in mount_task["phases"] if p["status"] == "succeeded"}
+        assert phases["guest_attached"]["message"] == (
+            f"virtiofs {aid} attached in the definition (this driver has no hot-plug)"
+        )
+
+        released = await tenant.client.post(f"/api/v1/allocations/{allocation_id}/release")
+        assert released.status_code == 202, released.text
+        await wait_status(tenant.client, allocation_id, "released", timeout=60)
+        await wait_attachment(tenant.client, allocation_id, aid, "detached")
+        assert str(point) not in mounted_points()
+        timeline = (await tenant.client.get(f"/api/v1/allocations/{allocation_id}/timeline")).json()
+        (unmount_task,) = [i for i in timeline["items"] if i.get("name") == STORAGE_UNMOUNT]
+        guest_detached = [p for p in unmount_task["phases"] if p["phase"] == "guest_detached"]
+        assert guest_detached[-1]["message"] == f"virtiofs {aid} detached in the definition " \
+            "(this driver has no hot-plug)"  # fmt: skip
+    except AssertionError as err:
+        raise AssertionError(f"{err}\nagent log:\n{agent.log_tail()}") from None
+    finally:
+        agent.stop()
+        if point is not None and str(point) in mounted_points():
+            with contextlib.suppress(MountFailed):
+                await asyncio.to_thread(KernelBindMounter().unmount, point)
