@@ -9,11 +9,26 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 TOOLS_DIR = Path(
     os.environ.get("GPUCLOUD_TOOLS_DIR", Path.home() / ".cache" / "gpucloud" / "tools")
 )
+
+
+def _built_once(name: str, build: bool, build_into: Callable[[Path], Path]) -> Path:
+    """The cached `name`, else what `build_into(a fresh work folder)` builds, moved into the
+    cache under that name."""
+    cached = TOOLS_DIR / name
+    if cached.exists():
+        return cached
+    if not build:
+        raise RuntimeError(f"{name} not found; run bin/bootstrap")
+    TOOLS_DIR.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=TOOLS_DIR, prefix=f".build-{name}-") as work:
+        build_into(Path(work)).replace(cached)
+    return cached
 
 
 def go_tool_path(name: str, module: str, *, build: bool = True, on_path: bool = True) -> Path:
@@ -23,17 +38,15 @@ def go_tool_path(name: str, module: str, *, build: bool = True, on_path: bool = 
     found = shutil.which(name) if on_path else None
     if found:
         return Path(found)
-    cached = TOOLS_DIR / name
-    if cached.exists():
-        return cached
-    if not build:
-        raise RuntimeError(f"{name} not found; run bin/bootstrap")
-    TOOLS_DIR.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=TOOLS_DIR, prefix=f".build-{name}-") as gobin:
-        subprocess.run(["go", "install", module], check=True, env={**os.environ, "GOBIN": gobin})
-        (built,) = Path(gobin).iterdir()
-        built.replace(cached)
-    return cached
+
+    def install(gobin: Path) -> Path:
+        subprocess.run(
+            ["go", "install", module], check=True, env={**os.environ, "GOBIN": str(gobin)}
+        )
+        (built,) = gobin.iterdir()
+        return built
+
+    return _built_once(name, build, install)
 
 
 def go_wrapper_build(
@@ -42,24 +55,18 @@ def go_wrapper_build(
     """`package` (default: the module's main package) of `module@version` built into the cache
     as `name`, through a throwaway module that requires it: `go install module@version` refuses a
     module whose go.mod has replace directives, which a wrapper module simply does not apply."""
-    cached = TOOLS_DIR / name
-    if cached.exists():
-        return cached
-    if not build:
-        raise RuntimeError(f"{name} not found; run bin/bootstrap")
-    TOOLS_DIR.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=TOOLS_DIR, prefix=f".build-{name}-") as work:
-        (Path(work) / "go.mod").write_text(
+
+    def build_in_wrapper(work: Path) -> Path:
+        (work / "go.mod").write_text(
             f"module gpucloud.build/{name}\n\ngo 1.19\n\nrequire {module} {version}\n"
         )
-        output = Path(work) / name
+        output = work / name
         subprocess.run(
-            ["go", "build", "-mod=mod", "-o", str(output), package or module],
-            check=True,
-            cwd=work,
+            ["go", "build", "-mod=mod", "-o", str(output), package or module], check=True, cwd=work
         )
-        output.replace(cached)
-    return cached
+        return output
+
+    return _built_once(name, build, build_in_wrapper)
 
 
 def go_module_dir(module_at_version: str) -> Path:
