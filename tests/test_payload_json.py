@@ -98,7 +98,9 @@ def run_first_decode_race(mode: str) -> subprocess.CompletedProcess[str]:
 
 def test_threads_decoding_a_type_for_the_first_time_at_once_do_not_crash_the_process() -> None:
     """The worker's one native crash: msgspec's first decode of a dataclass type, in several
-    workflow-task threads at once. Plain msgspec dies of it here; our converter decodes them all."""
+    workflow-task threads at once. Plain msgspec dies of it here; our converter decodes them all.
+    The first half is the reproduction: once a msgspec release fixes the race, it fails, and
+    core/payload_json.py's lock can go with it."""
     plain = run_first_decode_race("plain")
     assert plain.returncode == -signal.SIGSEGV, (plain.returncode, plain.stdout, plain.stderr)
     assert "Fatal Python error: Segmentation fault" in plain.stderr

@@ -24,7 +24,7 @@ from core.secrets import (
     SecretStoreUnavailable,
     VaultSecretStore,
 )
-from tests.vault_fixtures import VaultServer, launch_hashicorp_vault
+from tests.vault_fixtures import VaultServer
 
 
 @pytest.fixture(autouse=True)
@@ -67,17 +67,11 @@ def silent_listener() -> Iterator[str]:
         yield f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
-@pytest.fixture(scope="module", params=["hashicorp-vault", "simulator"])
-def kv_server(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[VaultServer]:
+@pytest.fixture(params=["hashicorp_vault_server", "vault_server"])
+def kv_server(request: pytest.FixtureRequest) -> VaultServer:
     """The KV and token behaviour below, against HashiCorp Vault itself and the simulator."""
-    if request.param == "simulator":
-        yield request.getfixturevalue("vault_server")
-        return
-    server = launch_hashicorp_vault(tmp_path_factory.mktemp("hashicorp-vault"))
-    yield server
-    server.stop()
+    server: VaultServer = request.getfixturevalue(request.param)
+    return server
 
 
 @pytest.fixture

@@ -175,13 +175,12 @@ def launch_hashicorp_vault(workdir: Path) -> VaultServer:
     raise RuntimeError(f"Vault would not start:\n{server.log_text()[-3000:]}")
 
 
-@pytest.fixture
-def start_hashicorp_vault(tmp_path: Path) -> Iterator[Callable[[], VaultServer]]:
-    """A factory for private HashiCorp Vault dev servers, stopped at teardown."""
+def _started(launch: Callable[..., VaultServer]) -> Iterator[Callable[..., VaultServer]]:
+    """A factory for servers `launch` starts, each stopped at teardown."""
     started: list[VaultServer] = []
 
-    def start() -> VaultServer:
-        server = launch_hashicorp_vault(tmp_path / "hashicorp-vault")
+    def start(**kwargs: Any) -> VaultServer:
+        server = launch(**kwargs)
         started.append(server)
         return server
 
@@ -197,6 +196,13 @@ def vault_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VaultServ
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def hashicorp_vault_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VaultServer]:
+    server = launch_hashicorp_vault(tmp_path_factory.mktemp("hashicorp-vault"))
+    yield server
+    server.stop()
+
+
 @pytest.fixture
 def secret_store(vault_server: VaultServer) -> VaultSecretStore:
     return VaultSecretStore(vault_server.addr, token=vault_server.token, timeout=5.0)
@@ -204,14 +210,11 @@ def secret_store(vault_server: VaultServer) -> VaultSecretStore:
 
 @pytest.fixture
 def start_vault(tmp_path: Path) -> Iterator[Callable[..., VaultServer]]:
-    """A factory for private servers (same keywords as launch_vault), stopped at teardown."""
-    started: list[VaultServer] = []
+    """A factory for private simulator servers (same keywords as launch_vault)."""
+    yield from _started(lambda **kwargs: launch_vault(tmp_path / "vault", **kwargs))
 
-    def start(**kwargs: Any) -> VaultServer:
-        server = launch_vault(tmp_path / "vault", **kwargs)
-        started.append(server)
-        return server
 
-    yield start
-    for server in started:
-        server.stop()
+@pytest.fixture
+def start_hashicorp_vault(tmp_path: Path) -> Iterator[Callable[..., VaultServer]]:
+    """A factory for private HashiCorp Vault dev servers."""
+    yield from _started(lambda: launch_hashicorp_vault(tmp_path / "hashicorp-vault"))
