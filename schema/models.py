@@ -177,6 +177,11 @@ class Node(Base):
         JSONB, server_default=text("'[]'::jsonb")
     )
     inventory_matches: Mapped[bool | None] = mapped_column(Boolean)
+    # Ironic's "protected": while set, every destructive or trust-granting step refuses with
+    # node_protected (MAAS release/erase/power-off/delete, force-release, scratch wipe). Set and
+    # cleared only by audited admin calls; migration 0029.
+    protected: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
+    protected_reason: Mapped[str | None] = mapped_column(String(500))
     # How many of the node's GPU slots are free: in all, by NUMA node number (the array is
     # subscripted by it) and on the NUMA node with the most. Kept by triggers on gpu_slots
     # (migration 0013), never written here: placement ranks nodes by these instead of counting
