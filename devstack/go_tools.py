@@ -4,6 +4,7 @@ server and its SQL tool): found on PATH, or in the cached tools folder, or built
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -26,8 +27,15 @@ def _built_once(name: str, build: bool, build_into: Callable[[Path], Path]) -> P
     if not build:
         raise RuntimeError(f"{name} not found; run bin/bootstrap")
     TOOLS_DIR.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=TOOLS_DIR, prefix=f".build-{name}-") as work:
-        build_into(Path(work)).replace(cached)
+    # One build per tool at a time on this machine: bin/bootstrap, a test session and a stack
+    # started together each find the tool missing, and parallel Go builds of the same module
+    # on two cores take several times as long as one. The others wait and take its result.
+    with (TOOLS_DIR / f".{name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if cached.exists():
+            return cached
+        with tempfile.TemporaryDirectory(dir=TOOLS_DIR, prefix=f".build-{name}-") as work:
+            build_into(Path(work)).replace(cached)
     return cached
 
 

@@ -42,6 +42,26 @@ pytest_plugins = [
     "tests.terminal_fixtures",
 ]
 
+# Skip reasons that mean "this machine lacks root", not "this machine lacks hardware". Under
+# GPUCLOUD_REQUIRE_ROOT=1 (.ci/run, which checks it runs as root) such a skip fails the test
+# instead, so CI can never pass with the storage, netns or user tests silently left out.
+ROOT_SKIP_WORDS = ("root", "CAP_SYS_ADMIN", "bind mounts need")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    if os.environ.get("GPUCLOUD_REQUIRE_ROOT") != "1":
+        return
+    report = outcome.get_result()
+    if not report.skipped or not isinstance(report.longrepr, tuple):
+        return
+    reason = str(report.longrepr[2])
+    if any(word in reason for word in ROOT_SKIP_WORDS):
+        report.outcome = "failed"
+        report.longrepr = f"skipped for want of root under GPUCLOUD_REQUIRE_ROOT=1: {reason}"
+
+
 # Recorded histories in tests/histories were written with this key; keep it fixed.
 TEST_CODEC_KEY = b"gpucloud-test-codec-key-32bytes!"
 TEST_CODEC_KEY_B64 = base64.b64encode(TEST_CODEC_KEY).decode()
