@@ -6,8 +6,11 @@ so readiness goes through the backend's probe seam with a fixed address."""
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import shutil
 import stat
+import subprocess
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -29,6 +32,7 @@ from agent.backends import FixedAddressProbe
 from agent.backends.domain_xml import parse_domain, parse_numa_topology
 from agent.backends.libvirt_slice import LibvirtSliceBackend
 from contracts.host_tasks import GpuAssignment, HostErrorType, HostProvisionInput, HostReleaseInput
+from tests.disk_images import empty_qcow2, write_base_image
 
 HOST_XML = Path(__file__).parent / "data" / "libvirt" / "host.xml"
 IMAGE = "ubuntu-22.04-cuda.img"
@@ -97,8 +101,7 @@ def make_backend(
 @pytest.fixture
 def host(tmp_path: Path) -> Iterator[Host]:
     (tmp_path / "images").mkdir()
-    content = b"QFI\xfb" + b"\0" * 4092  # a tiny file that starts like a qcow2 image
-    (tmp_path / "images" / IMAGE).write_bytes(content)
+    content = write_base_image(tmp_path / "images" / IMAGE)
     conn = libvirt.open(f"test://{HOST_XML}")
     probe = FixedAddressProbe("10.20.0.5")
     sha = hashlib.sha256(content).hexdigest()
@@ -211,6 +214,53 @@ def test_image_sha_mismatch_is_image_error(host: Host) -> None:
         host.backend.provision_slice_vm(provision_spec(), RecordingProgress())
     assert err.value.error_type == HostErrorType.IMAGE_ERROR
     assert "gpc-a1b2" not in domain_names(host.conn)
+
+
+@pytest.mark.skipif(shutil.which("qemu-img") is None, reason="needs qemu-img (qemu-utils)")
+def test_an_image_qemu_cannot_read_is_image_error(host: Host) -> None:
+    """The format is what qemu-img reads, never assumed from the first bytes: a catalogued file
+    with a qcow2 header QEMU refuses (a 2^40-byte cluster) fails before any disk or domain."""
+    broken = bytearray(empty_qcow2())
+    broken[20:24] = (40).to_bytes(4, "big")  # cluster_bits
+    (host.root / "images" / IMAGE).write_bytes(bytes(broken))
+    backend = make_backend(host.conn, host.root, hashlib.sha256(broken).hexdigest(), host.probe)
+    with pytest.raises(HostError) as err:
+        backend.provision_slice_vm(provision_spec(), RecordingProgress())
+    assert err.value.error_type == HostErrorType.IMAGE_ERROR
+    assert "qemu-img cannot read it" in str(err.value)
+    assert "gpc-a1b2" not in domain_names(host.conn)
+    assert not (host.root / "state" / "disks" / "gpc-a1b2.qcow2").exists()
+
+
+@pytest.mark.skipif(shutil.which("qemu-img") is None, reason="needs qemu-img (qemu-utils)")
+def test_a_raw_base_gets_a_raw_backed_overlay(host: Host) -> None:
+    """A file that merely starts with qcow2's magic (version 0) is raw to QEMU, and the overlay
+    names it so: `-F qcow2` over it is what qemu-img used to refuse."""
+    fake = b"QFI\xfb" + b"\0" * 4092
+    (host.root / "images" / IMAGE).write_bytes(fake)
+    backend = make_backend(host.conn, host.root, hashlib.sha256(fake).hexdigest(), host.probe)
+    backend.provision_slice_vm(provision_spec(), RecordingProgress())
+    info = disk_info(host.root / "state" / "disks" / "gpc-a1b2.qcow2")
+    assert (info["format"], info["backing-filename-format"]) == ("qcow2", "raw")
+
+
+def disk_info(path: Path) -> dict[str, Any]:
+    out = subprocess.run(
+        ["qemu-img", "info", "-U", "--output=json", str(path)],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    return dict(json.loads(out))
+
+
+@pytest.mark.skipif(shutil.which("qemu-img") is None, reason="needs qemu-img (qemu-utils)")
+def test_allocation_disk_is_a_qcow2_overlay_of_the_base(host: Host) -> None:
+    host.backend.provision_slice_vm(provision_spec(), RecordingProgress())
+    info = disk_info(host.root / "state" / "disks" / "gpc-a1b2.qcow2")
+    assert info["format"] == "qcow2"
+    assert info["backing-filename"] == str(host.root / "images" / IMAGE)
+    assert info["backing-filename-format"] == "qcow2"
 
 
 def test_requested_sha_not_the_catalogs_is_image_error(host: Host) -> None:

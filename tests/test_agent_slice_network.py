@@ -15,6 +15,7 @@ from agent.backends import FixedAddressProbe
 from agent.backends.libvirt_slice import LibvirtSliceBackend
 from agent.network.allocation_network import bridge_name
 from agent.network.slice_networks import SliceNetworks
+from tests.disk_images import write_base_image
 from tests.test_agent_libvirt import IMAGE, provision_spec, release_spec
 from tests.test_agent_network import links_by_name
 
@@ -38,8 +39,7 @@ class Silent:
 @pytest.fixture
 def backend(tmp_path: Path, ns: str) -> Iterator[tuple[LibvirtSliceBackend, Any]]:
     (tmp_path / "images").mkdir()
-    content = b"QFI\xfb" + b"\0" * 4092
-    (tmp_path / "images" / IMAGE).write_bytes(content)
+    content = write_base_image(tmp_path / "images" / IMAGE)
     conn = libvirt.open(f"test://{HOST_XML}")
     yield (
         LibvirtSliceBackend(

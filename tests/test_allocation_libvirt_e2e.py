@@ -20,6 +20,7 @@ from agent.backends.domain_xml import parse_domain
 from agent.backends.libvirt_slice import LibvirtSliceBackend
 from contracts.states import NodeStatus
 from schema.models import GpuSlot, Node
+from tests.disk_images import write_base_image
 from tests.factories import REGION, SLICE_SKU, create_sku
 from tests.gateway_fixtures import ed25519_public_key
 from tests.lifecycle_support import slice_request, wait_status
@@ -49,8 +50,7 @@ def host_gpus() -> list[tuple[str, int]]:
 @pytest.fixture
 def libvirt_host(tmp_path: Path) -> Iterator[tuple[Any, LibvirtSliceBackend]]:
     (tmp_path / "images").mkdir()
-    content = b"QFI\xfb" + b"\0" * 4092
-    (tmp_path / "images" / IMAGE).write_bytes(content)
+    content = write_base_image(tmp_path / "images" / IMAGE)
     conn = libvirt.open(f"test://{HOST_XML}")
     backend = LibvirtSliceBackend(
         f"test://{HOST_XML}",

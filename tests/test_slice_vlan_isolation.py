@@ -50,6 +50,7 @@ from agent.network import (
 from agent.network.slice_networks import SliceNetworks
 from contracts.states import NodeStatus
 from schema.models import GpuSlot, Node, ProjectSliceVlan
+from tests.disk_images import write_base_image
 from tests.factories import REGION, SLICE_SKU, create_sku
 from tests.gateway_fixtures import ed25519_public_key
 from tests.lifecycle_support import slice_request, wait_status
@@ -461,8 +462,7 @@ class LibvirtNode:
         self.id = uuid.uuid4()
         images = tmp_path / "images"
         images.mkdir(parents=True)
-        content = b"QFI\xfb" + b"\0" * 4092
-        (images / IMAGE).write_bytes(content)
+        content = write_base_image(images / IMAGE)
         self.conn = libvirt.open(f"test://{HOST_XML}")
         self.backend = LibvirtSliceBackend(
             f"test://{HOST_XML}",

@@ -2,12 +2,16 @@
 reused"), and give each allocation its own writable disk on top of it.
 
 With `qemu-img` on PATH the per-allocation disk is a qcow2 overlay backed by the base image
-(instant, copy-on-write); without it (libvirt's test driver in CI) it is a copy of the base file.
+(instant, copy-on-write), and every image's format is what `qemu-img info` reads, never assumed:
+a file that only starts like a qcow2 image is refused before an overlay is built on it. Without
+qemu-img (a host with libvirt's test driver only) the disk is a copy of the base file and the
+format is sniffed from its first bytes.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -49,9 +53,28 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
+class ImageUnreadable(Exception):
+    """qemu-img cannot read the file as a disk image (corrupt, truncated, not an image)."""
+
+
 def image_format(path: Path) -> str:
-    with path.open("rb") as handle:
-        return "qcow2" if handle.read(4) == b"QFI\xfb" else "raw"
+    """The disk format QEMU will open `path` with ("qcow2", "raw", ...)."""
+    qemu_img = shutil.which("qemu-img")
+    if qemu_img is None:
+        with path.open("rb") as handle:
+            return "qcow2" if handle.read(4) == b"QFI\xfb" else "raw"
+    # -U: read the header even while a running guest holds the image's write lock.
+    probe = subprocess.run(
+        [qemu_img, "info", "-U", "--output=json", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    if probe.returncode != 0:
+        reason = probe.stderr.strip().splitlines()[-1:] or [f"exit {probe.returncode}"]
+        raise ImageUnreadable(f"{path.name}: qemu-img cannot read it: {reason[0]}")
+    return str(json.loads(probe.stdout)["format"])
 
 
 class ImageStore:

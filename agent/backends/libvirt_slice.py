@@ -42,7 +42,7 @@ from agent.backend import (
     RevokeOutcome,
 )
 from agent.backends import cloud_init_seed, domain_xml
-from agent.backends.images import ImageMismatch, ImageMissing, ImageStore
+from agent.backends.images import ImageMismatch, ImageMissing, ImageStore, ImageUnreadable
 from agent.backends.readiness import NotReady, ReadinessProbe
 from agent.gpu_health import GpuHealthCheck
 from agent.network.slice_networks import SliceNetworks
@@ -183,9 +183,9 @@ class LibvirtSliceBackend:
             name = spec.image or self.default_image
             try:
                 image = self.images.prepare(name, spec.image_sha256)
-            except (ImageMismatch, ImageMissing) as err:
+                disk = self.images.allocation_disk(spec.allocation_id, image)
+            except (ImageMismatch, ImageMissing, ImageUnreadable) as err:
                 raise HostError(HostErrorType.IMAGE_ERROR, str(err)) from None
-            disk = self.images.allocation_disk(spec.allocation_id, image)
             state["disk"] = disk
             verb = "reused" if image.reused else "verified"
             return (
