@@ -107,7 +107,7 @@ def outcome_for(failure_class: str | None, error_code: str | None) -> Outcome:
         return _BY_CODE[error_code]
     try:
         return _BY_CLASS[FailureClass(failure_class or "")]
-    except ValueError:
+    except (ValueError, KeyError):  # not a class, or one onboarding never classifies by
         # An unclassified failure is a bug or a surprise: stop and let a human look.
         return Outcome(_MANUAL, OperatorAction.RESUME, "unclassified failure: inspect, then resume")
 

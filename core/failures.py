@@ -30,6 +30,9 @@ class FailureClass(StrEnum):
     HARDWARE_SYNC_FAILURE = "hardware_sync_failure"
     AGENT_ENROLLMENT_FAILURE = "agent_enrollment_failure"
     STATE_AMBIGUITY = "state_ambiguity"
+    # Not of seed 003 §4.7 (issue 35): an operator protected the node, and a destructive step
+    # (MAAS release, erase, power-off, delete) refused to run on it.
+    NODE_PROTECTED = "node_protected"
 
 
 class NextStep(StrEnum):
@@ -40,6 +43,8 @@ class NextStep(StrEnum):
     MANUAL_INTERVENTION = "manual_intervention"  # automation stops: failed_manual_intervention
     RECOVERY_PATH = "recovery_path"  # the workflow's bounded recovery (release, redeploy)
     RECONCILE = "reconcile"  # stop automation; an operator reconciles or adopts observed state
+    # the node is protected: an operator unprotects it (the audited admin route), then retries
+    UNPROTECT = "unprotect"
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,9 @@ DEFAULT_HANDLING: dict[FailureClass, Handling] = {
     ),
     # stop automation and require a reconcile/adopt decision
     FailureClass.STATE_AMBIGUITY: Handling(retryable=False, then=NextStep.RECONCILE),
+    # nothing to retry while the flag is set: an operator unprotects the node
+    # (POST /api/v1/admin/nodes/{id}/unprotect, audited), then retries the stage
+    FailureClass.NODE_PROTECTED: Handling(retryable=False, then=NextStep.UNPROTECT),
 }
 
 

@@ -14,9 +14,10 @@ and a 503 leaves nothing behind.
 Operator actions (retry, resume, adopt, cancel, mark-manual-intervention) are the workflow's
 `operator_action` update, audited with actor, role, reason, prior state and stage, requested
 action, expected state and workflow id. `POST /nodes/{id}/resume` is the node-level resume of
-seed 004 §8: it forwards to the node's live decommission, or, when the node sits in draining or
-removing without one (its workflow was lost), starts a new decommission of the same mode that
-adopts what is already done.
+seed 004 §8: it forwards to the node's live decommission, or re-issues the drain of a node a
+retire put in draining (idempotent: a live drain is answered, not duplicated). It never starts a
+decommission: a node in draining or removing that no live operation owns is refused
+(`no_owning_operation`, audited) and the operator starts what they mean explicitly.
 """
 
 from __future__ import annotations
@@ -30,8 +31,17 @@ import msgspec
 from sqlalchemy import exists, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.sql.elements import ColumnElement
+from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.service import RPCError, RPCStatusCode
 
-from contracts.admin_operation import DECOMMISSION_SUBMIT
+from contracts.admin_operation import (
+    DECOMMISSION_SUBMIT,
+    NODE_LIFECYCLE_IN_PROGRESS,
+    NODE_RETIRE,
+    NODE_STATUS_CONFLICT,
+    NodeActionInput,
+    NodeActionResult,
+)
 from contracts.decommission import (
     DecommissionInput,
     DecommissionPolicy,
@@ -42,11 +52,12 @@ from contracts.decommission import (
     decommission_workflow_id,
 )
 from contracts.lifecycle_submissions import DecommissionRecorded, DecommissionSubmission
+from contracts.node_drain import DrainStatus
 from contracts.onboarding import LIVE_JOB_STATUSES, JobStatus
 from contracts.states import LIVE_ALLOCATION_STATUSES, AllocationStatus, NodeStatus
 from core.config import Settings
 from gateway import audit
-from gateway.admin_operations import run_admin_operation
+from gateway.admin_operations import actor, run_admin_operation
 from gateway.auth import Principal
 from gateway.errors import (
     ApiError,
@@ -68,7 +79,7 @@ from gateway.pagination import newest_first_page
 from gateway.schemas import Reason, Request
 from gateway.temporal import TemporalOps
 from schema.lifecycle_tables import DECOMMISSION_TABLES
-from schema.models import Allocation, Node, NodeDecommission, NodeMaasState
+from schema.models import Allocation, Node, NodeDecommission, NodeDrain, NodeMaasState
 
 log = logging.getLogger("gateway.decommissions")
 _LIVE = [s.value for s in LIVE_JOB_STATUSES]
@@ -362,6 +373,13 @@ async def start(
             code="node_deleted",
             status_code=410,
         )
+    if node.protected:
+        raise Conflict(
+            f"the node is protected ({node.protected_reason or 'no reason given'}); no "
+            "decommission may start until an operator unprotects it",
+            code="node_protected",
+            details={"protected_reason": node.protected_reason},
+        )
     live = await _live_job(db, node_id)
     if live is not None:
         if _same(live, plan):
@@ -608,6 +626,100 @@ async def operator_action(
     )
 
 
+class NodeResumed(msgspec.Struct, kw_only=True):
+    """Seed 004 §8 resume of a node whose owner is its drain lifecycle (retire): `node.drain`
+    re-issued, or the live drain named (nothing duplicated)."""
+
+    node_id: uuid.UUID
+    action: str  # "resume"
+    accepted: bool
+    owner: str  # "drain"
+    drain_id: uuid.UUID
+    workflow_id: str
+    prior_status: str
+    status: str
+    requeued: bool  # False: the drain was live and answered; True: its workflow was re-issued
+    message: str
+
+
+async def _drain_running(temporal: TemporalOps, workflow_id: str) -> bool:
+    async def call(client: Client) -> bool:
+        try:
+            described = await client.get_workflow_handle(workflow_id).describe(
+                rpc_timeout=temporal.rpc_timeout
+            )
+        except RPCError as err:
+            if err.status == RPCStatusCode.NOT_FOUND:
+                return False
+            raise
+        return described.status == WorkflowExecutionStatus.RUNNING
+
+    return await temporal.read(call)
+
+
+async def _resume_drain(
+    db: AsyncSession,
+    temporal: TemporalOps,
+    settings: Settings,
+    principal: Principal,
+    node: Node,
+    drain: NodeDrain,
+    reason: str,
+) -> NodeResumed:
+    """Re-issue the node's drain (its workflow started with USE_EXISTING by the retire
+    operation: a running drain is answered, a lost one is started again). Nothing destructive:
+    no decommission, no MAAS call, no allocation released."""
+    node_id, drain_id, workflow_id = node.id, drain.drain_id, drain.workflow_id
+    prior = node.status
+    await db.close()  # never hold a database connection across a Temporal call
+    live = await _drain_running(temporal, workflow_id)
+    result = await run_admin_operation(
+        temporal,
+        settings.control_plane_task_queue,
+        NODE_RETIRE,
+        NodeActionInput(actor=actor(principal, reason), node_id=str(node_id)),
+        key=str(node_id),
+        result_type=NodeActionResult,
+        statuses={NODE_STATUS_CONFLICT: 409, NODE_LIFECYCLE_IN_PROGRESS: 409},
+    )
+    message = (
+        f"resume: drain {drain_id} is live; nothing was requeued"
+        if live
+        else f"resume: node.drain re-issued (drain {drain_id}, workflow {workflow_id})"
+    )
+    audit.record_by(
+        db,
+        principal,
+        action="node.resume",
+        target_type="node",
+        target_id=str(node_id),
+        reason=reason,
+        prior_state=prior,
+        expected_state=NodeStatus.RETIRED.value,
+        workflow_ids=[workflow_id],
+        details={
+            "owner": "drain",
+            "drain_id": str(drain_id),
+            "requeued": not live,
+            "actor_role": principal.role,
+            "message": message,
+        },
+    )
+    await db.commit()
+    return NodeResumed(
+        node_id=node_id,
+        action="resume",
+        accepted=True,
+        owner="drain",
+        drain_id=uuid.UUID(result.drain_id) if result.drain_id else drain_id,
+        workflow_id=workflow_id,
+        prior_status=prior,
+        status=result.status,
+        requeued=not live,
+        message=message,
+    )
+
+
 async def resume_node(
     db: AsyncSession,
     temporal: TemporalOps,
@@ -615,10 +727,13 @@ async def resume_node(
     principal: Principal,
     node_id: uuid.UUID,
     reason: str,
-) -> ActionAnswer | DecommissionCreated:
-    """Seed 004 §8 for a node in draining or removing: the live decommission answers resume
-    (a no-op while its task is live, a requeue once it failed); without one, a new
-    decommission of the last mode starts and adopts what is already done."""
+) -> ActionAnswer | NodeResumed:
+    """Seed 004 §8 for a node in draining or removing: resume goes to the operation that owns
+    the state, and only to it. A live decommission answers resume (a no-op while its task is
+    live, a fresh task once it failed); a retire's drain is re-issued (`node.drain`, idempotent).
+    Resume never starts a decommission: without an owner to resume, it is refused
+    (`no_owning_operation`), and the operator starts what they mean explicitly."""
+    reason = checked_reason(reason)
     node = await db.get(Node, node_id)
     if node is None:
         raise NotFound("node not found")
@@ -633,22 +748,44 @@ async def resume_node(
         return await operator_action(
             db, temporal, principal, live.decommission_id, OperatorAction.RESUME, reason
         )
+    if node.status == NodeStatus.DRAINING:
+        drain = await db.scalar(
+            select(NodeDrain).where(
+                NodeDrain.node_id == node_id, NodeDrain.status == DrainStatus.RUNNING.value
+            )
+        )
+        if drain is not None:
+            return await _resume_drain(db, temporal, settings, principal, node, drain, reason)
     last = await db.scalar(
         select(NodeDecommission)
         .where(NodeDecommission.node_id == node_id)
         .order_by(NodeDecommission.requested_at.desc())
         .limit(1)
     )
-    if node.status == NodeStatus.REMOVING or last is None:
-        plan = Plan(Mode.FULL_DECOMMISSION, Erase.NONE, StorageScope.NONE, False, True, reason)
-    else:
-        plan = Plan(
-            Mode(last.mode),
-            Erase(last.erase),
-            StorageScope(last.storage_cleanup),
-            last.remove_maas_record,
-            last.force_release_allocations,
-            reason,
-        )
-    started = await start(db, temporal, settings, principal, node_id, plan)
-    return started.body
+    details: dict[str, Any] = {"node_status": node.status}
+    if last is not None:
+        details |= {
+            "last_decommission_id": str(last.decommission_id),
+            "last_decommission_status": last.status,
+            "last_decommission_mode": last.mode,
+        }
+    status = node.status
+    audit.record_by(
+        db,
+        principal,
+        action="node.resume",
+        target_type="node",
+        target_id=str(node_id),
+        reason=reason,
+        prior_state=status,
+        expected_state=status,
+        details={**details, "accepted": False, "refused": "no_owning_operation"},
+    )
+    await db.commit()
+    raise Conflict(
+        f"the node is {status} but no live operation owns it: resume does not start a new "
+        "decommission; start the one you mean (POST /nodes/{id}/decommission) after checking "
+        "the node",
+        code="no_owning_operation",
+        details=details,
+    )

@@ -118,7 +118,9 @@ async def run_operator_action(
     idempotency_key: str | None = None,
 ) -> ActionResult:
     """Send the action, audit it (actor, role, reason, prior and expected state, workflow id)
-    and commit the audit row. The caller has already closed its read of the job row."""
+    and commit the audit row; an action the workflow refuses (or that finds no workflow to
+    take it) is audited too, `accepted: false` with the refusal. The caller has already closed
+    its read of the job row."""
     request_id = update_id(action, idempotency_key, job.version, reason)
 
     async def call(client: Client) -> ActionResult:
@@ -132,11 +134,38 @@ async def run_operator_action(
         return result
 
     state = {"status": job.status, "stage": job.stage, "action": action}
+
+    async def audited(*, accepted: bool, expected_status: str, message: str) -> None:
+        """Every action is audited, a refused one too (with what refused it)."""
+        audit.record_by(
+            db,
+            principal,
+            action=f"{job.audit_action_prefix}.{action}",
+            target_type=job.audit_target_type,
+            target_id=str(job.job_id),
+            reason=reason,
+            prior_state=job.status,
+            expected_state=expected_status,
+            workflow_ids=[job.workflow_id],
+            details={
+                **job.audit_details,
+                "workflow_id": job.workflow_id,
+                "actor_role": principal.role,
+                "prior_stage": job.stage,
+                "requested_action": action,
+                "accepted": accepted,
+                "message": message,
+                "update_id": request_id,
+            },
+        )
+        await db.commit()
+
     try:
         result = await temporal.update(call)
     except WorkflowUpdateFailedError as err:
         cause = err.cause
         if isinstance(cause, ApplicationError) and cause.type == ACTION_NOT_ALLOWED:
+            await audited(accepted=False, expected_status=job.status, message=cause.message)
             raise Conflict(cause.message, code=ACTION_NOT_ALLOWED, details=state) from None
         raise ApiError(
             f"the {job.kind} workflow refused the action unexpectedly",
@@ -151,36 +180,13 @@ async def run_operator_action(
         if err.status != RPCStatusCode.NOT_FOUND:
             raise
         if job.not_started_code is not None:
-            raise Conflict(
-                f"this {job.kind} has not started yet; act on it once it runs",
-                code=job.not_started_code,
-                details=state,
-            ) from None
-        raise Conflict(
-            f"this {job.kind}'s workflow has ended; it takes no more actions",
-            code=job.closed_code,
-            details=state,
-        ) from None
-    audit.record_by(
-        db,
-        principal,
-        action=f"{job.audit_action_prefix}.{action}",
-        target_type=job.audit_target_type,
-        target_id=str(job.job_id),
-        reason=reason,
-        prior_state=job.status,
-        expected_state=result.expected_status,
-        workflow_ids=[job.workflow_id],
-        details={
-            **job.audit_details,
-            "workflow_id": job.workflow_id,
-            "actor_role": principal.role,
-            "prior_stage": job.stage,
-            "requested_action": action,
-            "accepted": result.accepted,
-            "message": result.message,
-            "update_id": request_id,
-        },
+            message = f"this {job.kind} has not started yet; act on it once it runs"
+            await audited(accepted=False, expected_status=job.status, message=message)
+            raise Conflict(message, code=job.not_started_code, details=state) from None
+        message = f"this {job.kind}'s workflow has ended; it takes no more actions"
+        await audited(accepted=False, expected_status=job.status, message=message)
+        raise Conflict(message, code=job.closed_code, details=state) from None
+    await audited(
+        accepted=result.accepted, expected_status=result.expected_status, message=result.message
     )
-    await db.commit()
     return result

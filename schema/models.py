@@ -1022,6 +1022,14 @@ class NodeOnboarding(Base):
         ),
         Index("node_onboardings_batch", "batch_id"),
         Index("node_onboardings_site_status", "site_id", "status"),
+        # One live job per MAAS machine and site: the claim concurrent discoveries race for.
+        Index(
+            "node_onboardings_live_machine",
+            "site_id",
+            "maas_system_id",
+            unique=True,
+            postgresql_where=text(f"maas_system_id IS NOT NULL AND {ONBOARDING_LIVE}"),
+        ),
         # One row per key and hostname (a batch shares its key across its rows).
         Index(
             "node_onboardings_idempotency",

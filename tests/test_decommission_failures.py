@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -175,11 +176,124 @@ async def test_failed_validation_quarantines_the_node_and_alerts(
     assert alert.payload["severity"] == "CRITICAL"
     assert alert.payload["checks"][0]["checks"][0]["check"] == "tenant_users"
 
-    # The operator removed the account by hand and adopts: the node returns to service.
+    # The operator adopts without cleaning: the workflow runs validate_clean again, still finds
+    # the tenant's account, and refuses. The node stays quarantined, and the refusal does not
+    # recommend the adopt it just refused.
+    validations = agent.maintenance.calls["validate_clean"]
     answer = await decommission.action(job, "adopt_observed_state")
+    assert answer.accepted
+    row = await _refused_adopt(decommission, job)
+    assert agent.maintenance.calls["validate_clean"] == validations + 1  # observed again, now
+    assert (row.current_stage, row.failure_class) == ("validate_clean_node", "state_ambiguity")
+    assert "tenant residue" in (row.error_message or "")
+    assert row.recommended_action == "retry_stage"
+    assert await _node_status(decommission, node_id) == "quarantined"
+    assert "mallory" in (agent.root / "etc/passwd").read_text()
+
+    # The operator removes the account by hand and adopts again: a fresh validate_clean passes,
+    # and only then does the node return to service.
+    passwd = agent.root / "etc/passwd"
+    passwd.write_text(
+        "".join(line for line in passwd.read_text().splitlines(True) if "mallory" not in line)
+    )
+    answer = await decommission.action(job, "adopt_observed_state", reason="account removed")
     assert answer.expected_status == "reconciled"
     await decommission.wait_status(job, "reconciled")
-    await record_history(decommission.handle(job), "decommission", "validation_adopted")
+    await record_history(decommission.handle(job), "decommission", "validation_adopted_observed")
+    assert agent.maintenance.calls["validate_clean"] == validations + 2
+    assert await _node_status(decommission, node_id) == "active"
+
+
+async def _refused_adopt(rig: DecommissionRig, job: Any, timeout: float = 30.0) -> Any:
+    """The job's row once an adopt was refused (error_code cannot_adopt)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        row = await rig.row(job)
+        if row.status == "failed_manual_intervention" and row.error_code == "cannot_adopt":
+            return row
+        assert time.monotonic() < deadline, (row.status, row.error_code, row.error_message)
+        await asyncio.sleep(0.05)
+
+
+async def test_adopt_never_skips_storage_cleanup_or_gpu_scrub(
+    decommission: DecommissionRig,
+) -> None:
+    """Wiped scratch and scrubbed GPUs cannot be observed afterwards: adopting a failed
+    cleanup_storage or scrub_gpu is refused (retry_stage recommended), and the host work runs
+    when retried."""
+    node_id = await decommission.plain_node()
+    agent = await decommission.agent(node_id)
+    agent.maintenance.fail["storage_cleanup"] = 2  # both attempts of the task
+    job = await decommission.start(node_id, "soft_reset", storage_cleanup="local")
+    row = await decommission.wait_status(job, "failed_manual_intervention")
+    assert (row.current_stage, row.error_code) == ("cleanup_storage", "host_task_failed")
+    await decommission.action(job, "adopt_observed_state", reason="I wiped it myself")
+    row = await _refused_adopt(decommission, job)
+    assert row.current_stage == "cleanup_storage"
+    assert row.recommended_action == "retry_stage"
+    assert (agent.root / "scratch/tenant-job/checkpoint.bin").exists()  # nothing was skipped
+    assert await _node_status(decommission, node_id) != "active"
+
+    agent.maintenance.fail["gpu_scrub"] = 2
+    await decommission.action(job, "retry_stage")
+    row = await decommission.wait_status(job, "failed_manual_intervention", "completed")
+    assert not (agent.root / "scratch/tenant-job/checkpoint.bin").exists()
+    assert (row.status, row.current_stage) == ("failed_manual_intervention", "scrub_gpu")
+    await decommission.action(job, "adopt_observed_state", reason="GPUs look fine")
+    row = await _refused_adopt(decommission, job)
+    assert row.current_stage == "scrub_gpu"
+    await decommission.action(job, "retry_stage", reason="scrub again")
+    await decommission.wait_status(job, "completed")
+    assert await _node_status(decommission, node_id) == "active"
+
+
+@pytest.mark.maas_scenario(MACHINES)
+async def test_adopting_an_agent_enrollment_that_never_happened_is_refused(
+    api: Any, make_token: Any, decommission: DecommissionRig
+) -> None:
+    """A reimage (through the API) whose redeployed OS's agent never comes up (its network is
+    down: the first boot holds it) stops at wait_for_agent_enrollment. Adopt waits for the
+    enrollment again, sees none, and is refused (cannot_adopt, retry_stage recommended): the
+    node is not made active. Once the agent enrolls, adopt observes it and the node returns."""
+    admin = await api(token=await make_token("admin"))
+    node_id = await decommission.maas_node("fail-b", "10.176.18.11")
+    system_id = await _system_id(decommission, node_id)
+    await decommission.agent(node_id)  # serves the host tasks before the redeploy
+    await decommission.onboarding.set_policy(enrollment_timeout_seconds=2)  # fail fast
+    decommission.onboarding.first_boot.hold("fail-b")  # the reimaged OS's agent stays down
+    created = await admin.post(
+        f"/api/v1/admin/nodes/{node_id}/decommission", json={"mode": "reimage", "reason": "x"}
+    )
+    assert created.status_code == 201, created.text
+    job = decommission.track(created.json()["decommission_id"], node_id, "reimage")
+    row = await decommission.wait_status(job, "failed_manual_intervention", timeout=120)
+    assert (row.current_stage, row.failure_class) == (
+        "wait_for_agent_enrollment",
+        "agent_enrollment_failure",
+    )
+    assert (await decommission.onboarding.maas_sim.machine(system_id))["status_name"] == (
+        "Deployed"
+    )
+    assert await _node_status(decommission, node_id) == "draining"
+
+    path = f"/api/v1/admin/decommissions/{job.decommission_id}"
+    adopted = await admin.post(f"{path}/adopt", json={"reason": "it is up, trust me"})
+    assert adopted.status_code == 200, adopted.text
+    row = await _refused_adopt(decommission, job, timeout=90)
+    assert row.current_stage == "wait_for_agent_enrollment"
+    assert "enrollment was not observed" in (row.error_message or "")
+    assert row.recommended_action == "retry_stage"
+    assert await _node_status(decommission, node_id) == "draining"  # never made active
+    assert not decommission.onboarding.first_boot.booted["fail-b"].enrolled
+
+    # The agent comes up and enrolls: adopt observes the enrollment and the node returns.
+    decommission.onboarding.first_boot.release("fail-b")
+    await decommission.onboarding.first_boot.wait_for("fail-b", enrolled=True, timeout=30)
+    await decommission.onboarding.set_policy(enrollment_timeout_seconds=30)
+    adopted = await admin.post(f"{path}/adopt", json={"reason": "the agent enrolled"})
+    assert adopted.status_code == 200, adopted.text
+    await decommission.wait_status(job, "reconciled", timeout=60)
+    await record_history(decommission.handle(job), "decommission", "adopt_enrollment_observed")
     assert await _node_status(decommission, node_id) == "active"
 
 

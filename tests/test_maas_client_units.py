@@ -138,6 +138,8 @@ def test_the_taxonomy_is_seed_003_section_4_7() -> None:
         "hardware_sync_failure",
         "agent_enrollment_failure",
         "state_ambiguity",
+        # Not in §4.7: a node an operator protected (issue 35); nothing retries past it.
+        "node_protected",
     ]
     assert set(DEFAULT_HANDLING) == set(FailureClass)
     not_retried = {c for c, h in DEFAULT_HANDLING.items() if not h.retryable}
@@ -147,7 +149,9 @@ def test_the_taxonomy_is_seed_003_section_4_7() -> None:
         FailureClass.HARDWARE_MISMATCH,
         FailureClass.DEPLOY_CLOUD_INIT_FAILURE,
         FailureClass.STATE_AMBIGUITY,
+        FailureClass.NODE_PROTECTED,
     }
+    assert DEFAULT_HANDLING[FailureClass.NODE_PROTECTED].then == NextStep.UNPROTECT
     assert DEFAULT_HANDLING[FailureClass.STATE_AMBIGUITY].then == NextStep.RECONCILE
     assert DEFAULT_HANDLING[FailureClass.DEPLOY_CLOUD_INIT_FAILURE].then == NextStep.RECOVERY_PATH
 

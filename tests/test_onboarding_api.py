@@ -1019,10 +1019,15 @@ async def test_e2e_retry_refused_while_running_and_cancel_accepted(
     closed = await admin.post(f"{path}/cancel", json={"reason": "again"})
     assert_error(closed, 409, "onboarding_closed")
 
-    (entry,) = await audits(db_sessions, "onboarding.cancel")
+    # Every operator action is audited, the refused ones too, each saying whether it was taken.
+    entry, refused_again = await audits(db_sessions, "onboarding.cancel")
     assert (entry.prior_state, entry.expected_state) == ("running", "cancelled")
     assert entry.reason == "wrong rack"
-    assert await audits(db_sessions, "onboarding.retry_stage") == []
+    assert entry.details["accepted"] is True
+    assert (refused_again.reason, refused_again.details["accepted"]) == ("again", False)
+    (refused_retry,) = await audits(db_sessions, "onboarding.retry_stage")
+    assert (refused_retry.reason, refused_retry.details["accepted"]) == ("impatient", False)
+    assert refused_retry.expected_state == "running"  # refused: nothing was to change
 
 
 async def _storage_attempts(db_sessions: Any, job: Job) -> int:

@@ -122,6 +122,13 @@ STOP_BEFORE_NEXT_HOST_TASK_PATCH = "operator-interrupt-stops-before-the-next-hos
 # before adopting, MAAS that cannot be seen refuses the adopt instead of counting as "machine
 # gone", and node and erase state are checked as well. Runs that adopted before go on as they did.
 ADOPT_ONLY_OBSERVED_PATCH = "adopt-only-what-was-observed"
+# Adopt never takes the operator's word for host work: a failed validate_clean is adopted only
+# when a fresh validate_clean on the agent passes now; storage cleanup and GPU scrub cannot be
+# observed afterwards and are refused (retry_stage runs them); a reimage's agent enrollment is
+# observed again. Runs that adopted these before go on as they did.
+ADOPT_REOBSERVES_HOST_WORK_PATCH = "adopt-reobserves-host-work"
+# Host stages adopt cannot observe the outcome of: they are run again (retry_stage), never skipped.
+_UNOBSERVABLE_HOST_WORK = (Stage.CLEANUP_STORAGE, Stage.SCRUB_GPU)
 # Storage-only cleanup disables the node and releases (or refuses over) its live allocations
 # before wiping scratch, and enables it after. Runs started before go on with their two stages.
 STORAGE_CLEANUP_GUARD_PATCH = "storage-cleanup-disables-the-node"
@@ -619,6 +626,12 @@ class NodeDecommissionWorkflow(OperatorControlledJob[Stage, OperatorAction, Deco
         MAAS (a machine not where the stage would have left it, or Ready without the erase
         asked for, cannot be adopted) and inventory stages against the node record."""
         observation = await self._observe()
+        if failed in (
+            *_UNOBSERVABLE_HOST_WORK,
+            Stage.VALIDATE_CLEAN_NODE,
+            Stage.WAIT_FOR_AGENT_ENROLLMENT,
+        ) and workflow.patched(ADOPT_REOBSERVES_HOST_WORK_PATCH):
+            await self._reobserve_host_work(failed, observation)
         observed_only = workflow.patched(ADOPT_ONLY_OBSERVED_PATCH)
         if observed_only and self._state.maas_managed and self._site is None:
             observation = await self._load_site_and_observe(failed, observation)
@@ -662,6 +675,47 @@ class NodeDecommissionWorkflow(OperatorControlledJob[Stage, OperatorAction, Deco
         stages = self._stages
         index = stages.index(failed) + 1 if failed in stages else 0
         return stages[index] if index < len(stages) else None
+
+    async def _reobserve_host_work(self, failed: Stage, observation: Observation) -> None:
+        """Adopt of a host-work stage stands only on what the workflow observes itself now
+        (raises cannot_adopt otherwise): a fresh validate_clean that passes; the reimaged
+        agent's enrollment, looked for again. Storage cleanup and GPU scrub leave nothing the
+        workflow could check afterwards: they are refused, and retry_stage runs them."""
+        if failed in _UNOBSERVABLE_HOST_WORK:
+            raise _cannot_adopt(
+                failed,
+                f"{failed.value} is host work the workflow cannot observe as done afterwards; "
+                "it is never skipped on an operator's word: retry the stage (or cancel)",
+                observation,
+            )
+        if failed == Stage.VALIDATE_CLEAN_NODE:
+            try:
+                result: ValidateCleanResult = await self._node_task(
+                    failed, NODE_VALIDATE_CLEAN, self._spec(), ValidateCleanResult
+                )
+            except StageFailure as failure:
+                raise _cannot_adopt(
+                    failed, f"a fresh validate_clean could not run: {failure.message}", observation
+                ) from None
+            if not result.clean:
+                checks = ", ".join(c.name for c in result.checks if not c.passed)
+                raise _cannot_adopt(
+                    failed,
+                    f"a fresh validate_clean still finds tenant residue ({checks}); the node "
+                    "stays quarantined: clean it, then retry the stage (or cancel)",
+                    observation,
+                )
+            await self._event(failed, EventStatus.SUCCEEDED, "adopt: a fresh validate_clean passed")
+            return
+        if failed == Stage.WAIT_FOR_AGENT_ENROLLMENT:
+            try:
+                await self._cp_stage(failed)
+            except StageFailure as failure:
+                raise _cannot_adopt(
+                    failed,
+                    f"the reimaged node's agent enrollment was not observed: {failure.message}",
+                    observation,
+                ) from None
 
     async def _observe(self) -> Observation:
         """The node record, MAAS's machine (through the loaded site) and live allocations, now;

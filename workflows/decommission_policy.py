@@ -96,6 +96,14 @@ _BY_CLASS: dict[FailureClass, Outcome] = {
         "MAAS or the node changed in a way automation cannot safely adopt; reconcile by hand, "
         "then adopt the observed state (or resume)",
     ),
+    # An operator protected the node while the job ran: the destructive MAAS step refused.
+    # Never adopt (nothing was done to adopt); retry once the protection is cleared.
+    FailureClass.NODE_PROTECTED: Outcome(
+        _MANUAL,
+        OperatorAction.RETRY_STAGE,
+        "the node is protected: nothing destructive runs on it. Unprotect it "
+        "(POST /api/v1/admin/nodes/{id}/unprotect, audited), then retry the stage; or cancel",
+    ),
 }
 
 _BY_CODE: dict[str, Outcome] = {
@@ -194,6 +202,14 @@ _BY_CODE: dict[str, Outcome] = {
         OperatorAction.CANCEL,
         "the node is not in a state this decommission can start from",
     ),
+    # A refused adopt: what it needs was not observed now. Never recommends adopt again (the
+    # action just refused): the stage is run (and so observed) again, or the job cancelled.
+    "cannot_adopt": Outcome(
+        _MANUAL,
+        OperatorAction.RETRY_STAGE,
+        "adopt was refused: what it accepts was not observed now (see the message); fix that, "
+        "then retry the stage, or cancel",
+    ),
     "storage_scope_unsupported": Outcome(
         _RETRYABLE,
         OperatorAction.CANCEL,
@@ -226,7 +242,7 @@ def checkpoint_for(stage: Stage) -> Stage:
 
 
 # adopt_observed_state accepts an inventory stage as done only where the node record shows it
-# done (MAAS stages are checked against MAAS, host work is taken on the operator's word).
+# done (MAAS stages are checked against MAAS; host work is observed again, or refused).
 ADOPTABLE_NODE_STATUSES: dict[Stage, frozenset[str]] = {
     Stage.DISABLE_NODE: frozenset(
         {NodeStatus.DRAINING.value, NodeStatus.RETIRED.value, NodeStatus.REMOVING.value}

@@ -261,6 +261,21 @@ class DecommissionActivities:
         run.maas_seen = (run.state.maas_status, run.state.power_state)
         return machine
 
+    async def _refuse_if_protected(self, run: Run, what: str) -> None:
+        """Re-checked in the same run, right before a destructive MAAS call: a node an operator
+        protected after the job started is not released, erased, powered off or deleted."""
+        async with self.deps.sessions() as session:
+            node = await session.get(Node, run.node_id)
+        if node is not None and node.protected:
+            raise StageError(
+                FailureClass.NODE_PROTECTED,
+                "node_protected",
+                f"the node is protected ({node.protected_reason or 'no reason given'}): "
+                f"{what} refused; unprotect it, then retry the stage (or cancel)",
+                details={"protected_reason": node.protected_reason},
+                non_retryable=True,
+            )
+
     def _poll_seconds(self, run: Run) -> float:
         if run.input.site is not None:
             return run.input.site.policy.maas_poll_interval_ms / 1000.0
@@ -650,6 +665,7 @@ class DecommissionActivities:
                 run.state.released_in_maas = True
                 run.skipped("the machine is gone from MAAS (adopted)")
             else:
+                await self._refuse_if_protected(run, "MAAS release (and erase)")
                 async with self.maas(run) as maas:
                     await self._release(run, maas)
         assert run.result is not None
@@ -784,6 +800,7 @@ class DecommissionActivities:
             elif run.state.machine_absent:
                 run.skipped("the machine is gone from MAAS (adopted)")
             else:
+                await self._refuse_if_protected(run, "MAAS power-off")
                 async with self.maas(run) as maas:
                     machine = await self._machine(run, maas)
                     if machine.power_state == PowerState.OFF:
@@ -831,6 +848,7 @@ class DecommissionActivities:
                 run.skipped("kept in MAAS (remove_maas_record is false)")
             else:
                 assert run.state.system_id is not None
+                await self._refuse_if_protected(run, "MAAS delete")
                 try:
                     async with self.maas(run) as maas:
                         await maas.delete_machine(run.state.system_id)

@@ -9,6 +9,11 @@ the machine PXE-boots into it), the BMC is power-cycled, and the poll claims the
 becomes usable, or exactly one machine that appeared at that BMC or anywhere during this run;
 several candidates fail closed with state_ambiguity. A sole pre-existing New machine is claimed
 only when the site opts in (auto_claim_single_new_machine).
+
+Whatever is found or discovered is claimed before anything touches it (`claim_machine`, issue
+35): a machine bound to another live node or held by another live onboarding job fails the
+stage with state_ambiguity naming both, and the job row's maas_system_id, unique among live jobs
+of a site, is the claim two concurrent discoveries race for.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import uuid
 from typing import Any
 
 from sqlalchemy import func, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
@@ -53,8 +60,9 @@ from contracts.onboarding import (
     StageInput,
     StageResult,
 )
+from contracts.states import NodeStatus
 from core.failures import ClassifiedError, FailureClass
-from schema.models import MaasRoceAssignment, Node
+from schema.models import MaasRoceAssignment, Node, NodeMaasState, NodeOnboarding
 
 S = MachineStatus
 BOSS_PATTERN = re.compile(r"boss|boot optimi[sz]ed|m\.2", re.IGNORECASE)
@@ -64,12 +72,100 @@ COMMISSION_ACTIVE = frozenset({S.COMMISSIONING, S.TESTING})
 COMMISSION_FAILED = frozenset({S.FAILED_COMMISSIONING, S.FAILED_TESTING, S.BROKEN})
 DATASOURCE_PATTERN = re.compile(r"no datasource|datasource|cloud-?init", re.IGNORECASE)
 RELEASABLE = frozenset({S.ALLOCATED, S.DEPLOYED, S.FAILED_DEPLOYMENT, S.BROKEN})
+# schema.models.ONBOARDING_LIVE: the job statuses that hold a machine.
+ONBOARDING_LIVE_STATUSES = (
+    "pending",
+    "running",
+    "compensating",
+    "failed_retryable",
+    "failed_manual_intervention",
+)
 
 
 def _ambiguity(code: str, message: str, **details: Any) -> StageError:
     return StageError(
         FailureClass.STATE_AMBIGUITY, code, message, details=details, non_retryable=True
     )
+
+
+async def claim_machine(
+    sessions: async_sessionmaker[AsyncSession], run: StageRun, machine: Machine
+) -> None:
+    """Bind `machine` to this job (issue 35): refused with state_ambiguity, naming both, when
+    another live node (not deleted) is bound to it or another live onboarding job holds it.
+    The job row's maas_system_id is the claim; the partial unique index
+    node_onboardings_live_machine settles two discoveries racing for one machine."""
+    site_id = uuid.UUID(run.site.site_id)
+    node_id = uuid.UUID(run.input.onboarding.node_id)
+    system_id = machine.system_id
+    async with sessions() as session, session.begin():
+        bound = (
+            await session.execute(
+                select(Node.id, Node.hostname, Node.status)
+                .join(NodeMaasState, NodeMaasState.node_id == Node.id)
+                .where(
+                    NodeMaasState.site_id == site_id,
+                    NodeMaasState.maas_system_id == system_id,
+                    Node.status != NodeStatus.DELETED,
+                    Node.id != node_id,
+                )
+            )
+        ).first()
+        if bound is not None:
+            raise _ambiguity(
+                "machine_bound_to_node",
+                f"MAAS machine {system_id} ({machine.hostname}, {machine.status.label}) is bound "
+                f"to node {bound.id} ({bound.hostname}, {bound.status}); nothing was done to it",
+                system_id=system_id,
+                maas_hostname=machine.hostname,
+                maas_status=machine.status.label,
+                bound_node_id=str(bound.id),
+                bound_hostname=bound.hostname,
+                bound_node_status=str(bound.status),
+            )
+        holder = await _live_holder(session, site_id, system_id, run.onboarding_id)
+        if holder is None:
+            try:
+                async with session.begin_nested():
+                    await session.execute(
+                        update(NodeOnboarding)
+                        .where(NodeOnboarding.onboarding_id == run.onboarding_id)
+                        .values(maas_system_id=system_id, updated_at=func.now())
+                    )
+                return
+            except IntegrityError:
+                # Another discovery claimed it between the look and the write.
+                holder = await _live_holder(session, site_id, system_id, run.onboarding_id)
+        raise _ambiguity(
+            "machine_held_by_job",
+            f"MAAS machine {system_id} ({machine.hostname}, {machine.status.label}) is held by "
+            f"onboarding {holder.onboarding_id if holder else '(another live job)'}"
+            f"{f' ({holder.hostname}, {holder.status})' if holder else ''}; "
+            "nothing was done to it",
+            system_id=system_id,
+            maas_hostname=machine.hostname,
+            maas_status=machine.status.label,
+            holder_onboarding_id=str(holder.onboarding_id) if holder else None,
+            holder_hostname=holder.hostname if holder else None,
+            holder_status=holder.status if holder else None,
+        )
+
+
+async def _live_holder(
+    session: AsyncSession, site_id: uuid.UUID, system_id: str, onboarding_id: uuid.UUID
+) -> Any:
+    return (
+        await session.execute(
+            select(NodeOnboarding.onboarding_id, NodeOnboarding.hostname, NodeOnboarding.status)
+            .where(
+                NodeOnboarding.site_id == site_id,
+                NodeOnboarding.maas_system_id == system_id,
+                NodeOnboarding.status.in_(ONBOARDING_LIVE_STATUSES),
+                NodeOnboarding.onboarding_id != onboarding_id,
+            )
+            .limit(1)
+        )
+    ).first()
 
 
 async def get_machine_or_ambiguity(maas: MaasClient, system_id: str) -> Machine:
@@ -128,13 +224,28 @@ class MaasStageActivities(StageActivitiesBase):
             async with self.maas(site) as maas:
                 found, how = await self._lookup(maas, ob.hostname, ob.ipmi_ip, ob.pxe_mac)
                 if found is not None and _usable(found):
-                    run.done(observe(_with_system(input, found), found), f"found by {how}", how=how)
+                    # Bound to another node or held by another job: refuse before anything
+                    # touches the machine (a mistyped BMC address must not adopt a live node).
+                    await claim_machine(self.deps.sessions, run, found)
+                    run.done(
+                        observe(_with_system(input, found), found),
+                        f"found by {how}",
+                        how=how,
+                        found_status=found.status.label,
+                        claimed=found.system_id,
+                    )
                 else:
                     machine, how, details = await self._discover(run, maas, found)
+                    await claim_machine(self.deps.sessions, run, machine)
+                    placeholder = details.pop("placeholder", None)
+                    if placeholder is not None and await _delete_placeholder(maas, placeholder):
+                        details["placeholder_deleted"] = placeholder
                     run.done(
                         observe(_with_system(input, machine), machine),
                         f"claimed by {how}",
                         how=how,
+                        found_status=machine.status.label,
+                        claimed=machine.system_id,
                         **details,
                     )
         assert run.result is not None
@@ -146,6 +257,17 @@ class MaasStageActivities(StageActivitiesBase):
         by_name = await maas.list_machines(hostnames=[hostname])
         if len(by_name) == 1:
             return by_name[0], "hostname"
+        at_bmc = await self._at_bmc(maas, ipmi_ip)
+        if at_bmc is not None:
+            return at_bmc, "ipmi_power_address"
+        if pxe_mac:
+            by_mac = await maas.list_machines(mac_addresses=[pxe_mac])
+            if len(by_mac) == 1:
+                return by_mac[0], "pxe_mac"
+        return None, "none"
+
+    @staticmethod
+    async def _at_bmc(maas: MaasClient, ipmi_ip: str) -> Machine | None:
         addresses = await maas.power_addresses()
         at_bmc = sorted(s for s, addr in addresses.items() if addr == ipmi_ip)
         if len(at_bmc) > 1:
@@ -155,13 +277,7 @@ class MaasStageActivities(StageActivitiesBase):
                 f"{len(at_bmc)} MAAS machines use power address {ipmi_ip}",
                 candidates=at_bmc,
             )
-        if at_bmc:
-            return await maas.get_machine(at_bmc[0]), "ipmi_power_address"
-        if pxe_mac:
-            by_mac = await maas.list_machines(mac_addresses=[pxe_mac])
-            if len(by_mac) == 1:
-                return by_mac[0], "pxe_mac"
-        return None, "none"
+        return await maas.get_machine(at_bmc[0]) if at_bmc else None
 
     async def _discover(
         self, run: StageRun, maas: MaasClient, record: Machine | None
@@ -190,7 +306,20 @@ class MaasStageActivities(StageActivitiesBase):
         seen_new: list[Machine] = []
 
         async def check() -> tuple[Machine, str] | None:
-            ours = await maas.get_machine(placeholder)
+            try:
+                ours = await maas.get_machine(placeholder)
+            except MaasNotFound:
+                # Another discovery at this BMC shared the record and deleted it once it
+                # claimed the machine: whatever sits at the BMC now is the candidate (and the
+                # claim then says whose it is).
+                at_bmc = await self._at_bmc(maas, ob.ipmi_ip)
+                if at_bmc is not None and _usable(at_bmc):
+                    return at_bmc, "ipmi_power_address"
+                raise _ambiguity(
+                    "machine_deleted",
+                    f"machine {placeholder} is no longer in MAAS (deleted out of band?)",
+                    system_id=placeholder,
+                ) from None
             if _usable(ours):
                 return ours, "discovery"
             if ob.pxe_mac:
@@ -223,9 +352,8 @@ class MaasStageActivities(StageActivitiesBase):
                 return machine, how, {}
             # Another record is the machine: ours, still IPMI-only, would keep the hostname
             # commission_node gives the claimed one (MAAS refuses a duplicate hostname) and
-            # a second record at this BMC.
-            deleted = await _delete_placeholder(maas, placeholder)
-            return machine, how, {"placeholder_deleted": placeholder} if deleted else {}
+            # a second record at this BMC. It is deleted once the claim holds.
+            return machine, how, {"placeholder": placeholder}
         if len(seen_new) > 1 and auto_claim:
             raise _ambiguity(
                 "discovery_ambiguous",

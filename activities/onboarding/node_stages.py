@@ -79,6 +79,7 @@ from schema.models import (
     NodeEnrollmentToken,
     NodeMaasState,
     NodeOnboarding,
+    NodeOnboardingEvent,
     Sku,
 )
 
@@ -87,6 +88,8 @@ CREATED_BY = "onboarding"
 ONBOARDING_ACTOR = "onboarding"  # who moved the node, in its node.status_changed events
 SSH_PORT = 22
 NODE_AGENT_ACCESS = "node_agent"  # host work goes through the node's agent (seed 003 §8.1)
+# The deploy_via_maas event detail that says this job asked MAAS to deploy that machine.
+DEPLOYED_BY_JOB = "deployed_by_job"
 
 
 class NodeStageActivities(StageActivitiesBase):
@@ -336,6 +339,25 @@ class NodeStageActivities(StageActivitiesBase):
                 ttl_seconds=site.policy.enrollment_token_ttl_seconds,
             )
             issued_at = await session.scalar(select(func.clock_timestamp()))
+            # The read model records, before MAAS is asked, that this job deploys the machine:
+            # compensation releases only a machine this job deployed (issue 35), also when
+            # this attempt dies after asking MAAS and a retry finds the deploy under way. (A
+            # reimage runs this stage for a decommission, which has no onboarding row.)
+            job = await session.scalar(
+                select(NodeOnboarding.onboarding_id).where(
+                    NodeOnboarding.onboarding_id == run.onboarding_id
+                )
+            )
+            if job is not None:
+                await read_model.add_event(
+                    session,
+                    run.onboarding_id,
+                    stage=Stage.DEPLOY_VIA_MAAS.value,
+                    attempt=run.input.attempt,
+                    status="started",
+                    message=f"deploy of {run.system_id} requested by this job",
+                    details={DEPLOYED_BY_JOB: run.system_id},
+                )
             # A fresh OS: what the node's GPUs are is unknown until this deployment's agent
             # reports them. The enrollment stage waits for that report (inventory_matches set
             # again by its first heartbeat), so a reimage never activates on the last OS's one.
@@ -760,6 +782,7 @@ class NodeStageActivities(StageActivitiesBase):
         notes: list[str] = []
         state = input.state
         node_id = uuid.UUID(input.onboarding.node_id)
+        onboarding_id = uuid.UUID(input.onboarding.onboarding_id)
         async with self.deps.sessions() as session:
             node = await session.get(Node, node_id)
         # restart_clean starts over from bare metal: it releases a deployed machine too.
@@ -768,16 +791,27 @@ class NodeStageActivities(StageActivitiesBase):
         )
         try:
             if input.site is not None and state.system_id is not None and not os_running:
+                # Only a machine this job deployed goes back to Ready (issue 35): one it found
+                # Deployed (or Deploying, Allocated) is someone else's, and is left alone.
+                ours = state.deploy_attempts > 0 or await _deployed_by_job(
+                    self.deps.sessions, onboarding_id, state.system_id
+                )
                 async with self.maas(input.site) as maas:
                     try:
                         machine: Machine | None = await maas.get_machine(state.system_id)
                     except MaasNotFound:
                         machine = None
-                    if machine is not None and (
+                    releasable = machine is not None and (
                         machine.status in RELEASABLE or machine.status == S.DEPLOYING
-                    ):
+                    )
+                    if machine is not None and releasable and ours:
                         machine = await release_to_ready(maas, input.site, machine.system_id)
                         notes.append("machine released back to Ready")
+                    elif machine is not None and releasable:
+                        notes.append(
+                            f"machine {machine.system_id} left {machine.status.label}: "
+                            "this job did not deploy it"
+                        )
                     if machine is not None:
                         observe(state, machine)
         except ClassifiedError as err:
@@ -872,6 +906,21 @@ def _inventory_gpu(gpu: dict[str, Any]) -> tuple[str, int]:
     (-1, single-socket hosts) counts as on node 0: a slot's NUMA node is never unknown."""
     numa = gpu.get("numa_node")
     return str(gpu.get("pci_address", "")).lower(), numa if isinstance(numa, int) else 0
+
+
+async def _deployed_by_job(sessions: Any, onboarding_id: uuid.UUID, system_id: str) -> bool:
+    """Whether this job's read model records a deploy of `system_id` it requested."""
+    async with sessions() as session:
+        found = await session.scalar(
+            select(NodeOnboardingEvent.id)
+            .where(
+                NodeOnboardingEvent.onboarding_id == onboarding_id,
+                NodeOnboardingEvent.stage == Stage.DEPLOY_VIA_MAAS.value,
+                NodeOnboardingEvent.details[DEPLOYED_BY_JOB].astext == system_id,
+            )
+            .limit(1)
+        )
+    return found is not None
 
 
 async def _expire_unused_tokens(session: AsyncSession, node_id: uuid.UUID) -> None:

@@ -266,7 +266,14 @@ async def force_release_audited(
     reason: str,
 ) -> ReleaseResponse:
     """Force-release (the workflow's request_release update, force=True) and its audit row:
-    the admin API's and the console's."""
+    the admin API's and the console's. 409 node_protected while the allocation's node is
+    protected: a force-release tears tenant work down."""
+    from gateway.controllers.nodes import refuse_if_protected
+    from schema.models import Allocation
+
+    node_id = await db.scalar(select(Allocation.node_id).where(Allocation.id == allocation_id))
+    if node_id is not None:
+        await refuse_if_protected(db, node_id, "force-released")
     answer, prior, workflow_id = await allocations.release(
         db,
         temporal,

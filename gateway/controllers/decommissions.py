@@ -21,6 +21,7 @@ from gateway.decommissions import (
     DecommissionCreated,
     DecommissionDetail,
     DecommissionList,
+    NodeResumed,
     StorageCleanupCreate,
 )
 from gateway.errors import NotFound
@@ -53,8 +54,11 @@ ACTION_PATHS: dict[str, OperatorAction] = {
 }
 _ACTION_MEANINGS = (
     "retry: rerun the failed stage, then go on. resume: continue from the failed stage's "
-    "checkpoint (a fresh host task); a no-op while the job runs. adopt: accept what MAAS and "
-    "the node show now (or vouch for host work) and go on; ends reconciled. "
+    "checkpoint (a fresh host task); a no-op while the job runs. adopt: accept what MAAS, the "
+    "node and its agent show now and go on; ends reconciled. Host work is observed again, "
+    "never vouched for: a fresh validate_clean must pass, a reimage's agent enrollment is "
+    "waited for again, and cleanup_storage and scrub_gpu are never adopted (retry them); a "
+    "refused adopt stops the job with cannot_adopt. "
     "mark-manual-intervention: freeze automation until a human resolves it. cancel: stop (best "
     "effort) and compensate where possible; MAAS is not rolled back. Unknown action: 404."
 )
@@ -123,10 +127,12 @@ class AdminDecommissionsController(Controller):
         status_code=200,
         summary="Resume a node's lifecycle in draining or removing (seed 004 §8)",
         description="Forwards resume to the node's live decommission (a no-op while its host "
-        "task is live; a fresh task once it expired or failed); without one, starts a "
-        "decommission of the last mode that adopts what is done (201-shaped body). 409 "
-        "node_not_in_progress for any other node state." + _ACTION_NOTES,
-        responses=errors(400, 403, 404, 409, 410, 413),
+        "task is live; a fresh task once it expired or failed); for a node a retire put in "
+        "draining, re-issues its drain (node.drain; a live drain is answered, never duplicated: "
+        "body {owner: drain, drain_id, requeued}). Never starts a decommission: 409 "
+        "no_owning_operation when no live operation owns the node (details name its last "
+        "decommission), 409 node_not_in_progress for any other node state." + _ACTION_NOTES,
+        responses=errors(400, 403, 404, 409, 413, 422),
     )
     async def resume_node(
         self,
@@ -136,7 +142,7 @@ class AdminDecommissionsController(Controller):
         runtime: NamedDependency[Runtime],
         principal: NamedDependency[Principal],
         node_id: FromPath[uuid.UUID],
-    ) -> ActionAnswer | DecommissionCreated:
+    ) -> ActionAnswer | NodeResumed:
         return await decommissions.resume_node(
             db, temporal, runtime.settings, principal, node_id, data.reason
         )

@@ -38,10 +38,11 @@ from contracts.admin_operation import (
 from contracts.lifecycle import LIVE_JOB_STATUSES
 from contracts.node_drain import DrainStatus
 from contracts.states import NodeStatus, SlotStatus
+from gateway import audit
 from gateway.admin_operations import actor, run_admin_operation
 from gateway.auth import admin_guard
 from gateway.controllers.common import AdminCall, provide_admin_call
-from gateway.errors import NotFound, unknown_query_value
+from gateway.errors import Conflict, NotFound, unknown_query_value
 from gateway.lifecycle_jobs import checked_reason
 from gateway.openapi import errors
 from gateway.pagination import newest_first_page
@@ -77,6 +78,8 @@ class NodeSummary(msgspec.Struct, kw_only=True):
     drift: bool
     last_agent_contact_at: dt.datetime | None
     created_at: dt.datetime
+    # Ironic-style protection: while set, every destructive step on the node is refused.
+    protected: bool = False
 
 
 class NodeList(msgspec.Struct, kw_only=True):
@@ -137,10 +140,19 @@ class NodeDetail(msgspec.Struct, kw_only=True):
     lifecycle_job: LifecycleJob | None
     created_at: dt.datetime
     updated_at: dt.datetime
+    protected: bool = False
+    protected_reason: str | None = None
 
 
 class NodeAction(RequestBody):
     reason: Reason
+
+
+class NodeProtectionView(msgspec.Struct, kw_only=True):
+    node_id: uuid.UUID
+    protected: bool
+    protected_reason: str | None
+    changed: bool  # False: it already was so (a repeated call changes nothing)
 
 
 class HealthCheckView(msgspec.Struct, kw_only=True):
@@ -171,6 +183,7 @@ def _summary(node: Node, binding: NodeMaasState | None) -> NodeSummary:
         drift=bool(binding and binding.drift_detected),
         last_agent_contact_at=node.last_agent_contact_at,
         created_at=node.created_at,
+        protected=bool(node.protected),
     )
 
 
@@ -340,6 +353,8 @@ async def node_detail(db: AsyncSession, node_id: uuid.UUID) -> NodeDetail:
         lifecycle_job=await _current_job(db, node_id),
         created_at=node.created_at,
         updated_at=node.updated_at,
+        protected=bool(node.protected),
+        protected_reason=node.protected_reason,
     )
 
 
@@ -412,16 +427,20 @@ class AdminNodesController(Controller):
         "/{node_id:uuid}/retire",
         status_code=202,
         summary="Retire a node without removing it: draining, then retired (audited)",
-        responses=errors(400, 403, 404, 409, 413),
+        description="409 node_protected while the node is protected.",
+        responses=errors(400, 403, 404, 409, 413, 422),
     )
     async def retire(
         self,
         data: JSONBody[NodeAction],
         admin: NamedDependency[AdminCall],
+        db: NamedDependency[AsyncSession],
         node_id: FromPath[uuid.UUID],
     ) -> NodeActionView:
         """202 with the node `draining` and its drain job: the drain waits until no allocation
         lives on the node, then retires it (GET the node for its progress)."""
+        await refuse_if_protected(db, node_id, "retired")
+        await db.close()  # never hold a database connection across a Temporal call
         return await self._act(admin, NODE_RETIRE, node_id, data.reason)
 
     @post(
@@ -437,3 +456,91 @@ class AdminNodesController(Controller):
         node_id: FromPath[uuid.UUID],
     ) -> NodeActionView:
         return await self._act(admin, NODE_REACTIVATE, node_id, data.reason)
+
+    async def _protection(
+        self,
+        db: AsyncSession,
+        admin: AdminCall,
+        node_id: uuid.UUID,
+        reason: str,
+        *,
+        protect: bool,
+    ) -> NodeProtectionView:
+        """Set or clear the flag under the node's row lock, audited in the same transaction."""
+        reason = checked_reason(reason)
+        async with db.begin():
+            node = await db.scalar(select(Node).where(Node.id == node_id).with_for_update())
+            if node is None or node.status == NodeStatus.DELETED:
+                raise NotFound("node not found")
+            prior = bool(node.protected)
+            changed = prior != protect
+            if changed:
+                node.protected = protect
+                node.protected_reason = reason if protect else None
+            audit.record_by(
+                db,
+                admin.principal,
+                action="node.protect" if protect else "node.unprotect",
+                target_type="node",
+                target_id=str(node_id),
+                reason=reason,
+                prior_state="protected" if prior else "unprotected",
+                expected_state="protected" if protect else "unprotected",
+                details={"changed": changed, "actor_role": admin.principal.role},
+            )
+            view = NodeProtectionView(
+                node_id=node_id,
+                protected=bool(node.protected),
+                protected_reason=node.protected_reason,
+                changed=changed,
+            )
+        return view
+
+    @post(
+        "/{node_id:uuid}/protect",
+        status_code=200,
+        summary="Protect a node: every destructive step refuses with node_protected (audited)",
+        description="Body {reason}. While protected, decommission (every mode), retire and the "
+        "admin force-release of its allocations answer 409 node_protected, and a running "
+        "decommission's MAAS release, erase, power-off and delete fail with node_protected. "
+        "Idempotent: protecting a protected node changes nothing (changed: false). 400 blank "
+        "reason; 404 unknown or deleted node.",
+        responses=errors(400, 403, 404, 413, 422),
+    )
+    async def protect(
+        self,
+        data: JSONBody[NodeAction],
+        admin: NamedDependency[AdminCall],
+        db: NamedDependency[AsyncSession],
+        node_id: FromPath[uuid.UUID],
+    ) -> NodeProtectionView:
+        return await self._protection(db, admin, node_id, data.reason, protect=True)
+
+    @post(
+        "/{node_id:uuid}/unprotect",
+        status_code=200,
+        summary="Clear a node's protection (audited)",
+        description="Body {reason}. Idempotent: unprotecting an unprotected node changes "
+        "nothing (changed: false). 400 blank reason; 404 unknown or deleted node.",
+        responses=errors(400, 403, 404, 413, 422),
+    )
+    async def unprotect(
+        self,
+        data: JSONBody[NodeAction],
+        admin: NamedDependency[AdminCall],
+        db: NamedDependency[AsyncSession],
+        node_id: FromPath[uuid.UUID],
+    ) -> NodeProtectionView:
+        return await self._protection(db, admin, node_id, data.reason, protect=False)
+
+
+async def refuse_if_protected(db: AsyncSession, node_id: uuid.UUID, what: str) -> None:
+    """409 node_protected while the node's protection is set."""
+    node = await db.get(Node, node_id)
+    if node is not None and node.protected:
+        raise Conflict(
+            f"the node is protected ({node.protected_reason or 'no reason given'}); it cannot "
+            f"be {what} until an operator unprotects it",
+            code="node_protected",
+            details={"protected_reason": node.protected_reason},
+        )
