@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import re
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, overload
 
 from sqlalchemy import func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -29,6 +30,23 @@ from contracts.allocation_group import (
 )
 from contracts.states import ALLOCATION_GROUP_TRANSITIONS, AllocationGroupStatus
 from schema.models import AllocationGroup, AllocationGroupEvent, AllocationGroupMember
+
+# What PostgreSQL cannot store in text (NUL; lone surrogates do not encode as UTF-8) and the
+# other control characters the gateway refuses (gateway.schemas.TEXT_FORBIDDEN).
+_UNSTORABLE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f\ud800-\udfff]")
+
+
+@overload
+def storable(text: str) -> str: ...
+@overload
+def storable(text: None) -> None: ...
+def storable(text: str | None) -> str | None:
+    """Free text as the group's records can hold it. The gateway refuses such text at the
+    edge; should some still arrive (an older gateway, a direct Temporal client), the transition
+    is recorded with those characters replaced: a retried write that can never succeed would
+    fail the group's workflow and leave the group unreleasable."""
+    return None if text is None else _UNSTORABLE.sub("\ufffd", text)
+
 
 CLOCK = func.clock_timestamp()
 # The event a group's creation records (its status then: requested).
@@ -122,8 +140,8 @@ class AllocationGroupActivities:
                     event=target.value,
                     from_status=source.value,
                     to_status=target.value,
-                    actor=input.actor,
-                    reason=input.reason,
+                    actor=storable(input.actor),
+                    reason=storable(input.reason),
                     details=dict(input.details),
                 )
             )
@@ -140,7 +158,7 @@ class AllocationGroupActivities:
                     AllocationGroupMember.allocation_id == allocation_id,
                     AllocationGroupMember.rejection_reason.is_(None),
                 )
-                .values(rejection_reason=(input.reason or "rejected")[:64])
+                .values(rejection_reason=storable(input.reason or "rejected")[:64])
             )
             if marked.rowcount == 0:  # type: ignore[attr-defined]
                 return
@@ -148,7 +166,7 @@ class AllocationGroupActivities:
                 AllocationGroupEvent(
                     group_id=uuid.UUID(input.group_id),
                     event=MEMBER_REJECTED_EVENT,
-                    reason=input.reason,
+                    reason=storable(input.reason),
                     details={"allocation_id": input.allocation_id},
                 )
             )

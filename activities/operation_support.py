@@ -15,7 +15,7 @@ from typing import Any
 import sqlalchemy.exc
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from temporalio import activity
-from temporalio.exceptions import ApplicationError
+from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 
 from contracts.admin_operation import DATABASE_UNAVAILABLE, SECRET_STORE_UNAVAILABLE, Actor
 from core.secrets import SecretStore, SecretStoreError
@@ -33,9 +33,18 @@ DATABASE_ERRORS: tuple[type[BaseException], ...] = (
 
 
 def refusal(code: str, message: str, details: Mapping[str, Any] | None = None) -> ApplicationError:
-    """The operation's final answer (not retried); `message` is shown to the API client."""
+    """The operation's final answer (not retried); `message` is shown to the API client. An
+    ordinary outcome (a used enrollment token, a namespace that exists), not a fault: BENIGN, so
+    the SDK logs it at debug level without a traceback, and this logs one line with its code."""
+    log.info("operation refused: %s", code)
     extra = [dict(details)] if details else []
-    return ApplicationError(message, *extra, type=code, non_retryable=True)
+    return ApplicationError(
+        message,
+        *extra,
+        type=code,
+        non_retryable=True,
+        category=ApplicationErrorCategory.BENIGN,
+    )
 
 
 @contextlib.asynccontextmanager

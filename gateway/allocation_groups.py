@@ -13,13 +13,19 @@ import hashlib
 import json
 import uuid
 
-from sqlalchemy import select
+from sqlalchemy import select, tuple_
 from sqlalchemy.ext.asyncio import AsyncSession
 from temporalio.client import WithStartWorkflowOperation
 from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 from temporalio.exceptions import WorkflowAlreadyStartedError
 
-from contracts.allocation import IDEMPOTENCY_KEY_REUSED, AllocationInput, ReleaseRequest
+from contracts.allocation import (
+    BALANCE_DEPLETED,
+    IDEMPOTENCY_KEY_REUSED,
+    SKU_UNAVAILABLE,
+    AllocationInput,
+    ReleaseRequest,
+)
 from contracts.allocation_group import (
     MEMBER_REJECTED,
     NOT_RELEASABLE,
@@ -35,6 +41,7 @@ from contracts.allocation_group import (
     Spread,
     allocation_group_workflow_id,
 )
+from contracts.billing_meter import BalanceState
 from contracts.states import AllocationGroupStatus
 from core.config import Settings
 from core.timestamps import parse_iso
@@ -51,7 +58,7 @@ from gateway.allocation_group_schemas import (
     GroupReleaseResponse,
     GroupTimelineEntry,
 )
-from gateway.errors import Conflict, NotFound, Unprocessable
+from gateway.errors import ApiError, Conflict, NotFound, Unprocessable
 from gateway.pagination import newest_first_page
 from gateway.temporal import TemporalOps
 from schema.models import (
@@ -59,6 +66,8 @@ from schema.models import (
     AllocationGroup,
     AllocationGroupEvent,
     AllocationGroupMember,
+    BillingAccount,
+    Sku,
     SshKey,
 )
 
@@ -94,6 +103,21 @@ def request_fingerprint(body: AllocationGroupCreate) -> str:
 # --- create ---
 
 
+async def _refuse_depleted(db: AsyncSession, project_id: uuid.UUID) -> None:
+    """Issue 37: 402 balance_depleted, as a single allocation gets, before anything is created
+    (seed 001 §4: no positive balance, no allocation; no account yet is a balance of 0). Each
+    member's placement still checks the state in the statement that reserves its capacity."""
+    state = await db.scalar(
+        select(BillingAccount.state).where(BillingAccount.project_id == project_id)
+    )
+    if state in (None, BalanceState.DEPLETED.value):
+        raise ApiError(
+            "the project's balance is depleted; add credit to allocate",
+            code=BALANCE_DEPLETED,
+            status_code=402,
+        )
+
+
 async def create(
     db: AsyncSession,
     temporal: TemporalOps,
@@ -122,6 +146,8 @@ async def create(
         earlier = await _answer_from_record(db, group_id, project_id, fingerprint)
         if earlier is not None:
             return earlier, True
+    await _refuse_depleted(db, project_id)
+    await _refuse_unoffered(db, body)
     await db.close()  # no connection held across the Temporal call
 
     spread = Spread(body.placement.spread)
@@ -195,6 +221,34 @@ async def create(
         ],
     )
     return created, False
+
+
+async def _refuse_unoffered(db: AsyncSession, body: AllocationGroupCreate) -> None:
+    """409 sku_unavailable, before anything starts, for a member whose SKU the catalog does not
+    offer in its region, or not with its GPU count: what POST /allocations answers for the same
+    member (placement checks it again, atomically, when the member is placed)."""
+    pairs = {(m.sku, m.region) for m in body.members}
+    rows = await db.execute(
+        select(Sku.name, Sku.region, Sku.allowed_gpu_counts).where(
+            Sku.active.is_(True),
+            tuple_(Sku.name, Sku.region).in_(sorted(pairs)),
+        )
+    )
+    offered = {(name, region): set(counts) for name, region, counts in rows.tuples()}
+    for position, member in enumerate(body.members):
+        counts = offered.get((member.sku, member.region))
+        if counts is None:
+            message = f"SKU {member.sku!r} is not offered in {member.region!r}"
+        elif member.gpus not in counts:
+            allowed = ", ".join(str(c) for c in sorted(counts))
+            message = f"SKU {member.sku!r} is offered with {allowed} GPUs, not {member.gpus}"
+        else:
+            continue
+        raise Conflict(
+            f"member {position}: {message}",
+            code=SKU_UNAVAILABLE,
+            details={"member": position},
+        )
 
 
 async def _answer_from_record(

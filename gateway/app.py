@@ -64,6 +64,7 @@ from gateway.controllers.terminal_sessions import (
 )
 from gateway.errors import exception_handler
 from gateway.openapi import openapi_config, swagger_ui_asset
+from gateway.request_decoding import StrictRequest
 from gateway.runtime import (
     STATE_KEY,
     Runtime,
@@ -178,6 +179,9 @@ def create_app(
             "secrets": Provide(provide_secrets),
         },
         exception_handlers={Exception: exception_handler},
+        # JSON bodies decode strictly, bounded in depth, with no control character in any
+        # string, before a handler runs (gateway.request_decoding).
+        request_class=StrictRequest,
         lifespan=[lifespan],
         request_max_body_size=settings.max_request_body_bytes,
         cors_config=_cors(gateway_config),

@@ -1,7 +1,9 @@
 """The one exception → HTTP mapper.
 
 Every error leaves the gateway as ``{"error": {"code", "message", "details"}}`` with a
-machine-readable code. Unknown exceptions become a generic 500 and are logged by type and stack
+machine-readable code. A refusal (4xx) is logged as one line with its status and code; a 5xx we
+can name (Temporal or the database unavailable) as one warning line with its cause chain. Only
+unknown exceptions, real faults, become a generic 500 logged with a traceback, by type and stack
 frames only: exception messages can quote request data (SQL parameters hold SSH keys), so they
 are never written to the log or the response.
 """
@@ -319,10 +321,17 @@ def _http_exception_response(exc: HTTPException) -> tuple[int, dict[str, Any], d
     return status, error_body(code, message), headers
 
 
+def _log_refusal(request: Request[Any, Any, Any], status: int, code: str) -> None:
+    """One line per refusal, its code and nothing the client sent beyond the route."""
+    log.info("%s %s -> %d %s", request.method, request.url.path, status, code)
+
+
 def exception_handler(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
     api_error = translate(exc)
     if api_error is not None:
-        if api_error.status_code >= 500:
+        if api_error.status_code < 500:
+            _log_refusal(request, api_error.status_code, api_error.code)
+        else:
             log.warning(
                 "%s %s -> %s (%s)",
                 request.method,
@@ -337,6 +346,7 @@ def exception_handler(request: Request[Any, Any, Any], exc: Exception) -> Respon
         )
     if isinstance(exc, HTTPException) and exc.status_code < 500:
         status, body, headers = _http_exception_response(exc)
+        _log_refusal(request, status, body["error"]["code"])
         return Response(body, status_code=status, headers=headers)
     # Type and frames only: str(exc) may quote the request (SQL parameters, payloads).
     frames = "".join(traceback.format_tb(exc.__traceback__))

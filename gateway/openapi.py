@@ -9,7 +9,8 @@ follows from the route itself; a new route gets truthful error docs without repe
   no security requirement (a public route);
 - a guard (it reads the token table) or an injected dependency (the database, Temporal,
   Vault): 503 database_unavailable / temporal_unavailable / secret_store_unavailable;
-- a request body: 400 invalid_request (malformed JSON, failed validation) and 413;
+- a request body: 400 invalid_request (failed validation), malformed_json, json_too_deep,
+  413, and 422 invalid_text (a control character in a string: gateway.request_decoding);
 - a path, query or header parameter: 400 (failed validation);
 - a path parameter: 404 (a value that does not parse matches no route, and an id that does
   not exist is not found);
@@ -113,7 +114,9 @@ def _derived_errors(handler: HTTPRouteHandler, operation: Mapping[str, Any]) -> 
         statuses.add(503)
     parameters = operation.get("parameters") or []
     if "requestBody" in operation:
-        statuses |= {400, 413}
+        # 400 invalid_request / malformed_json / json_too_deep, 413, and 422 invalid_text
+        # (gateway.request_decoding).
+        statuses |= {400, 413, 422}
     if parameters:
         statuses.add(400)
     if any(p.get("in") == "path" for p in parameters):

@@ -4,16 +4,43 @@ OpenAPI schema); Temporal dataclasses stay separate and are converted at the edg
 from __future__ import annotations
 
 import datetime as dt
+import re
 import uuid
 from typing import Annotated, Any, Literal
 
 import msgspec
 
+# --- limits of every request, declared once (gateway.request_decoding enforces them) ---
+
+# How deep a JSON body may nest; deeper is 400 json_too_deep. The size limit is
+# Settings.max_request_body_bytes (413 payload_too_large).
+MAX_JSON_DEPTH = 32
+# What no string of a JSON body may hold, whatever its field: NUL (PostgreSQL cannot store it),
+# the other C0 control characters but tab, newline and carriage return, DEL, and lone
+# surrogates. Any string holding one is 422 invalid_text naming the field.
+BAD_TEXT = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ud800-\udfff]")
+# Free text (Text below) is one line: no control character at all.
+TEXT_FORBIDDEN = r"\x00-\x1f\x7f\ud800-\udfff"
+# `(?![\s\S])` and not `$`: Python's `$` also matches before a trailing newline.
+TEXT_PATTERN = rf"^[^{TEXT_FORBIDDEN}]*(?![\s\S])"
+
+
+# The one type of free text in a request; bound its length where used:
+# `Annotated[Text, msgspec.Meta(min_length=1, max_length=100)]`.
+Text = Annotated[
+    str,
+    msgspec.Meta(
+        pattern=TEXT_PATTERN,
+        extra_json_schema={"description": "No NUL, control character or lone surrogate"},
+    ),
+]
+
+
 # Names of projects, tokens and SSH keys (also checked by the admin CLI).
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9 ._-]*$"
 NAME_MAX_CHARS = 100
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=NAME_MAX_CHARS, pattern=NAME_PATTERN)]
-Reason = Annotated[str, msgspec.Meta(min_length=1, max_length=500)]
+Reason = Annotated[Text, msgspec.Meta(min_length=1, max_length=500)]
 
 
 class Request(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -132,6 +159,7 @@ class AuditList(msgspec.Struct, kw_only=True):
 class SshKeyCreate(Request):
     name: Name
     # Up to 16 KiB: enough for a 16384-bit RSA key with a comment.
+    # Not Text: a pasted key may end in a newline (gateway.sshkeys parses and judges it).
     public_key: Annotated[str, msgspec.Meta(min_length=1, max_length=16384)]
 
 
@@ -153,9 +181,9 @@ class SshKeyList(msgspec.Struct, kw_only=True):
 
 
 class AllocationCreate(Request):
-    sku: Annotated[str, msgspec.Meta(min_length=1, max_length=100)]
+    sku: Annotated[Text, msgspec.Meta(min_length=1, max_length=100)]
     gpus: Annotated[int, msgspec.Meta(ge=1, le=64)]
-    region: Annotated[str, msgspec.Meta(min_length=1, max_length=50)]
+    region: Annotated[Text, msgspec.Meta(min_length=1, max_length=50)]
     ssh_key_ids: Annotated[list[uuid.UUID], msgspec.Meta(max_length=32)]
 
 
@@ -181,6 +209,9 @@ class AllocationSummary(msgspec.Struct, kw_only=True):
     node_id: uuid.UUID
     created_at: dt.datetime
     updated_at: dt.datetime
+    # The allocation group it is a member of (GET /allocation-groups/{id}); null for one asked
+    # for alone.
+    allocation_group_id: uuid.UUID | None = None
 
 
 class AllocationDetail(msgspec.Struct, kw_only=True):
@@ -212,6 +243,8 @@ class AllocationDetail(msgspec.Struct, kw_only=True):
     # proved; its node or GPU slots were quarantined instead.
     detached_at: dt.datetime | None
     updated_at: dt.datetime
+    # The allocation group it is a member of; null for one asked for alone.
+    allocation_group_id: uuid.UUID | None = None
 
 
 class AllocationList(msgspec.Struct, kw_only=True):

@@ -34,12 +34,22 @@ async def assert_nothing_created(count_rows) -> None:
 
 @pytest.mark.parametrize("path", ["/api/v1/allocations", "/api/v1/ssh-keys"])
 @pytest.mark.parametrize(
-    "raw",
-    [b"{", b"not json", b'{"sku": "a",}', b"[]", b'"a string"', b"null", b"\xff\xfe", b""],
+    ("raw", "code"),
+    [
+        (b"{", "malformed_json"),
+        (b"not json", "malformed_json"),
+        (b'{"sku": "a",}', "malformed_json"),
+        (b"\xff\xfe", "malformed_json"),
+        # JSON, but not the body the route takes:
+        (b"[]", "invalid_request"),
+        (b'"a string"', "invalid_request"),
+        (b"null", "invalid_request"),
+        (b"", "invalid_request"),
+    ],
 )
-async def test_malformed_json_is_400(tenant, count_rows, path, raw):
+async def test_malformed_json_is_400(tenant, count_rows, path, raw, code):
     response = await tenant.post(path, content=raw, headers={"Content-Type": "application/json"})
-    assert_error(response, 400, "invalid_request")
+    assert_error(response, 400, code)
     await assert_nothing_created(count_rows)
 
 

@@ -166,7 +166,7 @@ def _document(*handlers: Any) -> dict[str, Any]:
 def test_a_new_route_gets_error_docs_from_its_guard_body_and_parameters() -> None:
     paths = _document(_NewAdminController, _NewTenantController)["paths"]
     create = paths["/api/v1/admin/widgets/{widget_id}"]["post"]
-    assert set(create["responses"]) == {"201", "400", "401", "403", "404", "413", "503"}
+    assert set(create["responses"]) == {"201", "400", "401", "403", "404", "413", "422", "503"}
     assert create["security"] == [{"bearer": []}]
     assert create["responses"]["401"]["headers"]["WWW-Authenticate"]
     remove = paths["/api/v1/admin/widgets/{widget_id}"]["delete"]

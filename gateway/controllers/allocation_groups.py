@@ -46,9 +46,10 @@ class AllocationGroupsController(Controller):
             "`placement.spread: same_node_forbidden` keeps every two members off one node. With "
             "X-Idempotency-Key a retry gets the same group (header Idempotent-Replayed: true "
             "when answered from the record); the same key with another body is 422 "
-            "idempotency_key_reused."
+            "idempotency_key_reused. A member whose SKU the catalog does not offer in its "
+            "region, or not with its GPU count, is 409 sku_unavailable before anything starts."
         ),
-        responses=errors(400, 403, 413, 422),
+        responses=errors(400, 403, 409, 413, 422),
     )
     async def create_group(
         self,

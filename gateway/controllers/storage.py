@@ -51,7 +51,7 @@ from contracts.storage import (
     attachment_workflow_id,
 )
 from core.config import Settings
-from gateway import audit
+from gateway import allocations, audit
 from gateway.admin_operations import actor, run_admin_operation
 from gateway.allocations import IDEMPOTENCY_HEADER
 from gateway.auth import Principal, admin_guard, tenant_guard
@@ -183,6 +183,20 @@ def attachment_detail(row: StorageAttachment) -> AttachmentDetail:
     )
 
 
+def _check_same_namespace(view: NamespaceView, data: NamespaceCreate) -> None:
+    """422 idempotency_key_reused when the key's namespace was asked for with another body."""
+    if (view.name, view.quota_bytes, view.allow_multi_writer) != (
+        data.name,
+        data.quota_bytes,
+        data.allow_multi_writer,
+    ):
+        raise ApiError(
+            "this X-Idempotency-Key was already used with a different request body",
+            code="idempotency_key_reused",
+            status_code=422,
+        )
+
+
 def _derived_id(scope: uuid.UUID, key: str | None) -> uuid.UUID:
     """A retried request with the same idempotency key names the same resource."""
     return uuid.uuid5(_ID_NAMESPACE, f"{scope}:{key}") if key else uuid.uuid4()
@@ -242,6 +256,7 @@ class StorageNamespacesController(Controller):
     async def create_namespace(
         self,
         data: JSONBody[NamespaceCreate],
+        db: NamedDependency[AsyncSession],
         temporal: NamedDependency[TemporalOps],
         runtime: NamedDependency[Runtime],
         principal: NamedDependency[Principal],
@@ -250,6 +265,13 @@ class StorageNamespacesController(Controller):
         ] = None,
     ) -> NamespaceView:
         namespace_id = _derived_id(principal.project, idempotency_key)
+        if idempotency_key is not None:
+            # The key's namespace exists already: the same body is answered from the record (by
+            # the operation below), another body is refused before anything runs.
+            existing = await db.get(StorageNamespace, namespace_id)
+            if existing is not None:
+                _check_same_namespace(_namespace_view(existing), data)
+        await db.close()
         state = await run_admin_operation(
             temporal,
             runtime.settings.control_plane_task_queue,
@@ -266,7 +288,10 @@ class StorageNamespacesController(Controller):
             result_type=NamespaceState,
             statuses=_NAMESPACE_STATUSES,
         )
-        return _state_view(state)
+        view = _state_view(state)
+        if idempotency_key is not None:  # a concurrent first request with another body
+            _check_same_namespace(view, data)
+        return view
 
     @get("/", summary="The project's storage namespaces, newest first", responses=errors(400, 403))
     async def list_namespaces(
@@ -407,7 +432,7 @@ class AllocationAttachmentsController(Controller):
             await _attachment_row(db, attachment_id, allocation_id, principal.project)
         )
 
-    @get("/", summary="The allocation's storage attachments", responses=errors(400, 403))
+    @get("/", summary="The allocation's storage attachments", responses=errors(400, 403, 404))
     async def list_attachments(
         self,
         db: NamedDependency[AsyncSession],
@@ -416,6 +441,8 @@ class AllocationAttachmentsController(Controller):
         limit: Annotated[int, QueryParameter(ge=1, le=200)] = 50,
         cursor: FromQuery[str | None] = None,
     ) -> AttachmentList:
+        # Another project's allocation, or none: 404, as its terminal sessions' list answers.
+        await allocations.get_row(db, allocation_id, principal.project)
         rows, next_cursor = await newest_first_page(
             db,
             select(StorageAttachment).where(
