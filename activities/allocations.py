@@ -488,26 +488,33 @@ class AllocationActivities:
         result = input.result
         succeeded = input.error_type is None and result is not None
         async with self._sessions() as session, session.begin():
-            await record_task_outcome(
-                session,
-                uuid.UUID(input.task_id),
-                NodeTaskStatus.COMPLETED if succeeded else NodeTaskStatus.FAILED,
-                started_at=result.started_at if result else None,
-                finished_at=result.finished_at if result else None,
-                phases=result.phases if result else input.phases,
-                output=(
-                    {
-                        "released": result.released,
-                        "hard_stopped": result.hard_stopped,
-                        "wiped": result.wiped,
-                        "leases_released": result.leases_released,
-                    }
-                    if result
-                    else {}
-                ),
-                error_type=input.error_type,
-                error_message=input.error_message,
-            )
+            if not input.task_recorded:
+                await record_task_outcome(
+                    session,
+                    uuid.UUID(input.task_id),
+                    NodeTaskStatus.COMPLETED if succeeded else NodeTaskStatus.FAILED,
+                    started_at=result.started_at if result else None,
+                    finished_at=result.finished_at if result else None,
+                    phases=result.phases if result else input.phases,
+                    output=(
+                        {
+                            "released": result.released,
+                            "hard_stopped": result.hard_stopped,
+                            "wiped": result.wiped,
+                            "leases_released": result.leases_released,
+                        }
+                        if result
+                        else {}
+                    ),
+                    error_type=input.error_type,
+                    error_message=input.error_message,
+                )
+            if input.fenced:
+                # Issue 37, fence first: the host release succeeded, so the tenant has no compute
+                # left (VM stopped, user locked and its processes ended) and billing stops now,
+                # before storage is detached; the transition comes after the detach.
+                await close_usage(session, allocation_id)
+                return
             if not input.transition:
                 return
             # Billing stops here whatever the outcome: a failed release is not charged.

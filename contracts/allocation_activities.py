@@ -146,6 +146,11 @@ class FinishReleaseInput:
     transition: bool = True
     # Without a result: the phases the failed host task went through (seed 002).
     phases: list[HostPhase] = field(default_factory=list)
+    # Issue 37, fence first: `fenced` records the host release that fenced the tenant (its task
+    # outcome) and stops billing, without a transition (storage is detached next);
+    # `task_recorded` is the transition that follows, whose host task is recorded already.
+    fenced: bool = False
+    task_recorded: bool = False
 
 
 @dataclass

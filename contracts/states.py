@@ -138,3 +138,5 @@ class ReleaseActor(StrEnum):
     USER = "user"
     ADMIN = "admin"
     BILLING = "billing"
+    # The allocation group the allocation belongs to (its members released because it failed).
+    GROUP = "group"

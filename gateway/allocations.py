@@ -218,6 +218,7 @@ def summary(row: Allocation) -> AllocationSummary:
         node_id=row.node_id,
         created_at=row.created_at,
         updated_at=row.updated_at,
+        allocation_group_id=row.allocation_group_id,
     )
 
 
@@ -249,6 +250,7 @@ def detail(row: Allocation) -> AllocationDetail:
         failed_at=row.failed_at,
         detached_at=row.detached_at,
         updated_at=row.updated_at,
+        allocation_group_id=row.allocation_group_id,
     )
 
 

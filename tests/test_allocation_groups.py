@@ -107,6 +107,11 @@ async def test_group_lifecycle_with_anti_affinity_and_merged_timeline(
     for allocation_id in member_ids:  # ordinary allocations, visible as such
         one = (await tenant.client.get(f"/api/v1/allocations/{allocation_id}")).json()
         assert one["status"] == "active"
+        assert one["allocation_group_id"] == group_id  # REVIEW.md: it was not shown
+    in_list = (await tenant.client.get("/api/v1/allocations")).json()["items"]
+    assert {i["allocation_id"]: i["allocation_group_id"] for i in in_list} == {
+        allocation_id: group_id for allocation_id in member_ids
+    }
 
     listed = (await tenant.client.get(GROUPS, params={"status": "active"})).json()
     assert [g["group_id"] for g in listed["items"]] == [group_id]
@@ -239,9 +244,21 @@ async def test_group_fails_when_no_required_member_can_become_usable(
     failed = await wait_group(tenant, group_id, "failed")
     rejected = failed["members"][0]
     assert (rejected["status"], rejected["failure_reason"]) == ("rejected", "sku_unavailable")
-    # A failed group never leaves capacity behind: the member it still had is released.
-    await wait_status(tenant.client, optional, "released")
+    # A failed group never leaves capacity behind: the member it still had is released, and
+    # that release is the group's, not the tenant's (issue 37: it was recorded as `user`).
+    released_member = await wait_status(tenant.client, optional, "released")
+    assert released_member["release_requested_by"] == "group"
     assert await group_closed(temporal_client, group_id) == "failed"
+    async with db_sessions() as session:
+        actors = set(
+            await session.scalars(
+                select(AllocationEvent.actor).where(
+                    AllocationEvent.allocation_id == uuid.UUID(optional),
+                    AllocationEvent.actor.is_not(None),
+                )
+            )
+        )
+    assert actors == {"group"}
     events = await group_events(db_sessions, group_id)
     assert events[0] == "requested"
     assert events[-1] == "failed"
@@ -254,7 +271,7 @@ async def test_group_fails_when_no_required_member_can_become_usable(
     await record_history(
         temporal_client.get_workflow_handle(allocation_group_workflow_id(group_id)),
         "allocation_group",
-        "failed",
+        "failed_members_released_by_group",
     )
 
 
@@ -300,6 +317,53 @@ async def test_active_group_degrades_when_a_required_member_is_released_alone(
     assert (await tenant.client.post(f"/api/v1/allocations/{alone}/release")).status_code == 202
     await wait_group(tenant, group_id, "degraded")
     assert (await group_events(db_sessions, group_id))[-2:] == ["active", "degraded"]
+
+
+async def test_a_group_whose_members_all_ended_alone_completes(
+    tenant: Tenant, db_sessions: Any, start_node_agent: Any, temporal_client: Any
+) -> None:
+    """Issue 37: each member released on its own left the group degraded forever, its
+    workflow never finishing. Once the last member has ended, the group is released (by the
+    group: nobody asked for the group's release) and its workflow completes."""
+    nodes = await create_fleet(db_sessions, slice_nodes=2)
+    for node in nodes:
+        await start_node_agent(node.id)
+    created = await create_group(tenant, [member(1), member(1, required=False)])
+    group_id = created["group_id"]
+    member_ids = [m["allocation_id"] for m in created["members"]]
+    await wait_group(tenant, group_id, "active")
+
+    first, last = member_ids
+    assert (await tenant.client.post(f"/api/v1/allocations/{first}/release")).status_code == 202
+    await wait_status(tenant.client, first, "released")
+    await wait_group(tenant, group_id, "degraded")  # the required member is gone; one is left
+    assert (await tenant.client.post(f"/api/v1/allocations/{last}/release")).status_code == 202
+    await wait_status(tenant.client, last, "released")
+
+    final = await wait_group(tenant, group_id, "released")
+    assert {m["status"] for m in final["members"]} == {"released"}
+    assert final["release_requested_by"] == "group"
+    assert await group_closed(temporal_client, group_id) == "released"
+    assert await group_events(db_sessions, group_id) == [
+        "requested",
+        "provisioning",
+        "active",
+        "degraded",
+        "releasing",
+        "released",
+    ]
+    for allocation_id in member_ids:  # each member's release is the tenant's own
+        one = (await tenant.client.get(f"/api/v1/allocations/{allocation_id}")).json()
+        assert one["release_requested_by"] == "user"
+        assert await held_claims(db_sessions, allocation_id) == 0
+    again = await tenant.client.post(f"{GROUPS}/{group_id}/release")
+    assert again.status_code == 202
+    assert again.json()["status"] == "released"
+    await record_history(
+        temporal_client.get_workflow_handle(allocation_group_workflow_id(group_id)),
+        "allocation_group",
+        "members_ended_alone",
+    )
 
 
 async def test_release_failed_then_admin_force_release_of_the_group(
@@ -470,3 +534,31 @@ async def test_anti_affinity_holds_under_concurrent_placement(
         assert shared == []
         assert list(nodes_per_group) == [3, 3, 3, 3]
     assert len({g["group_id"] for g in groups}) == 4
+
+
+async def test_a_depleted_projects_group_is_refused_402_before_anything_is_created(
+    api: Any, make_project: Any, make_token: Any, db_sessions: Any, temporal_client: Any
+) -> None:
+    """Issue 37: a single allocation of a depleted project gets 402; its group did get 201 (and
+    members that were each rejected). Now the group POST is 402 balance_depleted too, and no
+    group row, member row or workflow exists. The catalog only: the refusal needs no node."""
+    await create_fleet(db_sessions, slice_nodes=0)
+    project = await make_project(credit_minor=0)
+    client = await api(token=await make_token("tenant", project))
+    body = {"members": [member(1)], "placement": {"spread": "same_node_forbidden"}}
+    refused = await client.post(f"{GROUPS}/", json=body, headers={"X-Idempotency-Key": "dep-1"})
+    assert refused.status_code == 402, refused.text
+    assert refused.json()["error"]["code"] == "balance_depleted"
+    single = await client.post("/api/v1/allocations", json=member(1))
+    assert single.status_code == 402, single.text  # the same answer a single allocation gets
+    async with db_sessions() as session:
+        groups = await session.scalar(
+            text("SELECT count(*) FROM allocation_groups WHERE project_id = :p"),
+            {"p": project.id},
+        )
+        allocations = await session.scalar(
+            text("SELECT count(*) FROM allocations WHERE project_id = :p"), {"p": project.id}
+        )
+    assert (groups, allocations) == (0, 0)
+    listed = (await client.get(GROUPS)).json()
+    assert listed["items"] == []

@@ -23,7 +23,7 @@ DETAIL_FIELDS = {
     "ssh_key_ids", "idempotency_key", "workflow_id", "failure_reason", "failure_message",
     "connect_host", "hard_stopped", "release_requested_by", "release_attempts", "created_at",
     "provisioning_started_at", "active_at", "releasing_at", "released_at", "release_failed_at",
-    "failed_at", "detached_at", "updated_at",
+    "failed_at", "detached_at", "updated_at", "allocation_group_id",
 }  # fmt: skip
 
 
@@ -125,6 +125,7 @@ async def test_detail_is_the_full_read_model(world, make_allocation):
     assert body["failure_message"] == "VFIO bind required but host wrong"
     assert body["failed_at"] is not None
     assert body["workflow_id"] == allocation_workflow_id(str(failed.id))
+    assert body["allocation_group_id"] is None  # asked for alone, not in a group
     as_admin = await admin.get(f"/api/v1/admin/allocations/{failed.id}")
     assert as_admin.json() == body
     assert_error(await admin.get(f"/api/v1/admin/allocations/{uuid.uuid4()}"), 404, "not_found")

@@ -227,6 +227,70 @@ async def test_bad_signatures_are_refused_and_nothing_is_recorded(
     assert (await _row(db_sessions, created["payment_session_id"])).status == "initiated"  # type: ignore[union-attr]
 
 
+def _malformed_bodies(checkout_session_id: str) -> dict[str, bytes]:
+    import json
+
+    good = checkout_event(checkout_session_id, 700)
+    no_data = {k: v for k, v in good.items() if k != "data"}
+    listed_object = {**good, "data": {"object": [checkout_session_id]}}
+    text_amount = {**good, "data": {"object": {**good["data"]["object"], "amount_total": "7e2"}}}
+    numeric_id = {**good, "id": 12345}
+    return {
+        "array": b"[]",
+        "not_json": b"{'id': 'evt_1'}",
+        "no_data": json.dumps(no_data).encode(),
+        "object_is_a_list": json.dumps(listed_object).encode(),
+        "amount_is_text": json.dumps(text_amount).encode(),
+        "event_id_is_a_number": json.dumps(numeric_id).encode(),
+    }
+
+
+@pytest.mark.parametrize(
+    "shape",
+    ["array", "not_json", "no_data", "object_is_a_list", "amount_is_text", "event_id_is_a_number"],
+)
+async def test_a_signed_body_of_the_wrong_shape_is_400_malformed_event(
+    payments: PaymentsFactory, db_sessions: Sessions, caplog: pytest.LogCaptureFixture, shape: str
+) -> None:
+    """Correctly signed (Stripe's scheme, the real secret) but not a Stripe event of the shape
+    we read: 400 malformed_event (it was a 500 with a traceback), one log line, nothing
+    recorded, the session untouched."""
+    import logging
+
+    from tests.stripe_fixtures import sign
+
+    plane = await payments()
+    created = (await plane.checkout(700, key="shape")).json()
+    payload = _malformed_bodies(created["stripe_checkout_session_id"])[shape]
+    caplog.set_level(logging.INFO, logger="gateway.errors")
+    response = await plane.client.post(
+        "/api/v1/webhooks/stripe",
+        content=payload,
+        headers={
+            "Content-Type": "application/json",
+            "Stripe-Signature": sign(payload, plane.webhook_secret),
+        },
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "malformed_event"
+    assert created["stripe_checkout_session_id"] not in response.text
+    logged = [r for r in caplog.records if r.name == "gateway.errors"]
+    assert [r.getMessage() for r in logged] == [
+        "POST /api/v1/webhooks/stripe -> 400 malformed_event"
+    ]
+    assert all(r.exc_info is None and "\n" not in r.getMessage() for r in logged)
+    async with db_sessions() as session:
+        assert await session.scalar(select(func.count()).select_from(StripeWebhookEvent)) == 0
+        assert await session.scalar(select(func.count()).select_from(LedgerEntry)) == 0
+    assert (await _row(db_sessions, created["payment_session_id"])).status == "initiated"  # type: ignore[union-attr]
+
+    # The same event in its real shape, signed the same way, still lands.
+    good = await plane.deliver(checkout_event(created["stripe_checkout_session_id"], 700))
+    assert good.status_code == 200, good.text
+    await _status_is(db_sessions, created["payment_session_id"], "credited")
+
+
 async def test_amount_mismatch_is_failed_reconcile_without_credit(
     payments: PaymentsFactory, db_sessions: Sessions, make_project: Any, make_token: Any, api: Any
 ) -> None:
@@ -264,6 +328,39 @@ async def test_amount_mismatch_is_failed_reconcile_without_credit(
     }
     assert fresh["payment_session_id"] not in ids
     assert (await plane.client.get("/api/v1/admin/payments/sessions")).status_code == 403
+
+
+async def test_a_completion_for_another_checkout_session_is_not_credited(
+    payments: PaymentsFactory, db_sessions: Sessions, make_project: Any
+) -> None:
+    """The credit step's session-mismatch branch (REVIEW.md: untested). The webhook route and
+    reconciliation signal a session's workflow with its own checkout id; a completion naming
+    another (a confused or hostile Temporal client, an older build) is told to the workflow as
+    a signal and must credit nothing, even at the right amount and currency."""
+    from contracts.payment_session import COMPLETED_SIGNAL, CheckoutCompletion
+
+    project = await make_project(credit_minor=0)
+    plane = await payments(project=project)
+    created = (await plane.checkout(3000, key="sm")).json()
+    other = (await plane.checkout(3000, key="sm-other")).json()
+    handle = plane.temporal.get_workflow_handle(
+        payment_session_workflow_id(created["payment_session_id"])
+    )
+    await handle.signal(
+        COMPLETED_SIGNAL,
+        CheckoutCompletion(
+            stripe_checkout_session_id=other["stripe_checkout_session_id"],
+            amount_total=3000,
+            currency="usd",
+            source="webhook",
+        ),
+    )
+    row = await _status_is(db_sessions, created["payment_session_id"], "failed_reconcile")
+    assert row.failure_reason == "stripe_session_mismatch"
+    assert row.ledger_entry_id is None
+    assert await _credits(db_sessions, project.id) == []
+    await handle.result()
+    assert (await _row(db_sessions, other["payment_session_id"])).status == "initiated"  # type: ignore[union-attr]
 
 
 async def test_reconciliation_recovers_a_missed_webhook(
@@ -451,10 +548,14 @@ async def test_checkout_amounts_are_bounded_per_currency(
     async with db_sessions() as session:
         assert await session.scalar(select(func.count()).select_from(PaymentSession)) == 0
 
-    for amount, currency in ((50, "usd"), (30, "gbp"), (99_999_999, "eur")):
-        accepted = await plane.checkout(amount, key=f"ok-{currency}", currency=currency)
+    # The project's account is in usd (issue 37): a supported currency other than it is refused.
+    mismatch = await plane.checkout(30, key="ok-gbp", currency="gbp")
+    assert mismatch.status_code == 422, mismatch.text
+    assert mismatch.json()["error"]["code"] == "currency_mismatch"
+    for amount in (50, 99_999_999):
+        accepted = await plane.checkout(amount, key=f"ok-usd-{amount}", currency="usd")
         assert accepted.status_code == 201, accepted.text
-    assert plane.stripe.calls["checkout.sessions.create"] == 3
+    assert plane.stripe.calls["checkout.sessions.create"] == 2
 
 
 async def test_a_credit_that_keeps_failing_lands_in_failed_reconcile(

@@ -6,7 +6,8 @@ agent worker whose storage.mount / storage.unmount bind-mount into its simulated
 Every transition of seed 001 §7's machine is driven through production paths: the happy path,
 each precheck refusal, a grant that fails, a mount the node cannot do, an unmount the kernel
 refuses (a busy mount), the tenant's and the admin's retried detach, and the allocation's release
-detaching first (and failing while a detach fails). Histories are recorded for replay. One test
+fencing the tenant first and detaching after (failing, with the tenant fenced, while a detach
+fails). Histories are recorded for replay. One test
 runs the deployed agent instead (`python -m agent.main`, its `[storage]` table as cloud-init
 writes it), so the production config path mounts too.
 """
@@ -19,6 +20,7 @@ import os
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 from xml.etree import ElementTree
@@ -42,12 +44,13 @@ from contracts.host_tasks import STORAGE_MOUNT, STORAGE_UNMOUNT
 from contracts.node_liveness import LivenessInput
 from contracts.storage import (
     DETACH_FOR_RELEASE,
+    STORAGE_DETACH_FAILED,
     AttachmentView,
     attachment_workflow_id,
     virtiofs_tag,
 )
 from core.task_queues import node_task_queue
-from schema.models import AuditEntry, Node, StorageAttachmentEvent
+from schema.models import AuditEntry, Node, StorageAttachmentEvent, UsageRecord
 from sim.config import SimHostConfig
 from sim.demo_fleet import Fleet, NodeSpec, build_node, seed_fleet
 from sim.fleet import AgentNode, LibvirtTestHosts
@@ -221,6 +224,10 @@ async def seed_slice_node(db_sessions: Any) -> NodeSpec:
         await seed_fleet(session, Fleet(skus=(), nodes=(node,)))
     return node
 
+
+# A release that fences before it detaches writes its patch marker (and the SDK's change-version
+# search attribute with it).
+FENCE_MARKERS = {"core_patch", "TemporalChangeVersion"}
 
 ATTACH_PATH = ["requested", "prechecking", "grant_applying", "grant_applied", "mounting", "mounted"]
 
@@ -413,7 +420,7 @@ async def test_a_node_that_cannot_mount_fails_then_admin_retry_detaches(
     await record(temporal_client, aid, "mount_failed_detach_failed_admin_retry")
 
 
-async def test_release_detaches_storage_first_and_keeps_the_data(
+async def test_release_fences_the_vm_then_detaches_storage_and_keeps_the_data(
     tenant: Tenant, db_sessions: Any, start_storage_agent: StartStorageAgent,
     storage_root: Path, temporal_client: Client,
 ) -> None:  # fmt: skip
@@ -436,8 +443,9 @@ async def test_release_detaches_storage_first_and_keeps_the_data(
     timeline = (await tenant.client.get(f"/api/v1/allocations/{allocation_id}/timeline")).json()
     tasks = {i["name"]: i for i in timeline["items"] if i.get("kind") == "node_task"}
     unmount, host_release = tasks[STORAGE_UNMOUNT], tasks["slice.vm_release"]
-    assert unmount["status"] == "succeeded"
-    assert unmount["completed_at"] <= host_release["started_at"]
+    assert unmount["status"] == host_release["status"] == "succeeded"
+    # Fence first, then clean (issue 37): the VM is stopped before its storage is unmounted.
+    assert host_release["completed_at"] <= unmount["started_at"]
     async with db_sessions() as session:
         actors = list(
             await session.scalars(
@@ -450,15 +458,21 @@ async def test_release_detaches_storage_first_and_keeps_the_data(
     assert actors == ["allocation_release"]
     await record(temporal_client, aid, "detached_by_release")
     handle = temporal_client.get_workflow_handle(allocation_workflow_id(allocation_id))
-    # Its release plan counted the attachment: the detach ran, no terminal close, no patch marker.
-    assert await release_steps(handle) == ([DETACH_FOR_RELEASE], [])
-    await record_history(handle, "allocation", "release_detaches_counted_storage")
+    # Its release plan counted the attachment: the detach ran after the fence (its patch marker).
+    steps, markers = await release_steps(handle)
+    assert steps == [DETACH_FOR_RELEASE]
+    assert markers
+    assert set(markers) <= FENCE_MARKERS
+    await record_history(handle, "allocation", "release_fences_then_detaches_storage")
 
 
-async def test_a_busy_mount_fails_the_release_until_its_detach_is_retried(
+async def test_a_busy_mount_fences_the_tenant_then_fails_the_release_until_retried(
     tenant: Tenant, admin: httpx.AsyncClient, db_sessions: Any,
     start_storage_agent: StartStorageAgent, temporal_client: Client,
 ) -> None:  # fmt: skip
+    """Issue 37: a mount kept busy no longer keeps the compute running. The VM is stopped and
+    billing closed before the unmount is tried; the busy unmount then ends the release
+    release_failed (storage_detach_failed) with the tenant fenced, never usable and unbilled."""
     allocation_id, node = await active_allocation(tenant, db_sessions, start_storage_agent)
     namespace = await create_namespace(tenant.client, "busy")
     attachment = await attach(tenant.client, allocation_id, namespace["id"], "single_writer")
@@ -469,10 +483,29 @@ async def test_a_busy_mount_fails_the_release_until_its_detach_is_retried(
     with (node.mount_dir(aid) / "open.log").open("w"):
         response = await tenant.client.post(f"/api/v1/allocations/{allocation_id}/release")
         assert response.status_code == 202, response.text
-        await wait_status(tenant.client, allocation_id, "release_failed")
+        failed = await wait_status(tenant.client, allocation_id, "release_failed")
         attached = await wait_attachment(tenant.client, allocation_id, aid, "detach_failed")
         assert attached["failure_reason"] == "storage_unmount_failed"
         assert str(node.mount_dir(aid)) in mounted_points()  # nothing under it was touched
+    # The tenant is fenced: its VM was stopped by the host release, which succeeded.
+    domain = node.host.domain(allocation_id)
+    assert domain is None or domain.state != "running"
+    assert failed["failure_reason"] == STORAGE_DETACH_FAILED
+    timeline = (await tenant.client.get(f"/api/v1/allocations/{allocation_id}/timeline")).json()
+    tasks = {i["name"]: i for i in timeline["items"] if i.get("kind") == "node_task"}
+    host_release, unmount = tasks["slice.vm_release"], tasks[STORAGE_UNMOUNT]
+    assert host_release["status"] == "succeeded"
+    assert unmount["status"] == "failed"
+    assert host_release["completed_at"] <= unmount["started_at"]
+    # Billing stopped when the tenant was fenced, before the detach was tried.
+    async with db_sessions() as session:
+        ended_at = await session.scalar(
+            select(UsageRecord.ended_at).where(
+                UsageRecord.allocation_id == uuid.UUID(allocation_id)
+            )
+        )
+    assert ended_at is not None
+    assert ended_at <= datetime.fromisoformat(unmount["started_at"].replace("Z", "+00:00"))
 
     response = await admin.post(
         f"/api/v1/admin/storage/attachments/{aid}/retry-detach", json={"reason": "log closed"}
@@ -482,15 +515,18 @@ async def test_a_busy_mount_fails_the_release_until_its_detach_is_retried(
     assert (await transitions(db_sessions, aid))[len(ATTACH_PATH):] == [
         "detaching", "detach_failed", "detaching", "detached"
     ]  # fmt: skip
-    # The release runs again and now goes through.
+    # The release runs again and now goes through (the host release again finds nothing).
     response = await tenant.client.post(f"/api/v1/allocations/{allocation_id}/release")
     assert response.status_code == 202, response.text
     await wait_status(tenant.client, allocation_id, "released")
     await record(temporal_client, aid, "mounted_detach_failed_retried")
     handle = temporal_client.get_workflow_handle(allocation_workflow_id(allocation_id))
     # The second release found the attachment detached already: it detached nothing again.
-    assert await release_steps(handle) == ([DETACH_FOR_RELEASE], [])
-    await record_history(handle, "allocation", "release_failed_on_counted_storage_detach")
+    steps, markers = await release_steps(handle)
+    assert steps == [DETACH_FOR_RELEASE]
+    assert markers
+    assert set(markers) <= FENCE_MARKERS
+    await record_history(handle, "allocation", "release_failed_on_storage_detach_after_fence")
 
 
 async def test_attach_refusals_answer_typed_errors(
@@ -869,8 +905,9 @@ async def test_the_deployed_agent_gives_a_slice_vm_its_storage(
         timeline = (await tenant.client.get(f"/api/v1/allocations/{allocation_id}/timeline")).json()
         (unmount_task,) = [i for i in timeline["items"] if i.get("name") == STORAGE_UNMOUNT]
         guest_detached = [p for p in unmount_task["phases"] if p["phase"] == "guest_detached"]
-        assert guest_detached[-1]["message"] == f"virtiofs {aid} detached in the definition " \
-            "(this driver has no hot-plug)"  # fmt: skip
+        # Fence first (issue 37): the release stopped and undefined the VM before the unmount,
+        # so there is no guest left to take the filesystem out of.
+        assert guest_detached[-1]["message"] == "no VM: nothing attached"
     except AssertionError as err:
         raise AssertionError(f"{err}\nagent log:\n{agent.log_tail()}") from None
     finally:

@@ -97,6 +97,10 @@ with workflow.unsafe.imports_passed_through():
     from core import search_attributes as sa
     from core.task_queues import node_task_queue
 
+# Issue 37: a release with storage attached fences the tenant (host release) before it detaches
+# the storage; histories recorded before it detached first.
+RELEASE_FENCES_FIRST_PATCH = "release-fences-first"
+
 _LOCAL = timedelta(seconds=30)
 _DB_RETRY = RetryPolicy(initial_interval=timedelta(milliseconds=200), maximum_attempts=20)
 # Closing an allocation's terminal sessions: each waits at most its close timeout for the agent.
@@ -409,9 +413,15 @@ class AllocationWorkflow:
         # no new session opens behind this.
         if _release_step_needed(plan.live_terminal_sessions, RELEASE_CLOSES_TERMINAL_SESSIONS):
             await self._close_terminal_sessions(input)
+        # Issue 37: with storage attached, the tenant is fenced first (its VM stopped, or its
+        # user locked and its processes ended) and the storage detached after; asked only when
+        # the plan counted attachments, so a release without storage writes no patch marker.
+        if plan.storage_attachments and workflow.patched(RELEASE_FENCES_FIRST_PATCH):
+            return await self._fence_then_detach(input, reservation, request, plan)
         try:
-            # Seed 001 §7: the allocation's storage attachments are detached first; one that does
-            # not detach fails the release (its mount is still on the node).
+            # Histories recorded before issue 37 (and plans from older builds, with no count):
+            # the storage attachments were detached first; one that did not detach failed the
+            # release before the host release ran.
             if _release_step_needed(plan.storage_attachments, RELEASE_DETACHES_STORAGE_PATCH):
                 await self._detach_storage(input, request)
             result = await self._host_release(
@@ -435,6 +445,61 @@ class AllocationWorkflow:
         await self._finish_release(input, plan, result, None, final=True)
         self._set_status(AllocationStatus.RELEASED)
         return True
+
+    async def _fence_then_detach(
+        self,
+        input: AllocationInput,
+        reservation: Reservation,
+        request: ReleaseRequest,
+        plan: ReleasePlan,
+    ) -> bool:
+        """Fence first, then clean (issue 37): the host release ends the tenant's access to the
+        compute before the storage is detached, so a mount the tenant keeps busy cannot keep its
+        VM or user running. Billing stops once the host release succeeded (the tenant is
+        fenced). A detach that fails then ends the release `release_failed` with the tenant
+        fenced and the host task recorded succeeded; the failure reason says the storage step
+        failed. A host release that fails still detaches what it can, then fails the release."""
+        try:
+            result = await self._host_release(
+                input,
+                reservation,
+                plan,
+                attempts=input.policy.release_max_attempts,
+                force=request.force,
+            )
+        except ActivityError as err:
+            await self._detach_storage_after_unfenced_release(input, request)
+            await self._finish_release(input, plan, None, err, final=True)
+            self._set_status(AllocationStatus.RELEASE_FAILED)
+            return False
+        if not result.cleanup_proven:
+            unproven = ApplicationError(
+                "host reported release without proof of cleanup", type=HostErrorType.RELEASE_ERROR
+            )
+            await self._detach_storage_after_unfenced_release(input, request)
+            await self._finish_release(input, plan, result, unproven, final=True)
+            self._set_status(AllocationStatus.RELEASE_FAILED)
+            return False
+        await self._finish_release(input, plan, result, None, final=False, fenced=True)
+        try:
+            await self._detach_storage(input, request)
+        except ActivityError as err:
+            await self._finish_release(input, plan, result, err, final=True, task_recorded=True)
+            self._set_status(AllocationStatus.RELEASE_FAILED)
+            return False
+        await self._finish_release(input, plan, result, None, final=True, task_recorded=True)
+        self._set_status(AllocationStatus.RELEASED)
+        return True
+
+    async def _detach_storage_after_unfenced_release(
+        self, input: AllocationInput, request: ReleaseRequest
+    ) -> None:
+        """The host release failed: the storage is still detached (a failed detach is on the
+        attachment's own record, for the admin's retry); the release fails on the host error."""
+        try:
+            await self._detach_storage(input, request)
+        except ActivityError as err:
+            workflow.logger.warning("storage not detached after a failed host release: %s", err)
 
     async def _close_terminal_sessions(self, input: AllocationInput) -> None:
         """Each session's workflow bounds its own wait for the agent (its close timeout); a
@@ -549,6 +614,8 @@ class AllocationWorkflow:
         error: BaseException | None,
         *,
         final: bool,
+        fenced: bool = False,
+        task_recorded: bool = False,
     ) -> None:
         error_type, message = (
             (None, None) if error is None else _describe_error(error, plan.task_kind)
@@ -563,6 +630,8 @@ class AllocationWorkflow:
                 error_message=message,
                 transition=final,
                 phases=[] if error is None else phases_of_failure(error),
+                fenced=fenced,
+                task_recorded=task_recorded,
             ),
             start_to_close_timeout=_LOCAL,
             retry_policy=_DB_RETRY,

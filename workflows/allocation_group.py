@@ -71,6 +71,12 @@ _DB_RETRY = RetryPolicy(initial_interval=timedelta(milliseconds=200), maximum_at
 # Why a failed group releases the members it still has: it can never be whole, and a group
 # never leaves capacity billed behind it.
 GROUP_FAILED_REASON = "allocation group failed: no required member can become usable"
+# Issue 37: those releases are the group's, recorded with its actor (they were `user`'s).
+GROUP_ACTOR_PATCH = "allocation-group-release-actor"
+# Issue 37: a group whose members all ended on their own (each released alone, or failed) has
+# nothing left: it completes (→ releasing → released) instead of staying degraded forever.
+MEMBERS_ENDED_PATCH = "allocation-group-completes-when-members-ended"
+MEMBERS_ENDED_REASON = "every member of the group has ended"
 _RELEASE_STATES = (AllocationGroupStatus.RELEASING, AllocationGroupStatus.RELEASE_FAILED)
 # A member status that answers a release the group asked of it: the release began, or there is
 # nothing left to release.
@@ -247,6 +253,9 @@ class AllocationGroupWorkflow:
             release_intent=self._release_intent,
             releases_in_flight=in_flight,
         )
+        if self._all_ended_alone(target) and workflow.patched(MEMBERS_ENDED_PATCH):
+            target = AllocationGroupStatus.RELEASED
+            request = ReleaseRequest(actor=ReleaseActor.GROUP.value, reason=MEMBERS_ENDED_REASON)
         if target == self._status:
             return
         releasing_done = (AllocationGroupStatus.RELEASED, AllocationGroupStatus.RELEASE_FAILED)
@@ -254,9 +263,19 @@ class AllocationGroupWorkflow:
             self._move(AllocationGroupStatus.RELEASING, request)
         self._move(target, request)
         if target == AllocationGroupStatus.FAILED and self._unended():
+            actor = ReleaseActor.GROUP if workflow.patched(GROUP_ACTOR_PATCH) else ReleaseActor.USER
             self._release_requests.append(
-                ReleaseRequest(actor=ReleaseActor.USER.value, reason=GROUP_FAILED_REASON)
+                ReleaseRequest(actor=actor.value, reason=GROUP_FAILED_REASON)
             )
+
+    def _all_ended_alone(self, target: AllocationGroupStatus) -> bool:
+        """Every member ended without a group release, the group past placement (a group
+        still coming up whose members all ended is failed by the status rule)."""
+        return (
+            not self._release_intent
+            and target in (AllocationGroupStatus.ACTIVE, AllocationGroupStatus.DEGRADED)
+            and all(status in MEMBER_ENDED for status in self._members.values())
+        )
 
     def _move(self, to: AllocationGroupStatus, request: ReleaseRequest | None) -> None:
         if to not in ALLOCATION_GROUP_TRANSITIONS[self._status]:

@@ -46,6 +46,19 @@ async def ensure_account(session: AsyncSession, project_id: uuid.UUID) -> None:
     )
 
 
+# An account's currency when it is opened (billing_accounts.currency's server default).
+DEFAULT_ACCOUNT_CURRENCY = "usd"
+
+
+async def account_currency(session: AsyncSession, project_id: uuid.UUID) -> str:
+    """The currency of the project's account (every entry of its ledger is in it); an account
+    not opened yet will be opened in the default one."""
+    currency = await session.scalar(
+        select(BillingAccount.currency).where(BillingAccount.project_id == project_id)
+    )
+    return (currency or DEFAULT_ACCOUNT_CURRENCY).lower()
+
+
 async def balance_minor(session: AsyncSession, project_id: uuid.UUID) -> int:
     total = await session.scalar(
         select(func.coalesce(func.sum(LedgerEntry.amount_minor), 0)).where(

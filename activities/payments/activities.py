@@ -23,6 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities.billing.accounts import account_currency
 from activities.billing.ledger import EntryKind, post_entry
 from activities.payments.stripe_api import StripeApi, StripeCheckoutSession, StripeNotConfigured
 from contracts.payment_session import (
@@ -252,7 +253,11 @@ class PaymentActivities:
             reason: str | None = None
             if completion.stripe_checkout_session_id != row.stripe_checkout_session_id:
                 reason = SESSION_MISMATCH
-            elif completion.currency.lower() != row.currency:
+            elif completion.currency.lower() != row.currency or row.currency != (
+                await account_currency(session, row.project_id)
+            ):
+                # Paid in another currency than asked, or asked (by an older build) in one other
+                # than the account's: nothing is credited (the ledger would refuse it).
                 reason = CURRENCY_MISMATCH
             elif completion.amount_total != row.requested_amount_minor:
                 reason = AMOUNT_MISMATCH

@@ -20,7 +20,7 @@ import msgspec
 import stripe
 from litestar import Controller, Request, Response, get, post
 from litestar.di import NamedDependency
-from litestar.params import FromPath, HeaderParameter, JSONBody, QueryParameter
+from litestar.params import FromPath, FromQuery, HeaderParameter, JSONBody, QueryParameter
 from sqlalchemy import func, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from temporalio.client import WithStartWorkflowOperation, WorkflowUpdateFailedError
@@ -33,6 +33,7 @@ from contracts.payment_session import (
     AMOUNT_BELOW_MINIMUM,
     CHECKOUT_COMPLETED,
     CHECKOUT_UPDATE,
+    CURRENCY_MISMATCH,
     CURRENCY_NOT_SUPPORTED,
     FAILED_RECONCILE,
     IDEMPOTENCY_KEY_REUSED,
@@ -64,15 +65,21 @@ from gateway.errors import (
     Unprocessable,
 )
 from gateway.openapi import errors
+from gateway.pagination import newest_first_page
 from gateway.runtime import Runtime
 from gateway.temporal import TemporalOps
-from schema.models import PaymentSession, PaymentSessionEvent
+from schema.models import BillingAccount, PaymentSession, PaymentSessionEvent
+
+# billing_accounts.currency's server default: an account not opened yet will be in it.
+DEFAULT_ACCOUNT_CURRENCY = "usd"
 
 # Fixed forever: payment session ids derived from idempotency keys must not change.
 PAYMENT_SESSION_ID_NAMESPACE = uuid.UUID("0d3e2a57-9b4c-4f1e-8a2d-7c6b5e4f3a21")
 # A bound on the number itself; what a checkout may be is per currency (CHECKOUT_AMOUNT_LIMITS).
 MAX_AMOUNT_MINOR = 10**12
 SIGNATURE_HEADER = "Stripe-Signature"
+# A correctly signed webhook body that is not a Stripe event of the shape we read.
+MALFORMED_EVENT = "malformed_event"
 
 Currency = Annotated[str, msgspec.Meta(pattern=r"^[a-z]{3}$")]
 
@@ -141,6 +148,14 @@ class PaymentSessionList(msgspec.Struct, kw_only=True):
     items: list[PaymentSessionSummary]
 
 
+class PaymentSessionPage(msgspec.Struct, kw_only=True):
+    """A tenant's own payment sessions, newest first."""
+
+    items: list[PaymentSessionSummary]
+    # Pass back as ?cursor= for the next page; null on the last page.
+    next_cursor: str | None = None
+
+
 class PaymentSessionEventView(msgspec.Struct, kw_only=True):
     event: str
     from_status: str | None
@@ -185,6 +200,20 @@ async def create_checkout_session(
     key = validate_idempotency_key(idempotency_key)
     assert key is not None
     check_amount(body)
+    # Issue 37: one currency per account. A checkout in another is refused before anything is
+    # created (no Stripe call, no row): its credit could only be counted 1:1 in the wrong unit.
+    account = (
+        await db.scalar(
+            select(BillingAccount.currency).where(BillingAccount.project_id == project_id)
+        )
+        or DEFAULT_ACCOUNT_CURRENCY
+    ).lower()
+    if body.currency != account:
+        raise Unprocessable(
+            f"this project's account is in {account}; a checkout in {body.currency} is refused",
+            code=CURRENCY_MISMATCH,
+            details={"currency": body.currency, "account_currency": account},
+        )
     payment_session_id = payment_session_id_for(project_id, key)
     existing = await db.scalar(
         select(PaymentSession).where(
@@ -264,6 +293,60 @@ async def _webhook_secret(secrets: SecretStore) -> str:
     return secret
 
 
+class _StripeEventData(msgspec.Struct, kw_only=True):
+    object: dict[str, Any]
+
+
+class _StripeEvent(msgspec.Struct, kw_only=True):
+    """What every Stripe event has (other fields are ignored)."""
+
+    id: Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
+    type: Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
+    data: _StripeEventData
+
+
+class _CheckoutSessionObject(msgspec.Struct, kw_only=True):
+    """A Checkout Session as a checkout.session.* event carries it (what its handling reads)."""
+
+    id: Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
+    payment_status: str | None = None
+    amount_total: Annotated[int, msgspec.Meta(ge=0, le=MAX_AMOUNT_MINOR)] | None = None
+    currency: Annotated[str, msgspec.Meta(max_length=16)] | None = None
+
+
+def _malformed(reason: str) -> ApiError:
+    """A correctly signed body that is not a Stripe event of the shape we read: 400, one log
+    line (gateway.errors), nothing recorded. Stripe retries a non-2xx delivery, so a real event
+    we misread is not lost; the reason names the problem, never the payload."""
+    return InvalidRequest(
+        "the webhook payload is not a Stripe event of the expected shape",
+        code=MALFORMED_EVENT,
+        details={"reason": reason[:200]},
+    )
+
+
+def parse_event(payload: bytes) -> WebhookEventInput:
+    """The verified payload as the worker's input, or 400 malformed_event."""
+    try:
+        event = msgspec.json.decode(payload, type=_StripeEvent)
+    except (msgspec.ValidationError, msgspec.DecodeError) as err:
+        raise _malformed(str(err)) from None
+    if not event.type.startswith("checkout.session."):
+        return WebhookEventInput(event_id=event.id, event_type=event.type)
+    try:
+        obj = msgspec.convert(event.data.object, _CheckoutSessionObject)
+    except msgspec.ValidationError as err:
+        raise _malformed(f"data.object: {err}") from None
+    return WebhookEventInput(
+        event_id=event.id,
+        event_type=event.type,
+        stripe_checkout_session_id=obj.id,
+        paid=obj.payment_status == "paid",
+        amount_total=obj.amount_total or 0,
+        currency=obj.currency or None,
+    )
+
+
 async def handle_webhook(
     temporal: TemporalOps,
     secrets: SecretStore,
@@ -273,35 +356,24 @@ async def handle_webhook(
     signature: str | None,
     tolerance: int,
 ) -> WebhookAck:
-    """Verify the signature here (nothing unsigned reaches the worker); the worker records the
+    """Verify the signature here (nothing unsigned reaches the worker), then the event's shape
+    (a signed body of another shape is 400 malformed_event, not a 500); the worker records the
     event and does what it says (activities/payments/webhook_events.py)."""
     secret = await _webhook_secret(secrets)
     try:
-        event = stripe.Webhook.construct_event(payload, signature or "", secret, tolerance)
-    except stripe.SignatureVerificationError:
+        stripe.WebhookSignature.verify_header(payload, signature or "", secret, tolerance)
+    except (stripe.SignatureVerificationError, UnicodeDecodeError):
+        # Stripe signs text: a body that is not UTF-8 cannot carry its signature.
         raise ApiError(
             "the Stripe-Signature header does not verify", code="invalid_signature"
         ) from None
-    except ValueError:
-        raise InvalidRequest("the webhook payload is not a Stripe event") from None
-    raw: dict[str, Any] = event.to_dict()
-    event_id, event_type = str(raw["id"]), str(raw.get("type", ""))
-    obj: dict[str, Any] = (raw.get("data") or {}).get("object") or {}
-    checkout = event_type.startswith("checkout.session.")
-    currency = obj.get("currency")
+    event = parse_event(payload)
     result = await run_admin_operation(
         temporal,
         task_queue,
         STRIPE_WEBHOOK_EVENT,
-        WebhookEventInput(
-            event_id=event_id,
-            event_type=event_type,
-            stripe_checkout_session_id=str(obj["id"]) if checkout and obj.get("id") else None,
-            paid=obj.get("payment_status") == "paid",
-            amount_total=int(obj.get("amount_total") or 0),
-            currency=str(currency) if currency else None,
-        ),
-        key=hashlib.sha256(event_id.encode()).hexdigest()[:32],  # free text from Stripe
+        event,
+        key=hashlib.sha256(event.event_id.encode()).hexdigest()[:32],  # free text from Stripe
         result_type=WebhookEventResult,
     )
     return WebhookAck(received=True, duplicate=result.duplicate)
@@ -340,7 +412,8 @@ class PaymentsController(Controller):
             "Idempotent-Replayed: true) without a second Stripe call; the same key with another "
             "body is 422 idempotency_key_reused. The amount must lie within the currency's "
             "limits (422 amount_below_minimum / amount_above_maximum with the limit in the "
-            "details; 422 currency_not_supported for a currency we do not accept)."
+            "details; 422 currency_not_supported for a currency we do not accept; 422 "
+            "currency_mismatch for a currency other than the project's account's)."
         ),
         responses=errors(400, 403, 422, 502),
     )
@@ -365,6 +438,33 @@ class PaymentsController(Controller):
         )
         headers = {"Idempotent-Replayed": "true"} if replayed else {}
         return Response(created, status_code=201, headers=headers)
+
+    @get(
+        "/sessions",
+        summary="The project's payment sessions, newest first",
+        description=(
+            "Every checkout this project started, whatever became of it (initiated, credited, "
+            "expired, failed_reconcile ...), newest first; pass next_cursor back as ?cursor= "
+            "for the next page. Another project's sessions are never listed."
+        ),
+        responses=errors(400, 403),
+    )
+    async def list_sessions(
+        self,
+        db: NamedDependency[AsyncSession],
+        principal: NamedDependency[Principal],
+        limit: Annotated[int, QueryParameter(ge=1, le=200)] = 50,
+        cursor: FromQuery[str | None] = None,
+    ) -> PaymentSessionPage:
+        rows, next_cursor = await newest_first_page(
+            db,
+            select(PaymentSession).where(PaymentSession.project_id == principal.project),
+            created=PaymentSession.created_at,
+            row_id=PaymentSession.id,
+            limit=limit,
+            cursor=cursor,
+        )
+        return PaymentSessionPage(items=[_summary(r) for r in rows], next_cursor=next_cursor)
 
 
 class StripeWebhookController(Controller):
