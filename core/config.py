@@ -124,7 +124,10 @@ class Settings:
             vault_secret_id_file=e.get("GPUCLOUD_VAULT_SECRET_ID_FILE") or None,
             vault_approle_mount=e.get("GPUCLOUD_VAULT_APPROLE_MOUNT", "approle"),
             node_offline_after_seconds=float(e.get("GPUCLOUD_NODE_OFFLINE_AFTER_S", "300")),
-            public_api_url=e.get("GPUCLOUD_PUBLIC_API_URL", "http://127.0.0.1:8000"),
+            # Unset: this host's gateway on its configured port (GPUCLOUD_GATEWAY_PORT), so a
+            # gateway on another port never hands out URLs of port 8000 (issue 36).
+            public_api_url=e.get("GPUCLOUD_PUBLIC_API_URL")
+            or f"http://127.0.0.1:{e.get('GPUCLOUD_GATEWAY_PORT') or '8000'}",
             metrics_address=e.get("GPUCLOUD_METRICS_ADDRESS") or None,
             terminal_session_max_ttl_seconds=float(
                 e.get("GPUCLOUD_TERMINAL_SESSION_MAX_TTL_S", str(4 * 3600))

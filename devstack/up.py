@@ -180,6 +180,14 @@ class StackOptions:
         return f"http://{host}:{self.gateway_port}"
 
     @property
+    def public_api_url(self) -> str:
+        """The one public API URL of the stack, derived from the gateway's port: every process
+        the stack starts gets it (GPUCLOUD_PUBLIC_API_URL), so the stream URLs the gateway hands
+        tenants and agents, and the enrollment URL the worker writes into cloud-init, reach
+        this gateway whatever its port."""
+        return self.gateway_probe_url
+
+    @property
     def ui_url(self) -> str:
         return f"http://localhost:{self.ui_port}"
 
@@ -489,6 +497,7 @@ class Stack:
                 "GPUCLOUD_TEMPORAL_NAMESPACE": self.o.namespace,
                 "GPUCLOUD_GATEWAY_HOST": self.o.gateway_host,
                 "GPUCLOUD_GATEWAY_PORT": str(self.o.gateway_port),
+                "GPUCLOUD_PUBLIC_API_URL": self.o.public_api_url,
                 "GPUCLOUD_TEMPORAL_UI_ORIGIN": self.o.ui_url,
                 "GPUCLOUD_SIM_PHASE_DELAY_S": str(self.o.phase_delay),
                 "GPUCLOUD_SIM_PHASE_JITTER": str(self.o.jitter),
@@ -500,6 +509,27 @@ class Stack:
             }
         )
         return env
+
+    def process_envs(
+        self,
+        database_url: str,
+        approle_env: dict[str, dict[str, str]],
+        maas_control_token: str,
+    ) -> dict[str, dict[str, str]]:
+        """Each process's environment (worker, gateway, fleet): all from _child_env, so all
+        with the same GPUCLOUD_PUBLIC_API_URL, the gateway's own port."""
+        env = self._child_env(database_url)
+        worker_env = {
+            **env,
+            **approle_env[vault_policies.WORKER.role],
+            "GPUCLOUD_HOST_ACCESS": "simulated",
+            "GPUCLOUD_SIM_MAAS_URL": self.o.maas_url,
+            "GPUCLOUD_SIM_MAAS_CONTROL_TOKEN": maas_control_token,
+            "GPUCLOUD_SIM_MACHINES_DIR": str(self.o.machines_dir),
+            "GPUCLOUD_METRICS_ADDRESS": self.o.worker_metrics_address,
+        }
+        gateway_env = {**env, **approle_env[vault_policies.GATEWAY.role]}
+        return {"worker": worker_env, "gateway": gateway_env, "fleet": env}
 
     def _preflight(self) -> None:
         busy = [
@@ -728,21 +758,10 @@ class Stack:
             provision_vault_auth, o.vault_addr, o.vault_token_file, o.state_dir / "vault-approle"
         )
 
-        env = self._child_env(database_url)
-        worker_env = {
-            **env,
-            **approle_env[vault_policies.WORKER.role],
-            "GPUCLOUD_HOST_ACCESS": "simulated",
-            "GPUCLOUD_SIM_MAAS_URL": o.maas_url,
-            "GPUCLOUD_SIM_MAAS_CONTROL_TOKEN": maas_control_token,
-            "GPUCLOUD_SIM_MACHINES_DIR": str(o.machines_dir),
-            # Deployed nodes' agents enroll here (written into their cloud-init).
-            "GPUCLOUD_PUBLIC_API_URL": o.gateway_probe_url,
-            "GPUCLOUD_METRICS_ADDRESS": o.worker_metrics_address,
-        }
+        envs = self.process_envs(database_url, approle_env, maas_control_token)
+        env, worker_env, gateway_env = envs["fleet"], envs["worker"], envs["gateway"]
         worker = Child("worker", python_entry("worker"), o.logs_dir / "worker.log", worker_env,
                        REPO_ROOT)  # fmt: skip
-        gateway_env = {**env, **approle_env[vault_policies.GATEWAY.role]}
         gateway = Child("gateway", python_entry("gateway.serve"), o.logs_dir / "gateway.log",
                         gateway_env, REPO_ROOT)  # fmt: skip
         fleet = Child("fleet", [*python_entry("sim.fleet"), "--refresh-seconds", "5", "--hosts",

@@ -8,6 +8,18 @@
 3. The agent dials `/api/v1/internal/agent/terminal-sessions/{id}/stream` (outbound from the
    node) and sends the secret; on a match the two sockets are paired and the bytes relayed.
 
+Hostile sockets (issue 36). Nothing another socket can see changes before a token checks out:
+each tenant socket's slot is keyed by the session *and* its own fresh secret's hash, so a second
+socket for the same session (a wrong token, a replay) adds a slot only it could ever fill and
+never replaces the opening one. A wrong token never reaches workflow history: the `claim`
+update's validator rejects it, and a rejected update writes no event. Failed claims (no or
+malformed auth frame, a token that is unknown, used or expired, a session that does not exist)
+are counted per session and per caller (the connection's peer address) over a sliding window
+(CLAIM_LIMITS, the one place that policy lives): past either limit the handshake is refused with
+HTTP 429 and `Retry-After`, and a socket already open when the limit is reached is told
+`rate_limited` with `retry_after` (close 1013). A correct token is refused too while its session
+is over the limit; the window is short, and a reopen is a new session (a new id).
+
 Frames are relayed as they come, each awaited before the next is read, so nothing queues here
 beyond one frame per direction; a frame over MAX_FRAME_BYTES ends the stream (1009), refused by
 the server's WebSocket protocol before it is buffered (UVICORN_WS_OPTIONS). The tenant's
@@ -22,16 +34,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
+import json
 import logging
+import math
 import secrets
+import time
 import uuid
+from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from litestar import WebSocket, websocket
 from litestar.datastructures import State
 from litestar.params import FromPath
+from litestar.types import WebSocketResponseBodyEvent, WebSocketResponseStartEvent
 from temporalio.client import Client, WorkflowUpdateFailedError
 from temporalio.service import RPCError
 
@@ -74,21 +91,97 @@ RELAY_STATE_KEY = "gpucloud_terminal_relay"
 # sans-I/O protocol (not its deprecated legacy server), which reads one message at a time and
 # closes a connection whose message would exceed MAX_FRAME_BYTES (1009) before buffering it.
 UVICORN_WS_OPTIONS: dict[str, Any] = {"ws": "websockets-sansio", "ws_max_size": MAX_FRAME_BYTES}
-# AnySocket close codes: normal, policy violation (refused auth), too big, server error.
+# AnySocket close codes: normal, policy violation (refused auth), too big, server error, try
+# again later (rate limited).
 CLOSE_NORMAL = 1000
 CLOSE_POLICY = 1008
 CLOSE_TOO_BIG = 1009
 CLOSE_ERROR = 1011
+CLOSE_TRY_LATER = 1013
+RATE_LIMITED = "rate_limited"
 # Slack beyond the workflow's own attach deadline before this socket gives up waiting.
 ATTACH_SLACK_SECONDS = 5.0
 
 
 class _Refused(Exception):
-    def __init__(self, code: str, message: str, close_code: int = CLOSE_POLICY) -> None:
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        close_code: int = CLOSE_POLICY,
+        *,
+        retry_after: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.close_code = close_code
+        self.retry_after = retry_after
+
+
+@dataclass(frozen=True)
+class ClaimLimits:
+    """The failed-claim policy of the tenant's stream: at most `per_session` failures for one
+    session and `per_caller` failures from one peer address within `window_seconds`; past
+    either, claims are refused (429, `Retry-After`) until the oldest failure leaves the window.
+    `max_tracked`: the most sessions and callers remembered (the least recently failing are
+    forgotten first), so a flood of made-up session ids cannot grow this process."""
+
+    window_seconds: float = 60.0
+    per_session: int = 5
+    per_caller: int = 20
+    max_tracked: int = 10_000
+
+
+CLAIM_LIMITS = ClaimLimits()
+
+
+class ClaimThrottle:
+    """Failed claims per session and per caller over a sliding window (in this process)."""
+
+    def __init__(
+        self, limits: ClaimLimits = CLAIM_LIMITS, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.limits = limits
+        self._clock = clock
+        self._failures: OrderedDict[tuple[str, str], deque[float]] = OrderedDict()
+
+    def _keys(self, session_id: str, caller: str) -> list[tuple[tuple[str, str], int]]:
+        return [
+            (("session", session_id), self.limits.per_session),
+            (("caller", caller), self.limits.per_caller),
+        ]
+
+    def _recent(self, key: tuple[str, str], now: float) -> deque[float]:
+        failures = self._failures.get(key)
+        if failures is None:
+            return deque()
+        while failures and failures[0] <= now - self.limits.window_seconds:
+            failures.popleft()
+        if not failures:
+            del self._failures[key]
+        return failures
+
+    def retry_after(self, session_id: str, caller: str) -> int:
+        """Seconds until a claim for this session from this caller is admitted; 0: now."""
+        now = self._clock()
+        wait = 0.0
+        for key, limit in self._keys(session_id, caller):
+            failures = self._recent(key, now)
+            if len(failures) >= limit:
+                oldest_counted = failures[len(failures) - limit]
+                wait = max(wait, oldest_counted + self.limits.window_seconds - now)
+        return max(1, math.ceil(wait)) if wait > 0 else 0
+
+    def failed(self, session_id: str, caller: str) -> None:
+        now = self._clock()
+        for key, _ in self._keys(session_id, caller):
+            failures = self._recent(key, now)
+            failures.append(now)
+            self._failures[key] = failures
+            self._failures.move_to_end(key)
+        while len(self._failures) > self.limits.max_tracked:
+            self._failures.popitem(last=False)
 
 
 @dataclass
@@ -101,30 +194,36 @@ class _Pending:
 
 
 class TerminalRelay:
-    """This process's tenant sockets waiting for, or bridged to, their node streams."""
+    """This process's tenant sockets waiting for, or bridged to, their node streams, and the
+    failed claims they made.
 
-    def __init__(self) -> None:
-        self._pending: dict[str, _Pending] = {}
+    A slot is keyed by (session id, sha256 of the socket's own agent secret): made before the
+    claim, it can only be filled by an agent holding that secret, which leaves this process only
+    inside an accepted claim. So a socket whose claim fails changes nothing another socket of
+    the same session depends on, and an accepted claim's slot exists before its agent can dial."""
+
+    def __init__(self, limits: ClaimLimits = CLAIM_LIMITS) -> None:
+        self._pending: dict[tuple[str, str], _Pending] = {}
+        self.throttle = ClaimThrottle(limits)
 
     def expect(self, session_id: str) -> tuple[str, _Pending]:
         """A fresh agent secret for the session (returned once) and the slot the node fills."""
         secret = secrets.token_urlsafe(32)
         pending = _Pending(hash_token(secret))
-        self._pending[session_id] = pending
+        self._pending[(session_id, pending.secret_sha256)] = pending
         return secret, pending
 
     def forget(self, session_id: str, pending: _Pending) -> None:
-        if self._pending.get(session_id) is pending:
-            del self._pending[session_id]
+        key = (session_id, pending.secret_sha256)
+        if self._pending.get(key) is pending:
+            del self._pending[key]
         if not pending.node.done():
             pending.node.cancel()
         pending.done.set()
 
     def attach(self, session_id: str, secret: str) -> _Pending | None:
-        pending = self._pending.get(session_id)
+        pending = self._pending.get((session_id, hash_token(secret)))
         if pending is None or pending.node.done():
-            return None
-        if not hmac.compare_digest(pending.secret_sha256, hash_token(secret)):
             return None
         return pending
 
@@ -135,6 +234,60 @@ def relay_of(state: State) -> TerminalRelay:
         relay = TerminalRelay()
         state[RELAY_STATE_KEY] = relay
     return relay
+
+
+def _caller(socket: AnySocket) -> str:
+    """Who is claiming: the connection's peer address (the gateway serves without proxy
+    headers; behind a proxy every tenant shares its address, and the per-session limit still
+    holds)."""
+    client = socket.client
+    return client.host if client is not None else "unknown"
+
+
+async def _deny_rate_limited(socket: AnySocket, retry_after: int) -> None:
+    """Refuse the WebSocket handshake with HTTP 429 and Retry-After (the ASGI WebSocket denial
+    response); a server without that extension gets an accepted socket told `rate_limited`."""
+    message = "too many failed terminal claims; retry later"
+    extensions = socket.scope.get("extensions") or {}
+    if "websocket.http.response" not in extensions:
+        await socket.accept()
+        await _refuse(socket, _rate_limited(retry_after))
+        return
+    body = json.dumps(
+        {
+            "error": {
+                "code": RATE_LIMITED,
+                "message": message,
+                "details": {"retry_after_seconds": retry_after},
+            }
+        }
+    ).encode()
+    await socket.receive()  # websocket.connect
+    start: WebSocketResponseStartEvent = {
+        "type": "websocket.http.response.start",
+        "status": 429,
+        "headers": [
+            (b"retry-after", str(retry_after).encode()),
+            (b"content-type", b"application/json"),
+            (b"cache-control", b"no-store"),
+        ],
+    }
+    await socket.send(start)
+    end: WebSocketResponseBodyEvent = {
+        "type": "websocket.http.response.body",
+        "body": body,
+        "more_body": False,
+    }
+    await socket.send(end)
+
+
+def _rate_limited(retry_after: int) -> _Refused:
+    return _Refused(
+        RATE_LIMITED,
+        "too many failed terminal claims; retry later",
+        CLOSE_TRY_LATER,
+        retry_after=retry_after,
+    )
 
 
 async def _receive(socket: AnySocket) -> dict[str, Any]:
@@ -161,9 +314,12 @@ async def _auth_field(socket: AnySocket, name: str) -> str:
 
 
 async def _refuse(socket: AnySocket, refused: _Refused) -> None:
+    extra: dict[str, Any] = {}
+    if refused.retry_after is not None:
+        extra["retry_after"] = refused.retry_after
     with contextlib.suppress(Exception):
         await socket.send_text(
-            control_frame(FRAME_ERROR, code=refused.code, message=refused.message)
+            control_frame(FRAME_ERROR, code=refused.code, message=refused.message, **extra)
         )
         await socket.close(code=refused.close_code, reason=refused.code)
 
@@ -171,22 +327,38 @@ async def _refuse(socket: AnySocket, refused: _Refused) -> None:
 @websocket(TENANT_STREAM_PATH.replace("{session_id}", "{session_id:uuid}"))
 async def tenant_stream(socket: AnySocket, session_id: FromPath[uuid.UUID]) -> None:
     """The tenant's end of a terminal session."""
+    relay = relay_of(socket.app.state)
+    key, caller = str(session_id), _caller(socket)
+    wait = relay.throttle.retry_after(key, caller)
+    if wait:
+        await _deny_rate_limited(socket, wait)
+        return
     await socket.accept()
     runtime = get_runtime(socket.app.state)
-    relay = relay_of(socket.app.state)
-    key = str(session_id)
     pending: _Pending | None = None
     try:
-        token = await _auth_field(socket, "token")
+        try:
+            token = await _auth_field(socket, "token")
+        except _Refused:
+            relay.throttle.failed(key, caller)
+            raise
+        # Others may have failed while this socket waited for its auth frame.
+        if wait := relay.throttle.retry_after(key, caller):
+            raise _rate_limited(wait)
         secret, pending = relay.expect(key)
-        await _claim(runtime, key, token, secret)
+        try:
+            await _claim(runtime, key, token, secret)
+        except _Refused as refused:
+            if refused.code == OPEN_TOKEN_INVALID:
+                relay.throttle.failed(key, caller)
+            raise
         policy = policy_from(runtime.settings)  # the deadlines the workflow was started with
-        wait = (
+        wait_s = (
             policy.node_schedule_to_start_seconds
             + policy.attach_timeout_seconds
             + ATTACH_SLACK_SECONDS
         )
-        node = await _node_or_end(runtime, key, pending, wait)
+        node = await _node_or_end(runtime, key, pending, wait_s)
         await socket.send_text(control_frame(FRAME_READY, session_id=key))
         await _bridge(socket, node)
     except _Refused as refused:

@@ -5,7 +5,8 @@ Opening is update-with-start on `terminal-{id}`: the workflow's first activity c
 with the live session's id), and the answer carries the single-use open token, shown once: the
 gateway generated it and hands only its sha256 to the workflow. The stream itself is
 gateway/terminal_relay.py. Force-close is the workflow's `close` update, audited by the
-controller. Reads come from the `terminal_sessions` read model; the gateway never writes it.
+controller; a tenant's close of its own session is the same update (client_closed, by the
+user). Reads come from the `terminal_sessions` read model; the gateway never writes it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from contracts.terminal_session import (
     ACTOR_ADMIN,
+    ACTOR_USER,
     ALLOCATION_NOT_ACTIVE,
     ALLOCATION_NOT_FOUND,
     CLOSE_UPDATE,
@@ -279,14 +281,39 @@ async def force_close(
     """The `close` update, answered once the workflow accepted it (the close itself takes up to
     the close timeout). Returns the answer and the workflow id, for the audit row."""
     row = await get_session(db, session_id)
-    prior, workflow_id = row.status, row.workflow_id
+    request = CloseRequest(CloseReason.ADMIN_FORCE_CLOSED.value, actor=ACTOR_ADMIN, note=reason)
+    return await _close(db, temporal, row, request)
+
+
+async def tenant_close(
+    db: AsyncSession,
+    temporal: TemporalOps,
+    *,
+    allocation_id: uuid.UUID,
+    project_id: uuid.UUID,
+    session_id: uuid.UUID,
+) -> TerminalCloseAccepted:
+    """The tenant closes its own session (client_closed, by the user): the same `close` update
+    as a force-close. Another project's session, or one of another allocation, is 404."""
+    await get_row(db, allocation_id, project_id)
+    row = await db.get(TerminalSession, session_id)
+    if row is None or row.allocation_id != allocation_id or row.project_id != project_id:
+        raise NotFound("terminal session not found")
+    request = CloseRequest(CloseReason.CLIENT_CLOSED.value, actor=ACTOR_USER)
+    answer, _ = await _close(db, temporal, row, request)
+    return answer
+
+
+async def _close(
+    db: AsyncSession, temporal: TemporalOps, row: TerminalSession, request: CloseRequest
+) -> tuple[TerminalCloseAccepted, str]:
+    session_id, prior, workflow_id = row.id, row.status, row.workflow_id
     await db.close()
     not_live = Conflict(
         "the terminal session has already ended",
         code=SESSION_NOT_LIVE,
         details={"status": prior},
     )
-    request = CloseRequest(CloseReason.ADMIN_FORCE_CLOSED.value, actor=ACTOR_ADMIN, note=reason)
 
     async def close(client: Client) -> None:
         await client.get_workflow_handle(workflow_id).start_update(

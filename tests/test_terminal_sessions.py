@@ -23,7 +23,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from contracts.terminal_session import MAX_FRAME_BYTES, terminal_workflow_id
-from schema.models import AuditEntry, NodeTask, TerminalSession
+from schema.models import AuditEntry, NodeTask, TerminalSession, TerminalSessionEvent
 from tests.histories import record_history
 from tests.lifecycle_support import eventually
 from tests.terminal_fixtures import TerminalRig
@@ -158,17 +158,66 @@ async def test_token_is_single_use_and_one_session_per_allocation(
     await record_history(handle, HISTORIES, "admin_force_closed")
 
 
-async def test_max_ttl_closes_the_session(terminal_rig: Rig) -> None:
+async def test_max_ttl_ends_the_session_in_error(
+    terminal_rig: Rig, db_sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    """The max TTL is a policy timeout (seed 001 §6): the agent is told to close the shell, and
+    the session goes active → error with session_ttl_expired (never through closing)."""
     rig = await terminal_rig(terminal_session_max_ttl_seconds=4.0)
     created = await rig.open_session()
     async with rig.terminal(created) as term:
         await term.run("echo up-$((1+1))", b"up-2")
         closed_frame = await term.control("closed", timeout=60)
         assert closed_frame["reason"] == "session_ttl_expired"
-    closed = await rig.wait_session(created["session_id"], "closed")
-    assert closed["close_reason"] == "session_ttl_expired"
+    ended = await rig.wait_session(created["session_id"], "error")
+    assert ended["close_reason"] == "session_ttl_expired"
+    assert ended["closed_by"] == "system"
+    async with db_sessions() as session:
+        events = (
+            await session.scalars(
+                select(TerminalSessionEvent.to_status)
+                .where(TerminalSessionEvent.session_id == uuid.UUID(created["session_id"]))
+                .order_by(TerminalSessionEvent.id)
+            )
+        ).all()
+    assert list(events) == ["opening", "active", "error"]
+    timeline = (await rig.tenant.get(f"/api/v1/allocations/{rig.allocation_id}/timeline")).json()
+    tasks = {i["name"]: i for i in timeline["items"] if i["kind"] == "node_task"}
+    assert tasks["terminal.close"]["status"] == "succeeded"
     handle = rig.temporal.get_workflow_handle(terminal_workflow_id(created["session_id"]))
-    await record_history(handle, HISTORIES, "ttl_expired")
+    await record_history(handle, HISTORIES, "ttl_expired_error")
+
+
+async def test_the_tenant_closes_its_own_session(
+    terminal_rig: Rig, make_project: Any, make_token: Any
+) -> None:
+    rig = await terminal_rig()
+    created = await rig.open_session()
+    session_id = created["session_id"]
+    path = f"/api/v1/allocations/{rig.allocation_id}/terminal-sessions/{session_id}/close"
+    async with rig.terminal(created) as term:
+        await rig.wait_session(session_id, "active")
+        # Another project's tenant cannot see it, let alone close it.
+        outsider = await make_token("tenant", await make_project())
+        refused = await rig.tenant.post(path, headers={"Authorization": f"Bearer {outsider}"})
+        assert refused.status_code == 404, refused.text
+        elsewhere = await rig.tenant.post(
+            f"/api/v1/allocations/{uuid.uuid4()}/terminal-sessions/{session_id}/close"
+        )
+        assert elsewhere.status_code == 404, elsewhere.text
+
+        closing = await rig.tenant.post(path)
+        assert closing.status_code == 202, closing.text
+        assert closing.json()["prior_status"] == "active"
+        assert closing.json()["expected_status"] == "closed"
+        closed_frame = await term.control("closed", timeout=60)
+        assert closed_frame["reason"] == "client_closed"
+    closed = await rig.wait_session(session_id, "closed")
+    assert closed["close_reason"] == "client_closed"
+    assert closed["closed_by"] == "user"
+    again = await rig.tenant.post(path)
+    assert again.status_code == 409, again.text
+    assert again.json()["error"]["code"] == "terminal_session_not_live"
 
 
 async def test_release_closes_the_session_before_the_host_release(

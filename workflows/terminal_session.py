@@ -11,9 +11,10 @@ opening → error and active → error.
    (`terminal.session_max_ttl_seconds`) runs.
 4. The end. The stream ends on its own (tenant left, shell exited: closing → closed; stream
    dropped or the agent's heartbeats stopped: error `node_stream_dropped`), or a close is asked
-   (`close` update: admin force-close, the allocation's release, or the TTL): closing, the
-   `terminal.close` host task carries the reason to the agent, and the workflow waits for the
-   stream to end (the ack) or the close timeout, then closed.
+   (`close` update: admin force-close, the tenant's close, the allocation's release): closing,
+   the `terminal.close` host task carries the reason to the agent, and the workflow waits for
+   the stream to end (the ack) or the close timeout, then closed. The max TTL is a policy
+   timeout: the same close to the agent, then active → error `session_ttl_expired`.
 
 A reopen is a new session (new token, new open task, new id): nothing here resumes.
 """
@@ -21,6 +22,7 @@ A reopen is a new session (new token, new open task, new id): nothing here resum
 from __future__ import annotations
 
 import contextlib
+import hmac
 from datetime import timedelta
 
 from temporalio import workflow
@@ -79,6 +81,8 @@ _DB_RETRY = RetryPolicy(initial_interval=timedelta(milliseconds=200), maximum_at
 _ONCE = RetryPolicy(maximum_attempts=1)
 
 Status = TerminalSessionStatus
+# workflow.patched ids: histories recorded before a change replay the old path.
+TTL_ENDS_IN_ERROR = "terminal-ttl-ends-in-error"
 
 
 @workflow.defn(name=WORKFLOW_NAME)
@@ -113,23 +117,28 @@ class TerminalSessionWorkflow:
 
     @workflow.update(name=CLAIM_UPDATE)
     def claim(self, request: ClaimRequest) -> ClaimAccepted:
-        # Checked in the handler, not a validator: two claims in one workflow task would both
-        # pass a validator before either handler ran. The first one wins; the token is spent.
-        usable = (
+        # Checked again in the handler: two claims in one workflow task would both pass the
+        # validator before either handler ran. The first one wins; the token is spent.
+        if not self._claim_usable(request) or self._plan is None:
+            raise _token_invalid()
+        self._claim = request
+        return ClaimAccepted(session_id=self._input.session_id, node_id=self._plan.node_id)
+
+    @claim.validator
+    def _validate_claim(self, request: ClaimRequest) -> None:
+        # A rejected update writes nothing to history (issue 36): a wrong, used or expired token
+        # costs the worker a workflow task, never an event. Validators do not run on replay.
+        if not self._claim_usable(request) or self._plan is None:
+            raise _token_invalid()
+
+    def _claim_usable(self, request: ClaimRequest) -> bool:
+        return (
             self._status == Status.OPENING
             and self._claim is None
             and self._close is None
-            and request.open_token_sha256 == self._input.open_token_sha256
+            and hmac.compare_digest(request.open_token_sha256, self._input.open_token_sha256)
             and workflow.now() < self._token_deadline
         )
-        if not usable or self._plan is None:
-            raise ApplicationError(
-                "the open token is unknown, used or expired; open a new session",
-                type=OPEN_TOKEN_INVALID,
-                non_retryable=True,
-            )
-        self._claim = request
-        return ClaimAccepted(session_id=self._input.session_id, node_id=self._plan.node_id)
 
     @workflow.signal(name=STREAM_ATTACHED_SIGNAL)
     def stream_attached(self) -> None:
@@ -244,6 +253,11 @@ class TerminalSessionWorkflow:
         except TimeoutError:
             if self._close is None:
                 self._close = CloseRequest(CloseReason.SESSION_TTL_EXPIRED.value, ACTOR_SYSTEM)
+                # Seed 001 §6: a policy timeout is active → error (it was active → closed).
+                if workflow.patched(TTL_ENDS_IN_ERROR):
+                    return await self._close_active(
+                        open_task, stream, self._close, end_status=Status.ERROR
+                    )
         if self._close is None:
             return await self._stream_ended(open_task, stream)
         return await self._close_active(open_task, stream, self._close)
@@ -342,22 +356,28 @@ class TerminalSessionWorkflow:
         open_task: str,
         stream: workflow.ActivityHandle[TerminalOpenResult],
         request: CloseRequest,
+        *,
+        end_status: Status = Status.CLOSED,
     ) -> TerminalSessionResult:
         """active → closing → closed: the reason goes to the agent (`terminal.close`), which ends
-        the shell and the stream; the stream's end is the ack, awaited up to the close timeout."""
+        the shell and the stream; the stream's end is the ack, awaited up to the close timeout.
+        With `end_status` error (the TTL, a policy timeout) the same close runs but the session
+        goes active → error directly: closing leads only to closed."""
         session_id = self._input.session_id
         policy = self._input.policy
         close_task = str(workflow.uuid4())
+        closing = end_status == Status.CLOSED
         await self._apply(
             TerminalChange(
                 session_id,
-                to_status=Status.CLOSING.value,
-                close_reason=request.reason,
+                to_status=Status.CLOSING.value if closing else "",
+                close_reason=request.reason if closing else None,
                 actor=request.actor,
                 tasks=[TaskRecord(close_task, TERMINAL_CLOSE)],
             )
         )
-        self._status = Status.CLOSING
+        if closing:
+            self._status = Status.CLOSING
         assert self._plan is not None
         close_timeout = timedelta(seconds=policy.close_timeout_seconds)
         closer = workflow.start_activity(
@@ -378,7 +398,7 @@ class TerminalSessionWorkflow:
         tasks = [await _task_outcome(close_task, TERMINAL_CLOSE, closer)]
         tasks.append(await _task_outcome(open_task, TERMINAL_OPEN, stream))
         return await self._end(
-            Status.CLOSED, request.reason, request.actor, tasks=tasks, acknowledged=acknowledged
+            end_status, request.reason, request.actor, tasks=tasks, acknowledged=acknowledged
         )
 
     async def _end(
@@ -407,6 +427,14 @@ class TerminalSessionWorkflow:
         await workflow.execute_local_activity(
             APPLY_CHANGE, change, start_to_close_timeout=_LOCAL, retry_policy=_DB_RETRY
         )
+
+
+def _token_invalid() -> ApplicationError:
+    return ApplicationError(
+        "the open token is unknown, used or expired; open a new session",
+        type=OPEN_TOKEN_INVALID,
+        non_retryable=True,
+    )
 
 
 async def _task_outcome(

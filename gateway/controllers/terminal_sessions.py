@@ -1,4 +1,5 @@
-"""Terminal sessions (seed 001 §6): tenant open and list, admin list and force-close (audited).
+"""Terminal sessions (seed 001 §6): tenant open, list and close, admin list and force-close
+(audited).
 The streams are WebSocket routes of gateway/terminal_relay.py."""
 
 from __future__ import annotations
@@ -80,6 +81,35 @@ class TerminalSessionsController(Controller):
             limit=limit,
             cursor=cursor,
         )
+
+    @post(
+        "/{session_id:uuid}/close",
+        status_code=202,
+        summary="Close one of the allocation's terminal sessions (client_closed, by the user)",
+        description=(
+            "The session's workflow tells the node agent to end the shell and waits for its "
+            "ack (or the close timeout); the answer comes once the close is accepted. "
+            "expected_status: closed for an active session, error for one still opening. A "
+            "session that has ended already is 409 terminal_session_not_live."
+        ),
+        responses=errors(403, 404, 409),
+    )
+    async def close_session(
+        self,
+        db: NamedDependency[AsyncSession],
+        temporal: NamedDependency[TemporalOps],
+        principal: NamedDependency[Principal],
+        allocation_id: FromPath[uuid.UUID],
+        session_id: FromPath[uuid.UUID],
+    ) -> Response[TerminalCloseAccepted]:
+        answer = await terminals.tenant_close(
+            db,
+            temporal,
+            allocation_id=allocation_id,
+            project_id=principal.project,
+            session_id=session_id,
+        )
+        return Response(answer, status_code=202)
 
 
 class AdminTerminalSessionsController(Controller):
