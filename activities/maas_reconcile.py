@@ -28,13 +28,39 @@ Rules as implemented (node status → MAAS status → rule, severity, action):
                     no sync in 1.5 * sync_interval                             (below)
                     (only where the site requires hardware sync and MAAS shows the sync fields)
     active          Deployed                        ok
-    retired         Deployed                        retired_cleanup            INFO release+off
+    active|offline  Ready, Releasing, …, and the    released_by_reconciler     WARN (no quarantine)
+                    reconciler released it itself
+                    (node_maas_state.drift_details.released_by)
+    retired         Deployed                        (none: retire leaves the machine alone)
+    retired         Deployed, site policy           retired_cleanup            INFO release+off
+                    release_retired_machines on,
+                    and a fresh observation agrees (below)
     any             machine with no binding         unmanaged (counted only)   DEBUG, no row
     bootstrap_issued|enrolling|draining|removing|deleted: owned by an in-flight onboarding or
                     decommission (or gone): observation recorded, no rule, no action.
     quarantined:    observation recorded; its drift stays open until an admin resolves it.
 
 Quarantine sets nodes.status only: allocations are NOT released (§6.4: alert the admin first).
+One run quarantines at most `reconcile_max_quarantine` nodes (site policy, default 10): a run whose
+decisions would quarantine more quarantines none and changes nothing else (no MAAS action, no
+write), and records a refused reconcile (`reconcile_suspect`, reason `quarantine_cap`, CRITICAL):
+a rack-wide power event or a MAAS-side mass change is for an admin to look at, not for the
+reconciler to act on node by node.
+
+Retired nodes (issue 35): retire leaves the MAAS machine alone. Only where the site policy says
+so (`release_retired_machines`) does the reconciler release and power off a retired node's
+Deployed machine, and only after a fresh observation agrees, read right before the release: the
+node is still `retired`, not `protected`, still bound to that machine, and MAAS (a fresh GET of
+the machine, not the list) still shows it Deployed. Whatever it then does it records as its own:
+the node_maas_state row gets the machine's status AFTER the action (read again from MAAS), and
+drift_details.released_by = "maas_reconciler"; a later run that finds that machine released under
+a node that is active again says `released_by_reconciler` (WARN), never quarantines the node for a
+release the product made itself. The marker is dropped once the machine is seen Deployed again.
+
+Site-wide MAAS settings (issue 35): the reconciler is their one owner. Each run writes the site's
+CURRENT policy value of MAAS's global `hardware_sync_interval` (read in the same run) when MAAS
+holds another; onboarding no longer writes it (each onboarding wrote the value it had loaded at
+its start, so the last job to run won, whatever the site said by then).
 
 A machines list that cannot be whole is not acted on (`judge_list`): the list request failed (a
 MaasError after the client's retries, or an answer it cannot read), the list is empty while the
@@ -82,7 +108,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import select, text, tuple_
+from sqlalchemy import func, select, text, tuple_
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from temporalio import activity
 
@@ -173,6 +199,13 @@ HW_SYNC_RESEED_ACTION = NODE_HW_SYNC_RESEED
 # Re-seeds claimed by one run: a bounded fan-out of host tasks per workflow run.
 MAX_RESEEDS_PER_RUN = 50
 RETIRED_CLEANUP = Rule("retired_cleanup", INFO, "cleaning up retired node")
+OWN_RELEASE = Rule(
+    "released_by_reconciler",
+    WARN,
+    "machine released by the reconciler while the node was retired: re-onboard the node",
+)
+DEFAULT_MAX_QUARANTINE = 10  # nodes one run may quarantine, without a policy row
+QUARANTINE_CAP_SAMPLE = 20  # node ids named in a quarantine_cap alert
 
 
 @dataclass(frozen=True)
@@ -183,6 +216,8 @@ class Binding:
     maas_system_id: str
     drift_detected: bool
     drift_rule: str | None
+    # The machine's last release was the reconciler's own (a retired node's cleanup).
+    own_release: bool = False
 
 
 # A machine as the reconciler reads it: what a run lists (MachineState), or a whole Machine.
@@ -256,14 +291,16 @@ def decide(
     *,
     sync: SyncPolicy | None = None,
     now: dt.datetime | None = None,
+    release_retired: bool = False,
 ) -> Decision:
-    """The §6.4 rule that matches one binding (pure: no I/O)."""
+    """The §6.4 rule that matches one binding (pure: no I/O). A retired node's Deployed machine
+    is a cleanup only where the site policy releases retired machines (`release_retired`)."""
     d = Decision(binding, machine)
     status = binding.node_status
     if status not in _WATCHED and status != NodeStatus.RETIRED:
         return d  # in flight, quarantined or gone: observe only
     if status == NodeStatus.RETIRED:
-        if machine is not None and machine.status == MachineStatus.DEPLOYED:
+        if release_retired and machine is not None and machine.status == MachineStatus.DEPLOYED:
             d.rule = RETIRED_CLEANUP
         return d
     if machine is None:
@@ -281,7 +318,7 @@ def decide(
         elif sync_stale(machine, sync or SyncPolicy(), now or dt.datetime.now(dt.UTC)):
             d.rule = HW_SYNC_STALE
     elif machine.status in _RELEASED:
-        d.rule = RELEASED
+        d.rule = OWN_RELEASE if binding.own_release else RELEASED
     elif machine.status == MachineStatus.DEPLOYING:
         d.rule = REDEPLOYED
     elif machine.status.is_failure:
@@ -339,6 +376,38 @@ def judge_list(
     return None
 
 
+def quarantine_cap(
+    decisions: Sequence[Decision], max_quarantine: int = DEFAULT_MAX_QUARANTINE
+) -> Suspicion | None:
+    """None when the run's decisions quarantine at most `max_quarantine` nodes; else the
+    refusal (pure: no I/O). Counted are the nodes the run would move to quarantined."""
+    would = [d for d in decisions if _quarantines(d)]
+    if len(would) <= max_quarantine:
+        return None
+    rules: dict[str, int] = {}
+    for d in would:
+        assert d.rule is not None
+        rules[d.rule.name] = rules.get(d.rule.name, 0) + 1
+    return Suspicion(
+        "quarantine_cap",
+        f"{len(would)} nodes would be quarantined in one run (at most {max_quarantine} may be)",
+        {
+            "would_quarantine": len(would),
+            "max_quarantine": max_quarantine,
+            "rules": rules,
+            "node_ids": sorted(str(d.binding.node_id) for d in would)[:QUARANTINE_CAP_SAMPLE],
+        },
+    )
+
+
+def _quarantines(d: Decision) -> bool:
+    return (
+        d.rule is not None
+        and d.rule.quarantine
+        and node_transition_allowed(NodeStatus(d.binding.node_status), NodeStatus.QUARANTINED)
+    )
+
+
 def max_missing_share_of(policy: MaasSitePolicy | None) -> float:
     """The site policy's `reconcile_max_missing_share` (DEFAULT_MAX_MISSING_SHARE without a
     policy row); clamped to [0, 1]."""
@@ -375,11 +444,18 @@ class MaasReconcileActivities:
             base_url, token_path = site.api_base_url, site.api_token_vault_path
             max_missing_share = max_missing_share_of(policy)
             sync_policy = SyncPolicy.of(policy)
+            release_retired = bool(policy.release_retired_machines) if policy else False
+            max_quarantine = (
+                int(policy.reconcile_max_quarantine) if policy else DEFAULT_MAX_QUARANTINE
+            )
+            hw_sync_interval = policy.hardware_sync_interval if policy else None
         secret = await self._secrets.read(token_path)
         if not secret or not secret.get("token"):
             result.actions.append("skipped:no_credentials")
             return result
         async with MaasClient(base_url, secret["token"], timeout=30) as maas:
+            if hw_sync_interval:
+                await _write_site_settings(maas, hw_sync_interval, result)
             listed: list[MachineState] = []
             failure: MaasError | None = None
             try:
@@ -414,15 +490,28 @@ class MaasReconcileActivities:
             result.unmanaged_machines = sum(1 for s in machines if s not in bound)
             now = dt.datetime.now(dt.UTC)
             decisions = [
-                decide(b, machines.get(b.maas_system_id), sync=sync_policy, now=now)
+                decide(
+                    b,
+                    machines.get(b.maas_system_id),
+                    sync=sync_policy,
+                    now=now,
+                    release_retired=release_retired,
+                )
                 for b in bindings
             ]
             del bindings
+            refusal = quarantine_cap(decisions, max_quarantine)
+            if refusal is not None:
+                await self._record_suspect(site_id, refusal)
+                result.actions.append(f"suspect:{refusal.reason}")
+                result.nodes_checked = 0
+                log.warning("site %s: %s; no node changed", input.site_id, refusal.message)
+                return result
             cleanup_done: dict[uuid.UUID, list[str]] = {}
             for d in decisions:
                 # Every run while MAAS still shows it Deployed (a failed release is retried).
                 if d.rule is RETIRED_CLEANUP:
-                    cleanup_done[d.binding.node_id] = await _cleanup_retired(maas, d)
+                    cleanup_done[d.binding.node_id] = await self._cleanup_retired(maas, d)
         for start in range(0, len(decisions), CHUNK):
             await self._write(site_id, decisions[start : start + CHUNK], cleanup_done, result)
         # A retry of this local activity runs in the same workflow run: the claims an attempt
@@ -468,6 +557,52 @@ class MaasReconcileActivities:
                     )
                 )
             result.actions.append(f"reseed_{reseed['status']}:{node_id}")
+
+    async def _cleanup_retired(self, maas: MaasClient, d: Decision) -> list[str]:
+        """A retired node's Deployed machine released and powered off (site policy
+        release_retired_machines), once a fresh observation agrees: the node, read now, is still
+        retired, not protected and bound to this machine, and MAAS, asked now for this machine,
+        still shows it Deployed. The machine as MAAS shows it after the action replaces the
+        listed one (`d.machine`), so the run records the status its own action left. Errors are
+        recorded, not raised: the next run looks again."""
+        node_id, system_id = d.binding.node_id, d.binding.maas_system_id
+        async with self._sessions() as session:
+            now = (
+                await session.execute(
+                    select(Node.status, Node.protected, NodeMaasState.maas_system_id)
+                    .join(NodeMaasState, NodeMaasState.node_id == Node.id)
+                    .where(Node.id == node_id)
+                )
+            ).first()
+        if now is None or now[0] != NodeStatus.RETIRED or now[2] != system_id:
+            return ["release_skipped:node_changed"]
+        if now[1]:
+            return ["release_refused:node_protected"]
+        try:
+            fresh = await maas.get_machine(system_id)
+        except MaasError as err:
+            return [f"release_skipped:observe_failed:{type(err).__name__}"]
+        d.machine = fresh
+        if fresh.status != MachineStatus.DEPLOYED:
+            return [f"release_skipped:maas_{fresh.status_name}"]
+        done: list[str] = []
+        comment = "gpuaas: node retired (reconciler, site policy release_retired_machines)"
+        try:
+            await maas.release(system_id, comment=comment)
+            done.append("released")
+        except MaasError as err:
+            done.append(f"release_failed:{type(err).__name__}")
+        if "released" in done:
+            try:
+                await maas.power_off(system_id, comment=comment)
+                done.append("powered_off")
+            except MaasError as err:
+                done.append(f"power_off_failed:{type(err).__name__}")
+        try:
+            d.machine = await maas.get_machine(system_id)  # what this run's action left
+        except MaasError as err:
+            done.append(f"observe_after_failed:{type(err).__name__}")
+        return done
 
     @activity.defn(name=RECORD_RESEEDS_ACTIVITY)
     async def record_reseeds(self, input: ReseedOutcomes) -> None:
@@ -520,13 +655,7 @@ class MaasReconcileActivities:
         cleanup_done: dict[uuid.UUID, list[str]],
         result: ReconcileResult,
     ) -> None:
-        quarantine = [
-            d
-            for d in chunk
-            if d.rule is not None
-            and d.rule.quarantine
-            and node_transition_allowed(NodeStatus(d.binding.node_status), NodeStatus.QUARANTINED)
-        ]
+        quarantine = [d for d in chunk if _quarantines(d)]
         host_updates = [d for d in chunk if d.new_host is not None]
         async with self._sessions() as session, session.begin():
             lost: set[uuid.UUID] = set()
@@ -601,7 +730,9 @@ _UPDATE_STATE = text(
     " drift_detected = CASE v.mode WHEN 'drift' THEN true WHEN 'heal' THEN false"
     "   ELSE s.drift_detected END,"
     " drift_rule = CASE WHEN v.mode = 'drift' THEN v.rule ELSE s.drift_rule END,"
-    " drift_details = CASE WHEN v.mode = 'drift' THEN v.details ELSE s.drift_details END,"
+    " drift_details = CASE WHEN v.mode = 'drift' THEN v.details"
+    "   WHEN v.status = 'Deployed' THEN s.drift_details - 'released_by'"
+    "   ELSE s.drift_details END,"
     " drift_resolved_at = CASE v.mode WHEN 'drift' THEN NULL WHEN 'heal' THEN clock_timestamp()"
     "   ELSE s.drift_resolved_at END"
     " FROM jsonb_to_recordset(CAST(:rows AS jsonb))"
@@ -715,6 +846,10 @@ def _details(d: Decision, cleanup: list[str] | None) -> dict[str, Any]:
         )
     if cleanup is not None:
         details["actions"] = cleanup
+        if "released" in cleanup:
+            details["released_by"] = RECONCILER_ACTOR
+    if d.rule is OWN_RELEASE:
+        details.update(released_by=RECONCILER_ACTOR, expected="Deployed (re-onboard the node)")
     return details
 
 
@@ -727,6 +862,9 @@ async def _load_bindings(session: AsyncSession, site_id: uuid.UUID) -> list[Bind
             NodeMaasState.maas_system_id,
             NodeMaasState.drift_detected,
             NodeMaasState.drift_rule,
+            func.coalesce(
+                NodeMaasState.drift_details["released_by"].astext == RECONCILER_ACTOR, False
+            ),
         )
         .join(Node, Node.id == NodeMaasState.node_id)
         .where(NodeMaasState.site_id == site_id)
@@ -779,20 +917,12 @@ async def _update_hosts(session: AsyncSession, decisions: Sequence[Decision]) ->
     return set(won)
 
 
-async def _cleanup_retired(maas: MaasClient, d: Decision) -> list[str]:
-    """§6.4 Deployed + retired: release the machine and power it off. Errors are recorded, not
-    raised: the next run sees the machine still Deployed and tries again."""
-    system_id = d.binding.maas_system_id
-    done: list[str] = []
+async def _write_site_settings(maas: MaasClient, interval: str, result: ReconcileResult) -> None:
+    """MAAS's site-wide settings from the site's current policy (the reconciler is their one
+    owner): the global hardware_sync_interval, written only when MAAS holds another value. A
+    failure is an action in the result, never the run's failure: the next run writes again."""
     try:
-        await maas.release(system_id, comment="gpuaas: node retired (reconciler)")
-        done.append("released")
+        if await maas.ensure_hardware_sync_interval(interval):
+            result.actions.append(f"site_setting:hardware_sync_interval={interval}")
     except MaasError as err:
-        done.append(f"release_failed:{type(err).__name__}")
-        return done
-    try:
-        await maas.power_off(system_id, comment="gpuaas: node retired (reconciler)")
-        done.append("powered_off")
-    except MaasError as err:
-        done.append(f"power_off_failed:{type(err).__name__}")
-    return done
+        result.actions.append(f"site_setting_failed:hardware_sync_interval:{type(err).__name__}")

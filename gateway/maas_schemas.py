@@ -79,6 +79,8 @@ class SitePolicy(RunPolicy, kw_only=True):
 
     reconcile_interval_seconds: Annotated[int, msgspec.Meta(ge=30, le=86400)] = 300
     reconcile_max_missing_share: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.1
+    release_retired_machines: bool = False
+    reconcile_max_quarantine: Annotated[int, msgspec.Meta(ge=1, le=100000)] = 10
 
 
 class SitePolicyPatch(Request):
@@ -105,6 +107,8 @@ class SitePolicyPatch(Request):
     enrollment_timeout_seconds: TimeoutSeconds | None = None
     roce_failures_stop_job: bool | None = None
     reconcile_max_missing_share: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
+    release_retired_machines: bool | None = None
+    reconcile_max_quarantine: Annotated[int, msgspec.Meta(ge=1, le=100000)] | None = None
 
 
 class SiteCreate(Request):

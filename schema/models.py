@@ -569,11 +569,19 @@ class MaasSitePolicy(Base):
     # The share of the site's bound machines a machines list may miss before the reconciler
     # takes the list as suspect and changes nothing.
     reconcile_max_missing_share: Mapped[float] = mapped_column(Float, server_default=text("0.1"))
+    # Whether the reconciler releases and powers off a retired node's Deployed machine (off:
+    # retire leaves the machine alone), and how many nodes one reconcile may quarantine (more:
+    # it quarantines none and records a refused reconcile), since 0031.
+    release_retired_machines: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
+    reconcile_max_quarantine: Mapped[int] = mapped_column(Integer, server_default=text("10"))
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=NOW)
     updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=NOW)
     __table_args__ = (
         CheckConstraint(
             "reconcile_max_missing_share BETWEEN 0 AND 1", name="policy_reconcile_missing_share"
+        ),
+        CheckConstraint(
+            "reconcile_max_quarantine BETWEEN 1 AND 100000", name="policy_reconcile_max_quarantine"
         ),
         CheckConstraint("max_deploy_retry_attempts BETWEEN 0 AND 10", name="policy_deploy_retries"),
         CheckConstraint("batch_max_parallel BETWEEN 1 AND 500", name="policy_batch_parallel"),

@@ -18,7 +18,14 @@ from activities.maas_reconcile import Binding, decide, judge_list
 from contracts.maas_reconciler import ReconcileInput, ReconcileResult
 from core.config import Settings
 from core.secret_paths import site_api_token_path
-from schema.models import DomainEvent, MaasSite, Node, NodeDriftEvent, NodeMaasState
+from schema.models import (
+    DomainEvent,
+    MaasSite,
+    MaasSitePolicy,
+    Node,
+    NodeDriftEvent,
+    NodeMaasState,
+)
 from tests.histories import record_history
 from tests.maas_fixtures import sim_machine, sim_scenario
 from workflows.maas_reconciler import MaasSiteReconcilerWorkflow
@@ -55,8 +62,12 @@ async def reconciler(
 
 
 async def make_site(
-    sessions: async_sessionmaker[AsyncSession], secret_store: Any, maas_sim: Any
+    sessions: async_sessionmaker[AsyncSession],
+    secret_store: Any,
+    maas_sim: Any,
+    **policy: Any,
 ) -> uuid.UUID:
+    """A site (and, given `policy` knobs, its policy row with them)."""
     site_id = uuid.uuid4()
     async with sessions() as session, session.begin():
         session.add(
@@ -73,6 +84,9 @@ async def make_site(
                 node_pxe_iface="eno8303",
             )
         )
+        if policy:
+            await session.flush()
+            session.add(MaasSitePolicy(site_id=site_id, **policy))
     await secret_store.write(site_api_token_path(site_id), {"token": maas_sim.api_key})
     return site_id
 
@@ -155,12 +169,14 @@ async def test_every_rule_against_the_simulator(
     secret_store: Any,
     maas_sim: Any,
 ) -> None:
-    site_id = await make_site(db_sessions, secret_store, maas_sim)
+    # The site's policy releases retired nodes' machines (off by default: retire leaves the
+    # machine alone, test_maas_reconciler_policy.py).
+    site_id = await make_site(db_sessions, secret_store, maas_sim, release_retired_machines=True)
     ids = await bind_nodes(db_sessions, site_id, maas_sim)
     sysid = {name: (await maas_sim.machine(f"rec-{name}"))["system_id"] for name in NODES}
 
     # Run 1, everything Deployed: only the offline node (WARN) and the retired node (INFO:
-    # released and powered off through the MAAS API) drift.
+    # released and powered off through the MAAS API, after a fresh look at it) drift.
     first = await run_once(temporal_client, settings, site_id)
     assert first.machines_seen == len(NODES) + 1
     assert first.nodes_checked == len(NODES)
@@ -177,6 +193,13 @@ async def test_every_rule_against_the_simulator(
     assert retired_ops.get("machine.release") == 1
     assert retired_ops.get("machine.power_off") == 1
     assert counters["ops"].get("machines.read") == 1  # one list call per run
+    # What the reconciler did itself is recorded as its own, with the status its action left
+    # (not the Deployed it listed before the release).
+    retired_state = await state_of(db_sessions, ids["retired"])
+    assert retired_state.last_maas_status in ("Releasing", "Ready")
+    assert retired_state.drift_details is not None
+    assert retired_state.drift_details["released_by"] == "maas_reconciler"
+    assert retired_state.drift_details["actions"] == ["released", "powered_off"]
     assert await node_status(db_sessions, ids["offline"]) == "offline"  # no MAAS action
     ok = await state_of(db_sessions, ids["ok"])
     assert ok.last_maas_status == "Deployed"
@@ -531,6 +554,27 @@ def test_decide_table(
     assert (decision.rule.name if decision.rule else None) == rule
 
 
+def test_decide_a_retired_machine_is_left_alone_unless_the_policy_releases_it() -> None:
+    retired = Binding(uuid.uuid4(), "retired", "10.0.0.5", "abc123", False, None)
+    assert decide(retired, _machine(MachineStatus.DEPLOYED)).rule is None
+    cleanup = decide(retired, _machine(MachineStatus.DEPLOYED), release_retired=True).rule
+    assert cleanup is not None
+    assert cleanup.name == "retired_cleanup"
+
+
+def test_decide_never_quarantines_the_reconcilers_own_release() -> None:
+    """A node active again (reactivated) whose machine the reconciler itself released while the
+    node was retired: a WARN for the admin, not released_outside_workflow CRITICAL quarantine."""
+    own = Binding(uuid.uuid4(), "active", "10.0.0.5", "abc123", False, None, own_release=True)
+    rule = decide(own, _machine(MachineStatus.READY, PowerState.OFF)).rule
+    assert rule is not None
+    assert (rule.name, rule.severity, rule.quarantine) == ("released_by_reconciler", "WARN", False)
+    other = Binding(uuid.uuid4(), "active", "10.0.0.5", "abc123", False, None)
+    rule = decide(other, _machine(MachineStatus.READY, PowerState.OFF)).rule
+    assert rule is not None
+    assert (rule.name, rule.quarantine) == ("released_outside_workflow", True)
+
+
 def test_decide_a_node_without_a_host_gets_one_without_drift() -> None:
     binding = Binding(uuid.uuid4(), "active", None, "abc123", False, None)
     decision = decide(binding, _machine(MachineStatus.DEPLOYED))
@@ -554,7 +598,7 @@ async def test_drift_api_shows_and_filters_by_severity(
 ) -> None:
     """The drift list and detail carry the severity the reconciler recorded (§6.4), and the list
     filters by it."""
-    site_id = await make_site(db_sessions, secret_store, maas_sim)
+    site_id = await make_site(db_sessions, secret_store, maas_sim, release_retired_machines=True)
     ids = await bind_nodes(db_sessions, site_id, maas_sim)
     await maas_sim.mark_broken("rec-broken", "PSU failure")
     await run_once(temporal_client, settings, site_id)

@@ -58,7 +58,7 @@ async def test_status_drift_resolve_and_run(
         )  # fmt: skip
 
     status = (await admin.get("/api/v1/admin/reconciliation/status")).json()
-    assert status == {"nodes": 3, "ok": 2, "drifted": 1, "unreconciled": 3}
+    assert status == {"nodes": 3, "ok": 2, "drifted": 1, "unreconciled": 3, "refused": []}
     drift = (await admin.get("/api/v1/admin/reconciliation/drift")).json()["items"]
     assert [(d["node_id"], d["rule"]) for d in drift] == [
         (str(nodes[1].id), "released_outside_workflow")

@@ -409,13 +409,29 @@ class NodeStageActivities(StageActivitiesBase):
         assert run.result is not None
         return run.result
 
+    async def _current_hw_sync_interval(self, site_id: str) -> str | None:
+        """The site policy's hardware_sync_interval as it is now (None without a policy row)."""
+        async with self.deps.sessions() as session:
+            value = await session.scalar(
+                select(MaasSitePolicy.hardware_sync_interval).where(
+                    MaasSitePolicy.site_id == uuid.UUID(site_id)
+                )
+            )
+        return str(value) if value else None
+
     async def _seed(self, run: StageRun, maas: MaasClient) -> tuple[Machine, str]:
         """§9.1 re-sync steps 2-5: enable_hw_sync, the machine token (waiting for MAAS to make
         it), the credentials file and the timer pushed over SSH."""
         site = run.site
-        # Step 1 first: MAAS copies the site interval into sync_interval when enable_hw_sync
-        # is saved (step 2).
-        await maas.ensure_hardware_sync_interval(site.policy.hardware_sync_interval)
+        # Step 1: MAAS's global hardware_sync_interval, which MAAS copies into the machine's
+        # sync_interval when enable_hw_sync is saved (step 2). The site reconciler owns the
+        # site-wide MAAS settings (it writes them from the site's current policy on each run,
+        # activities/maas_reconcile.py); this job only makes MAAS agree with the site's policy
+        # as it reads it NOW, right before step 2, never with the value it loaded at its start
+        # (a job doing that made the last job to run win, whatever the site said by then).
+        current = await self._current_hw_sync_interval(run.input.onboarding.site_id)
+        if current is not None:
+            await maas.ensure_hardware_sync_interval(current)
         await maas.update_machine(run.system_id, enable_hw_sync=True)
 
         async def token_ready() -> object | None:

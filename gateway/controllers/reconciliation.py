@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 from litestar import Controller, get, post
 from litestar.di import NamedDependency
-from litestar.params import FromPath, FromQuery, JSONBody
-from sqlalchemy import func, select
+from litestar.params import FromPath, FromQuery, JSONBody, QueryParameter
+from sqlalchemy import func, select, text
 from sqlalchemy.ext.asyncio import AsyncSession
 from temporalio.client import Client
 
@@ -26,12 +26,27 @@ from core.timestamps import parse_iso
 from gateway.admin_operations import actor, run_admin_operation
 from gateway.auth import Principal, admin_guard
 from gateway.errors import Conflict, NotFound, unknown_query_value
-from gateway.openapi import errors
+from gateway.openapi import errors, one_of
 from gateway.runtime import Runtime
 from gateway.schemas import Reason
 from gateway.schemas import Request as RequestBody
 from gateway.temporal import TemporalOps
 from schema.models import MaasSite, MaasSitePolicy, Node, NodeDriftEvent, NodeMaasState
+
+
+class RefusedReconcile(msgspec.Struct, kw_only=True):
+    """A site whose latest reconcile was refused (a `reconcile_suspect` alert: a machines list
+    that cannot be whole, or more quarantines than the site's cap) and that no accepted run has
+    reconciled since: its nodes' MAAS state is as old as the last accepted run."""
+
+    site_id: uuid.UUID
+    site_name: str
+    reason: str  # list_failed, empty_list, missing_share, quarantine_cap
+    message: str
+    severity: str
+    at: dt.datetime
+    # The details the reconciler recorded with the alert (counts, sample of ids, error).
+    details: dict[str, Any]
 
 
 class ReconciliationStatus(msgspec.Struct, kw_only=True):
@@ -40,6 +55,8 @@ class ReconciliationStatus(msgspec.Struct, kw_only=True):
     drifted: int
     # Never reconciled, or not within two of its site's reconcile intervals.
     unreconciled: int
+    # Sites whose latest reconcile was refused, with its reason and time (none: all accepted).
+    refused: list[RefusedReconcile] = msgspec.field(default_factory=list)
 
 
 class DriftView(msgspec.Struct, kw_only=True):
@@ -93,8 +110,55 @@ async def reconciliation_status(
         query = query.where(NodeMaasState.site_id == site_id)
     total, drifted, unreconciled = (await db.execute(query)).one()
     return ReconciliationStatus(
-        nodes=total, ok=total - drifted, drifted=drifted, unreconciled=unreconciled
+        nodes=total,
+        ok=total - drifted,
+        drifted=drifted,
+        unreconciled=unreconciled,
+        refused=await refused_reconciles(db, site_id),
     )
+
+
+# The alert a refused reconcile records (activities/maas_reconcile.py SUSPECT_EVENT).
+REFUSED_EVENT = "maas.reconcile_suspect"
+_REFUSED = text(
+    "SELECT s.id, s.name, e.payload, e.occurred_at"
+    " FROM maas_sites s"
+    " CROSS JOIN LATERAL ("
+    "   SELECT payload, occurred_at FROM domain_events"
+    "   WHERE type = :event AND subject_type = 'maas_site' AND subject_id = s.id::text"
+    "   ORDER BY occurred_at DESC, id DESC LIMIT 1"
+    " ) e"
+    " WHERE (CAST(:site AS uuid) IS NULL OR s.id = CAST(:site AS uuid))"
+    " AND e.occurred_at > COALESCE("
+    "   (SELECT max(m.last_reconciled_at) FROM node_maas_state m WHERE m.site_id = s.id),"
+    "   '-infinity')"
+    " ORDER BY e.occurred_at DESC"
+)
+
+
+async def refused_reconciles(db: AsyncSession, site_id: uuid.UUID | None) -> list[RefusedReconcile]:
+    """Each site whose latest refused reconcile is newer than its last accepted one (an accepted
+    run stamps its nodes' last_reconciled_at; a refused one writes nothing else)."""
+    rows = await db.execute(_REFUSED, {"event": REFUSED_EVENT, "site": site_id})
+    refused = []
+    for sid, name, payload, at in rows:
+        details = {
+            k: v
+            for k, v in dict(payload).items()
+            if k not in ("rule", "reason", "message", "severity")
+        }
+        refused.append(
+            RefusedReconcile(
+                site_id=sid,
+                site_name=name,
+                reason=str(payload.get("reason", "unknown")),
+                message=str(payload.get("message", "")),
+                severity=str(payload.get("severity", "CRITICAL")),
+                at=at,
+                details=details,
+            )
+        )
+    return refused
 
 
 # The severities node_drift_events records (its check constraint), most urgent first.
@@ -198,7 +262,11 @@ class AdminReconciliationController(Controller):
     guards = [admin_guard]
     tags = ["admin: reconciliation"]
 
-    @get("/status", summary="Nodes bound to MAAS: ok, drifted, unreconciled", responses=errors())
+    @get(
+        "/status",
+        summary="Nodes bound to MAAS: ok, drifted, unreconciled; refused reconciles by site",
+        responses=errors(),
+    )
     async def status(
         self, db: NamedDependency[AsyncSession], site_id: FromQuery[uuid.UUID | None] = None
     ) -> ReconciliationStatus:
@@ -214,7 +282,9 @@ class AdminReconciliationController(Controller):
         self,
         db: NamedDependency[AsyncSession],
         site_id: FromQuery[uuid.UUID | None] = None,
-        severity: FromQuery[str | None] = None,
+        severity: Annotated[
+            str | None, QueryParameter(schema_extra=one_of(DRIFT_SEVERITIES))
+        ] = None,
     ) -> DriftList:
         return await drift_list(db, site_id, severity=checked_severity(severity))
 
