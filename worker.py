@@ -62,6 +62,7 @@ from workflows.billing_meter import BillingMeterWorkflow
 from workflows.decommission import NodeDecommissionWorkflow
 from workflows.maas_reconciler import MaasSiteReconcilerWorkflow
 from workflows.node_drain import NodeDrainWorkflow
+from workflows.node_health_probe import NodeHealthProbeWorkflow
 from workflows.node_liveness import SCHEDULE_ID as LIVENESS_SCHEDULE_ID
 from workflows.node_liveness import NodeLivenessWorkflow
 from workflows.node_presence import NodePresenceWorkflow
@@ -88,6 +89,7 @@ WORKFLOWS = [
     NodeDrainWorkflow,
     TerminalSessionWorkflow,
     StorageAttachmentWorkflow,
+    NodeHealthProbeWorkflow,
 ]
 
 # Workflow modules stay sandboxed; every other module (our contracts, the SDK, the standard
@@ -130,7 +132,7 @@ def operation_activities(
         *LifecycleSubmissionActivities(sessions, client).activities(),
         *StripeWebhookActivities(sessions, client).activities(),
         *NotificationWebhookActivities(sessions, secret_store).activities(),
-        *NodeAdminActivities(sessions, client).activities(),
+        *NodeAdminActivities(sessions, client, secret_store).activities(),
         *StorageActivities(sessions, SharedDirectoryProvider.from_env(), client).operations(),
     ]
 

@@ -16,12 +16,20 @@ audit row, with the operator's reason, in the same transaction.
 A node that an onboarding or decommission job owns (a live job) is that job's to move: every
 action is refused with `node_lifecycle_in_progress`.
 
-The health proof, from what the control plane has recorded (the agent talks to Temporal only):
-the node's agent was heard from within HEALTH_PROOF_MAX_AGE_SECONDS and after the node entered
-its current state (a heartbeat from before a quarantine proves nothing about after it), its last
-reported GPU inventory matches the node's GPU slots (every GPU is still on the bus), and for a
-node bound to MAAS, MAAS was last seen holding the machine Deployed and no drift is open (an
-operator resolves the drift, audited, once the cause is fixed)."""
+The health proof is observed now, in the run that moves the node, never read from what was
+stored before (a reconciler that released the machine after storing "Deployed", a contact from
+before a release, prove nothing about the node now):
+- agent_answered: the node's agent ran a read-only `node.validate_clean` on its own queue in this
+  run (workflows/node_health_probe.py), and for a retired node (reactivate: nothing of a tenant
+  may be left on it) found no tenant residue;
+- gpu_inventory: its last reported GPU inventory matches the node's GPU slots (every GPU is still
+  on the bus);
+- for a node bound to MAAS: maas_deployed, the node's MAAS site asked now for the machine (by
+  the site's token from the secret store) holds it Deployed; maas_power_on, the machine's power
+  asked now is on; and drift_resolved, no drift is open (an operator resolves the drift, audited,
+  once the cause is fixed).
+A failed proof is refused with `node_not_proven_healthy`, naming the failed checks and what was
+observed: `maas_status`, `power_state` and `agent_seen_at` (None: the agent did not answer)."""
 
 from __future__ import annotations
 
@@ -29,16 +37,20 @@ import datetime as dt
 import os
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import exists, func, select
+from sqlalchemy import exists, select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from temporalio import activity
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowFailureError
 from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.service import RPCError
 
-from activities.node_lifecycle import STATUS_CHANGED, transition_node
+from activities.maas.client import MaasClient
+from activities.maas.errors import MaasError, MaasNotFound
+from activities.node_lifecycle import transition_node
 from activities.operation_support import record_audit, refusal, transaction
 from contracts.admin_operation import (
     NODE_ACTIVATE,
@@ -64,20 +76,31 @@ from contracts.node_drain import (
     WORKFLOW_NAME as DRAIN_WORKFLOW,
 )
 from contracts.states import NodeStatus
+from core.secrets import SecretStore, SecretStoreError
 from schema.models import (
-    DomainEvent,
+    MaasSite,
     Node,
     NodeDecommission,
     NodeDrain,
     NodeMaasState,
     NodeOnboarding,
 )
+from workflows.node_health_probe import (
+    WORKFLOW_NAME as PROBE_WORKFLOW,
+)
+from workflows.node_health_probe import (
+    HealthProbeInput,
+    HealthProbeResult,
+    node_health_probe_workflow_id,
+)
 
-# A contact older than this proves nothing about the node now. An out-of-service node's contact
-# is refreshed by every liveness sweep (30 s) from its agent's long polls, each at most about a
-# minute old (activities/node_liveness.py): a live agent's is always younger.
-HEALTH_PROOF_MAX_AGE_SECONDS = 120.0
 MAAS_DEPLOYED = "Deployed"
+POWER_ON = "on"
+# A health proof asks MAAS and the agent inside one admin operation (60 s): each bounded well
+# below it.
+MAAS_TIMEOUT_SECONDS = 10.0
+PROBE_PICKUP_SECONDS = 5.0
+PROBE_RUN_SECONDS = 20.0
 RETIRABLE = (NodeStatus.ACTIVE, NodeStatus.OFFLINE, NodeStatus.QUARANTINED)
 # How often a drain looks again at the node's allocations (tests shorten it).
 DRAIN_POLL_ENV = "GPUCLOUD_NODE_DRAIN_POLL_S"
@@ -118,27 +141,35 @@ def _status_conflict(node: Node, action: str, sources: tuple[NodeStatus, ...]) -
     )
 
 
-async def health_proof(session: AsyncSession, node: Node) -> list[HealthCheck]:
+@dataclass
+class Observed:
+    """What a health proof saw now: MAAS's answer (None: the node is not bound to MAAS) and the
+    agent's."""
+
+    maas_status: str | None = None
+    power_state: str | None = None
+    maas_detail: str = ""
+    agent: HealthProbeResult | None = None
+
+
+def health_proof(node: Node, binding: NodeMaasState | None, seen: Observed) -> list[HealthCheck]:
     """Each check of the proof that `node` is healthy now (see the module docstring)."""
-    entered = await session.scalar(
-        select(func.max(DomainEvent.occurred_at)).where(
-            DomainEvent.type == STATUS_CHANGED,
-            DomainEvent.subject_type == "node",
-            DomainEvent.subject_id == str(node.id),
-            DomainEvent.payload["to"].astext == node.status,
+    probe = seen.agent
+    answered = probe is not None and probe.answered
+    want_clean = node.status == NodeStatus.RETIRED
+    if probe is None or not probe.answered:
+        agent_detail = f"the agent did not answer now: {probe.error if probe else 'not asked'}"
+    else:
+        agent_detail = f"the agent answered at {probe.answered_at}; " + (
+            "no tenant residue"
+            if probe.clean
+            else f"tenant residue: {', '.join(probe.failed_checks) or 'unclean'}"
         )
-    )
-    now = await session.scalar(select(func.clock_timestamp()))
-    assert now is not None
-    contact = node.last_agent_contact_at
     checks = [
         HealthCheck(
-            "agent_heartbeat",
-            contact is not None
-            and now - contact <= dt.timedelta(seconds=HEALTH_PROOF_MAX_AGE_SECONDS)
-            and (entered is None or contact > entered),
-            f"last heard from {contact.isoformat() if contact else 'never'}; "
-            f"in {node.status} since {entered.isoformat() if entered else 'unknown'}",
+            "agent_answered",
+            answered and (probe is not None and (probe.clean or not want_clean)),
+            agent_detail,
         ),
         HealthCheck(
             "gpu_inventory",
@@ -147,13 +178,17 @@ async def health_proof(session: AsyncSession, node: Node) -> list[HealthCheck]:
             f"matches the slots: {node.inventory_matches}",
         ),
     ]
-    binding = await session.get(NodeMaasState, node.id)
     if binding is not None:
         checks += [
             HealthCheck(
                 "maas_deployed",
-                binding.last_maas_status == MAAS_DEPLOYED,
-                f"MAAS last seen: {binding.last_maas_status or 'absent'}",
+                seen.maas_status == MAAS_DEPLOYED,
+                f"MAAS now: {seen.maas_status or 'unknown'}{seen.maas_detail}",
+            ),
+            HealthCheck(
+                "maas_power_on",
+                seen.power_state == POWER_ON,
+                f"power now: {seen.power_state or 'unknown'}",
             ),
             HealthCheck(
                 "drift_resolved",
@@ -165,15 +200,23 @@ async def health_proof(session: AsyncSession, node: Node) -> list[HealthCheck]:
 
 
 class NodeAdminActivities:
-    def __init__(self, sessions: async_sessionmaker[AsyncSession], client: Client) -> None:
+    def __init__(
+        self,
+        sessions: async_sessionmaker[AsyncSession],
+        client: Client,
+        secrets: SecretStore | None = None,
+    ) -> None:
         self._sessions = sessions
         self._client = client
+        self._secrets = secrets
 
     def activities(self) -> list[Callable[..., Any]]:
         return [self.node_activate, self.node_retire, self.node_reactivate]
 
     async def _to_active(self, input: NodeActionInput, source: NodeStatus) -> NodeActionResult:
-        """source → active once the health proof holds: compare-and-set, audited."""
+        """source → active once the health proof, observed now, holds: compare-and-set, audited.
+        MAAS and the agent are asked outside any transaction; the node is then locked and checked
+        again (status, owner, drift) before it moves."""
         node_id = uuid.UUID(input.node_id)
         action = "activated" if source == NodeStatus.QUARANTINED else "reactivated"
         async with transaction(self._sessions) as session:
@@ -181,13 +224,41 @@ class NodeAdminActivities:
             await _refuse_if_owned(session, node_id)
             if node.status != source:
                 raise _status_conflict(node, action, (source,))
-            checks = await health_proof(session, node)
+            binding = await session.get(NodeMaasState, node_id)
+            site = await session.get(MaasSite, binding.site_id) if binding is not None else None
+            target = (
+                (site.api_base_url, site.api_token_vault_path, binding.maas_system_id)
+                if binding is not None and site is not None
+                else None
+            )
+        seen = Observed()
+        if binding is not None:
+            await self._observe_maas(seen, target)
+        seen.agent = await self._probe_agent(node_id)
+        async with transaction(self._sessions) as session:
+            node = await _locked_node(session, node_id)
+            await _refuse_if_owned(session, node_id)
+            if node.status != source:
+                raise _status_conflict(node, action, (source,))
+            binding = await session.get(NodeMaasState, node_id)
+            checks = health_proof(node, binding, seen)
             failed = [c.name for c in checks if not c.passed]
             if failed:
                 raise refusal(
                     NODE_NOT_PROVEN_HEALTHY,
-                    f"the node is not proven healthy: {', '.join(failed)}",
-                    {"failed": failed, "checks": [vars(c) for c in checks]},
+                    f"the node is not proven healthy now: {', '.join(failed)}",
+                    {
+                        "failed": failed,
+                        "checks": [vars(c) for c in checks],
+                        "maas_status": seen.maas_status,
+                        "power_state": seen.power_state,
+                        "agent_seen_at": seen.agent.answered_at if seen.agent else None,
+                        "agent_last_contact_at": (
+                            node.last_agent_contact_at.isoformat()
+                            if node.last_agent_contact_at
+                            else None
+                        ),
+                    },
                 )
             moved = await transition_node(
                 session,
@@ -206,7 +277,12 @@ class NodeAdminActivities:
                 target_id=str(node_id),
                 prior_state=source.value,
                 expected_state=NodeStatus.ACTIVE.value,
-                details={"health": [vars(c) for c in checks]},
+                details={
+                    "health": [vars(c) for c in checks],
+                    "maas_status": seen.maas_status,
+                    "power_state": seen.power_state,
+                    "agent_seen_at": seen.agent.answered_at if seen.agent else None,
+                },
             )
         return NodeActionResult(
             node_id=str(node_id),
@@ -214,6 +290,65 @@ class NodeAdminActivities:
             status=NodeStatus.ACTIVE.value,
             health=checks,
         )
+
+    async def _observe_maas(self, seen: Observed, target: tuple[str, str, str] | None) -> None:
+        """Ask the node's MAAS site now for its machine: status, and power asked of the BMC
+        (MAAS's last view of it when that query fails). Whatever MAAS cannot answer stays
+        unknown, and the proof fails on it."""
+        if target is None:
+            seen.maas_detail = " (the node's MAAS site is gone)"
+            return
+        base_url, token_path, system_id = target
+        if self._secrets is None:
+            seen.maas_detail = " (no secret store: MAAS cannot be asked)"
+            return
+        try:
+            secret = await self._secrets.read(token_path)
+        except SecretStoreError as err:
+            seen.maas_detail = f" (the site's MAAS token could not be read: {err})"
+            return
+        if not secret or not secret.get("token"):
+            seen.maas_detail = f" (no MAAS API token at {token_path})"
+            return
+        try:
+            async with MaasClient(base_url, secret["token"], timeout=MAAS_TIMEOUT_SECONDS) as maas:
+                try:
+                    machine = await maas.get_machine(system_id)
+                except MaasNotFound:
+                    seen.maas_status = "absent"
+                    seen.maas_detail = f" (machine {system_id} is not in MAAS)"
+                    return
+                seen.maas_status = machine.status.label
+                seen.power_state = str(machine.power_state)
+                try:
+                    seen.power_state = str(await maas.query_power_state(system_id))
+                except MaasError as err:
+                    seen.maas_detail = f" (BMC power query failed: {err.message}; MAAS's view)"
+        except MaasError as err:
+            seen.maas_detail = f" (MAAS could not be asked: {err.message})"
+
+    async def _probe_agent(self, node_id: uuid.UUID) -> HealthProbeResult:
+        """The agent asked now, through a one-task probe workflow on the node's queue."""
+        request = str(uuid.uuid4())
+        try:
+            result: HealthProbeResult = await self._client.execute_workflow(
+                PROBE_WORKFLOW,
+                HealthProbeInput(
+                    node_id=str(node_id),
+                    task_id=f"health-probe-{request}",
+                    pickup_seconds=PROBE_PICKUP_SECONDS,
+                    run_seconds=PROBE_RUN_SECONDS,
+                ),
+                id=node_health_probe_workflow_id(str(node_id), request),
+                task_queue=activity.info().task_queue,
+                result_type=HealthProbeResult,
+                execution_timeout=dt.timedelta(
+                    seconds=PROBE_PICKUP_SECONDS + PROBE_RUN_SECONDS + 10
+                ),
+            )
+        except (WorkflowFailureError, RPCError) as err:
+            return HealthProbeResult(answered=False, error=f"the probe did not finish: {err}")
+        return result
 
     @activity.defn(name=NODE_ACTIVATE)
     async def node_activate(self, input: NodeActionInput) -> NodeActionResult:

@@ -401,9 +401,12 @@ async def test_resume_requeues_a_stale_drain_task(decommission: DecommissionRig)
 
 
 @pytest.mark.maas_scenario(MACHINES)
-async def test_machine_deleted_out_of_band_is_adopted_by_an_operator(
+async def test_machine_deleted_out_of_band_is_not_adopted_as_wiped(
     decommission: DecommissionRig,
 ) -> None:
+    """Issue 35 / seed 003 §5.8: a full decommission whose machine vanished from MAAS before it
+    was released never ends reconciled with the node deleted: its disks were not erased, it was
+    not powered off and its agent not removed. The adopt is refused with host_not_wiped."""
     node_id = await decommission.maas_node("fail-b", "10.176.18.11")
     agent = await decommission.agent(node_id)
     system_id = await _system_id(decommission, node_id)
@@ -417,8 +420,19 @@ async def test_machine_deleted_out_of_band_is_adopted_by_an_operator(
     assert row.error_code == "machine_deleted"
     assert row.recommended_action == "adopt_observed_state"
     await decommission.action(job, "adopt_observed_state")
-    await decommission.wait_status(job, "reconciled")
-    assert await _node_status(decommission, node_id) == "deleted"
+
+    async def refused() -> Any:
+        row = await decommission.row(job)
+        return row if row.error_code == "host_not_wiped" else None
+
+    row = await eventually(refused)
+    assert row.status == "failed_manual_intervention"
+    assert "not erased" in (row.error_message or "")
+    assert row.recommended_action == "retry_stage"
+    assert await _node_status(decommission, node_id) != "deleted"
+    assert agent.maintenance.calls.get("uninstall", 0) == 0
+    assert row.error_details.get("host_not_wiped") is True
+    await record_history(decommission.handle(job), "decommission", "vanished_machine_not_wiped")
 
 
 # --------------------------------------------------------------------------- allocations

@@ -188,9 +188,11 @@ async def test_a_quarantined_node_returns_to_service_only_with_a_health_proof(
     db_sessions: Any,
     secret_store: Any,
     maas_sim: Any,
+    start_node_agent: Any,
 ) -> None:
     admin = await api(token=await make_token("admin"))
     site_id, node = await maas_node(db_sessions, secret_store, maas_sim)
+    await start_node_agent(node.id)  # it answers the health proof's probe on its queue
     await maas_sim.release("nsm-a")  # out of band, as an admin in the MAAS UI would
     await run_once(temporal_client, settings, site_id)
     assert await status_of(db_sessions, node.id) == "quarantined"
@@ -214,15 +216,19 @@ async def test_a_quarantined_node_returns_to_service_only_with_a_health_proof(
     error = refused.json()["error"]
     assert error["code"] == "node_not_proven_healthy"
     assert set(error["details"]["failed"]) == {
-        "agent_heartbeat",
         "gpu_inventory",
         "maas_deployed",
+        "maas_power_on",
         "drift_resolved",
     }
+    # MAAS was asked now (the machine is released: off), not read from the binding row.
+    assert error["details"]["power_state"] == "off"
+    assert error["details"]["agent_seen_at"] is not None
     assert await status_of(db_sessions, node.id) == "quarantined"
 
     # The operator fixes the machine, acknowledges the drift; the agent heartbeats.
     await maas_sim.set_status("nsm-a", "Deployed")
+    await maas_sim.set_power("nsm-a", "on")
     await run_once(temporal_client, settings, site_id)
     resolved = await admin.post(
         f"/api/v1/admin/reconciliation/drift/{node.id}/resolve", json=REASON
@@ -327,10 +333,11 @@ async def test_retire_drains_across_a_worker_restart_then_reactivates(
         assert detail["status"] == "retired"
         assert detail["lifecycle_job"] is None
 
-        # Reactivation needs the agent heard from since the retirement.
+        # Reactivation needs the agent's GPU inventory to match the node's slots (its agent,
+        # asked now, answers).
         refused = await admin.post(f"/api/v1/admin/nodes/{busy}/reactivate", json=REASON)
         assert refused.status_code == 409, refused.text
-        assert "agent_heartbeat" in refused.json()["error"]["details"]["failed"]
+        assert refused.json()["error"]["details"]["failed"] == ["gpu_inventory"]
         await heartbeat(temporal_client, settings, busy, db_sessions)
 
         async def heard() -> bool:

@@ -127,6 +127,11 @@ ADOPT_ONLY_OBSERVED_PATCH = "adopt-only-what-was-observed"
 # observed afterwards and are refused (retry_stage runs them); a reimage's agent enrollment is
 # observed again. Runs that adopted these before go on as they did.
 ADOPT_REOBSERVES_HOST_WORK_PATCH = "adopt-reobserves-host-work"
+# A full decommission whose machine vanished from MAAS before MAAS released it is not adopted
+# as done (seed 003 §5.8 "do not pretend full decommission completed"): the disks were never
+# erased, the machine never powered off, its agent may still run. The adopt is refused with
+# `host_not_wiped` (failed_manual_intervention). Runs that adopted a vanished machine before go on.
+VANISHED_MACHINE_NOT_WIPED_PATCH = "vanished-machine-is-not-wiped"
 # Host stages adopt cannot observe the outcome of: they are run again (retry_stage), never skipped.
 _UNOBSERVABLE_HOST_WORK = (Stage.CLEANUP_STORAGE, Stage.SCRUB_GPU)
 # Storage-only cleanup disables the node and releases (or refuses over) its live allocations
@@ -643,6 +648,15 @@ class NodeDecommissionWorkflow(OperatorControlledJob[Stage, OperatorAction, Deco
             raise cannot(f"{observation.live_allocations} allocation(s) are still live")
         if observed_only:
             self._check_observed(failed, observation)
+            if (
+                self._state.maas_managed
+                and not observation.machine_present
+                and self._input is not None
+                and Mode(self._input.mode) == Mode.FULL_DECOMMISSION
+                and not self._state.released_in_maas
+                and workflow.patched(VANISHED_MACHINE_NOT_WIPED_PATCH)
+            ):
+                raise _host_not_wiped(failed, self._state.system_id, observation)
             if self._state.maas_managed and not observation.machine_present:
                 self._state.machine_absent = True  # MAAS answered: it has no such machine
         elif self._state.maas_managed and not observation.machine_present:
@@ -908,6 +922,28 @@ def _cannot_adopt(failed: Stage, why: str, observation: Observation) -> StageFai
         "cannot_adopt",
         f"nothing to adopt: {why}",
         {"maas_status": observation.maas_status, "node_status": observation.node_status},
+    )
+
+
+def _host_not_wiped(
+    failed: Stage, system_id: str | None, observation: Observation
+) -> StageFailure[Stage]:
+    """The machine is gone from MAAS before MAAS released it: nothing of the full decommission's
+    host work can be taken as done."""
+    return StageFailure(
+        failed,
+        FailureClass.STATE_AMBIGUITY.value,
+        "host_not_wiped",
+        f"machine {system_id} is gone from MAAS before it was released: its disks were not "
+        "erased, it was not powered off and its agent was not removed; the full decommission "
+        "is not complete",
+        {
+            "host_not_wiped": True,
+            "system_id": system_id,
+            "not_done": ["release_and_erase", "power_off", "agent_uninstall"],
+            "maas_status": observation.maas_status,
+            "node_status": observation.node_status,
+        },
     )
 
 

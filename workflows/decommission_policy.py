@@ -192,6 +192,15 @@ _BY_CODE: dict[str, Outcome] = {
         OperatorAction.ADOPT,
         "the machine disappeared from MAAS during the decommission; adopt to continue",
     ),
+    # Issue 35: a full decommission whose machine vanished from MAAS unreleased is never adopted
+    # as done; the host keeps its OS, tenant data and agent.
+    "host_not_wiped": Outcome(
+        _MANUAL,
+        OperatorAction.RETRY_STAGE,
+        "the machine vanished from MAAS before it was released: its disks were not wiped, it was "
+        "not powered off and its agent not removed. Bring it back into MAAS (enlist and "
+        "commission it), then retry the stage so MAAS releases and erases it; or cancel",
+    ),
     "maas_changed_out_of_band": Outcome(
         _MANUAL,
         OperatorAction.ADOPT,

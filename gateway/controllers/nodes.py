@@ -44,7 +44,7 @@ from gateway.auth import admin_guard
 from gateway.controllers.common import AdminCall, provide_admin_call
 from gateway.errors import Conflict, NotFound, unknown_query_value
 from gateway.lifecycle_jobs import checked_reason
-from gateway.openapi import errors
+from gateway.openapi import errors, one_of
 from gateway.pagination import newest_first_page
 from gateway.schemas import Reason
 from gateway.schemas import Request as RequestBody
@@ -370,7 +370,7 @@ class AdminNodesController(Controller):
         db: NamedDependency[AsyncSession],
         site_id: FromQuery[uuid.UUID | None] = None,
         sku: FromQuery[str | None] = None,
-        status: FromQuery[str | None] = None,
+        status: Annotated[str | None, QueryParameter(schema_extra=one_of(NodeStatus))] = None,
         drift: FromQuery[bool | None] = None,
         limit: Annotated[int, QueryParameter(ge=1, le=200)] = 50,
         cursor: FromQuery[str | None] = None,
@@ -419,8 +419,10 @@ class AdminNodesController(Controller):
         admin: NamedDependency[AdminCall],
         node_id: FromPath[uuid.UUID],
     ) -> NodeActionView:
-        """409 `node_not_proven_healthy` names the checks that failed: a fresh heartbeat since
-        the quarantine, a GPU inventory that matches the slots, MAAS Deployed, no open drift."""
+        """409 `node_not_proven_healthy` names the checks that failed and what was observed now
+        (`maas_status`, `power_state`, `agent_seen_at`): the agent answering a check on its queue
+        now, a GPU inventory that matches the slots, the node's MAAS site asked now for the
+        machine (Deployed, power on), no open drift."""
         return await self._act(admin, NODE_ACTIVATE, node_id, data.reason)
 
     @post(
@@ -455,6 +457,9 @@ class AdminNodesController(Controller):
         admin: NamedDependency[AdminCall],
         node_id: FromPath[uuid.UUID],
     ) -> NodeActionView:
+        """The same proof as activate, observed now (never a stored MAAS status or agent
+        contact), and the agent's check must find no tenant residue: 409
+        `node_not_proven_healthy` with `failed`, `maas_status`, `power_state`, `agent_seen_at`."""
         return await self._act(admin, NODE_REACTIVATE, node_id, data.reason)
 
     async def _protection(

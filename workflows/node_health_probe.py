@@ -1,0 +1,84 @@
+"""NodeHealthProbeWorkflow `node-health-probe-{node_id}-{request}`: the agent half of the health
+proof that `activate` and `reactivate` need (activities/node_admin.py). A recorded contact or a
+poller Temporal still remembers says what the agent did in the past; this asks it now: one
+read-only `node.validate_clean` on the node's own queue, one attempt, a short wait for pickup.
+The agent answered (with its clean/residue checks) or it did not (no poller picked the task up,
+or it failed); either is the result, never an exception.
+
+Deliberately tiny: one activity, no retries, no signals."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError
+
+with workflow.unsafe.imports_passed_through():
+    from contracts.host_tasks import (
+        NODE_VALIDATE_CLEAN,
+        NodeMaintenanceInput,
+        ValidateCleanResult,
+    )
+    from core.task_queues import node_task_queue
+
+WORKFLOW_NAME = "NodeHealthProbeWorkflow"
+
+
+def node_health_probe_workflow_id(node_id: str, request: str) -> str:
+    return f"node-health-probe-{node_id}-{request}"
+
+
+@dataclass
+class HealthProbeInput:
+    node_id: str
+    task_id: str
+    # A live agent long-polls its queue: it picks a task up at once. Not picked up in this long
+    # means no agent is polling now.
+    pickup_seconds: float = 5.0
+    run_seconds: float = 20.0
+
+
+@dataclass
+class HealthProbeResult:
+    answered: bool  # the agent ran the check now and reported back
+    clean: bool = False  # validate_clean found no tenant residue
+    answered_at: str | None = None  # ISO time the workflow received the agent's answer
+    failed_checks: list[str] = field(default_factory=list)
+    error: str = ""  # why the agent did not answer (timeout, failure)
+
+
+@workflow.defn(name=WORKFLOW_NAME)
+class NodeHealthProbeWorkflow:
+    @workflow.run
+    async def run(self, input: HealthProbeInput) -> HealthProbeResult:
+        try:
+            result: ValidateCleanResult = await workflow.execute_activity(
+                NODE_VALIDATE_CLEAN,
+                NodeMaintenanceInput(
+                    task_id=input.task_id, node_id=input.node_id, reason="health proof"
+                ),
+                result_type=ValidateCleanResult,
+                task_queue=node_task_queue(input.node_id),
+                schedule_to_start_timeout=timedelta(seconds=input.pickup_seconds),
+                start_to_close_timeout=timedelta(seconds=input.run_seconds),
+                retry_policy=RetryPolicy(maximum_attempts=1),
+            )
+        except ActivityError as err:
+            cause = err.cause
+            if isinstance(cause, TimeoutError):
+                kind = cause.type.name.lower() if cause.type is not None else "timeout"
+                why = f"no agent picked up the check ({kind})"
+            elif isinstance(cause, ApplicationError):
+                why = f"the agent's check failed: {cause.type or ''} {cause.message}".strip()
+            else:
+                why = f"the check failed: {cause}"
+            return HealthProbeResult(answered=False, error=why)
+        return HealthProbeResult(
+            answered=True,
+            clean=result.clean,
+            answered_at=workflow.now().isoformat(),
+            failed_checks=[c.name for c in result.checks if not c.passed],
+        )
