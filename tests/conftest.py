@@ -13,6 +13,7 @@ import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import text
@@ -40,6 +41,7 @@ pytest_plugins = [
     "tests.onboarding_fixtures",
     "tests.decommission_fixtures",
     "tests.terminal_fixtures",
+    "tests.qemu_fixtures",
 ]
 
 # Skip reasons that mean "this machine lacks root", not "this machine lacks hardware". Under
@@ -50,7 +52,7 @@ ROOT_SKIP_WORDS = ("root", "CAP_SYS_ADMIN", "bind mounts need")
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
-    outcome = yield
+    outcome: Any = yield
     if os.environ.get("GPUCLOUD_REQUIRE_ROOT") != "1":
         return
     report = outcome.get_result()

@@ -191,7 +191,8 @@ def test_cloud_init_seed_is_private_and_carries_user_keys_and_marker(host: Host)
     assert "a1b2" in (seed / "meta-data").read_text()
     for name in ("user-data", "meta-data"):
         assert stat.S_IMODE((seed / name).stat().st_mode) == 0o600
-    assert stat.S_IMODE(seed.stat().st_mode) == 0o700
+    # Traversable (QEMU, as libvirt-qemu, opens seed.iso), never listable by others.
+    assert stat.S_IMODE(seed.stat().st_mode) == 0o711
 
 
 def test_ssh_keys_never_reach_logs_or_phase_messages(
@@ -511,3 +512,68 @@ def test_release_checks_each_gpu_it_freed_and_reports_the_unhealthy_one(
     assert checked[-1] == "1 healthy, 1 quarantined"
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any(NODE1_GPUS[1] in m and "quarantined" in m for m in warnings), warnings
+
+
+# ------------------------------------------------------------------------------ domain type
+
+
+def _plan_of(domain_type: str) -> Any:
+    from agent.backends.domain_xml import PciAddress, SliceDomain
+
+    return SliceDomain(
+        allocation_id="a1b2",
+        domain_type=domain_type,
+        vcpus=2,
+        memory_mib=1024,
+        numa_nodes=(0,),
+        cpuset=(0, 1),
+        gpus=(PciAddress.parse("0000:17:00.0"),),
+        disk_path="/var/lib/gpucloud/vms/disks/gpc-a1b2.qcow2",
+        disk_format="qcow2",
+        seed_path="/var/lib/gpucloud/seeds/a1b2/seed.iso",
+        seed_is_iso=True,
+        bridge="gcbr-0123456789",
+    )
+
+
+def test_qemu_domain_type_changes_only_the_type_and_the_kvm_cpu() -> None:
+    from agent.backends.domain_xml import render_domain
+
+    kvm, qemu = render_domain(_plan_of("kvm")), render_domain(_plan_of("qemu"))
+    assert kvm.startswith('<domain type="kvm">')
+    assert qemu.startswith('<domain type="qemu">')
+    kvm_lines = kvm.replace('type="kvm"', 'type="qemu"', 1).splitlines()
+    # TCG cannot pass the host CPU through: the one element only KVM gets.
+    assert [line for line in kvm_lines if line not in qemu.splitlines()] == [
+        '  <cpu mode="host-passthrough" />'
+    ]
+
+
+def test_domain_type_setting_defaults_to_kvm_and_refuses_others(tmp_path: Path) -> None:
+    from agent.backends.from_config import slice_backend_from_config
+    from agent.backends.system_root import SystemRoot
+    from agent.config_file import ConfigError
+
+    root = SystemRoot(tmp_path)
+    assert slice_backend_from_config({}, root).domain_type == "kvm"
+    tcg = slice_backend_from_config({"libvirt": {"domain_type": "qemu"}}, root)
+    assert tcg.domain_type == "qemu"
+    with pytest.raises(ConfigError, match="domain_type must be one of kvm, qemu"):
+        slice_backend_from_config({"libvirt": {"domain_type": "xen"}}, root)
+    with pytest.raises(ValueError, match="domain_type"):
+        LibvirtSliceBackend(
+            "qemu:///system",
+            image_dir=tmp_path,
+            image_catalog={},
+            seed_dir=tmp_path,
+            state_dir=tmp_path,
+            readiness=FixedAddressProbe("10.0.0.1"),
+            domain_type="test",
+        )
+
+
+def test_the_test_driver_keeps_its_own_type_whatever_the_setting(host: Host) -> None:
+    backend = host.new_backend(domain_type="qemu")
+    backend.provision_slice_vm(provision_spec(), RecordingProgress())
+    domain = host.conn.lookupByName("gpc-a1b2")
+    assert domain.XMLDesc(0).startswith("<domain type='test'")

@@ -78,8 +78,10 @@ def write_seed(
     seed_root: Path, allocation_id: str, username: str, ssh_public_keys: list[str]
 ) -> Seed:
     directory = seed_root / allocation_id
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(directory, 0o700)
+    # 0711: QEMU runs as its own user (libvirt-qemu), which libvirt lets open seed.iso but which
+    # must traverse this directory to reach it; nobody but root lists it or reads the 0600 files.
+    directory.mkdir(parents=True, exist_ok=True, mode=0o711)
+    os.chmod(directory, 0o711)  # noqa: S103 - traverse only; the files are 0600
     _write_private(directory / "user-data", user_data(username, ssh_public_keys, allocation_id))
     _write_private(directory / "meta-data", meta_data(allocation_id, f"gpc-{allocation_id}"))
     iso = directory / "seed.iso"

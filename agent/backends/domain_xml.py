@@ -13,6 +13,12 @@ from dataclasses import dataclass, field
 METADATA_NS = "https://gpucloud.dev/libvirt/slice/1"
 METADATA_PREFIX = "gpc"
 DOMAIN_PREFIX = "gpc-"
+# The libvirt domain types a node's agent may run slices as (`[libvirt] domain_type`): "kvm" in
+# production; "qemu" (TCG, software emulation) where KVM is unusable (CI machines whose CPU model
+# KVM refuses). The domain XML is the same apart from the type and the KVM-only `<cpu>` element.
+# ("test" is libvirt's test driver, chosen by the backend from the connection, never configured.)
+DOMAIN_TYPES = ("kvm", "qemu")
+DEFAULT_DOMAIN_TYPE = "kvm"
 
 
 def domain_name(allocation_id: str) -> str:
@@ -118,7 +124,7 @@ def parse_pci_nodedev(xml_text: str) -> PciDevice:
 @dataclass(frozen=True)
 class SliceDomain:
     allocation_id: str
-    domain_type: str  # "kvm" in production, "test" on libvirt's test driver
+    domain_type: str  # DOMAIN_TYPES ("kvm" in production), or "test" on libvirt's test driver
     vcpus: int
     memory_mib: int
     numa_nodes: tuple[int, ...]
@@ -176,6 +182,7 @@ def render_domain(plan: SliceDomain) -> str:
     features = _sub(dom, "features")
     _sub(features, "acpi")  # a graceful shutdown is an ACPI power-button press
     if plan.domain_type == "kvm":
+        # KVM only: TCG cannot pass the host CPU through (libvirt refuses the domain).
         _sub(dom, "cpu", mode="host-passthrough")
     devices = _sub(dom, "devices")
     disk = _sub(devices, "disk", type="file", device="disk")

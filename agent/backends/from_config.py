@@ -6,6 +6,7 @@ and its agent.d drop-ins). Every table is optional; the defaults are a real node
 
     [libvirt]                            # GPU slices
     uri = "qemu:///system"
+    domain_type = "kvm"                  # or "qemu" (TCG) where KVM is unusable (CI, nested VMs)
     image_dir = "/var/lib/gpucloud/images"
     seed_dir = "/var/lib/gpucloud/seeds"
     state_dir = "/var/lib/gpucloud/vms"
@@ -66,6 +67,7 @@ from typing import Any
 
 from agent.backends.baremetal_users import FileBaremetalUserBackend, UserAccountConfig
 from agent.backends.composite import NodeHostBackend
+from agent.backends.domain_xml import DEFAULT_DOMAIN_TYPE, DOMAIN_TYPES
 from agent.backends.libvirt_slice import LibvirtSliceBackend
 from agent.backends.readiness import (
     FixedAddressProbe,
@@ -174,6 +176,13 @@ def _encapsulation(section: dict[str, Any], uplink: str | None) -> SegmentEncaps
     return vxlan
 
 
+def _domain_type(section: dict[str, Any]) -> str:
+    kind = section.get("domain_type", DEFAULT_DOMAIN_TYPE)
+    if kind not in DOMAIN_TYPES:
+        raise ConfigError(f"[libvirt] domain_type must be one of {', '.join(DOMAIN_TYPES)}")
+    return str(kind)
+
+
 def slice_networks_from_config(section: dict[str, Any]) -> SliceNetworks | None:
     """The slice networks the `[libvirt]` table asks for (None: `bridge_per_allocation = false`,
     the libvirt network instead)."""
@@ -205,6 +214,7 @@ def slice_backend_from_config(data: dict[str, Any], root: SystemRoot) -> Libvirt
             else None
         ),
         networks=slice_networks_from_config(section),
+        domain_type=_domain_type(section),
     )
 
 

@@ -85,6 +85,7 @@ class LibvirtSliceBackend:
         connection: Any | None = None,
         gpu_health: GpuHealthCheck | None = None,
         networks: SliceNetworks | None = None,
+        domain_type: str = domain_xml.DEFAULT_DOMAIN_TYPE,
     ) -> None:
         """
         uri: libvirt URI ("qemu:///system"; "test:///abs/path/host.xml" in tests).
@@ -96,7 +97,12 @@ class LibvirtSliceBackend:
         networks: per-allocation bridges (agent/network); None keeps the libvirt `network`.
         gpu_health: checks each released GPU (agent.gpu_health.SysfsGpuHealthCheck on a real
             host); None skips the check (the test driver's GPUs have no sysfs).
+        domain_type: "kvm" (production) or "qemu" (TCG, where KVM is unusable); libvirt's test
+            driver always gets "test".
         """
+        if domain_type not in domain_xml.DOMAIN_TYPES:
+            raise ValueError(f"domain_type must be one of {', '.join(domain_xml.DOMAIN_TYPES)}")
+        self.domain_type = domain_type
         self.uri = uri
         self.images = ImageStore(
             Path(image_dir),
@@ -445,6 +451,10 @@ class LibvirtSliceBackend:
             )
             nodes.add(node)
         topology = self.numa_topology()
+        if not gpus:
+            # A slice without GPUs (a CPU-only VM; the real-hypervisor tests' guests) has no
+            # device to place it by: it may use every NUMA node of the host.
+            nodes = set(topology)
         cpus = domain_xml.cpus_of_nodes(topology, nodes)
         if not cpus:
             raise HostError(
@@ -455,7 +465,7 @@ class LibvirtSliceBackend:
         seed = state["seed"]
         return domain_xml.SliceDomain(
             allocation_id=spec.allocation_id,
-            domain_type="test" if self.is_test_driver else "kvm",
+            domain_type="test" if self.is_test_driver else self.domain_type,
             vcpus=spec.vcpus or self.default_vcpus,
             memory_mib=spec.memory_mb or self.default_memory_mb,
             numa_nodes=tuple(sorted(nodes)),
