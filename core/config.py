@@ -74,6 +74,10 @@ class Settings:
     terminal_close_timeout_seconds: float = 15.0
     # How long a terminal session's single-use open token may wait for the tenant's stream.
     terminal_open_token_ttl_seconds: float = 60.0
+    # Temporal Web (temporalio/ui-server, its publicPath `/temporal`) on a private, loopback
+    # address, e.g. http://127.0.0.1:8233: the gateway serves it under /temporal/ to operators
+    # signed in to the console (gateway/console/temporal_web.py). Unset, /temporal/ answers 503.
+    temporal_web_upstream: str | None = None
     # The build id the control-plane worker reports to Temporal; the gateway starts workflows
     # with the BuildIds it implies (core.build_id). Unset, a checksum of the workflow code.
     build_id: str = field(default_factory=workflow_code_build_id)
@@ -136,6 +140,7 @@ class Settings:
             terminal_open_token_ttl_seconds=float(
                 e.get("GPUCLOUD_TERMINAL_OPEN_TOKEN_TTL_S", "60")
             ),
+            temporal_web_upstream=e.get("GPUCLOUD_TEMPORAL_WEB_UPSTREAM") or None,
             build_id=e.get("GPUCLOUD_BUILD_ID") or workflow_code_build_id(),
         )
 

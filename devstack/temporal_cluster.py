@@ -9,7 +9,8 @@ registered through the CLI. Everything a production deployment would set is in
 `server_config` and `TUNING` (history shards, connection pools, dynamic config), one place, and
 docker-compose.temporal.yml is checked against them (tests/test_temporal_cluster.py). Temporal
 Web for either mode is `temporalio/ui-server` (`ui_server_config`), which can send the browser's
-cookies to the gateway's codec endpoint; the dev server's embedded UI cannot.
+cookies to the gateway's codec endpoint (the dev server's embedded UI cannot); it listens on
+loopback, with write actions off, and the gateway serves it to signed-in operators only.
 """
 
 from __future__ import annotations
@@ -136,6 +137,9 @@ def server_tools(*, build: bool = True) -> ServerTools:
 # --ui-codec-endpoint), so the stack runs the dev server headless beside this one.
 UI_SERVER_MODULE = "github.com/temporalio/ui-server/v2"
 UI_SERVER_VERSION = "v2.42.1"
+# Where the gateway serves Temporal Web (gateway.console.temporal_web.PUBLIC_PATH): the ui-server
+# answers under the same path, so its pages, assets and API calls all go through the gateway.
+TEMPORAL_WEB_PUBLIC_PATH = "/temporal"
 
 
 def ui_server_path(*, build: bool = True) -> Path:
@@ -166,15 +170,28 @@ def ui_server_build_problem() -> str | None:
 
 
 def ui_server_config(
-    frontend: str, port: int, *, namespace: str, codec_endpoint: str
+    frontend: str,
+    port: int,
+    *,
+    namespace: str,
+    codec_endpoint: str,
+    public_path: str = TEMPORAL_WEB_PUBLIC_PATH,
 ) -> dict[str, Any]:
     """Temporal Web's configuration (JSON is YAML): the cluster's frontend, and the gateway's
-    codec endpoint called by the browser with its cookies (includeCredentials: the gateway's
-    codec session; its CORS allows this UI's origin, GPUCLOUD_TEMPORAL_UI_ORIGIN)."""
+    codec endpoint called by the browser with its cookies (includeCredentials: the console's
+    session cookie, same origin since the gateway serves the UI).
+
+    For operators only (issue 36): it listens on loopback only, under `public_path`, where the
+    gateway serves it to admins signed in to the console (gateway/console/temporal_web.py,
+    GPUCLOUD_TEMPORAL_WEB_UPSTREAM); and with every write action off (`disableWriteActions`:
+    the ui-server answers 405 to any API call but a read or a workflow query), so cancelling,
+    terminating, resetting or signalling goes through the console's audited verbs only."""
     return {
         "temporalGrpcAddress": frontend,
         "host": "127.0.0.1",
         "port": port,
+        "publicPath": public_path,
+        "disableWriteActions": True,
         "enableUi": True,
         "defaultNamespace": namespace,
         "showTemporalSystemNamespace": False,
@@ -186,8 +203,10 @@ def ui_server_config(
 def temporal_web_child(
     root: Path, log_path: Path, frontend: str, port: int, *, namespace: str, codec_endpoint: str
 ) -> Child:
-    """Temporal Web as bin/stack runs it (not started): the ui-server on `frontend`, its
-    configuration under `root`. Blocking: the first call may build the ui-server."""
+    """Temporal Web as bin/stack runs it (not started): the ui-server on `frontend`, on
+    127.0.0.1:`port` under TEMPORAL_WEB_PUBLIC_PATH (the gateway serves it to signed-in
+    operators), its configuration under `root`. Blocking: the first call may build the
+    ui-server."""
     config = ui_server_config(frontend, port, namespace=namespace, codec_endpoint=codec_endpoint)
     argv = ui_server_argv(root, config)
     return Child("temporal-web", argv, log_path, dict(os.environ), root)

@@ -5,9 +5,10 @@ Starts, in order, with all state under .state/ in the repository:
   Temporal          `temporal server start-dev` (.state/temporal.db keeps history across restarts)
                     with our search attributes and update-with-start, headless; with
                     --temporal cluster the Temporal server on PostgreSQL instead
-  Temporal Web      temporalio/ui-server (built once) on either, with the gateway's codec
-                    endpoint and credentials included; if it cannot be built, the dev server's
-                    embedded UI
+  Temporal Web      temporalio/ui-server (built once) on either, on 127.0.0.1:--ui-port with
+                    write actions off, served by the gateway under /temporal/ to admins signed
+                    in to the console, with the gateway's codec endpoint and credentials
+                    included; if it cannot be built, none (never the dev server's embedded UI)
   demo data         the demo catalog and fleet, project `demo`, an admin and a tenant token
                     (created once, kept in .state/tokens.json, mode 0600)
   vault             the Vault simulator (python -m sim.vault), KV v2 on mount `kv`; its root token
@@ -78,6 +79,7 @@ from devstack.processes import Child, http_ok, port_in_use, python_entry, tail
 from devstack.stripe_mock import stripe_mock_argv
 from devstack.temporal import DEV_SERVER_ENV, dev_server_extra_args, temporal_cli_path
 from devstack.temporal_cluster import (
+    TEMPORAL_WEB_PUBLIC_PATH,
     TUNING,
     UI_SERVER_VERSION,
     ClusterTuning,
@@ -189,7 +191,14 @@ class StackOptions:
 
     @property
     def ui_url(self) -> str:
-        return f"http://localhost:{self.ui_port}"
+        """Temporal Web as operators open it: the gateway's guarded path (the console's
+        sign-in), never the ui-server's own port."""
+        return f"{self.gateway_url}{TEMPORAL_WEB_PUBLIC_PATH}/"
+
+    @property
+    def ui_upstream(self) -> str:
+        """The ui-server's private address: loopback only, for the gateway to proxy to."""
+        return f"http://127.0.0.1:{self.ui_port}"
 
     @property
     def vault_addr(self) -> str:
@@ -498,7 +507,9 @@ class Stack:
                 "GPUCLOUD_GATEWAY_HOST": self.o.gateway_host,
                 "GPUCLOUD_GATEWAY_PORT": str(self.o.gateway_port),
                 "GPUCLOUD_PUBLIC_API_URL": self.o.public_api_url,
-                "GPUCLOUD_TEMPORAL_UI_ORIGIN": self.o.ui_url,
+                # Temporal Web is served by the gateway itself (same origin): no other origin
+                # is let call the codec endpoint with the browser's cookies.
+                "GPUCLOUD_TEMPORAL_UI_ORIGIN": self.o.gateway_url,
                 "GPUCLOUD_SIM_PHASE_DELAY_S": str(self.o.phase_delay),
                 "GPUCLOUD_SIM_PHASE_JITTER": str(self.o.jitter),
                 "GPUCLOUD_VAULT_ADDR": self.o.vault_addr,
@@ -528,7 +539,12 @@ class Stack:
             "GPUCLOUD_SIM_MACHINES_DIR": str(self.o.machines_dir),
             "GPUCLOUD_METRICS_ADDRESS": self.o.worker_metrics_address,
         }
-        gateway_env = {**env, **approle_env[vault_policies.GATEWAY.role]}
+        gateway_env = {
+            **env,
+            **approle_env[vault_policies.GATEWAY.role],
+            # The ui-server the gateway serves under /temporal/ to signed-in operators.
+            "GPUCLOUD_TEMPORAL_WEB_UPSTREAM": self.o.ui_upstream,
+        }
         return {"worker": worker_env, "gateway": gateway_env, "fleet": env}
 
     def _preflight(self) -> None:
@@ -602,23 +618,18 @@ class Stack:
 
     def _build_temporal_web(self) -> str | None:
         """The UI server built once, on the first start of either mode: None when it is there,
-        else why not (then the dev server serves its embedded UI; a cluster has none)."""
+        else why not (then there is no Temporal Web: the dev server's embedded UI has no
+        sign-in and every write action on, so it stays off)."""
         if not (TOOLS_DIR / f"temporal-ui-server-{UI_SERVER_VERSION}").exists():
             _say(f"  temporal   building Temporal Web (ui-server {UI_SERVER_VERSION}) into "
                  f"{TOOLS_DIR} (once; a few minutes)")  # fmt: skip
         problem = ui_server_build_problem()
         if problem is None:
             self.temporal_web = (
-                f"{self.o.ui_url}  (ui-server {UI_SERVER_VERSION}; its codec calls carry the "
-                "console's sign-in cookie)"
+                f"{self.o.ui_url}  (ui-server {UI_SERVER_VERSION} on {self.o.ui_upstream}, "
+                "loopback; operators signed in to the console only; read-only: act through "
+                "the console)"
             )
-        elif self.o.temporal == "dev":
-            _say(
-                f"  temporal   ui-server not built ({problem}): Temporal Web is the dev "
-                "server's embedded UI, whose codec calls need a setting in each browser "
-                '(README, "Workflows in Temporal Web")'
-            )
-            self.temporal_web = f"{self.o.ui_url}  (the dev server's embedded UI: {problem})"
         else:
             _say(f"  temporal   ui-server not built ({problem}): no Temporal Web")
             self.temporal_web = f"not started: {problem}"
@@ -626,7 +637,9 @@ class Stack:
 
     async def _start_temporal_web(self) -> Child:
         """Temporal Web (temporalio/ui-server) on the Temporal frontend, dev server or cluster,
-        decoding payloads through the gateway's codec endpoint with the browser's cookies."""
+        on loopback with write actions off, served by the gateway under /temporal/ to signed-in
+        operators, decoding payloads through the gateway's codec endpoint with the browser's
+        cookies."""
         o = self.o
         web = await asyncio.to_thread(
             temporal_web_child,
@@ -656,11 +669,9 @@ class Stack:
         o.state_dir.mkdir(parents=True, exist_ok=True)
         o.logs_dir.mkdir(parents=True, exist_ok=True)
         self._preflight()
-        # Temporal Web is the ui-server in both modes (so the console's sign-in cookie reaches
-        # the codec endpoint); the dev server serves its own UI only if that cannot be built.
+        # Temporal Web is the ui-server in both modes, behind the gateway's console sign-in;
+        # the dev server's embedded UI (no sign-in, every write action on) is never served.
         web_problem = await asyncio.to_thread(self._build_temporal_web)
-        embedded_web = (["--ui-port", str(o.ui_port)] if web_problem is not None
-                        else ["--headless"])  # fmt: skip
 
         # The dev server first: it takes a few seconds, PostgreSQL and the migrations run
         # meanwhile. A cluster needs PostgreSQL first (below).
@@ -670,12 +681,10 @@ class Stack:
             "start-dev",
             "--ip", "127.0.0.1",
             "--port", str(o.temporal_port),
-            *embedded_web,
+            "--headless",
             "--db-filename", str(o.state_dir / "temporal.db"),
             "--namespace", o.namespace,
-            *dev_server_extra_args(
-                codec_endpoint=o.codec_endpoint if web_problem is not None else None
-            ),
+            *dev_server_extra_args(),
         ]  # fmt: skip
         temporal = Child("temporal", temporal_argv, o.logs_dir / "temporal.log",
                          {**os.environ, **DEV_SERVER_ENV}, REPO_ROOT)  # fmt: skip
@@ -729,10 +738,10 @@ class Stack:
         if o.temporal == "cluster":
             temporal = await self._start_temporal_cluster()
         await self._wait_for("Temporal", self._connect_temporal, temporal)
-        if web_problem is None or o.temporal == "dev":
-            web = await self._start_temporal_web() if web_problem is None else temporal
-            await self._wait_for("Temporal Web", lambda: http_ok(o.ui_url.replace("localhost",
-                                 "127.0.0.1")), web, limit_s=30)  # fmt: skip
+        if web_problem is None:
+            web = await self._start_temporal_web()
+            await self._wait_for("Temporal Web", lambda: http_ok(
+                f"{o.ui_upstream}{TEMPORAL_WEB_PUBLIC_PATH}/healthz"), web, limit_s=30)  # fmt: skip
         _say(f"  temporal   ready on {o.temporal_address} ({time.monotonic() - t0:.1f}s)")
         if o.temporal == "dev":
             temporal_db = o.state_dir / "temporal.db"
@@ -989,7 +998,8 @@ def parse_args(argv: list[str] | None = None) -> StackOptions:
         "--ui-port",
         type=int,
         default=int(env.get("GPUCLOUD_TEMPORAL_UI_PORT", "8233")),
-        help="Temporal Web port (default: %(default)s)",
+        help="Temporal Web's private port on 127.0.0.1; operators open it at the gateway's "
+        "/temporal/ (default: %(default)s)",
     )
     add(
         "--vault-port",

@@ -9,15 +9,17 @@ screenshot under .artifacts/console/ (gitignored).
 - the batch page updates without a reload while the batch runs;
 - actions sent from the console (freezing a batch node's onboarding, force-releasing the
   allocation) reach their workflows and are in the audit log with the typed reason;
-- Temporal Web as bin/stack runs it (temporalio/ui-server, codec calls with the browser's
-  cookies, its codec endpoint the gateway) decodes a workflow's input after the console sign-in,
-  with nothing set in the browser by hand.
+- Temporal Web as bin/stack runs it (temporalio/ui-server on loopback, served by the gateway under
+  /temporal/ to signed-in admins, codec calls with the browser's cookies, its codec endpoint the
+  gateway) sends the browser to the sign-in first, then decodes a workflow's input, with nothing
+  set in the browser by hand.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -230,12 +232,13 @@ async def test_temporal_web_decodes_after_console_sign_in(
 ) -> None:
     """Temporal Web as bin/stack runs it: `temporalio/ui-server` (its configuration from
     devstack.temporal_cluster.ui_server_config, codec calls with the browser's cookies) on a
-    headless dev server, its codec endpoint this gateway. After the console sign-in, and with
+    headless dev server, served by this gateway under /temporal/, its codec endpoint this
+    gateway. Opened without a session it asks for the console sign-in; after it, and with
     nothing set in the browser by hand, a workflow's input shows decoded, not as ciphertext."""
     from temporalio.testing import WorkflowEnvironment
 
     ui_port, gateway_port = free_port(), free_port()
-    ui, gateway = f"http://localhost:{ui_port}", f"http://localhost:{gateway_port}"
+    upstream, gateway = f"http://127.0.0.1:{ui_port}", f"http://localhost:{gateway_port}"
     codec_endpoint = f"{gateway}/api/v1/admin/codec"
     env = await WorkflowEnvironment.start_local(
         namespace="default",
@@ -263,19 +266,18 @@ async def test_temporal_web_decodes_after_console_sign_in(
         history = await env.client.get_workflow_handle(workflow_id).fetch_history()
         assert marker not in json.dumps(history.to_json_dict())  # ciphertext at rest
         admin_token = await make_token("admin")
-        gateway_config = GatewayConfig(temporal_ui_origin=ui)
+        gateway_config = GatewayConfig(temporal_ui_origin=gateway)
+        served = dataclasses.replace(settings, temporal_web_upstream=upstream)
         async with (
-            serve(settings, temporal_client, gateway_config, gateway_port),
+            serve(served, temporal_client, gateway_config, gateway_port),
             chromium() as browser,
         ):
+            await _until_answering(f"{upstream}/temporal/healthz", web)
             page = await browser.new_page()
-            await page.goto(f"{gateway}/console/sign-in")
+            # Temporal Web first: the gateway asks for the console's sign-in, then comes back.
+            await page.goto(f"{gateway}/temporal/namespaces/default/workflows/{workflow_id}")
             await page.get_by_test_id("token").fill(admin_token)
             await page.get_by_test_id("sign-in").click()
-            await expect(page.get_by_test_id("inventory")).to_be_visible()
-
-            await _until_answering(ui, web)
-            await page.goto(f"{ui}/namespaces/default/workflows/{workflow_id}")
             await expect(page.get_by_text(marker).first).to_be_visible(timeout=30_000)
             await snap(page, "09-temporal-web-decoded")
             assert "Codec Server could not connect" not in await page.content()

@@ -37,6 +37,8 @@ from gateway import allocations, audit, decommissions, onboardings, timeline
 from gateway.auth import Principal, principal_for_token
 from gateway.console import session
 from gateway.console.links import TemporalWeb
+from gateway.console.temporal_web import PUBLIC_PATH as TEMPORAL_WEB_PATH
+from gateway.console.temporal_web import temporal_web, temporal_web_base
 from gateway.console.views import StageLine, allowed_actions, stage_line, time_axis
 from gateway.controllers import decommissions as decommission_routes
 from gateway.controllers import onboardings as onboarding_routes
@@ -99,7 +101,7 @@ def _page(request: AnyRequest, runtime: Runtime, name: str, **context: Any) -> T
             "admin": principal.name if isinstance(principal, Principal) else None,
             "form_token": session.csrf_for(request),
             "temporal": TemporalWeb(
-                runtime.config.temporal_ui_origin, runtime.settings.temporal_namespace
+                temporal_web_base(runtime), runtime.settings.temporal_namespace
             ),
             "notice": dict(request.query_params) if "sent" in request.query_params else None,
             **context,
@@ -273,8 +275,12 @@ class SignInController(Controller):
             details={"ttl_seconds": runtime.config.console_session_ttl_seconds},
         )
         await db.commit()
-        # Only a console page: never an open redirect to another site.
-        target = data.next if data.next.startswith("/console/") else "/console/inventory"
+        # Only a console page or Temporal Web: never an open redirect to another site.
+        target = (
+            data.next
+            if data.next.startswith(("/console/", f"{TEMPORAL_WEB_PATH}/"))
+            else "/console/inventory"
+        )
         cookie = session.session_cookie(runtime, principal, https=request.url.scheme == "https")
         return Redirect(target, status_code=303, cookies=[cookie])
 
@@ -665,6 +671,8 @@ def console_router() -> Router:
         route_handlers=[
             SignInController,
             ConsoleController,
+            # Temporal Web (ui-server) for signed-in admins, under /temporal/.
+            temporal_web,
             create_static_files_router(path="/console/static", directories=[STATIC]),
         ],
         exception_handlers={Exception: _error_page},
