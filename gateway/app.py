@@ -64,7 +64,7 @@ from gateway.controllers.terminal_sessions import (
 )
 from gateway.errors import exception_handler
 from gateway.openapi import openapi_config, swagger_ui_asset
-from gateway.request_decoding import StrictRequest
+from gateway.request_decoding import StrictRequest, check_parameters
 from gateway.runtime import (
     STATE_KEY,
     Runtime,
@@ -182,6 +182,8 @@ def create_app(
         # JSON bodies decode strictly, bounded in depth, with no control character in any
         # string, before a handler runs (gateway.request_decoding).
         request_class=StrictRequest,
+        # Query, path and header parameters as strictly, after the guards, before the handler.
+        before_request=check_parameters,
         lifespan=[lifespan],
         request_max_body_size=settings.max_request_body_bytes,
         cors_config=_cors(gateway_config),

@@ -11,7 +11,16 @@ follows from the route itself; a new route gets truthful error docs without repe
   Vault): 503 database_unavailable / temporal_unavailable / secret_store_unavailable;
 - a request body: 400 invalid_request (failed validation), malformed_json, json_too_deep,
   413, and 422 invalid_text (a control character in a string: gateway.request_decoding);
-- a path, query or header parameter: 400 (failed validation);
+- a path, query or header parameter: 400 (failed validation); a query or header one, or a text
+  path one (not a UUID), also 422: invalid_text for a control character in its value, and
+  unknown_<name> for a filter outside its enum (`gateway.errors.unknown_query_value`);
+- every parameter as the gateway reads it (gateway.request_decoding.check_parameters): a query
+  or header parameter is never `null` (it is absent or a string), a text one has the Text
+  pattern and at most MAX_PARAMETER_CHARS characters (maxLength), a list at most
+  MAX_PARAMETER_ITEMS values (maxItems); a declared `QueryParameter(schema_extra=one_of(...))`
+  its enum;
+- a request body struct (and any struct in it) that refuses unknown fields (msgspec
+  `forbid_unknown_fields`, as gateway.schemas.Request): `additionalProperties: false`;
 - a path parameter: 404 (a value that does not parse matches no route, and an id that does
   not exist is not found);
 - every error status: the `{"error": {"code", "message", "details"}}` envelope
@@ -29,7 +38,8 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-from collections.abc import Iterator, Mapping
+import typing
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Final
 
@@ -47,7 +57,12 @@ from litestar.routes import HTTPRoute
 from gateway import codec_session
 from gateway.auth import codec_guard
 from gateway.errors import NotFound
-from gateway.schemas import ErrorResponse
+from gateway.schemas import (
+    MAX_PARAMETER_CHARS,
+    MAX_PARAMETER_ITEMS,
+    TEXT_PATTERN,
+    ErrorResponse,
+)
 
 DOCS_PATH: Final = "/schema"
 ASSETS_PATH: Final = f"{DOCS_PATH}/assets"
@@ -91,6 +106,12 @@ def errors(*statuses: int) -> dict[int, ResponseSpec]:
     }
 
 
+def one_of(values: Iterable[str]) -> dict[str, Any]:
+    """`QueryParameter(schema_extra=one_of(...))`: document the values a filter accepts (the
+    route refuses any other with 422 unknown_<name>)."""
+    return {"enum": [str(value) for value in values]}
+
+
 # --- finishing the document ---
 
 
@@ -119,9 +140,73 @@ def _derived_errors(handler: HTTPRouteHandler, operation: Mapping[str, Any]) -> 
         statuses |= {400, 413, 422}
     if parameters:
         statuses.add(400)
+    if any(p.get("in") in ("query", "header") or _is_text(p.get("schema", {})) for p in parameters):
+        statuses.add(422)  # invalid_text (any query or header value), unknown_<name>
     if any(p.get("in") == "path" for p in parameters):
         statuses.add(404)
     return statuses
+
+
+def _is_text(schema: Mapping[str, Any]) -> bool:
+    """A string that is not a UUID or a date (gateway.request_decoding checks its text)."""
+    if schema.get("type") == "array":
+        return _is_text(schema.get("items", {}))
+    return schema.get("type") == "string" and "format" not in schema
+
+
+def _parameter_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """A parameter's schema as the gateway reads the parameter (the module docstring)."""
+    options = schema.get("oneOf")
+    if isinstance(options, list):
+        present = [o for o in options if o != {"type": "null"}]
+        if len(present) == 1:  # `X | None`: absent, never null
+            rest = {k: v for k, v in schema.items() if k != "oneOf"}
+            schema = {**present[0], **rest}
+    if schema.get("type") == "array":
+        schema["maxItems"] = min(schema.get("maxItems", MAX_PARAMETER_ITEMS), MAX_PARAMETER_ITEMS)
+        if isinstance(schema.get("items"), dict) and "$ref" not in schema["items"]:
+            schema["items"] = _parameter_schema(dict(schema["items"]))
+        return schema
+    if _is_text(schema) and "enum" not in schema:
+        schema["maxLength"] = min(schema.get("maxLength", MAX_PARAMETER_CHARS), MAX_PARAMETER_CHARS)
+        schema.setdefault("pattern", TEXT_PATTERN)
+    return schema
+
+
+def _finish_parameters(operation: dict[str, Any]) -> None:
+    for parameter in operation.get("parameters") or []:
+        if isinstance(parameter.get("schema"), dict):
+            parameter["schema"] = _parameter_schema(dict(parameter["schema"]))
+
+
+def _strict_structs(annotation: Any, found: set[type[msgspec.Struct]]) -> None:
+    """The msgspec structs in `annotation` (recursively) that refuse unknown fields."""
+    origin = typing.get_origin(annotation)
+    if origin is not None:
+        for arg in typing.get_args(annotation):
+            _strict_structs(arg, found)
+        return
+    if not (isinstance(annotation, type) and issubclass(annotation, msgspec.Struct)):
+        return
+    if annotation in found:
+        return
+    if annotation.__struct_config__.forbid_unknown_fields:
+        found.add(annotation)
+    for field in msgspec.structs.fields(annotation):
+        _strict_structs(field.type, found)
+
+
+def _refuse_unknown_fields(app: Litestar, schemas: dict[str, Any]) -> None:
+    """`additionalProperties: false` on every request body struct that refuses unknown fields."""
+    found: set[type[msgspec.Struct]] = set()
+    for _, _, handler in _operations(app):
+        parameter = handler.parsed_fn_signature.parameters.get("data")
+        if parameter is not None:
+            _strict_structs(parameter.annotation, found)
+    for struct in found:
+        schema = schemas.get(struct.__name__)
+        if isinstance(schema, dict) and schema.get("type") == "object":
+            schema["additionalProperties"] = False
 
 
 def _security(handler: HTTPRouteHandler) -> list[dict[str, list[str]]] | None:
@@ -144,6 +229,7 @@ def _error_response(status: int, description: str) -> dict[str, Any]:
 
 
 def _finish_operation(operation: dict[str, Any], handler: HTTPRouteHandler) -> None:
+    _finish_parameters(operation)
     declared = {s: spec for s, spec in (handler.responses or {}).items() if s >= 400}
     responses: dict[str, Any] = operation.setdefault("responses", {})
     for code in [c for c in responses if c.isdigit() and int(c) >= 400]:
@@ -178,6 +264,7 @@ def finish_document(app: Litestar, generated: Mapping[str, Any]) -> dict[str, An
     document = copy.deepcopy(dict(generated))
     schemas = document.setdefault("components", {}).setdefault("schemas", {})
     schemas.update(_error_schemas())
+    _refuse_unknown_fields(app, schemas)
     paths = document.get("paths", {})
     for path, method, handler in _operations(app):
         operation = paths.get(path, {}).get(method)

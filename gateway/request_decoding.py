@@ -11,21 +11,48 @@ becomes True). The gateway's request class decodes the body itself first, once, 
 - a string outside `gateway.schemas.Text` (NUL, other control characters, lone surrogates) is
   422 `invalid_text` naming the field: such a string could not be stored in PostgreSQL.
 
+Query, path and header parameters are checked as strictly, before the handler's own conversion
+(`check_parameters`, the app's before_request hook; guards have run):
+
+- a value outside Text (percent-encoded NUL, control characters, invalid UTF-8) is 422
+  `invalid_text` naming the parameter;
+- no coercion surprises: an integer is decimal digits (not `1e1` or `5.0`), a boolean is `true`
+  or `false` (not `1`, `yes` or `True`), a parameter that is not a list appears at most once;
+- a string is at most `MAX_PARAMETER_CHARS` (or its declared maxLength), a list at most
+  `MAX_PARAMETER_ITEMS` values (400 `invalid_request` naming the parameter); gateway.openapi
+  documents both.
+
 A refusal is an ApiError: the exception handler answers it and logs one line, no traceback.
 """
 
 from __future__ import annotations
 
+import enum
 import re
+import types
+import typing
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import Any, Final, Literal
+from urllib.parse import unquote_to_bytes
 
 import msgspec
 from litestar import Request
+from litestar.constants import RESERVED_KWARGS
+from litestar.handlers import HTTPRouteHandler
+from litestar.params import CookieParameter, HeaderParameter, ParameterKwarg, QueryParameter
 from litestar.types import Empty
 
 from gateway.errors import FieldError, InvalidRequest, unprocessable
-from gateway.schemas import BAD_TEXT, MAX_JSON_DEPTH, TEXT_PATTERN
+from gateway.schemas import (
+    BAD_TEXT,
+    MAX_JSON_DEPTH,
+    MAX_PARAMETER_CHARS,
+    MAX_PARAMETER_ITEMS,
+    TEXT_PATTERN,
+)
 
 _MSGSPEC_LOCATION = re.compile(r" - at `\$\.?(?P<key>[^`]*)`$")
 _MISSING_FIELD = re.compile(r"missing required field `(?P<key>[^`]+)`")
@@ -92,15 +119,16 @@ def _bad_text_key(value: Any) -> str | None:
     return None
 
 
-def invalid_text(key: str) -> Exception:
-    """422 invalid_text naming the field."""
+def invalid_text(key: str, source: str = "body") -> Exception:
+    """422 invalid_text naming the field (or the query, path or header parameter)."""
     name = key or "the body"
     return unprocessable(
         [
             FieldError(
                 key,
                 "invalid_text",
-                f"{name} holds a NUL, another control character or a lone surrogate",
+                f"{name} holds a NUL, another control character, a lone surrogate or invalid UTF-8",
+                source=source,
             )
         ]
     )
@@ -168,3 +196,168 @@ class StrictRequest(Request[Any, Any, Any]):
             check_strictly(raw, annotation)
         state.json = value
         return value
+
+
+# --- query, path and header parameters ---
+
+_INTEGER: Final = re.compile(r"-?[0-9]{1,18}")
+_BOOLEANS: Final = frozenset({"true", "false"})
+# The handler's own parameters that are not request parameters.
+_NOT_PARAMETERS: Final = RESERVED_KWARGS | {"receive", "send"}
+
+Kind = Literal["text", "integer", "boolean", "other"]
+
+
+@dataclass(frozen=True)
+class ParameterSpec:
+    """What `check_parameters` knows of one declared parameter."""
+
+    name: str  # the handler's argument
+    alias: str  # as the client spells it
+    source: Literal["query", "path", "header"]
+    kind: Kind
+    repeated: bool  # a list: the query parameter may appear more than once
+    max_chars: int
+
+
+def _unwrap(annotation: Any) -> Any:
+    """`Annotated[X | None, ...]` -> X."""
+    while True:
+        origin = typing.get_origin(annotation)
+        if origin is typing.Annotated:
+            annotation = typing.get_args(annotation)[0]
+        elif origin in (typing.Union, types.UnionType):
+            members = [a for a in typing.get_args(annotation) if a is not type(None)]
+            if len(members) != 1:
+                return annotation
+            annotation = members[0]
+        else:
+            return annotation
+
+
+def _kind(annotation: Any) -> tuple[Kind, bool]:
+    """(kind of each value, whether it is a list) of a parameter's type."""
+    base = _unwrap(annotation)
+    origin = typing.get_origin(base)
+    if origin in (list, tuple, set, frozenset, Sequence):
+        args = typing.get_args(base)
+        return (_kind(args[0])[0] if args else "other"), True
+    if base is bool:
+        return "boolean", False
+    if base is int:
+        return "integer", False
+    if base is str or origin is Literal or (isinstance(base, type) and issubclass(base, enum.Enum)):
+        return "text", False
+    if base is uuid.UUID:
+        return "other", False
+    return "other", False
+
+
+def parameter_specs(handler: HTTPRouteHandler, path_names: frozenset[str]) -> list[ParameterSpec]:
+    """The query, path and header parameters `handler` declares."""
+    dependencies = set(handler.resolve_dependencies())
+    specs = []
+    for name, field in handler.parsed_fn_signature.parameters.items():
+        if name in _NOT_PARAMETERS or name in dependencies:
+            continue
+        kwarg = field.kwarg_definition
+        if kwarg is not None and not isinstance(kwarg, ParameterKwarg):
+            continue  # a body or a dependency
+        if isinstance(kwarg, CookieParameter) or (
+            isinstance(kwarg, ParameterKwarg) and kwarg.cookie
+        ):
+            continue
+        kind, repeated = _kind(field.annotation)
+        declared = kwarg.max_length if isinstance(kwarg, ParameterKwarg) else None
+        max_chars = min(declared or MAX_PARAMETER_CHARS, MAX_PARAMETER_CHARS)
+        source: Literal["query", "path", "header"]
+        named = kwarg.name if isinstance(kwarg, ParameterKwarg) else None
+        if isinstance(kwarg, HeaderParameter) or (
+            isinstance(kwarg, ParameterKwarg) and kwarg.header
+        ):
+            source, alias = "header", (named or (kwarg.header if kwarg else None) or name)
+        elif name in path_names:
+            source, alias = "path", name
+        else:
+            source = "query"
+            if isinstance(kwarg, QueryParameter):
+                alias = named or kwarg.query or name
+            else:
+                alias = (kwarg.query if isinstance(kwarg, ParameterKwarg) else None) or name
+        specs.append(ParameterSpec(name, alias, source, kind, repeated, max_chars))
+    return specs
+
+
+_SPECS: dict[int, tuple[HTTPRouteHandler, list[ParameterSpec]]] = {}
+
+
+def _specs_of(request: Request[Any, Any, Any]) -> list[ParameterSpec]:
+    handler = request.route_handler
+    cached = _SPECS.get(id(handler))
+    if cached is None or cached[0] is not handler:
+        paths = frozenset(p for path in handler.paths for p in re.findall(r"{(\w+)", path))
+        cached = _SPECS[id(handler)] = (handler, parameter_specs(handler, paths))
+    return cached[1]
+
+
+def _query_values(query_string: bytes) -> dict[str, list[str | None]]:
+    """Each query key's values as sent, percent-decoded as UTF-8; None for a value that is not
+    UTF-8 (the framework would have turned it into U+FFFD)."""
+    values: dict[str, list[str | None]] = {}
+    for pair in query_string.split(b"&"):
+        if not pair:
+            continue
+        raw_key, _, raw_value = pair.partition(b"=")
+        try:
+            key = unquote_to_bytes(raw_key.replace(b"+", b" ")).decode()
+        except UnicodeDecodeError:
+            continue  # no declared parameter is spelled so
+        try:
+            value: str | None = unquote_to_bytes(raw_value.replace(b"+", b" ")).decode()
+        except UnicodeDecodeError:
+            value = None
+        values.setdefault(key, []).append(value)
+    return values
+
+
+def _refuse(spec: ParameterSpec, message: str) -> InvalidRequest:
+    errors = [{"key": spec.alias, "source": spec.source, "message": message}]
+    return InvalidRequest(
+        "the request is malformed or failed validation", details={"errors": errors}
+    )
+
+
+def _check_value(spec: ParameterSpec, value: str | None) -> None:
+    if value is None or BAD_TEXT.search(value):
+        raise invalid_text(spec.alias, spec.source)
+    if len(value) > spec.max_chars:
+        raise _refuse(spec, f"{spec.alias} is longer than {spec.max_chars} characters")
+    if spec.kind == "integer" and not _INTEGER.fullmatch(value):
+        raise _refuse(spec, f"{spec.alias} must be a decimal integer")
+    if spec.kind == "boolean" and value not in _BOOLEANS:
+        raise _refuse(spec, f"{spec.alias} must be true or false")
+
+
+async def check_parameters(request: Request[Any, Any, Any]) -> None:
+    """The app's before_request hook: the module docstring's rules for parameters."""
+    specs = _specs_of(request)
+    if not specs:
+        return
+    query: dict[str, list[str | None]] | None = None
+    for spec in specs:
+        if spec.source == "query":
+            if query is None:
+                query = _query_values(request.scope.get("query_string", b""))
+            values = query.get(spec.alias, [])
+            if len(values) > (MAX_PARAMETER_ITEMS if spec.repeated else 1):
+                limit = f"at most {MAX_PARAMETER_ITEMS} times" if spec.repeated else "once"
+                raise _refuse(spec, f"{spec.alias} may be given {limit}")
+        elif spec.source == "header":
+            values = list(request.headers.getall(spec.alias, []))
+            if len(values) > 1:
+                raise _refuse(spec, f"{spec.alias} may be given once")
+        else:
+            value = request.path_params.get(spec.name)
+            values = [value] if isinstance(value, str) else []
+        for value in values:
+            _check_value(spec, value)

@@ -283,3 +283,91 @@ async def test_nul_force_release_reason_is_refused_and_the_group_still_releases(
     await eventually(lambda: status_is("released"), timeout=30, interval=0.1)
     await wait_status(tenant.client, member_id, "released")
     assert_quiet(caplog)
+
+
+# --- query, path and header parameters: the same text rules, no coercion, bounded ---
+
+ALLOCATIONS = "/api/v1/allocations"
+
+
+@pytest.mark.parametrize(
+    ("query", "key"),
+    [
+        ("status=active%00", "status"),
+        ("cursor=a%01b", "cursor"),
+        ("cursor=%ff", "cursor"),  # invalid UTF-8, not silently U+FFFD
+        ("cursor=%ed%a0%80", "cursor"),  # a UTF-8-encoded lone surrogate
+    ],
+)
+async def test_control_characters_in_query_parameters_are_422_invalid_text(
+    tenant: Tenant, caplog: pytest.LogCaptureFixture, query: str, key: str
+) -> None:
+    error = error_of(await tenant.client.get(f"{ALLOCATIONS}?{query}"), 422, "invalid_text")
+    assert error["details"]["errors"] == [
+        {"key": key, "source": "query", "code": "invalid_text", "message": error["message"]}
+    ]
+    assert_quiet(caplog)
+
+
+async def test_control_characters_in_admin_query_and_path_parameters_are_422(
+    admin: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    audit = await admin.get("/api/v1/admin/audit?target_id=x%00y")
+    assert error_of(audit, 422, "invalid_text")["details"]["errors"][0]["key"] == "target_id"
+    action = await admin.post(f"/api/v1/admin/decommissions/{uuid.uuid4()}/re%00try", json={})
+    error = error_of(action, 422, "invalid_text")
+    assert error["details"]["errors"][0]["key"] == "action"
+    assert error["details"]["errors"][0]["source"] == "path"
+    assert_quiet(caplog)
+
+
+@pytest.mark.parametrize(
+    ("path", "query", "key"),
+    [
+        (ALLOCATIONS, "limit=1e1", "limit"),  # lax conversion read 10
+        (ALLOCATIONS, "limit=5.0", "limit"),  # lax conversion read 5
+        (ALLOCATIONS, "limit=5&limit=6", "limit"),  # the last one won
+        (ALLOCATIONS, "limit=99999999999999999999999999", "limit"),
+        ("/api/v1/admin/nodes", "drift=1", "drift"),  # lax conversion read true
+        ("/api/v1/admin/nodes", "drift=True", "drift"),
+        (ALLOCATIONS, "cursor=" + "c" * 501, "cursor"),
+    ],
+)
+async def test_query_parameters_are_not_coerced_and_are_bounded(
+    tenant: Tenant, admin: Any, path: str, query: str, key: str
+) -> None:
+    client = admin if "/admin/" in path else tenant.client
+    error = error_of(await client.get(f"{path}?{query}"), 400, "invalid_request")
+    assert error["details"]["errors"][0]["key"] == key, error
+    assert error["details"]["errors"][0]["source"] == "query", error
+
+
+async def test_well_formed_parameters_still_pass(tenant: Tenant, admin: Any) -> None:
+    assert (await tenant.client.get(f"{ALLOCATIONS}?limit=5&status=active")).status_code == 200
+    assert (await admin.get("/api/v1/admin/nodes?drift=false&limit=1")).status_code == 200
+    assert (await admin.get("/api/v1/admin/audit?target_id=caf%C3%A9")).status_code == 200
+
+
+async def test_control_character_in_a_header_parameter_is_422_invalid_text(
+    tenant: Tenant, count_rows: Any
+) -> None:
+    response = await tenant.client.post(
+        ALLOCATIONS, json=slice_request(1), headers={"X-Idempotency-Key": b"bell\x07"}
+    )
+    error = error_of(response, 422, "invalid_text")
+    assert error["details"]["errors"][0]["key"] == "X-Idempotency-Key"
+    assert error["details"]["errors"][0]["source"] == "header"
+    assert await count_rows(Allocation) == 0
+
+
+async def test_checkout_session_without_idempotency_key_is_400_as_documented(
+    tenant: Tenant, api: Any
+) -> None:
+    response = await tenant.client.post(
+        "/api/v1/payments/checkout-session", json={"amount_minor": 1000, "currency": "usd"}
+    )
+    error_of(response, 400, "invalid_request")
+    document = (await tenant.client.get("/schema/openapi.json")).json()
+    operation = document["paths"]["/api/v1/payments/checkout-session"]["post"]
+    (header,) = [p for p in operation["parameters"] if p["name"] == "X-Idempotency-Key"]
+    assert header["required"] is True

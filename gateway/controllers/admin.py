@@ -13,12 +13,12 @@ from litestar.params import FromPath, FromQuery, JSONBody, QueryParameter
 from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from contracts.states import TokenRole
+from contracts.states import AllocationStatus, TokenRole
 from gateway import allocations, audit, identity, timeline
 from gateway.auth import Principal, admin_guard
 from gateway.controllers.common import audit_reason
 from gateway.errors import InvalidRequest, NotFound, Unprocessable
-from gateway.openapi import errors
+from gateway.openapi import errors, one_of
 from gateway.schemas import (
     AllocationDetail,
     AllocationList,
@@ -343,7 +343,7 @@ class AdminAllocationsController(Controller):
     async def list_allocations(
         self,
         db: NamedDependency[AsyncSession],
-        status: FromQuery[str | None] = None,
+        status: Annotated[str | None, QueryParameter(schema_extra=one_of(AllocationStatus))] = None,
         project_id: FromQuery[uuid.UUID | None] = None,
         node_id: FromQuery[uuid.UUID | None] = None,
         limit: Annotated[int, QueryParameter(ge=1, le=200)] = 50,

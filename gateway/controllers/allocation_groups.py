@@ -12,6 +12,7 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery, HeaderParameter, JSONBody, QueryParameter
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from contracts.states import AllocationGroupStatus
 from gateway import allocation_groups, allocations, audit
 from gateway.allocation_group_schemas import (
     AllocationGroupCreate,
@@ -23,7 +24,7 @@ from gateway.allocation_group_schemas import (
 )
 from gateway.allocations import IDEMPOTENCY_HEADER
 from gateway.auth import Principal, admin_guard, tenant_guard
-from gateway.openapi import errors
+from gateway.openapi import errors, one_of
 from gateway.runtime import Runtime
 from gateway.schemas import ForceRelease
 from gateway.temporal import TemporalOps
@@ -78,7 +79,9 @@ class AllocationGroupsController(Controller):
         self,
         db: NamedDependency[AsyncSession],
         principal: NamedDependency[Principal],
-        status: FromQuery[str | None] = None,
+        status: Annotated[
+            str | None, QueryParameter(schema_extra=one_of(AllocationGroupStatus))
+        ] = None,
         limit: _Limit = 50,
         cursor: FromQuery[str | None] = None,
     ) -> AllocationGroupList:
@@ -143,7 +146,9 @@ class AdminAllocationGroupsController(Controller):
     async def list_groups(
         self,
         db: NamedDependency[AsyncSession],
-        status: FromQuery[str | None] = None,
+        status: Annotated[
+            str | None, QueryParameter(schema_extra=one_of(AllocationGroupStatus))
+        ] = None,
         project_id: FromQuery[uuid.UUID | None] = None,
         limit: _Limit = 50,
         cursor: FromQuery[str | None] = None,

@@ -10,11 +10,12 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery, HeaderParameter, JSONBody, QueryParameter
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from contracts.states import AllocationStatus
 from core.config import Settings
 from gateway import allocations, timeline
 from gateway.allocations import IDEMPOTENCY_HEADER
 from gateway.auth import Principal, tenant_guard
-from gateway.openapi import errors
+from gateway.openapi import errors, one_of
 from gateway.runtime import Runtime
 from gateway.schemas import (
     AllocationCreate,
@@ -70,7 +71,7 @@ class AllocationsController(Controller):
         self,
         db: NamedDependency[AsyncSession],
         principal: NamedDependency[Principal],
-        status: FromQuery[str | None] = None,
+        status: Annotated[str | None, QueryParameter(schema_extra=one_of(AllocationStatus))] = None,
         limit: Annotated[int, QueryParameter(ge=1, le=200)] = 50,
         cursor: FromQuery[str | None] = None,
     ) -> AllocationList:

@@ -11,7 +11,8 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery, JSONBody, QueryParameter
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from contracts.decommission import OperatorAction
+from contracts.decommission import Mode, OperatorAction
+from contracts.onboarding import JobStatus
 from gateway import decommissions
 from gateway.auth import Principal, admin_guard
 from gateway.decommissions import (
@@ -25,7 +26,7 @@ from gateway.decommissions import (
     StorageCleanupCreate,
 )
 from gateway.errors import NotFound
-from gateway.openapi import errors
+from gateway.openapi import errors, one_of
 from gateway.runtime import Runtime
 from gateway.temporal import TemporalOps
 
@@ -159,8 +160,10 @@ class AdminDecommissionsController(Controller):
         self,
         db: NamedDependency[AsyncSession],
         node_id: FromQuery[uuid.UUID | None] = None,
-        status: FromQuery[str | None] = None,
-        mode: FromQuery[str | None] = None,
+        status: Annotated[
+            str | None, QueryParameter(schema_extra=one_of([*JobStatus, "failed"]))
+        ] = None,
+        mode: Annotated[str | None, QueryParameter(schema_extra=one_of(Mode))] = None,
         limit: Annotated[int, QueryParameter(ge=1, le=200)] = 50,
         cursor: FromQuery[str | None] = None,
     ) -> DecommissionList:

@@ -11,7 +11,7 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery, HeaderParameter, JSONBody, QueryParameter
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from contracts.onboarding import OperatorAction
+from contracts.onboarding import JobStatus, OperatorAction
 from gateway import onboardings
 from gateway.allocations import IDEMPOTENCY_HEADER
 from gateway.auth import Principal, admin_guard
@@ -26,7 +26,7 @@ from gateway.onboarding_schemas import (
     OperatorActionAnswer,
     OperatorActionRequest,
 )
-from gateway.openapi import errors
+from gateway.openapi import errors, one_of
 from gateway.runtime import Runtime
 from gateway.temporal import TemporalOps
 
@@ -137,7 +137,7 @@ class AdminOnboardingsController(Controller):
         self,
         db: NamedDependency[AsyncSession],
         batch_id: FromQuery[uuid.UUID | None] = None,
-        status: FromQuery[str | None] = None,
+        status: Annotated[str | None, QueryParameter(schema_extra=one_of(JobStatus))] = None,
         site_id: FromQuery[uuid.UUID | None] = None,
         hostname: FromQuery[str | None] = None,
         limit: Annotated[int, QueryParameter(ge=1, le=200)] = 50,

@@ -424,9 +424,8 @@ class PaymentsController(Controller):
         temporal: NamedDependency[TemporalOps],
         runtime: NamedDependency[Runtime],
         principal: NamedDependency[Principal],
-        idempotency_key: Annotated[
-            str | None, HeaderParameter(name=IDEMPOTENCY_HEADER, required=False)
-        ] = None,
+        # Required: without it the route answers 400 (create_checkout_session).
+        idempotency_key: Annotated[str, HeaderParameter(name=IDEMPOTENCY_HEADER, required=True)],
     ) -> Response[CheckoutSessionCreated]:
         created, replayed = await create_checkout_session(
             db,

@@ -15,7 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from gateway import audit
 from gateway import terminal_sessions as terminals
 from gateway.auth import Principal, admin_guard, tenant_guard
-from gateway.openapi import errors
+from gateway.openapi import errors, one_of
 from gateway.runtime import Runtime
 from gateway.temporal import TemporalOps
 from gateway.terminal_sessions import (
@@ -125,7 +125,9 @@ class AdminTerminalSessionsController(Controller):
     async def list_sessions(
         self,
         db: NamedDependency[AsyncSession],
-        status: FromQuery[str | None] = None,
+        status: Annotated[
+            str | None, QueryParameter(schema_extra=one_of(terminals.TERMINAL_STATUSES))
+        ] = None,
         allocation_id: FromQuery[uuid.UUID | None] = None,
         node_id: FromQuery[uuid.UUID | None] = None,
         project_id: FromQuery[uuid.UUID | None] = None,
