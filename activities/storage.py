@@ -17,6 +17,7 @@ Provider calls block (filesystem): they run in a thread, never inside a database
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +27,9 @@ from sqlalchemy import func, insert, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from temporalio import activity
+from temporalio.api.enums.v1 import TaskQueueType
+from temporalio.api.taskqueue.v1 import TaskQueue
+from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.client import Client, WorkflowUpdateFailedError
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
@@ -37,6 +41,7 @@ from contracts.admin_operation import NOT_FOUND
 from contracts.states import AllocationStatus, NodeTaskStatus
 from contracts.storage import (
     ALLOCATION_NOT_ATTACHABLE,
+    ATTACHMENT_NODE_OBSERVE,
     ATTACHMENT_NODE_STATUS,
     ATTACHMENT_OPEN,
     ATTACHMENT_PRECHECK,
@@ -55,6 +60,8 @@ from contracts.storage import (
     NAMESPACE_EXISTS,
     NAMESPACE_NOT_FOUND,
     NAMESPACE_USAGE,
+    NODE_ALIVE,
+    NODE_LIVENESS_UNKNOWN,
     PROVIDER_UNAVAILABLE,
     QUOTA_EXCEEDED,
     STORAGE_DETACH_FAILED,
@@ -74,12 +81,15 @@ from contracts.storage import (
     NamespaceDeleteInput,
     NamespaceState,
     NamespaceStatus,
+    NodeObservation,
+    NodeObserveInput,
     OpenInput,
     PrecheckInput,
     PrecheckResult,
     TransitionInput,
     WriteMode,
 )
+from core.task_queues import node_task_queue
 from schema.models import (
     Allocation,
     Node,
@@ -151,7 +161,10 @@ async def _apply_transition(session: AsyncSession, input: TransitionInput) -> St
         )
     prior = current.status
     values: dict[str, Any] = {"status": to_status.value, "updated_at": func.clock_timestamp()}
-    if to_status in (AttachmentStatus.FAILED, AttachmentStatus.DETACH_FAILED):
+    if to_status in (AttachmentStatus.FAILED, AttachmentStatus.DETACH_FAILED) or (
+        # An abandoned attachment (ATTACHMENT_ABANDONED) says so, and why, on its detached row.
+        to_status == AttachmentStatus.DETACHED and input.failure_reason
+    ):
         values |= {"failure_reason": input.failure_reason, "failure_message": input.failure_message}
     if to_status == AttachmentStatus.MOUNTED:
         values |= {
@@ -209,6 +222,7 @@ class StorageActivities:
             self.namespace_usage,
             self.attachment_precheck_with_usage,
             self.attachment_node_status,
+            self.attachment_node_observe,
             self.grant_apply,
             self.grant_revoke,
             self.host_task_queue,
@@ -471,6 +485,71 @@ class StorageActivities:
         if status is None:
             raise refusal(NOT_FOUND, "storage attachment or its node not found")
         return str(status)
+
+    @activity.defn(name=ATTACHMENT_NODE_OBSERVE)
+    async def attachment_node_observe(self, input: NodeObserveInput) -> NodeObservation:
+        """Whether the attachment's node is gone, observed now rather than taken from its status
+        (an `offline` status may be a sweep old, a `retired` node may still run its agent): the
+        node's recorded agent contact and, asked of Temporal now, when a poller was last on its
+        `node-{id}` queue. Gone: no node row, or neither within the liveness window. A queue
+        Temporal cannot describe is no evidence of silence (NODE_LIVENESS_UNKNOWN)."""
+        async with transaction(self._sessions) as session:
+            found = (
+                await session.execute(
+                    select(StorageAttachment.node_id, Node.status, Node.last_agent_contact_at)
+                    .outerjoin(Node, Node.id == StorageAttachment.node_id)
+                    .where(StorageAttachment.id == uuid.UUID(input.attachment_id))
+                )
+            ).one_or_none()
+            now = await session.scalar(select(func.clock_timestamp()))
+        if found is None:
+            raise refusal(NOT_FOUND, "storage attachment not found")
+        assert now is not None
+        node_id, status, contact = found
+        observation = NodeObservation(
+            node_id=str(node_id),
+            node_status=None if status is None else str(status),
+            last_seen=None,
+            observed_at=now.isoformat(),
+        )
+        if status is None:
+            observation.message = f"node {node_id} is not on record"
+            return observation
+        try:
+            polled = await self._pollers_last_seen(str(node_id))
+        except RPCError as err:
+            observation.refusal = NODE_LIVENESS_UNKNOWN
+            observation.message = f"the node's queue could not be described ({err.status.name})"
+            return observation
+        seen = [t for t in (contact, polled) if t is not None]
+        last_seen = max(seen, default=None)
+        observation.last_seen = None if last_seen is None else last_seen.isoformat()
+        window = dt.timedelta(seconds=input.liveness_window_seconds)
+        if last_seen is not None and now - last_seen < window:
+            observation.refusal = NODE_ALIVE
+            observation.message = (
+                f"node {node_id} ({status}): its agent was heard from at "
+                f"{last_seen.isoformat()}, within the {window.total_seconds():g} s liveness "
+                "window; retry the detach instead"
+            )
+        else:
+            observation.message = (
+                f"node {node_id} ({status}): agent last heard from "
+                f"{'never' if last_seen is None else last_seen.isoformat()}, observed "
+                f"{now.isoformat()}"
+            )
+        return observation
+
+    async def _pollers_last_seen(self, node_id: str) -> dt.datetime | None:
+        """When Temporal last saw a poller on the node's queue (as node liveness asks it)."""
+        described = await self._client.workflow_service.describe_task_queue(
+            DescribeTaskQueueRequest(
+                namespace=self._client.namespace,
+                task_queue=TaskQueue(name=node_task_queue(node_id)),
+                task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_ACTIVITY,
+            )
+        )
+        return max((p.last_access_time.ToDatetime(dt.UTC) for p in described.pollers), default=None)
 
     async def _refusal(
         self,

@@ -7,9 +7,21 @@ the control-plane worker and every node see at the same place (a cluster filesys
 export mounted on each; in the embedded stack and the tests, a directory on the one machine).
 Its tree under the root:
 
-    namespaces/<namespace id>/                 the namespace's data (created empty, 0o2775)
+    namespaces/                                0o700: no one but the provider and the nodes'
+                                               agents (root) lists or enters it
+    namespaces/<namespace id>/                 the namespace's data (created empty, 0o2770: no
+                                               world access)
+    grants/                                    0o700, likewise
     grants/<namespace id>/<attachment id>.json {"node_id", "mode"}: what the node's agent checks
                                                before it mounts (and the mode it mounts with)
+
+Isolation (issue 36 item 4, the part done): a tenant on a node reaches a namespace only through
+the bind mount its agent made for an attachment (agent/storage_mounts.py), never by walking the
+export: a non-root user cannot list `namespaces/` or `grants/`, nor enter another project's
+namespace even knowing its id. Not done yet: mapping the tenant's uid/gid onto its own namespace
+(so a non-root tenant reads and writes its own mount: today only root on the node can) and
+mounting only the attached namespaces on a node instead of the whole export (a root tenant, e.g.
+with `grant_sudo`, still reaches the export root on its node).
 
 Quota is enforced by the provider's accounting, not by the kernel: the bytes allocated under a
 namespace (st_blocks, hard links once) are compared with its quota_bytes when an attachment is
@@ -78,11 +90,20 @@ class SharedDirectoryProvider:
     def _grants_dir(self, key: str) -> Path:
         return self.root / "grants" / key
 
+    def _private_dir(self, name: str) -> None:
+        """`namespaces/` or `grants/` with no access for anyone but its owner (the provider) and
+        root (the nodes' agents): made so, or made so again (an older build left 0o755)."""
+        directory = self.root / name
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(directory, 0o700)
+
     def create(self, key: str) -> None:
+        self._private_dir("namespaces")
         path = self.namespace_dir(key)
-        path.mkdir(parents=True, exist_ok=True)
-        # Group-writable with setgid: the nodes' tenants share the namespace through its group.
-        os.chmod(path, 0o2775)  # noqa: S103
+        path.mkdir(mode=0o700, exist_ok=True)
+        # No world access; group-writable with setgid for the project's group once tenants'
+        # ids are mapped onto it (see the module text).
+        os.chmod(path, 0o2770)  # noqa: S103
 
     def delete(self, key: str) -> None:
         for path in (self._grants_dir(key), self.namespace_dir(key)):
@@ -114,6 +135,7 @@ class SharedDirectoryProvider:
         return total
 
     def grant(self, key: str, attachment_id: str, node_id: str, mode: str) -> None:
+        self._private_dir("grants")
         directory = self._grants_dir(key)
         directory.mkdir(parents=True, exist_ok=True)
         target = directory / f"{attachment_id}.json"

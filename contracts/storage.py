@@ -27,6 +27,8 @@ WORKFLOW_NAME = "StorageAttachmentWorkflow"
 WORKFLOW_ID_PREFIX = "storage-attachment-"
 OPEN_UPDATE = "open"  # update-with-start: answers once the attachment is on record (or refused)
 DETACH_UPDATE = "detach"
+# An admin's way out of detach_failed on a node observed gone (issue 35): revoke, no unmount.
+ABANDON_UPDATE = "abandon"
 STATUS_QUERY = "status"
 
 
@@ -117,6 +119,7 @@ ATTACHMENT_PRECHECK = "storage.attachment_precheck"  # measures, then decides (o
 NAMESPACE_USAGE = "storage.namespace_usage"  # the provider's measure, while `requested`
 ATTACHMENT_PRECHECK_WITH_USAGE = "storage.attachment_precheck_with_usage"
 ATTACHMENT_NODE_STATUS = "storage.attachment_node_status"  # before a detach asks the node
+ATTACHMENT_NODE_OBSERVE = "storage.attachment_node_observe"  # before an abandon: is it gone?
 GRANT_APPLY = "storage.grant_apply"
 GRANT_REVOKE = "storage.grant_revoke"
 HOST_TASK_QUEUE = "storage.host_task_queue"
@@ -139,6 +142,9 @@ DETACH_BEFORE_MOUNT_CANCELS_PATCH = "storage-detach-before-mount-cancels"
 # StorageAttachmentWorkflow: a detach whose node is offline fails at once (a mounted attachment:
 # mounted → detach_failed) instead of waiting out the unmount's schedule-to-start timeout.
 OFFLINE_NODE_FAILS_DETACH_PATCH = "storage-offline-node-fails-detach"
+# StorageAttachmentWorkflow: an admin abandons a detach_failed attachment whose node is observed
+# gone (issue 35): detach_failed → detaching → detached, the grant revoked, nothing unmounted.
+ABANDON_PATCH = "storage-abandon-on-dead-node"
 
 # AdminOperationWorkflow operations (named, and listed in OPERATIONS, in contracts.admin_operation).
 NAMESPACE_CREATE = STORAGE_NAMESPACE_CREATE
@@ -164,6 +170,19 @@ NODE_OFFLINE = "node_offline"  # the node's agent is silent (seed 003 §6.3): no
 # An allocation release whose attachments did not all detach: the release ends release_failed.
 STORAGE_DETACH_FAILED = "storage_detach_failed"
 OPEN_REFUSALS = (NAMESPACE_NOT_FOUND, ALLOCATION_NOT_ATTACHABLE)
+# Abandon (ABANDON_UPDATE): the refusals (409 codes) and the detached attachment's failure_reason.
+ATTACHMENT_NOT_DETACH_FAILED = "attachment_not_detach_failed"
+ATTACHMENT_DETACH_IN_PROGRESS = "attachment_detach_in_progress"  # a detach or abandon runs
+NODE_ALIVE = "node_alive"  # its agent was heard from within the liveness window: retry-detach
+NODE_LIVENESS_UNKNOWN = "node_liveness_unknown"  # Temporal could not say: silence not assumed
+ABANDON_REFUSALS = (
+    ATTACHMENT_NOT_DETACH_FAILED,
+    ATTACHMENT_DETACH_IN_PROGRESS,
+    NODE_ALIVE,
+    NODE_LIVENESS_UNKNOWN,
+    GRANT_FAILED,
+)
+ATTACHMENT_ABANDONED = "abandoned"  # failure_reason of a detached attachment an admin abandoned
 
 
 @dataclass
@@ -209,6 +228,36 @@ class DetachRequest:
     reason: str | None = None
     # Answer once this request's detach ended (detached or detach_failed), not when accepted.
     wait: bool = False
+
+
+@dataclass
+class AbandonRequest:
+    """ABANDON_UPDATE: an admin's, audited by the gateway. The liveness window is the control
+    plane's (Settings.node_offline_after_seconds), fixed by the caller."""
+
+    actor: str  # DetachActor.ADMIN
+    reason: str
+    liveness_window_seconds: float
+
+
+@dataclass
+class NodeObserveInput:
+    attachment_id: str
+    liveness_window_seconds: float
+
+
+@dataclass
+class NodeObservation:
+    """What ATTACHMENT_NODE_OBSERVE saw now: `refusal` None means the node is gone (no node row,
+    or its agent not heard from within the window, by its recorded contact and its queue's
+    pollers as Temporal describes them now)."""
+
+    node_id: str
+    node_status: str | None  # None: no node row
+    last_seen: str | None  # ISO 8601, the newest of recorded contact and pollers; None: never
+    observed_at: str  # ISO 8601, the database clock
+    refusal: str | None = None  # NODE_ALIVE | NODE_LIVENESS_UNKNOWN
+    message: str = ""
 
 
 # --- host tasks (node agent) ----------------------------------------------------------------------

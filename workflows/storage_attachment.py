@@ -19,6 +19,13 @@ while the mount runs waits for it. A detach whose node is offline fails at once 
 detach_failed: nothing can unmount there). A failed detach waits for the next one; the workflow
 ends when the attachment is detached. Nothing here deletes the namespace's data.
 
+An admin's `abandon` update (issue 35) is the way out of detach_failed on a node that never comes
+back: the workflow observes the node now (its agent not heard from within the liveness window,
+by recorded contact and its queue's pollers; or no node at all) and only then revokes the grant
+without any unmount and ends the attachment detached, failure_reason `abandoned`, through
+detaching as seed 001 §7 has it. A node observed alive refuses (`node_alive`: retry the detach),
+and nothing changes.
+
 Every transition is applied by an activity as compare-and-set with an event row; the workflow
 only decides what comes next.
 """
@@ -45,7 +52,13 @@ with workflow.unsafe.imports_passed_through():
     )
     from contracts.states import NodeStatus
     from contracts.storage import (
+        ABANDON_PATCH,
+        ABANDON_UPDATE,
+        ATTACHMENT_ABANDONED,
+        ATTACHMENT_DETACH_IN_PROGRESS,
+        ATTACHMENT_NODE_OBSERVE,
         ATTACHMENT_NODE_STATUS,
+        ATTACHMENT_NOT_DETACH_FAILED,
         ATTACHMENT_OPEN,
         ATTACHMENT_PRECHECK,
         ATTACHMENT_PRECHECK_WITH_USAGE,
@@ -70,6 +83,7 @@ with workflow.unsafe.imports_passed_through():
         STATUS_QUERY,
         UNMOUNT_FAILED,
         WORKFLOW_NAME,
+        AbandonRequest,
         AttachmentInput,
         AttachmentStatus,
         AttachmentView,
@@ -77,6 +91,8 @@ with workflow.unsafe.imports_passed_through():
         GrantInput,
         HostTaskFinishInput,
         HostTaskQueueInput,
+        NodeObservation,
+        NodeObserveInput,
         OpenInput,
         PrecheckInput,
         PrecheckResult,
@@ -121,6 +137,9 @@ class StorageAttachmentWorkflow:
         self._detach_requests = 0
         self._detaches_answered = 0
         self._next_detach: DetachRequest | None = None
+        # The abandon being decided (one at a time) and its answer: the view or the refusal.
+        self._abandon: AbandonRequest | None = None
+        self._abandon_answer: AttachmentView | ApplicationError | None = None
 
     # ------------------------------------------------------------------ handlers
 
@@ -151,6 +170,41 @@ class StorageAttachmentWorkflow:
                 "the attachment was refused or is not on record yet", type="not_found"
             )
 
+    @workflow.update(name=ABANDON_UPDATE)
+    async def abandon(self, request: AbandonRequest) -> AttachmentView:
+        """Decided by the run loop (so no detach runs beside it); answers the detached view or
+        raises the refusal (NODE_ALIVE, NODE_LIVENESS_UNKNOWN, GRANT_FAILED)."""
+        self._abandon = request
+        self._abandon_answer = None
+        await workflow.wait_condition(lambda: self._abandon_answer is not None)
+        answer = self._abandon_answer
+        self._abandon, self._abandon_answer = None, None
+        if isinstance(answer, ApplicationError):
+            raise answer
+        assert answer is not None
+        return answer
+
+    @abandon.validator
+    def _validate_abandon(self, request: AbandonRequest) -> None:
+        """Refused before anything is written: only a detach_failed attachment with no detach
+        or abandon in progress."""
+        if self._view is None:
+            raise ApplicationError(
+                "the attachment was refused or is not on record yet", type="not_found"
+            )
+        if self._view.status != AttachmentStatus.DETACH_FAILED:
+            raise ApplicationError(
+                f"the attachment is {self._view.status}; only a detach_failed one is abandoned",
+                {"status": self._view.status},
+                type=ATTACHMENT_NOT_DETACH_FAILED,
+            )
+        if self._abandon is not None or self._detach_pending():
+            raise ApplicationError(
+                "a detach or an abandon of this attachment is in progress",
+                {"status": self._view.status},
+                type=ATTACHMENT_DETACH_IN_PROGRESS,
+            )
+
     @workflow.signal(name=HOST_TASK_PROGRESS_SIGNAL)
     async def host_task_progress(self, report: HostTaskProgress) -> None:
         """The agent's report of a mount or unmount attempt, recorded for the timeline."""
@@ -173,7 +227,13 @@ class StorageAttachmentWorkflow:
             )
         await self._attach(input)
         while True:
-            await workflow.wait_condition(self._detach_pending)
+            await workflow.wait_condition(lambda: self._detach_pending() or self._abandon_pending())
+            if self._abandon_pending():
+                if await self._abandon_run(input):
+                    # Detached: every detach request accepted meanwhile is answered by it.
+                    self._detaches_answered = self._detach_requests
+                    break
+                continue
             answered = self._detach_requests
             request = self._next_detach
             assert request is not None
@@ -366,6 +426,57 @@ class StorageAttachmentWorkflow:
         await self._transition(AttachmentStatus.DETACHED, actor=request.actor)
         return True
 
+    async def _abandon_run(self, input: AttachmentInput) -> bool:
+        """One abandon: the node observed now; gone → detaching, the grant revoked (no unmount:
+        nothing answers on that node), detached as `abandoned`. Answers the update."""
+        request = self._abandon
+        assert request is not None
+        workflow.patched(ABANDON_PATCH)
+        observed: NodeObservation = await workflow.execute_activity(
+            ATTACHMENT_NODE_OBSERVE,
+            NodeObserveInput(input.attachment_id, request.liveness_window_seconds),
+            result_type=NodeObservation,
+            start_to_close_timeout=_DB,
+            retry_policy=_DB_RETRY,
+        )
+        if observed.refusal is not None:
+            self._abandon_answer = ApplicationError(
+                observed.message,
+                {"node_id": observed.node_id, "node_status": observed.node_status,
+                 "last_seen": observed.last_seen, "observed_at": observed.observed_at},
+                type=observed.refusal,
+                non_retryable=True,
+            )  # fmt: skip
+            return False
+        await self._transition(
+            AttachmentStatus.DETACHING, actor=request.actor, reason=f"abandon: {request.reason}"
+        )
+        try:
+            await workflow.execute_activity(
+                GRANT_REVOKE,
+                GrantInput(input.attachment_id, input.namespace_id, observed.node_id, input.mode),
+                start_to_close_timeout=_DB,
+                retry_policy=_PROVIDER_RETRY,
+            )
+        except ActivityError as err:
+            await self._fail(AttachmentStatus.DETACH_FAILED, GRANT_FAILED, err)
+            error_type, message = _describe(err)
+            self._abandon_answer = ApplicationError(
+                f"the grant was not revoked: {error_type}: {message}",
+                type=GRANT_FAILED,
+                non_retryable=True,
+            )
+            return False
+        await self._transition(
+            AttachmentStatus.DETACHED,
+            actor=request.actor,
+            failure_reason=ATTACHMENT_ABANDONED,
+            failure_message=f"abandoned on a node observed gone ({observed.message}): "
+            f"{request.reason}",
+        )
+        self._abandon_answer = self._view
+        return True
+
     # ------------------------------------------------------------------ steps
 
     async def _host_task(
@@ -414,6 +525,9 @@ class StorageAttachmentWorkflow:
 
     def _detach_pending(self) -> bool:
         return self._detach_requests > self._detaches_answered
+
+    def _abandon_pending(self) -> bool:
+        return self._abandon is not None and self._abandon_answer is None
 
     async def _fail(self, status: AttachmentStatus, reason: str, error: ActivityError) -> None:
         error_type, message = _describe(error)

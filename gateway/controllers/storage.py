@@ -26,7 +26,11 @@ from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
+from contracts.allocation import BALANCE_DEPLETED
+from contracts.billing_meter import BalanceState
 from contracts.storage import (
+    ABANDON_REFUSALS,
+    ABANDON_UPDATE,
     ALLOCATION_NOT_ATTACHABLE,
     DETACH_UPDATE,
     NAMESPACE_ATTACHED,
@@ -35,8 +39,10 @@ from contracts.storage import (
     NAMESPACE_EXISTS,
     NAMESPACE_NOT_FOUND,
     OPEN_UPDATE,
+    QUOTA_EXCEEDED,
     STUCK,
     WORKFLOW_NAME,
+    AbandonRequest,
     AttachmentInput,
     AttachmentStatus,
     AttachmentView,
@@ -55,15 +61,16 @@ from gateway import allocations, audit
 from gateway.admin_operations import actor, run_admin_operation
 from gateway.allocations import IDEMPOTENCY_HEADER
 from gateway.auth import Principal, admin_guard, tenant_guard
+from gateway.controllers.billing import storage_limits
 from gateway.controllers.common import audit_reason
-from gateway.errors import ApiError, Conflict, NotFound
+from gateway.errors import ApiError, Conflict, Forbidden, NotFound
 from gateway.openapi import errors
 from gateway.pagination import newest_first_page
 from gateway.runtime import Runtime
 from gateway.schemas import Reason
 from gateway.schemas import Request as RequestBody
 from gateway.temporal import TemporalOps
-from schema.models import StorageAttachment, StorageNamespace
+from schema.models import BillingAccount, StorageAttachment, StorageNamespace
 
 # Fixed forever: ids derived from idempotency keys must not change.
 _ID_NAMESPACE = uuid.UUID("1d7e3c52-8a4f-4f0e-9b61-2c5a7e9d4b13")
@@ -134,6 +141,10 @@ class DetachAccepted(msgspec.Struct, kw_only=True):
 
 
 class RetryDetach(RequestBody):
+    reason: Reason
+
+
+class AbandonAttachment(RequestBody):
     reason: Reason
 
 
@@ -242,6 +253,37 @@ async def request_detach(
     return DetachAccepted(attachment_id=attachment_id, status=view.status, detach_pending=pending)
 
 
+async def _refuse_beyond_limits(db: AsyncSession, project_id: uuid.UUID, quota_bytes: int) -> None:
+    """Issue 37: a depleted project creates no namespace (402 balance_depleted; no account yet is
+    a balance of 0), and none beyond the project's limits on active namespaces and their total
+    quota (403 quota_exceeded; admin-set, gateway/controllers/billing.py)."""
+    state = await db.scalar(
+        select(BillingAccount.state).where(BillingAccount.project_id == project_id)
+    )
+    if state in (None, BalanceState.DEPLETED.value):
+        raise ApiError(
+            "the project's balance is depleted; add credit to create storage",
+            code=BALANCE_DEPLETED,
+            status_code=402,
+        )
+    limits = await storage_limits(db, project_id)
+    if (
+        limits.namespaces + 1 > limits.namespace_limit
+        or limits.quota_bytes + quota_bytes > limits.quota_limit_bytes
+    ):
+        raise Forbidden(
+            "the project's storage limits do not allow this namespace",
+            code=QUOTA_EXCEEDED,
+            details={
+                "namespace_limit": limits.namespace_limit,
+                "namespaces": limits.namespaces,
+                "quota_limit_bytes": limits.quota_limit_bytes,
+                "quota_bytes": limits.quota_bytes,
+                "requested_quota_bytes": quota_bytes,
+            },
+        )
+
+
 class StorageNamespacesController(Controller):
     path = "/api/v1/storage/namespaces"
     guards = [tenant_guard]
@@ -251,7 +293,12 @@ class StorageNamespacesController(Controller):
         "/",
         status_code=201,
         summary="Create a storage namespace with a quota (with X-Idempotency-Key: once)",
-        responses=errors(400, 403, 409, 413, 422),
+        description=(
+            "402 balance_depleted for a depleted project; 403 quota_exceeded beyond the "
+            "project's limits on namespaces and their total quota (GET "
+            "/api/v1/billing/storage-limits)."
+        ),
+        responses=errors(400, 402, 403, 409, 413, 422),
     )
     async def create_namespace(
         self,
@@ -265,12 +312,15 @@ class StorageNamespacesController(Controller):
         ] = None,
     ) -> NamespaceView:
         namespace_id = _derived_id(principal.project, idempotency_key)
+        existing = None
         if idempotency_key is not None:
             # The key's namespace exists already: the same body is answered from the record (by
             # the operation below), another body is refused before anything runs.
             existing = await db.get(StorageNamespace, namespace_id)
             if existing is not None:
                 _check_same_namespace(_namespace_view(existing), data)
+        if existing is None:  # a retry of a created one is answered whatever the limits now
+            await _refuse_beyond_limits(db, principal.project, data.quota_bytes)
         await db.close()
         state = await run_admin_operation(
             temporal,
@@ -556,3 +606,88 @@ class AdminStorageController(Controller):
         )
         await db.commit()
         return Response(answer, status_code=202)
+
+    @post(
+        "/attachments/{attachment_id:uuid}/abandon",
+        status_code=200,
+        summary="Abandon a detach_failed attachment on a node observed gone; audited",
+        description=(
+            "Issue 35: the way out of detach_failed when the node never comes back. The "
+            "attachment's workflow observes the node now (its agent not heard from within the "
+            "liveness window, or no node at all), revokes the grant without any unmount and ends "
+            "the attachment detached with failure_reason `abandoned`: the namespace takes a new "
+            "writer and can be deleted. 409 `attachment_not_detach_failed`, "
+            "`attachment_detach_in_progress`, `node_alive` (retry the detach instead), "
+            "`node_liveness_unknown`, `storage_grant_failed`; a refusal changes nothing."
+        ),
+        responses=errors(400, 403, 404, 409),
+    )
+    async def abandon(
+        self,
+        request: Request[Any, Any, Any],
+        data: JSONBody[AbandonAttachment],
+        db: NamedDependency[AsyncSession],
+        temporal: NamedDependency[TemporalOps],
+        runtime: NamedDependency[Runtime],
+        principal: NamedDependency[Principal],
+        attachment_id: FromPath[uuid.UUID],
+    ) -> AttachmentDetail:
+        row = await _attachment_row(db, attachment_id, None, None)
+        if row.status != AttachmentStatus.DETACH_FAILED:
+            raise Conflict(
+                f"the attachment is {row.status}; only a detach_failed one is abandoned",
+                code="attachment_not_detach_failed",
+                details={"status": row.status},
+            )
+        prior, workflow_id = row.status, row.workflow_id
+        reason = audit_reason(request, data.reason) or data.reason
+        abandon = AbandonRequest(
+            actor=DetachActor.ADMIN.value,
+            reason=reason,
+            liveness_window_seconds=runtime.settings.node_offline_after_seconds,
+        )
+        await db.close()
+
+        async def call(client: Client) -> AttachmentView:
+            view: AttachmentView = await client.get_workflow_handle(workflow_id).execute_update(
+                ABANDON_UPDATE,
+                abandon,
+                result_type=AttachmentView,
+                rpc_timeout=temporal.rpc_timeout,
+            )
+            return view
+
+        try:
+            await temporal.update(call)
+        except WorkflowUpdateFailedError as err:
+            cause = err.cause
+            if isinstance(cause, ApplicationError) and cause.type in ABANDON_REFUSALS:
+                details = cause.details[0] if cause.details else None
+                raise Conflict(
+                    cause.message,
+                    code=cause.type,
+                    details=details if isinstance(details, dict) else None,
+                ) from None
+            raise
+        except RPCError as err:
+            if err.status != RPCStatusCode.NOT_FOUND:
+                raise
+            raise Conflict(  # its workflow has closed: the attachment is detached
+                "the attachment is detached", code="attachment_not_detach_failed"
+            ) from None
+        row = await _attachment_row(db, attachment_id, None, None)
+        await db.refresh(row)
+        audit.record_by(
+            db,
+            principal,
+            action="storage_attachment.abandon",
+            target_type="storage_attachment",
+            target_id=str(attachment_id),
+            reason=reason,
+            prior_state=prior,
+            expected_state=AttachmentStatus.DETACHED.value,
+            workflow_ids=[workflow_id],
+            details={"node_id": str(row.node_id), "failure_message": row.failure_message},
+        )
+        await db.commit()
+        return attachment_detail(row)
