@@ -234,7 +234,7 @@ async def _refuse_unoffered(db: AsyncSession, body: AllocationGroupCreate) -> No
             tuple_(Sku.name, Sku.region).in_(sorted(pairs)),
         )
     )
-    offered = {(name, region): set(counts) for name, region, counts in rows.tuples()}
+    offered = {(name, region): set(counts) for name, region, counts in rows}
     for position, member in enumerate(body.members):
         counts = offered.get((member.sku, member.region))
         if counts is None:

@@ -228,8 +228,17 @@ def _error_response(status: int, description: str) -> dict[str, Any]:
     return response
 
 
+# A route's `opt` key naming the other media types its 200 answer can have (say "text/csv"
+# beside JSON), documented as strings so response-conformance checks know them.
+ALSO_SERVES = "also_serves"
+
+
 def _finish_operation(operation: dict[str, Any], handler: HTTPRouteHandler) -> None:
     _finish_parameters(operation)
+    for media_type in handler.opt.get(ALSO_SERVES, ()):
+        ok = operation.setdefault("responses", {}).get("200")
+        if ok is not None:
+            ok.setdefault("content", {})[media_type] = {"schema": {"type": "string"}}
     declared = {s: spec for s, spec in (handler.responses or {}).items() if s >= 400}
     responses: dict[str, Any] = operation.setdefault("responses", {})
     for code in [c for c in responses if c.isdigit() and int(c) >= 400]:

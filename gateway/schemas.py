@@ -15,9 +15,15 @@ import msgspec
 # How deep a JSON body may nest; deeper is 400 json_too_deep. The size limit is
 # Settings.max_request_body_bytes (413 payload_too_large).
 MAX_JSON_DEPTH = 32
-# What no string of a JSON body may hold, whatever its field: NUL (PostgreSQL cannot store it),
-# the other C0 control characters but tab, newline and carriage return, DEL, and lone
-# surrogates. Any string holding one is 422 invalid_text naming the field.
+# Query, path and header parameters (gateway.request_decoding checks them before a handler
+# runs; gateway.openapi documents them as maxLength / maxItems): a string value at most
+# MAX_PARAMETER_CHARS characters unless its declaration says fewer (400 invalid_request), a
+# repeatable query parameter at most MAX_PARAMETER_ITEMS times, any other at most once (400).
+MAX_PARAMETER_CHARS = 500
+MAX_PARAMETER_ITEMS = 20
+# What no string of a JSON body or parameter may hold, whatever its field: NUL (PostgreSQL
+# cannot store it), the other C0 control characters but tab, newline and carriage return, DEL,
+# and lone surrogates. Any string holding one is 422 invalid_text naming the field.
 BAD_TEXT = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ud800-\udfff]")
 # Free text (Text below) is one line: no control character at all.
 TEXT_FORBIDDEN = r"\x00-\x1f\x7f\ud800-\udfff"

@@ -752,17 +752,28 @@ class UsageRecord(Base):
     ended_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
     # Charged through this instant (windows are closed minute by minute).
     billed_until: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
-    __table_args__ = (Index("usage_open", "project_id", postgresql_where=text("ended_at IS NULL")),)
+    # What its windows were charged so far: updated with each posting of them (ledger.post_entries),
+    # so the usage export never sums the ledger.
+    charged_minor: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
+    __table_args__ = (
+        Index("usage_open", "project_id", postgresql_where=text("ended_at IS NULL")),
+        # The usage export's keyset pages, newest first.
+        Index("usage_project_started", "project_id", "started_at", "id"),
+    )
 
 
 # Seed 001 §4 defaults: low at 10.00 or less, depleted at 0 or less (minor units).
 LOW_BALANCE_THRESHOLD_MINOR = 1000
 DEPLETED_THRESHOLD_MINOR = 0
+# Issue 37: a project's storage limits until an admin sets its own (billing_accounts columns).
+DEFAULT_STORAGE_NAMESPACE_LIMIT = 10
+DEFAULT_STORAGE_QUOTA_LIMIT_BYTES = 10 << 40  # 10 TiB
 
 
 class BillingAccount(Base):
-    """A project's balance state (healthy / low_balance / depleted) and its thresholds; the
-    balance itself is always derived from the ledger."""
+    """A project's balance state (healthy / low_balance / depleted) and its thresholds, and the
+    balance: the ledger's running total, updated in the transaction of every posting
+    (activities/billing/ledger.py), always equal to the sum of the project's entries."""
 
     __tablename__ = "billing_accounts"
     project_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("projects.id"), primary_key=True)
@@ -783,8 +794,20 @@ class BillingAccount(Base):
     )
     # Counts the times the balance left `healthy`: a notice goes out once per (kind, episode).
     episode: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    balance_minor: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
+    # Storage limits (issue 37): active namespaces, and the sum of their quotas; admin-set.
+    storage_namespace_limit: Mapped[int] = mapped_column(
+        Integer, server_default=text(str(DEFAULT_STORAGE_NAMESPACE_LIMIT))
+    )
+    storage_quota_limit_bytes: Mapped[int] = mapped_column(
+        BigInteger, server_default=text(str(DEFAULT_STORAGE_QUOTA_LIMIT_BYTES))
+    )
     __table_args__ = (
         CheckConstraint("state IN ('healthy', 'low_balance', 'depleted')", name="billing_state"),
+        CheckConstraint(
+            "storage_namespace_limit >= 0 AND storage_quota_limit_bytes >= 0",
+            name="billing_storage_limits",
+        ),
     )
 
 

@@ -52,6 +52,18 @@ def run_bench(module: str, *args: str) -> str:
             ["60 machines, clean pass", "60 machines, after drift", "refused as reconcile_suspect"],
         ),
         (
+            # Issue 37: a small ledger at two ages (4 allocations, 1 and 3 days of minute
+            # windows); about 20 s.
+            "bench.ledger",
+            ("--allocations", "4", "--days", "1", "3", "--requests", "5", "--meter-runs", "3"),
+            [
+                "balance read (GET /billing/balance)",
+                "meter run (4 records",
+                "usage export, first page (CSV)",
+                "3 days / 1 day(s), ratio of p50s",
+            ],
+        ),
+        (
             # Both Temporal servers, each under a whole stack of its own (issue 26 item 2: the
             # benchmark once in CI); about 35 s.
             "bench.temporal_servers",
@@ -62,7 +74,7 @@ def run_bench(module: str, *args: str) -> str:
             ["dev: (i) idle", "cluster: (i) idle", "| (a) POST /allocations, /s |"],
         ),
     ],
-    ids=["placement", "queries", "reconciler", "temporal_servers"],
+    ids=["placement", "queries", "reconciler", "ledger", "temporal_servers"],
 )
 def test_bench_script_runs_and_prints_its_figures(
     module: str, args: tuple[str, ...], figures: list[str]

@@ -5,13 +5,17 @@ released through their own workflows."""
 from __future__ import annotations
 
 import asyncio
+import csv
 import datetime as dt
+import io
 import uuid
 from typing import Any
 
 import pytest
 from sqlalchemy import func, select
 
+from activities.billing import metering
+from activities.billing.ledger import check_running_totals, ledger_sum_minor
 from activities.billing.metering import BillingActivities, cumulative_charge
 from contracts.allocation import allocation_workflow_id
 from contracts.billing_meter import MeterInput
@@ -24,12 +28,14 @@ from schema.models import (
     LedgerEntry,
     UsageRecord,
 )
+from tests.factories import STARTING_CREDIT_MINOR
 from tests.histories import record_history
 from tests.lifecycle_support import baremetal_request, create_fleet, slice_request, wait_status
 from workflows.billing_meter import BillingMeterWorkflow
 
 pytestmark = pytest.mark.usefixtures("control_plane")
 PRICE = 250  # minor units per GPU-hour in tests/factories.create_sku
+WINDOW = dt.timedelta(seconds=metering.WINDOW_SECONDS)
 
 
 async def meter(client: Any, settings: Any, until: dt.datetime, record: bool = False) -> Any:
@@ -274,3 +280,90 @@ async def test_a_project_never_credited_is_depleted_and_cannot_allocate(
     assert placed.status_code == 201, placed.text
     await wait_status(client, placed.json()["allocation_id"], "active")
     assert (await client.get("/api/v1/notifications")).json()["items"] == []
+
+
+async def test_the_meter_bills_in_batches_and_the_usage_export_pages_as_json_and_csv(
+    tenant: tuple[Any, Any], db_sessions: Any, start_node_agent: Any, temporal_client: Any,
+    settings: Any, make_token: Any, api: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """Issue 37 item 5: batches of records, one transaction each, still once per window; the
+    balance is the running total and equals the ledger's sum; the usage export reads usage
+    records (their charged_minor), a page at a time, as JSON or CSV."""
+    project, client = tenant
+    monkeypatch.setattr(metering, "BATCH_RECORDS", 2)  # three records: two batches
+    (node,) = await create_fleet(db_sessions, slice_nodes=1)
+    await start_node_agent(node.id)
+    ids = []
+    for gpus in (1, 2, 4):
+        placed = await client.post("/api/v1/allocations", json=slice_request(gpus))
+        assert placed.status_code == 201, placed.text
+        ids.append(placed.json()["allocation_id"])
+    for allocation_id in ids:
+        await wait_status(client, allocation_id, "active")
+    records = [await usage_of(db_sessions, a) for a in ids]
+    until = max(r.started_at for r in records) + dt.timedelta(minutes=5, seconds=10)
+    first = await meter(temporal_client, settings, until)
+    assert first.records_billed == 3
+    expected = {
+        str(r.id): cumulative_charge(
+            PRICE, r.gpu_count, ((until - r.started_at) // WINDOW) * WINDOW
+        )
+        for r in records
+    }
+    assert first.charged_minor == sum(expected.values()) == await charged(db_sessions, project.id)
+    again = await meter(temporal_client, settings, until)
+    assert (again.debits_posted, again.charged_minor) == (0, 0)
+    async with db_sessions() as session:
+        assert await check_running_totals(session) == []
+        assert await ledger_sum_minor(session, project.id) == STARTING_CREDIT_MINOR - sum(
+            expected.values()
+        )
+    balance = (await client.get("/api/v1/billing/balance")).json()
+    assert balance["balance_minor"] == STARTING_CREDIT_MINOR - sum(expected.values())
+
+    # JSON pages, newest first, following next_cursor.
+    page = (await client.get("/api/v1/billing/usage", params={"limit": 2})).json()
+    assert len(page["items"]) == 2
+    assert page["next_cursor"] is not None
+    rest = (
+        await client.get(
+            "/api/v1/billing/usage", params={"limit": 2, "cursor": page["next_cursor"]}
+        )
+    ).json()
+    assert rest["next_cursor"] is None
+    items = page["items"] + rest["items"]
+    assert [u["allocation_id"] for u in items] == ids[::-1]
+    assert {u["usage_record_id"]: u["charged_minor"] for u in items} == expected
+    assert {u["currency"] for u in items} == {"usd"}
+
+    # CSV: by ?format=csv or by Accept; the next cursor in X-Next-Cursor.
+    as_csv = await client.get("/api/v1/billing/usage", params={"limit": 2, "format": "csv"})
+    assert as_csv.status_code == 200, as_csv.text
+    assert as_csv.headers["content-type"].startswith("text/csv")
+    assert as_csv.headers["x-next-cursor"] == page["next_cursor"]
+    assert 'rel="next"' in as_csv.headers["link"]
+    rows = list(csv.DictReader(io.StringIO(as_csv.text)))
+    assert [r["usage_record_id"] for r in rows] == [u["usage_record_id"] for u in page["items"]]
+    assert [int(r["charged_minor"]) for r in rows] == [u["charged_minor"] for u in page["items"]]
+    accepted = await client.get(
+        "/api/v1/billing/usage",
+        params={"cursor": page["next_cursor"], "limit": 2},
+        headers={"Accept": "text/csv"},
+    )
+    assert accepted.headers["content-type"].startswith("text/csv")
+    assert "x-next-cursor" not in accepted.headers
+    assert [r["allocation_id"] for r in csv.DictReader(io.StringIO(accepted.text))] == [ids[0]]
+    unknown = await client.get("/api/v1/billing/usage", params={"format": "xml"})
+    assert unknown.status_code == 422
+    assert unknown.json()["error"]["code"] == "unknown_format"
+    bad_cursor = await client.get("/api/v1/billing/usage", params={"cursor": "nope"})
+    assert bad_cursor.status_code == 400
+
+    # Admins page any project's usage the same way.
+    admin = await api(token=await make_token("admin"))
+    url = f"/api/v1/admin/billing/accounts/{project.id}"
+    account = (await admin.get(url)).json()
+    assert account["balance"]["balance_minor"] == balance["balance_minor"]
+    assert [u["allocation_id"] for u in account["usage"]] == ids[::-1]
+    admin_csv = await admin.get(f"{url}/usage", params={"format": "csv"})
+    assert len(list(csv.DictReader(io.StringIO(admin_csv.text)))) == 3

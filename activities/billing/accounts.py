@@ -1,8 +1,9 @@
 """Billing accounts: the balance state of seed 001 §4 and the notices it sends.
 
-The balance is always the ledger's sum; the state (healthy / low_balance / depleted) is derived
-from it and stored, so that placement can check it in the statement that reserves capacity
-(activities/placement_sql.py). It is recomputed in the transaction of every credit
+The balance is the ledger's running total (billing_accounts.balance_minor, moved by every
+posting in its transaction, activities/billing/ledger.py); the state (healthy / low_balance /
+depleted) is derived from it and stored, so that placement can check it in the statement that
+reserves capacity (activities/placement_sql.py). It is recomputed in the transaction of every credit
 (activities/billing/ledger.py post_entry) and by every metering run after its debits, always with
 the account row locked FOR UPDATE: a placement holding it FOR SHARE either commits before the
 state changes (and the meter then sees its allocation) or sees the new state.
@@ -25,7 +26,6 @@ from contracts.billing_meter import BalanceState, NotificationKind
 from schema.models import (
     BillingAccount,
     BillingEvent,
-    LedgerEntry,
     Notification,
     NotificationWebhook,
 )
@@ -60,10 +60,10 @@ async def account_currency(session: AsyncSession, project_id: uuid.UUID) -> str:
 
 
 async def balance_minor(session: AsyncSession, project_id: uuid.UUID) -> int:
+    """The account's running total (activities/billing/ledger.py moves it with every posting,
+    in the posting's transaction); 0 for an account not opened yet."""
     total = await session.scalar(
-        select(func.coalesce(func.sum(LedgerEntry.amount_minor), 0)).where(
-            LedgerEntry.project_id == project_id
-        )
+        select(BillingAccount.balance_minor).where(BillingAccount.project_id == project_id)
     )
     return int(total or 0)
 
@@ -93,12 +93,16 @@ async def refresh_state(session: AsyncSession, project_id: uuid.UUID) -> Account
     """Recompute the account's state from the ledger, in the caller's transaction, with the
     account row locked; record a change (billing event, notices). None: no account."""
     account = await session.scalar(
-        select(BillingAccount).where(BillingAccount.project_id == project_id).with_for_update()
+        select(BillingAccount)
+        .where(BillingAccount.project_id == project_id)
+        .with_for_update()
+        # The running total moves by UPDATE statements: never a stale copy from the session.
+        .execution_options(populate_existing=True)
     )
     if account is None:
         return None
-    # A statement of its own after the lock: it sees every posting committed before it.
-    balance = await balance_minor(session, project_id)
+    # Read with the lock: every posting before it has committed its move of the total.
+    balance = account.balance_minor
     state = classify(balance, account)
     result = AccountState(project_id, state, account.state, balance)
     if result.changed:
