@@ -577,3 +577,39 @@ def test_the_test_driver_keeps_its_own_type_whatever_the_setting(host: Host) -> 
     backend.provision_slice_vm(provision_spec(), RecordingProgress())
     domain = host.conn.lookupByName("gpc-a1b2")
     assert domain.XMLDesc(0).startswith("<domain type='test'")
+
+
+# ------------------------------------------------------------------------------ the NIC
+
+
+def test_the_agents_tap_is_an_unmanaged_ethernet_nic_with_the_bridges_mtu(host: Host) -> None:
+    import dataclasses
+    import xml.etree.ElementTree as ET
+
+    from agent.backends.domain_xml import parse_domain, render_domain
+
+    plan = dataclasses.replace(_plan_of("qemu"), tap="gt00-0123456789", mtu=1450)
+    xml = render_domain(plan)
+    (iface,) = ET.fromstring(xml).findall("devices/interface")  # noqa: S314
+    assert iface.get("type") == "ethernet"
+    target = iface.find("target")
+    assert target is not None
+    assert target.attrib == {"dev": "gt00-0123456789", "managed": "no"}
+    assert iface.find("source") is None  # the agent put the tap on the bridge itself
+    assert [e.attrib for e in iface.iter("mtu")] == [{"size": "1450"}]
+    assert [e.attrib for e in iface.iter("model")] == [{"type": "virtio"}]
+    assert parse_domain(xml).interfaces == (("gt00-0123456789", 1450),)
+    # Without a tap of the agent's, libvirt's own on the bridge, still at the given MTU.
+    bridged = render_domain(dataclasses.replace(_plan_of("qemu"), mtu=9000))
+    (iface,) = ET.fromstring(bridged).findall("devices/interface")  # noqa: S314
+    assert iface.get("type") == "bridge"
+    assert iface.find("mtu").attrib == {"size": "9000"}  # type: ignore[union-attr]
+    assert "<mtu" not in render_domain(_plan_of("qemu"))  # no MTU known: none claimed
+    # libvirt's own validation (every driver's) takes the unmanaged ethernet NIC.
+    test_plan = dataclasses.replace(plan, domain_type="test", allocation_id="nic1", gpus=())
+    domain = host.conn.defineXML(render_domain(test_plan))
+    try:
+        assert "managed='no'" in domain.XMLDesc(0)
+        assert parse_domain(domain.XMLDesc(0)).interfaces == (("gt00-0123456789", 1450),)
+    finally:
+        domain.undefine()

@@ -498,3 +498,37 @@ def test_roce_remove_after_interface_vanished_still_removes_the_rule(roce_ns: st
         for k, rows in before_apply.items()
     }
     assert dump_state(roce_ns) == expected
+
+
+def _ipv6_of(ns: str, name: str) -> list[tuple[str, int]]:
+    with IPRoute(netns=ns, flags=0) as ipr:
+        index = ipr.link_lookup(ifname=name)[0]
+        return [
+            (a.get("address"), a["scope"])
+            for a in ipr.get_addr(index=index, family=socket.AF_INET6)
+        ]
+
+
+def test_taps_and_an_isolated_bridge_get_no_ipv6_address_unless_the_gateway_is_ipv6(
+    ns: str,
+) -> None:
+    from pathlib import Path
+
+    from tests.slice_vlan_rig import in_netns
+
+    def disabled(name: str) -> str:
+        path = Path(f"/proc/sys/net/ipv6/conf/{name}/disable_ipv6")  # read inside the namespace
+        return in_netns(ns, lambda: path.read_text().strip())
+
+    v4 = AllocationNetworkSpec("v4-only", taps=tap_names("v4-only", 2), gateway_cidr="10.7.0.1/24")
+    apply_allocation_network(v4, netns=ns)
+    for name in (v4.bridge, *v4.taps):
+        assert links_by_name(ns)[name]["flags"] & IFF_UP
+        assert _ipv6_of(ns, name) == [], name  # no link-local: the host is no IPv6 neighbour
+        assert disabled(name) == "1", name
+    v6 = AllocationNetworkSpec("v6-gw", taps=tap_names("v6-gw", 1), gateway_cidr="fd00:7::1/64")
+    apply_allocation_network(v6, netns=ns)
+    assert ("fd00:7::1", 0) in _ipv6_of(ns, v6.bridge)  # an IPv6 gateway keeps IPv6 on
+    assert _ipv6_of(ns, v6.taps[0]) == []  # but never on a VM's tap
+    remove_allocation_network("v4-only", netns=ns)
+    remove_allocation_network("v6-gw", netns=ns)

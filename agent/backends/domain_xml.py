@@ -137,6 +137,12 @@ class SliceDomain:
     network: str = "default"
     # The per-allocation bridge (agent/network); when set it replaces the libvirt network.
     bridge: str | None = None
+    # The agent's own tap for the NIC, already on `bridge` (agent/network/slice_networks.py):
+    # `<interface type='ethernet'>`, libvirt opens the tap and changes nothing on it. Without
+    # one, libvirt makes a tap of its own on `bridge` (or the libvirt network).
+    tap: str | None = None
+    # The NIC's MTU (the bridge's): the host tap's and, through virtio, the guest's.
+    mtu: int | None = None
     mac_address: str | None = None
     extra: Mapping[str, str] = field(default_factory=dict)
 
@@ -204,14 +210,7 @@ def render_domain(plan: SliceDomain) -> str:
         bus="sata" if plan.seed_is_iso else "fdc",
     )
     _sub(seed, "readonly")
-    iface = _sub(devices, "interface", type="bridge" if plan.bridge else "network")
-    if plan.mac_address:
-        _sub(iface, "mac", address=plan.mac_address)
-    if plan.bridge:
-        _sub(iface, "source", bridge=plan.bridge)
-    else:
-        _sub(iface, "source", network=plan.network)
-    _sub(iface, "model", type="virtio")
+    _render_interface(devices, plan)
     channel = _sub(devices, "channel", type="unix")
     _sub(channel, "target", type="virtio", name="org.qemu.guest_agent.0")
     for gpu in plan.gpus:
@@ -227,6 +226,26 @@ def render_domain(plan: SliceDomain) -> str:
         )
     ET.indent(dom)
     return ET.tostring(dom, encoding="unicode")
+
+
+def _render_interface(devices: ET.Element, plan: SliceDomain) -> None:
+    if plan.tap:
+        iface = _sub(devices, "interface", type="ethernet")
+    else:
+        iface = _sub(devices, "interface", type="bridge" if plan.bridge else "network")
+    if plan.mac_address:
+        _sub(iface, "mac", address=plan.mac_address)
+    if plan.tap:
+        # Made, configured and enslaved by the agent before the domain starts; libvirt only
+        # opens it (and leaves it in place when the domain stops: the agent removes it).
+        _sub(iface, "target", dev=plan.tap, managed="no")
+    elif plan.bridge:
+        _sub(iface, "source", bridge=plan.bridge)
+    else:
+        _sub(iface, "source", network=plan.network)
+    _sub(iface, "model", type="virtio")
+    if plan.mtu is not None:
+        _sub(iface, "mtu", size=str(plan.mtu))
 
 
 def render_filesystem(source_dir: str, tag: str, *, read_only: bool) -> str:
@@ -284,6 +303,8 @@ class DomainFacts:
     numa_nodeset: str | None
     vcpupins: Mapping[int, str]
     mac_addresses: tuple[str, ...]
+    # Each NIC's host side: (target dev or None, mtu or None), in document order.
+    interfaces: tuple[tuple[str | None, int | None], ...] = ()
     # virtiofs filesystems: target tag -> host source directory.
     filesystems: Mapping[str, str] = field(default_factory=dict)
 
@@ -311,6 +332,13 @@ def parse_domain(xml_text: str) -> DomainFacts:
         for tag, fs in _filesystems(root).items()
         if (fs_source := fs.find("source")) is not None
     }
+    interfaces = tuple(
+        (
+            target.get("dev") if (target := iface.find("target")) is not None else None,
+            int(mtu.get("size", "0")) if (mtu := iface.find("mtu")) is not None else None,
+        )
+        for iface in root.findall("devices/interface")
+    )
     return DomainFacts(
         allocation_id=alloc.text if alloc is not None else None,
         hostdevs=tuple(hostdevs),
@@ -318,6 +346,7 @@ def parse_domain(xml_text: str) -> DomainFacts:
         numa_nodeset=memory.get("nodeset") if memory is not None else None,
         vcpupins=pins,
         mac_addresses=macs,
+        interfaces=interfaces,
         filesystems=filesystems,
     )
 

@@ -463,6 +463,11 @@ class LibvirtSliceBackend:
             )
         disk = state["disk"]
         seed = state["seed"]
+        nic = (
+            self.networks.prepare_nic(spec.allocation_id, spec.vlan_id)
+            if self.networks is not None
+            else None
+        )
         return domain_xml.SliceDomain(
             allocation_id=spec.allocation_id,
             domain_type="test" if self.is_test_driver else self.domain_type,
@@ -476,11 +481,11 @@ class LibvirtSliceBackend:
             seed_path=str(seed.iso if seed.iso is not None else seed.directory),
             seed_is_iso=seed.iso is not None,
             network=self.network,
-            bridge=(
-                self.networks.prepare(spec.allocation_id, spec.vlan_id)
-                if self.networks is not None
-                else None
-            ),
+            bridge=nic.bridge if nic is not None else None,
+            # A real hypervisor opens the agent's tap (no IPv6 on it, the bridge's MTU). The
+            # test driver opens no tap at all: its domain names the bridge the tap is on.
+            tap=nic.tap if nic is not None and not self.is_test_driver else None,
+            mtu=nic.mtu if nic is not None else None,
         )
 
     def _pci_device(self, address: domain_xml.PciAddress) -> domain_xml.PciDevice:

@@ -15,7 +15,15 @@ both tagged `gpucloud:vlan:<vid>`. That link is the node's encapsulation's
 VXLAN device whose VNI is the segment id; with an uplink, the bridge's MTU is what the
 encapsulation leaves of the uplink's. Each allocation on it keeps a member link (a persistent
 tap, tagged with the allocation, enslaved to the segment's bridge) from the moment it joins until
-it is removed, so the segment is known to be in use before its VM has a NIC on it.
+it is removed, so the segment is known to be in use before its VM has a NIC on it; that member is
+the VM's NIC (the libvirt backend hands it to the domain, agent/network/slice_networks.py).
+
+No host address on tenant links: every tap (an isolated bridge's, a segment's member), a
+segment's bridge and link over the uplink, and an isolated bridge unless its gateway is IPv6 get
+IPv6 address generation off (netlink) and IPv6 off (`disable_ipv6`, the link's sysctl in the
+namespace) before they come up, and lose any IPv6 address they had: no link-local to reach the
+node by, and no SLAAC address from a router advertisement a VM sends. Taps take their bridge's
+MTU.
 `prune_vlan_segments` deletes every segment nothing but its own uplink link is attached to; it
 re-derives that from the links alone, so it also finishes the work of a join or a prune that
 crashed half-way. A join also converges the segment's own link to the node's configuration: a
@@ -55,6 +63,7 @@ from agent.network.errors import (
 )
 from agent.network.netns import (
     create_tap,
+    disable_ipv6,
     get_link,
     link_index,
     link_kind,
@@ -311,11 +320,27 @@ def _ensure_mtu(ipr: Any, rec: _Recorder, name: str, index: int, mtu: int) -> No
 _ADDR_GEN_MODE_NONE = 1
 
 
-def _ensure_no_host_address(ipr: Any, rec: _Recorder, name: str, index: int) -> None:
-    """A segment's bridge and its link over the uplink carry tenant frames only: the host must
-    not be an IPv6 neighbour on them (a link-local address would let the project's VMs, and the
-    other nodes' VMs of the project, reach the node over fe80::). Set before the link comes up,
-    and any link-local address it already has goes."""
+def _match_mtu(ipr: Any, rec: _Recorder, name: str, index: int, mtu: int) -> None:
+    """Give the link `mtu`, recording only a change (a tap created at the bridge's MTU reads as
+    created with its link)."""
+    if ipr.get_links(index)[0].get("mtu") != mtu:
+        _nl(f"set the MTU of {name!r} to {mtu}", ipr.link, "set", index=index, mtu=mtu)
+        rec.created.append(f"mtu:{name}={mtu}")
+
+
+def _link_mtu(ipr: Any, index: int) -> int:
+    return int(ipr.get_links(index)[0].get("mtu") or 1500)
+
+
+def _ensure_no_host_address(
+    ipr: Any, rec: _Recorder, name: str, index: int, netns: str | None
+) -> None:
+    """A slice's links carry tenant frames only (a segment's bridge and its link over the uplink,
+    an isolated bridge without an IPv6 gateway, every VM's tap): the host must not be an IPv6
+    neighbour on them (a link-local address would let the project's VMs, and the other nodes'
+    VMs of the project, reach the node over fe80::; a router advertisement a VM sends would give
+    it a global one). Address generation goes off through netlink and IPv6 itself through the
+    link's sysctl, both before the link comes up; any address it already has goes."""
     _nl(
         f"turn off IPv6 address generation on {name!r}",
         ipr.link,
@@ -330,6 +355,7 @@ def _ensure_no_host_address(ipr: Any, rec: _Recorder, name: str, index: int) -> 
         _nl(f"delete {address} from {name!r}", ipr.addr, "del", index=index, address=address,
             prefixlen=addr["prefixlen"])  # fmt: skip
         rec.deleted.append(f"addr:{address}@{name}")
+    disable_ipv6(name, netns)
 
 
 _ALL_ZEROS = "00:00:00:00:00:00"
@@ -387,7 +413,12 @@ class _UplinkLink:
 
 
 def _ensure_uplink_link(
-    ipr: Any, rec: _Recorder, want: _UplinkLink, bridge_index: int, bridge: str
+    ipr: Any,
+    rec: _Recorder,
+    want: _UplinkLink,
+    bridge_index: int,
+    bridge: str,
+    netns: str | None,
 ) -> None:
     """Create (or replace, when ours but stale) the link, converge its MTU and flood list, attach
     it to the bridge and bring it up; then give the bridge the same MTU."""
@@ -412,7 +443,7 @@ def _ensure_uplink_link(
     mtu = encapsulation.mtu(want.uplink)
     _ensure_mtu(ipr, rec, name, index, mtu)
     _converge_flood_list(ipr, rec, name, index, encapsulation.flood_to(want.uplink))
-    _ensure_no_host_address(ipr, rec, name, index)
+    _ensure_no_host_address(ipr, rec, name, index, netns)
     _ensure_master_and_up(ipr, rec, name, index, bridge_index, bridge)
     _ensure_mtu(ipr, rec, bridge, bridge_index, mtu)
 
@@ -463,15 +494,22 @@ def apply_allocation_network(
             "bridge",
             lambda: _nl(f"create bridge {bridge!r}", ipr.link, "add", ifname=bridge, kind="bridge"),
         )
+        gateway = spec.gateway
+        if gateway is None or gateway.version == 4:
+            # The host has no IPv6 business on it (an IPv6 gateway is the one reason to).
+            _ensure_no_host_address(ipr, rec, bridge, bridge_index, netns)
         _ensure_master_and_up(ipr, rec, bridge, bridge_index, None, bridge)
 
         if over_uplink is not None:
-            _ensure_uplink_link(ipr, rec, over_uplink, bridge_index, bridge)
+            _ensure_uplink_link(ipr, rec, over_uplink, bridge_index, bridge, netns)
 
         for tap in spec.taps:
             tap_index = _ensure_link(
                 ipr, rec, tap, tag, "tun", functools.partial(create_tap, tap, netns)
             )
+            # A VM's NIC: no host address on it, and the bridge's MTU (the guest gets the same).
+            _ensure_no_host_address(ipr, rec, tap, tap_index, netns)
+            _match_mtu(ipr, rec, tap, tap_index, _link_mtu(ipr, bridge_index))
             _ensure_master_and_up(ipr, rec, tap, tap_index, bridge_index, bridge)
 
         _converge_gateway(ipr, rec, spec, bridge_index)
@@ -623,7 +661,7 @@ def join_vlan_segment(spec: VlanSegmentMember, netns: str | None = None) -> Netw
             "bridge",
             lambda: _nl(f"create bridge {bridge!r}", ipr.link, "add", ifname=bridge, kind="bridge"),
         )
-        _ensure_no_host_address(ipr, rec, bridge, bridge_index)
+        _ensure_no_host_address(ipr, rec, bridge, bridge_index, netns)
         _ensure_master_and_up(ipr, rec, bridge, bridge_index, None, bridge)
 
         # The segment's links over the uplink other than the one wanted now (another
@@ -639,12 +677,13 @@ def join_vlan_segment(spec: VlanSegmentMember, netns: str | None = None) -> Netw
                 rec.deleted.append(f"link:{link.get('ifname')}")
 
         if over_uplink is not None:
-            _ensure_uplink_link(ipr, rec, over_uplink, bridge_index, bridge)
+            _ensure_uplink_link(ipr, rec, over_uplink, bridge_index, bridge, netns)
 
         member_index = _ensure_link(
             ipr, rec, member, spec.tag, "tun", functools.partial(create_tap, member, netns)
         )
-        _ensure_no_host_address(ipr, rec, member, member_index)
+        _ensure_no_host_address(ipr, rec, member, member_index, netns)
+        _match_mtu(ipr, rec, member, member_index, _link_mtu(ipr, bridge_index))
         _ensure_master_and_up(ipr, rec, member, member_index, bridge_index, bridge)
     return rec.result()
 

@@ -15,9 +15,9 @@ import os
 import re
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
@@ -25,6 +25,8 @@ from pyroute2.netlink.exceptions import NetlinkError
 from agent.network.errors import InvalidNetworkSpec, NamespaceNotFound, NetworkOperationFailed
 
 NETNS_RUN_DIR = "/var/run/netns"
+_IPV6_CONF = "/proc/sys/net/ipv6/conf"
+T = TypeVar("T")
 IFNAMSIZ = 15  # usable characters; the kernel's IFNAMSIZ (16) includes the NUL
 _IFNAME_RE = re.compile(r"^[A-Za-z0-9_.:-]+$")
 
@@ -93,16 +95,16 @@ def vlan_id_of(link: Any) -> int | None:
     return int(vid) if vid is not None else None
 
 
-def create_tap(ifname: str, netns: str | None = None) -> None:
-    """Create a persistent tap (IFF_TAP | IFF_NO_PI | IFF_VNET_HDR) inside `netns`.
+def in_netns(netns: str | None, work: Callable[[], T], what: str) -> T:
+    """Run `work` on a short-lived thread that has entered `netns` (None: the caller's own),
+    and answer its result; the calling thread never changes namespace (setns is per-thread).
 
-    The kernel creates tun/tap devices only through an ioctl on /dev/net/tun, in the namespace of
-    the calling thread; pyroute2's `kind="tuntap"` does that ioctl in the caller's namespace even
-    when the IPRoute is bound elsewhere. So a short-lived thread enters `netns` (setns is
-    per-thread) and does the ioctl there; the calling thread never changes namespace.
-    """
-    validate_ifname(ifname, "tap name")
+    For what netlink cannot do from outside: tun/tap creation (an ioctl on /dev/net/tun, which
+    acts in the calling thread's namespace; pyroute2's `kind="tuntap"` does it in the caller's
+    even when the IPRoute is bound elsewhere) and /proc/sys/net, which shows the namespace of
+    the thread that opens it. A failure is raised here as NetworkOperationFailed(`what`)."""
     _check_netns(netns)
+    result: list[T] = []
     failure: list[BaseException] = []
 
     def run() -> None:
@@ -116,22 +118,61 @@ def create_tap(ifname: str, netns: str | None = None) -> None:
                         raise OSError(err, f"setns({netns}): {os.strerror(err)}")
                 finally:
                     os.close(nsfd)
-            tun = os.open("/dev/net/tun", os.O_RDWR)
-            try:
-                ifr = struct.pack("16sH", ifname.encode(), _IFF_TAP | _IFF_NO_PI | _IFF_VNET_HDR)
-                fcntl.ioctl(tun, _TUNSETIFF, ifr)
-                fcntl.ioctl(tun, _TUNSETPERSIST, 1)
-            finally:
-                os.close(tun)
+            result.append(work())
         except BaseException as exc:  # re-raised in the calling thread
             failure.append(exc)
 
-    thread = threading.Thread(target=run, name=f"create-tap-{ifname}", daemon=True)
+    thread = threading.Thread(target=run, name=f"in-netns-{netns}", daemon=True)
     thread.start()
     thread.join()
     if failure:
         exc = failure[0]
-        raise NetworkOperationFailed(f"could not create tap {ifname!r}: {exc}") from exc
+        raise NetworkOperationFailed(f"{what}: {exc}") from exc
+    return result[0]
+
+
+def create_tap(ifname: str, netns: str | None = None) -> None:
+    """Create a persistent tap (IFF_TAP | IFF_NO_PI | IFF_VNET_HDR) inside `netns`, down, owned
+    by no user: libvirtd (root) opens it for a domain's `<interface type='ethernet'>` with
+    `<target dev=… managed='no'/>` and hands QEMU the descriptor; the flags are the opener's."""
+    validate_ifname(ifname, "tap name")
+
+    def make() -> None:
+        tun = os.open("/dev/net/tun", os.O_RDWR)
+        try:
+            ifr = struct.pack("16sH", ifname.encode(), _IFF_TAP | _IFF_NO_PI | _IFF_VNET_HDR)
+            fcntl.ioctl(tun, _TUNSETIFF, ifr)
+            fcntl.ioctl(tun, _TUNSETPERSIST, 1)
+        finally:
+            os.close(tun)
+
+    in_netns(netns, make, f"could not create tap {ifname!r}")
+
+
+def disable_ipv6(ifname: str, netns: str | None = None) -> bool:
+    """Turn IPv6 off on the link (`net.ipv6.conf.<ifname>.disable_ipv6 = 1` in `netns`): the
+    kernel drops its IPv6 addresses, gives it none (no link-local, no SLAAC address from a
+    router advertisement a tenant sends) and takes in no IPv6 on it. Answers whether it
+    changed; a kernel without IPv6 (no /proc/sys/net/ipv6) has nothing to turn off."""
+    validate_ifname(ifname)
+    if ifname in (".", "..", "all", "default"):
+        raise InvalidNetworkSpec(f"{ifname!r} is not a link of its own")
+
+    def write() -> bool:
+        path = os.path.join(_IPV6_CONF, ifname, "disable_ipv6")
+        try:
+            with open(path) as handle:
+                if handle.read().strip() == "1":
+                    return False
+            with open(path, "w") as handle:
+                handle.write("1")
+        except FileNotFoundError:
+            if os.path.isdir(_IPV6_CONF):
+                raise  # IPv6 is there but the link is not (gone meanwhile)
+            return False
+        return True
+
+    return in_netns(netns, write, f"could not turn IPv6 off on {ifname!r}")
 
 
 def dump_state(netns: str | None = None) -> dict[str, list[tuple[Any, ...]]]:
