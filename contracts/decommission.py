@@ -303,6 +303,12 @@ class StageInput:
     note: str = ""  # finish_remove: "uninstall_failed" sends the node back to retired
 
 
+# StageInput.note for release_maas_node in a reimage's bounded redeploy (issue 35): back to
+# Ready without an erase, as onboarding's recover_for_datasource_retry releases. This job's
+# first release already erased as requested; since then only the failed install is on the disks.
+REDEPLOY_RELEASE_NOTE = "redeploy_after_failed_deployment"
+
+
 @dataclass(kw_only=True)
 class StageResult(JobStageResult):
     state: DecommissionState

@@ -43,6 +43,7 @@ from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError,
 
 with workflow.unsafe.imports_passed_through():
     from contracts.decommission import (
+        REDEPLOY_RELEASE_NOTE,
         STAGES_BY_MODE,
         WORKFLOW_NAME,
         DecommissionInput,
@@ -95,6 +96,8 @@ with workflow.unsafe.imports_passed_through():
         ADOPTABLE_NODE_STATUSES,
         ALLOWED_ACTIONS,
         DEFAULT_ATTEMPTS,
+        REDEPLOY_FAILED,
+        REDEPLOY_RETRIES_EXHAUSTED,
         STAGE_ATTEMPTS,
         checkpoint_for,
         outcome_for,
@@ -138,6 +141,22 @@ _UNOBSERVABLE_HOST_WORK = (Stage.CLEANUP_STORAGE, Stage.SCRUB_GPU)
 # before wiping scratch, and enables it after. Runs started before go on with their two stages.
 STORAGE_CLEANUP_GUARD_PATCH = "storage-cleanup-disables-the-node"
 LEGACY_STORAGE_CLEANUP_STAGES = (Stage.CLEANUP_STORAGE, Stage.VALIDATE_CLEAN_NODE)
+# Issue 35: a reimage's deploy that ends in MAAS `Failed deployment` goes the way onboarding's
+# does (seed 003 §4.6): wait_for_deployed classifies it with onboarding's classifier; a
+# datasource-like failure gets the site's bounded redeploy (max_deploy_retry_attempts since the
+# job or the operator's last action): release_maas_node takes the machine back to Ready (observed;
+# without an erase, as onboarding's recover: this job's first release erased as requested), then
+# deploy and wait again. Past the bound, or for a generic failure, the
+# job stops with the machine left in Failed deployment. Runs that reached their deploy before
+# this go on without the recovery.
+REIMAGE_DEPLOY_RECOVERY_PATCH = "reimage-classifies-and-recovers-a-failed-deploy"
+# Resume of a reimage whose deploy failed (Failed deployment) starts from release_maas_node, not
+# from the deploy MAAS refuses in that state. A job that failed there before asks this at its
+# resume, so a job stuck in the old dead end gets out of it too.
+RESUME_FAILED_DEPLOY_FROM_RELEASE_PATCH = "reimage-resume-of-a-failed-deploy-releases-first"
+_DEPLOY_GROUP = (Stage.DEPLOY_VIA_MAAS, Stage.WAIT_FOR_DEPLOYED)
+# The failures of a deploy MAAS ended in Failed deployment (before the recovery, and after it).
+_FAILED_DEPLOY_CODES = ("deploy_failed", REDEPLOY_FAILED, REDEPLOY_RETRIES_EXHAUSTED)
 
 
 @workflow.defn(name=WORKFLOW_NAME)
@@ -229,9 +248,86 @@ class NodeDecommissionWorkflow(OperatorControlledJob[Stage, OperatorAction, Deco
         if self._legacy_storage_cleanup and self._state.hostname is None:
             result = await self._call("decommission.load_node", self._stage_input(), QUICK)
             self._state = result.state
+        deploy_group_ran = False
         for stage in stages[stages.index(start) :]:
             self._stop_if_interrupted(STOP_BEFORE_NEXT_STAGE_PATCH)
+            if stage in _DEPLOY_GROUP and self._recovers_failed_deploys():
+                # deploy and wait run as one group, with the recovery loop between them.
+                if not deploy_group_ran:
+                    deploy_group_ran = True
+                    await self._deploy_group(stage)
+                continue
             await self._run_stage(stage)
+
+    def _recovers_failed_deploys(self) -> bool:
+        assert self._input is not None
+        return Mode(self._input.mode) == Mode.REIMAGE and workflow.patched(
+            REIMAGE_DEPLOY_RECOVERY_PATCH
+        )
+
+    async def _deploy_group(self, entry: Stage) -> None:
+        """deploy → wait for Deployed; a deploy MAAS ends in Failed deployment (classified by
+        wait_for_deployed) → bounded redeploy: release to Ready, deploy, wait (§4.6). The
+        allowance counts the redeploys of this entry: the job's first deploy, or the first
+        after an operator's action, is no redeploy."""
+        redeploys = 0
+        stage = entry
+        while True:
+            try:
+                if stage == Stage.RELEASE_MAAS_NODE:
+                    self._stop_if_interrupted(STOP_BEFORE_NEXT_STAGE_PATCH)
+                    await self._cp_stage(Stage.RELEASE_MAAS_NODE, note=REDEPLOY_RELEASE_NOTE)
+                    redeploys += 1
+                    stage = Stage.DEPLOY_VIA_MAAS
+                if stage == Stage.DEPLOY_VIA_MAAS:
+                    self._stop_if_interrupted(STOP_BEFORE_NEXT_STAGE_PATCH)
+                    await self._cp_stage(Stage.DEPLOY_VIA_MAAS)
+                    stage = Stage.WAIT_FOR_DEPLOYED
+                self._stop_if_interrupted(STOP_BEFORE_NEXT_STAGE_PATCH)
+                await self._cp_stage(Stage.WAIT_FOR_DEPLOYED)
+                return
+            except StageFailure as failure:
+                if failure.failure_class != FailureClass.DEPLOY_CLOUD_INIT_FAILURE.value:
+                    raise
+                stage = self._after_failed_deploy(failure, redeploys)
+
+    def _after_failed_deploy(self, failure: StageFailure[Stage], redeploys: int) -> Stage:
+        """Where the deploy group goes on after a Failed deployment: release_maas_node for a
+        redeploy the site allows; else the job fails (the machine stays in Failed deployment,
+        its installation log readable in MAAS; resume releases it first)."""
+        kind = str(failure.details.get("failure_kind") or "generic")
+        policy = self._site.policy if self._site else None
+        allowed = (
+            policy is not None
+            and policy.enable_deploy_retry_on_datasource_failure
+            and redeploys < policy.max_deploy_retry_attempts
+        )
+        if kind == "datasource_like" and allowed:
+            workflow.logger.info(
+                "reimage deploy failed (%s); redeploy %d of %d",
+                kind,
+                redeploys + 1,
+                policy.max_deploy_retry_attempts if policy else 0,
+            )
+            return Stage.RELEASE_MAAS_NODE
+        code = REDEPLOY_RETRIES_EXHAUSTED if kind == "datasource_like" else REDEPLOY_FAILED
+        note = (
+            f"after {redeploys} redeploy(s)"
+            if kind == "datasource_like"
+            else "no automatic redeploy for a generic failure"
+        )
+        raise StageFailure(
+            failure.stage,
+            FailureClass.DEPLOY_CLOUD_INIT_FAILURE.value,
+            code,
+            f"{failure.message} ({kind}, {note}); the machine is left in Failed deployment",
+            {
+                **failure.details,
+                "failure_kind": kind,
+                "redeploys": redeploys,
+                "prior_error_code": failure.error_code,
+            },
+        )
 
     async def _run_stage(self, stage: Stage) -> None:
         assert self._input is not None
@@ -294,12 +390,14 @@ class NodeDecommissionWorkflow(OperatorControlledJob[Stage, OperatorAction, Deco
             raise stage_failure_from(self._stage, err) from None
         return result
 
-    async def _cp_stage(self, stage: Stage, *, activity: str | None = None) -> StageResult:
+    async def _cp_stage(
+        self, stage: Stage, *, activity: str | None = None, note: str = ""
+    ) -> StageResult:
         self._enter(stage)
         wait = self._wait_seconds(stage)
         result = await self._call(
             activity or f"decommission.{stage.value}",
-            self._stage_input(),
+            self._stage_input(note=note),
             timedelta(seconds=wait + 120),
             attempts=STAGE_ATTEMPTS.get(stage, DEFAULT_ATTEMPTS),
             heartbeat=self._heartbeat_timeout() if wait else None,
@@ -615,6 +713,12 @@ class NodeDecommissionWorkflow(OperatorControlledJob[Stage, OperatorAction, Deco
             if action == OperatorAction.RETRY_STAGE:
                 return failed_stage
             if action == OperatorAction.RESUME:
+                if self._failed_deploy_in_reimage(failed_stage) and workflow.patched(
+                    RESUME_FAILED_DEPLOY_FROM_RELEASE_PATCH
+                ):
+                    # MAAS refuses a deploy in Failed deployment: release to Ready first
+                    # (a machine already Ready is skipped there), then on as the reimage goes.
+                    return Stage.RELEASE_MAAS_NODE
                 return checkpoint_for(failed_stage)
             try:
                 return await self._adopt(failed_stage)
@@ -622,6 +726,16 @@ class NodeDecommissionWorkflow(OperatorControlledJob[Stage, OperatorAction, Deco
                 await self._fail(failure)
             except ActivityError as err:
                 await self._fail(stage_failure_from(failed_stage, err))
+
+    def _failed_deploy_in_reimage(self, failed_stage: Stage) -> bool:
+        assert self._input is not None
+        return (
+            Mode(self._input.mode) == Mode.REIMAGE
+            and failed_stage in _DEPLOY_GROUP
+            and self._failure is not None
+            and self._failure.failure_class == FailureClass.DEPLOY_CLOUD_INIT_FAILURE.value
+            and self._failure.error_code in _FAILED_DEPLOY_CODES
+        )
 
     async def _adopt(self, failed: Stage) -> Stage | None:
         """Accept the observed state (or the operator's word for host work) for the failed

@@ -31,6 +31,10 @@ class Outcome:
     hint: str
 
 
+# A reimage's failed deploy, after classification (issue 35): see _BY_CODE.
+REDEPLOY_RETRIES_EXHAUSTED = "redeploy_retries_exhausted"
+REDEPLOY_FAILED = "redeploy_failed"
+
 _MANUAL = JobStatus.FAILED_MANUAL_INTERVENTION
 _RETRYABLE = JobStatus.FAILED_RETRYABLE
 
@@ -74,7 +78,9 @@ _BY_CLASS: dict[FailureClass, Outcome] = {
     FailureClass.DEPLOY_CLOUD_INIT_FAILURE: Outcome(
         _RETRYABLE,
         OperatorAction.RESUME,
-        "the redeploy failed; read the MAAS installation log, then resume (redeploys)",
+        "the redeploy failed (MAAS: Failed deployment); read the MAAS installation log, then "
+        "resume: the machine is released back to Ready first (erased as requested), then "
+        "deployed again",
     ),
     FailureClass.POST_DEPLOY_CONNECTIVITY_FAILURE: Outcome(
         _MANUAL,
@@ -186,6 +192,25 @@ _BY_CODE: dict[str, Outcome] = {
         OperatorAction.RESUME,
         "the node agent is unreachable after retirement; the node stays retired. Bring the agent "
         "back and resume",
+    ),
+    # Issue 35: a reimage's deploy that ended in Failed deployment, classified with onboarding's
+    # classifier. A datasource-like failure got the site's bounded redeploy (release to Ready,
+    # deploy again) and failed again; a generic one gets none. Resume starts from the release
+    # step, never from a deploy MAAS refuses in Failed deployment.
+    REDEPLOY_RETRIES_EXHAUSTED: Outcome(
+        _MANUAL,
+        OperatorAction.RESUME,
+        "the deploy failed again after the site's bounded redeploy (the machine is left in "
+        "Failed deployment for its installation log); fix the image or the network metadata "
+        "path, then resume: the machine is released back to Ready (erased as requested) and "
+        "deployed again",
+    ),
+    REDEPLOY_FAILED: Outcome(
+        _RETRYABLE,
+        OperatorAction.RESUME,
+        "the deploy failed (MAAS: Failed deployment; not a datasource failure, so no automatic "
+        "redeploy); read the MAAS installation log, fix, then resume: the machine is released "
+        "back to Ready (erased as requested) and deployed again",
     ),
     "machine_deleted": Outcome(
         _MANUAL,

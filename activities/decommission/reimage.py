@@ -27,6 +27,7 @@ from typing import Any
 
 from sqlalchemy import select
 from temporalio import activity
+from temporalio.exceptions import ApplicationError
 
 from activities.cloud_init import CloudInitError, render_cloud_init
 from activities.decommission import read_model
@@ -225,8 +226,41 @@ class ReimageActivities(MaasStageActivities, NodeStageActivities):
 
     @activity.defn(name="decommission.wait_for_deployed")
     async def decommission_wait_for_deployed(self, input: StageInput) -> StageResult:
-        return self._wrap(
-            input, await MaasStageActivities.wait_for_deployed(self, onboard_input(input))
+        """Onboarding's wait for Deployed. A deploy that ends in MAAS `Failed deployment` is
+        classified at once with onboarding's own classifier (classify_deploy_failure: its
+        `datasource_like | generic` verdict from the machine and its MAAS events, recorded as
+        that stage's event), and the verdict travels in the failure's details (`failure_kind`,
+        `evidence`): the workflow decides from it whether the site's bounded redeploy applies
+        (seed 003 §4.6, issue 35)."""
+        wrapped = onboard_input(input)
+        try:
+            result = await MaasStageActivities.wait_for_deployed(self, wrapped)
+        except ApplicationError as err:
+            if err.type != FailureClass.DEPLOY_CLOUD_INIT_FAILURE.value:
+                raise
+            raise await self._classified(input, err) from err
+        return self._wrap(input, result)
+
+    async def _classified(self, input: StageInput, err: ApplicationError) -> ApplicationError:
+        """The failed deploy's ApplicationError with onboarding's classification added."""
+        info: dict[str, Any] = {}
+        if err.details and isinstance(err.details[0], dict):
+            info = dict(err.details[0])
+        details = dict(info.get("details") or {})
+        try:
+            verdict = await MaasStageActivities.classify_deploy_failure(self, onboard_input(input))
+            details["failure_kind"] = str(verdict.details.get("failure_kind", "generic"))
+            details["evidence"] = str(verdict.details.get("evidence", ""))[:300]
+            if verdict.state.observed.maas_status:
+                details["maas_status"] = verdict.state.observed.maas_status
+        except Exception as exc:  # best effort, as the classifier itself: generic
+            details["failure_kind"] = "generic"
+            details["evidence"] = f"classification failed: {type(exc).__name__}"
+        return ApplicationError(
+            err.message,
+            {"error_code": info.get("error_code") or "deploy_failed", "details": details},
+            type=err.type,
+            non_retryable=True,
         )
 
     @activity.defn(name="decommission.ensure_hardware_sync_configured")

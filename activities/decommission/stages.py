@@ -41,6 +41,7 @@ from contracts.allocation import (
     allocation_workflow_id,
 )
 from contracts.decommission import (
+    REDEPLOY_RELEASE_NOTE,
     DecommissionState,
     Erase,
     EventStatus,
@@ -676,6 +677,10 @@ class DecommissionActivities:
         assert site is not None
         assert state.system_id is not None
         erase = Erase(run.input.decommission.erase)
+        # A reimage's redeploy after Failed deployment releases without an erase (the note).
+        redeploy = run.input.note == REDEPLOY_RELEASE_NOTE
+        if redeploy:
+            erase = Erase.NONE
         machine = await self._machine(run, maas)
         if machine.status == S.READY and state.released_in_maas:
             run.skipped("already Ready")
@@ -712,7 +717,8 @@ class DecommissionActivities:
                 erase=_ERASE[mode],
                 comment=f"gpucloud decommission {run.input.decommission.decommission_id}",
             )
-            state.erase_used = mode.value
+            if not redeploy:  # erase_used stays what this job's release of the OS used
+                state.erase_used = mode.value
         elif machine.status not in RELEASE_IN_PROGRESS:
             raise ambiguity(
                 "maas_changed_out_of_band",
@@ -749,6 +755,9 @@ class DecommissionActivities:
                     non_retryable=True,
                 )
         state.released_in_maas = True
+        if redeploy:
+            run.done("released back to Ready for a redeploy (no erase)", erase=Erase.NONE.value)
+            return
         note = " (erase fell back to none)" if state.erase_fell_back else ""
         run.done(f"released to Ready, erase {state.erase_used}{note}", erase=state.erase_used)
 
