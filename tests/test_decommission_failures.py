@@ -290,6 +290,17 @@ async def test_adopting_an_agent_enrollment_that_never_happened_is_refused(
     decommission.onboarding.first_boot.release("fail-b")
     await decommission.onboarding.first_boot.wait_for("fail-b", enrolled=True, timeout=30)
     await decommission.onboarding.set_policy(enrollment_timeout_seconds=30)
+
+    async def inventory_reported() -> bool | None:
+        # Enrolled is half of it: the adopt's fresh look also wants the agent's first GPU
+        # inventory, which follows the enrollment by a heartbeat (slower on a busy machine).
+        async with decommission.sessions() as session:
+            matches = await session.scalar(
+                select(Node.inventory_matches).where(Node.id == uuid.UUID(node_id))
+            )
+        return True if matches is not None else None
+
+    await eventually(inventory_reported, timeout=60)
     adopted = await admin.post(f"{path}/adopt", json={"reason": "the agent enrolled"})
     assert adopted.status_code == 200, adopted.text
     await decommission.wait_status(job, "reconciled", timeout=60)
