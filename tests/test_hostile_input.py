@@ -146,7 +146,11 @@ TENANT_POSTS = [
 ]
 
 
-@pytest.mark.parametrize("path", TENANT_POSTS)
+# Fixed ids: the attachments path holds a fresh uuid, and pytest-xdist's workers must collect
+# the same test names.
+@pytest.mark.parametrize(
+    "path", TENANT_POSTS, ids=["allocations", "groups", "ssh-keys", "namespaces", "attachments"]
+)
 @pytest.mark.parametrize(
     ("raw", "code"),
     [
