@@ -75,6 +75,14 @@ from contracts.node_drain import (
 from contracts.node_drain import (
     WORKFLOW_NAME as DRAIN_WORKFLOW,
 )
+from contracts.node_health_probe import (
+    WORKFLOW_NAME as PROBE_WORKFLOW,
+)
+from contracts.node_health_probe import (
+    HealthProbeInput,
+    HealthProbeResult,
+    node_health_probe_workflow_id,
+)
 from contracts.states import NodeStatus
 from core.secrets import SecretStore, SecretStoreError
 from schema.models import (
@@ -84,14 +92,6 @@ from schema.models import (
     NodeDrain,
     NodeMaasState,
     NodeOnboarding,
-)
-from workflows.node_health_probe import (
-    WORKFLOW_NAME as PROBE_WORKFLOW,
-)
-from workflows.node_health_probe import (
-    HealthProbeInput,
-    HealthProbeResult,
-    node_health_probe_workflow_id,
 )
 
 MAAS_DEPLOYED = "Deployed"

@@ -426,7 +426,9 @@ def main(argv: list[str] | None = None) -> int:
             return run_import(args, console)
         return run_status(args, console)
     except CliError as err:
-        Console(stderr=True).print(str(err), markup=False, highlight=False)
+        # One line per problem, never wrapped at the terminal's width: an operator greps and
+        # copies "path:line: why" (a long path used to split mid-name).
+        Console(stderr=True).print(str(err), markup=False, highlight=False, soft_wrap=True)
         return err.status
 
 

@@ -77,6 +77,24 @@ def test_every_bad_row_is_reported_and_nothing_is_sent(
     assert "6 problem(s); nothing was submitted" in err
 
 
+def test_each_problem_is_one_line_however_long_the_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The report is grepped and copied: a path longer than the terminal is wide used to be
+    wrapped mid-name ("nodes.c" / "sv:3:")."""
+    deep = tmp_path / ("a-long-operator-directory-name-" * 4)
+    deep.mkdir()
+    path = write(deep, "hostname,ipmi_ip\nC07U44,10.176.16.129\nc07u45,10.176.16.300\n")
+    code = main(["import", str(path), "--site", str(uuid.uuid4()), "--profile",
+                 str(uuid.uuid4()), "--sku", SKU, "--api-url", "http://127.0.0.1:9"])  # fmt: skip
+    assert code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.startswith(f"{path}:{n}: ") for n, line in zip((2, 3), lines, strict=False)] == [
+        True,
+        True,
+    ], lines
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [

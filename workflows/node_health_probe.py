@@ -9,7 +9,6 @@ Deliberately tiny: one activity, no retries, no signals."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from datetime import timedelta
 
 from temporalio import workflow
@@ -22,32 +21,12 @@ with workflow.unsafe.imports_passed_through():
         NodeMaintenanceInput,
         ValidateCleanResult,
     )
+    from contracts.node_health_probe import (
+        WORKFLOW_NAME,
+        HealthProbeInput,
+        HealthProbeResult,
+    )
     from core.task_queues import node_task_queue
-
-WORKFLOW_NAME = "NodeHealthProbeWorkflow"
-
-
-def node_health_probe_workflow_id(node_id: str, request: str) -> str:
-    return f"node-health-probe-{node_id}-{request}"
-
-
-@dataclass
-class HealthProbeInput:
-    node_id: str
-    task_id: str
-    # A live agent long-polls its queue: it picks a task up at once. Not picked up in this long
-    # means no agent is polling now.
-    pickup_seconds: float = 5.0
-    run_seconds: float = 20.0
-
-
-@dataclass
-class HealthProbeResult:
-    answered: bool  # the agent ran the check now and reported back
-    clean: bool = False  # validate_clean found no tenant residue
-    answered_at: str | None = None  # ISO time the workflow received the agent's answer
-    failed_checks: list[str] = field(default_factory=list)
-    error: str = ""  # why the agent did not answer (timeout, failure)
 
 
 @workflow.defn(name=WORKFLOW_NAME)
