@@ -369,6 +369,8 @@ async def maas_sim(
         base_url=maas_sim_process.base_url.removesuffix("/MAAS"),
         headers={"Authorization": f"Bearer {maas_sim_process.control_token}"},
         timeout=10.0,
+        # Drop an idle pooled connection well before the server may: never reuse one it closed.
+        limits=httpx.Limits(keepalive_expiry=2.0),
     )
     sim = MaasSim(
         maas_sim_process.base_url, maas_sim_process.api_key, maas_sim_process.control_token, control

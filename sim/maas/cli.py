@@ -96,8 +96,16 @@ def main(argv: list[str] | None = None) -> int:
         f"{app.sim.region.clock.time_scale})",
         flush=True,
     )
+    # A real MAAS sits behind a web server that keeps idle connections far longer than uvicorn's
+    # 5 s, which equals httpx's own keep-alive expiry: a client reusing a pooled connection at
+    # the 5 s mark raced the server's close ("Server disconnected without sending a response").
     config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level, access_log=False
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,
+        timeout_keep_alive=75,
     )
     uvicorn.Server(config).run()
     return 0
