@@ -245,6 +245,10 @@ async def assert_completed_once(
     timeout and the one that completed ran on a survivor. Without, the killed worker held the
     workflow: workflow tasks ran on it and on a survivor. Returns how many times each activity
     type completed."""
+    # The lifecycle's row says released a moment before the workflow's completion is written:
+    # wait for the close (it must come, and be a completion) before reading the history.
+    async with asyncio.timeout(60):
+        await handle.result()
     history = await history_of(handle)
     closes = [e for e in history if e.event_type in CLOSE_EVENTS]
     assert [e.event_type for e in closes] == [EventType.EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED]
