@@ -24,7 +24,7 @@ from activities.maas.types import MachineStatus, PowerState
 from activities.node_admin import DRAIN_POLL_ENV
 from contracts.maas_reconciler import ReconcileInput, ReconcileResult
 from core.config import Settings
-from schema.models import NodeDriftEvent, NodeMaasState
+from schema.models import NodeDriftEvent
 from tests.lifecycle_support import eventually
 from tests.maas_fixtures import sim_machine, sim_scenario
 from tests.onboarding_fixtures import OnboardingRig
@@ -37,6 +37,7 @@ from tests.test_maas_reconciler import (
     reconciler,  # noqa: F401 - the fixture
     run_once,
     snapshot,
+    state_of,
     suspect_alerts,
 )
 from workflows.maas_reconciler import MaasSiteReconcilerWorkflow
@@ -59,13 +60,6 @@ async def _reconcile(rig: OnboardingRig) -> ReconcileResult:
 async def _machine(maas_sim: Any, system_id: str) -> Any:
     async with MaasClient(maas_sim.base_url, maas_sim.api_key, timeout=10) as maas:
         return await maas.get_machine(system_id)
-
-
-async def _binding(sessions: async_sessionmaker[AsyncSession], node_id: uuid.UUID) -> Any:
-    async with sessions() as session:
-        state = await session.get(NodeMaasState, node_id)
-        assert state is not None
-        return state
 
 
 async def _critical_drift(
@@ -114,7 +108,7 @@ async def test_retire_leaves_the_machine_alone_unless_the_policy_releases_it(
     assert not {op for op in ops if op.endswith((".release", ".power_off"))}
     machine = await _machine(onboarding.maas_sim, system_id)
     assert (machine.status, machine.power_state) == (MachineStatus.DEPLOYED, PowerState.ON)
-    state = await _binding(onboarding.sessions, node_id)
+    state = await state_of(onboarding.sessions, node_id)
     assert (state.last_maas_status, state.drift_detected) == ("Deployed", False)
 
     # The site's policy now releases retired machines (an audited site change).
@@ -129,7 +123,7 @@ async def test_retire_leaves_the_machine_alone_unless_the_policy_releases_it(
     assert f"powered_off:{node_id}" in released.actions
     ops = (await onboarding.maas_sim.counters())["machines"][system_id]
     assert (ops.get("machine.release"), ops.get("machine.power_off")) == (1, 1)
-    state = await _binding(onboarding.sessions, node_id)
+    state = await state_of(onboarding.sessions, node_id)
     # Recorded as its own, with the status after its action (not the Deployed it listed).
     assert state.last_maas_status in ("Releasing", "Ready")
     assert state.drift_rule == "retired_cleanup"
@@ -142,7 +136,7 @@ async def test_retire_leaves_the_machine_alone_unless_the_policy_releases_it(
         assert not [a for a in again.actions if a.startswith(("quarantined", "released"))]
     assert await node_status(onboarding.sessions, node_id) == "retired"
     assert await _critical_drift(onboarding.sessions, node_id) == []
-    state = await _binding(onboarding.sessions, node_id)
+    state = await state_of(onboarding.sessions, node_id)
     assert state.last_maas_status == "Ready"
     assert not state.drift_detected
     assert state.drift_details["released_by"] == "maas_reconciler"
