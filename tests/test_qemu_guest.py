@@ -172,11 +172,18 @@ def workdir() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def test_agent_boots_a_real_tcg_guest_and_releases_it(qemu_connection: Any, workdir: Path) -> None:
-    kernel = guest_kernel()
-    assert kernel is not None, "no /boot/vmlinuz-* (bin/bootstrap installs linux-image-amd64)"
-    initrd = workdir / "initramfs.cpio.gz"
-    build_initramfs(initrd)
+def real_guest(
+    qemu_connection: Any,
+    workdir: Path,
+    kernel: Path,
+    initrd: Path,
+    allocation: str,
+    networks: SliceNetworks,
+    **task: Any,
+) -> tuple[ConsoleMarkerProbe, LibvirtSliceBackend, HostProvisionInput, HostReleaseInput]:
+    """A 64M qcow2 base image, the console probe on a kernel-booting connection (probe.conn),
+    the agent's backend on qemu:///system with domain type qemu, and the provision/release
+    tasks of one GPU-less slice (`task` adds fields such as vlan_id)."""
     (workdir / "images").mkdir(mode=0o755)
     (workdir / "console").mkdir(mode=0o777)
     subprocess.run(
@@ -194,13 +201,12 @@ def test_agent_boots_a_real_tcg_guest_and_releases_it(qemu_connection: Any, work
         state_dir=workdir / "state",
         readiness=probe,
         connection=conn,
-        networks=SliceNetworks(),  # the allocation's own isolated bridge, on this host
+        networks=networks,
         domain_type="qemu",
         shutdown_timeout_s=1,
         readiness_timeout_s=BOOT_TIMEOUT_S,
         poll_interval_s=0.2,
     )
-    allocation = f"qemu{os.getpid()}"
     spec = HostProvisionInput(
         task_id=f"task-{allocation}",
         allocation_id=allocation,
@@ -212,6 +218,7 @@ def test_agent_boots_a_real_tcg_guest_and_releases_it(qemu_connection: Any, work
         vcpus=1,
         memory_mb=256,
         image=IMAGE,
+        **task,
     )
     release = HostReleaseInput(
         task_id=f"rel-{allocation}",
@@ -219,6 +226,18 @@ def test_agent_boots_a_real_tcg_guest_and_releases_it(qemu_connection: Any, work
         node_id="node-qemu",
         shape="gpu_slice",
         username="alice",
+    )
+    return probe, backend, spec, release
+
+
+def test_agent_boots_a_real_tcg_guest_and_releases_it(qemu_connection: Any, workdir: Path) -> None:
+    kernel = guest_kernel()
+    assert kernel is not None, "no /boot/vmlinuz-* (bin/bootstrap installs linux-image-amd64)"
+    initrd = workdir / "initramfs.cpio.gz"
+    build_initramfs(initrd)
+    allocation = f"qemu{os.getpid()}"
+    probe, backend, spec, release = real_guest(
+        qemu_connection, workdir, kernel, initrd, allocation, SliceNetworks()
     )
     progress = RecordingProgress()
     started = time.monotonic()
@@ -235,7 +254,7 @@ def test_agent_boots_a_real_tcg_guest_and_releases_it(qemu_connection: Any, work
         assert ET.fromstring(live).get("type") == "qemu"  # noqa: S314
         assert parse_domain(live).hostdevs == ()
         # What the agent rendered is a production domain but for the type: no kernel, no serial.
-        (agent_xml,) = conn.agent_xml
+        (agent_xml,) = probe.conn.agent_xml
         assert "<kernel>" not in agent_xml
         assert "<serial" not in agent_xml
         assert "host-passthrough" not in agent_xml  # KVM-only, refused by TCG

@@ -12,10 +12,8 @@ own kernel modules and writes its NIC's MTU to the console with the marker line.
 from __future__ import annotations
 
 import gzip
-import hashlib
 import os
 import socket
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,21 +24,15 @@ from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
 from agent.backends.domain_xml import parse_domain
-from agent.backends.libvirt_slice import LibvirtSliceBackend
 from agent.network import Vxlan
 from agent.network.allocation_network import segment_bridge_name, segment_member_name
 from agent.network.slice_networks import SliceNetworks
-from contracts.host_tasks import HostProvisionInput, HostReleaseInput
-from tests.qemu_fixtures import QEMU_URI
 from tests.test_agent_libvirt import RecordingProgress
 from tests.test_qemu_guest import (
-    BOOT_TIMEOUT_S,
-    IMAGE,
     MARKER,
-    ConsoleMarkerProbe,
-    KernelBootConnection,
     _cpio_newc,
     guest_kernel,
+    real_guest,
     workdir,  # noqa: F401 - the fixture
 )
 
@@ -138,49 +130,15 @@ def test_a_real_guests_tap_has_no_ipv6_and_the_guest_gets_the_segment_mtu(
     release_name = kernel.name.removeprefix("vmlinuz-")
     initrd = workdir / "initramfs.cpio.gz"
     build_initramfs(initrd, release_name)
-    (workdir / "images").mkdir(mode=0o755)
-    (workdir / "console").mkdir(mode=0o777)
-    subprocess.run(
-        ["qemu-img", "create", "-q", "-f", "qcow2", str(workdir / "images" / IMAGE), "64M"],
-        check=True,
-    )
-    sha = hashlib.sha256((workdir / "images" / IMAGE).read_bytes()).hexdigest()
-    conn = KernelBootConnection(qemu_connection, kernel, initrd, workdir / "console")
-    probe = ConsoleMarkerProbe(conn)
-    backend = LibvirtSliceBackend(
-        QEMU_URI,
-        image_dir=workdir / "images",
-        image_catalog={IMAGE: sha},
-        seed_dir=workdir / "seeds",
-        state_dir=workdir / "state",
-        readiness=probe,
-        connection=conn,
-        networks=SliceNetworks(uplink=uplink, encapsulation=Vxlan()),
-        domain_type="qemu",
-        shutdown_timeout_s=1,
-        readiness_timeout_s=BOOT_TIMEOUT_S,
-        poll_interval_s=0.2,
-    )
     allocation = f"qnet{os.getpid()}"
-    spec = HostProvisionInput(
-        task_id=f"task-{allocation}",
-        allocation_id=allocation,
-        node_id="node-qemu",
-        shape="gpu_slice",
-        username="alice",
-        ssh_public_keys=["ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAITestKeyOnly tenant@laptop"],
-        gpus=[],
-        vcpus=1,
-        memory_mb=256,
-        image=IMAGE,
+    probe, backend, spec, release = real_guest(
+        qemu_connection,
+        workdir,
+        kernel,
+        initrd,
+        allocation,
+        SliceNetworks(uplink=uplink, encapsulation=Vxlan()),
         vlan_id=VLAN_ID,
-    )
-    release = HostReleaseInput(
-        task_id=f"rel-{allocation}",
-        allocation_id=allocation,
-        node_id="node-qemu",
-        shape="gpu_slice",
-        username="alice",
     )
     tap, bridge = segment_member_name(allocation), segment_bridge_name(VLAN_ID)
     started = time.monotonic()
