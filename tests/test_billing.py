@@ -370,6 +370,6 @@ async def test_the_meter_bills_in_batches_and_the_usage_export_pages_as_json_and
     url = f"/api/v1/admin/billing/accounts/{project.id}"
     account = (await admin.get(url)).json()
     assert account["balance"]["balance_minor"] == balance["balance_minor"]
-    assert [u["allocation_id"] for u in account["usage"]] == ids[::-1]
+    assert [u["allocation_id"] for u in account["usage"]] == [u["allocation_id"] for u in items]
     admin_csv = await admin.get(f"{url}/usage", params={"format": "csv"})
     assert len(list(csv.DictReader(io.StringIO(admin_csv.text)))) == 3
