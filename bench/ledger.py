@@ -42,7 +42,7 @@ import httpx
 from litestar import Litestar
 
 from activities.billing.metering import BillingActivities
-from bench.stack import machine_cpu_shares, machine_cpu_ticks, percentile, private_postgres
+from bench.stack import machine_cpu_shares, machine_cpu_ticks, p50_p99, private_postgres
 from contracts.billing_meter import MeterInput
 from contracts.states import TokenRole
 from core.config import Settings
@@ -270,10 +270,7 @@ async def measure(
         " project"
     )
     for name, values in figures.items():
-        print(
-            f"  {name:50s} p50 {statistics.median(values):8.2f} ms"
-            f"  p99 {percentile(values, 99):8.2f} ms"
-        )
+        print(f"  {name:50s} {p50_p99(values)}")
     return figures
 
 

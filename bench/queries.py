@@ -31,7 +31,6 @@ import contextlib
 import dataclasses
 import random
 import re
-import statistics
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -40,7 +39,7 @@ from typing import Any
 import httpx
 from litestar import Litestar
 
-from bench.stack import machine_cpu_shares, machine_cpu_ticks, percentile, private_postgres
+from bench.stack import machine_cpu_shares, machine_cpu_ticks, p50_p99, percentile, private_postgres
 from contracts.host_tasks import SLICE_VM_PROVISION, SLICE_VM_RELEASE
 from contracts.states import TokenRole
 from core.config import Settings
@@ -368,8 +367,7 @@ async def run(cluster: PostgresCluster, allocations: int, requests: int, explain
         within = p99 < TARGET_MS
         over += not within
         print(
-            f"  {name:40s} p50 {statistics.median(values):6.1f} ms  p99 {p99:6.1f} ms"
-            f"  {'' if within else f'OVER {TARGET_MS:.0f} ms'}"
+            f"  {name:40s} {p50_p99(values, 6, 1)}  {'' if within else f'OVER {TARGET_MS:.0f} ms'}"
         )
     if explain:
         with (cluster.datadir / "server.log").open() as log:

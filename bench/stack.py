@@ -8,6 +8,7 @@ import contextlib
 import os
 import pwd
 import shutil
+import statistics
 import tempfile
 import time
 from collections.abc import Iterator
@@ -37,6 +38,14 @@ def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
     return ordered[index]
+
+
+def p50_p99(values: list[float], width: int = 8, digits: int = 2) -> str:
+    """The median and 99th percentile of `values` in milliseconds, as every bench prints them."""
+    return (
+        f"p50 {statistics.median(values):{width}.{digits}f} ms"
+        f"  p99 {percentile(values, 99):{width}.{digits}f} ms"
+    )
 
 
 def machine_cpu_ticks() -> dict[str, int]:
