@@ -167,7 +167,6 @@ def worker_config(
         secret_store,
         host_access,
         settings.public_api_url,
-        payload_key_b64=settings.codec_key_b64,
         storage_export_root=str(storage_provider.root),
     )
     maas_stages = MaasStageActivities(onboarding_deps)

@@ -16,7 +16,9 @@ Layers, in this order (a layer with nothing to do is left out and not listed):
 3. ``agent_bootstrap``: ``/etc/gpucloud/agent.toml`` (0600) with ``api_url``,
    ``enrollment_token`` and ``state_dir`` exactly as `agent.enrollment.AgentConfig.load` reads
    it, and ``[storage] export_root`` (where the agent finds the shared directory storage
-   provider's tree, agent/storage_mounts.py) when the control plane has one; the CA bundle (if
+   provider's tree, agent/storage_mounts.py) when the control plane has one; no payload key:
+   the agent gets its node's own key at enrollment (core/codec.py), so user data, which MAAS
+   keeps in its database, holds nothing that opens a Temporal payload; the CA bundle (if
    given) via cloud-init ``ca_certs`` and ``SSL_CERT_FILE`` in the unit; the agent package (if
    a URL is given: an https ``.deb``, installed by a fixed script that reads the URL from a
    file); the ``gpucloud-agent.service`` unit.
@@ -85,7 +87,6 @@ AGENT_CONFIG_PATH = str(DEFAULT_CONFIG_PATH)  # /etc/gpucloud/agent.toml
 AGENT_UNIT = "gpucloud-agent.service"
 AGENT_UNIT_PATH = f"/etc/systemd/system/{AGENT_UNIT}"
 AGENT_EXEC = f"/usr/bin/gpucloud-agent --config {AGENT_CONFIG_PATH}"
-PAYLOAD_KEY_PATH = "/etc/gpucloud/payload.key"
 # gpucloud-agent's exit status for a config it cannot start with (agent/main.py EXIT_CONFIG).
 AGENT_CONFIG_EXIT_STATUS = 78
 AGENT_PACKAGE_URL_PATH = "/etc/gpucloud/agent-package.url"
@@ -151,9 +152,6 @@ class AgentBootstrap:
     agent_package_url: str | None = None
     ca_bundle_pem: str | None = None
     state_dir: str = str(DEFAULT_STATE_DIR)
-    # The payload codec key (base64) the agent encrypts Temporal payloads with; written to its
-    # own 0600 file, never into agent.toml itself.
-    payload_key_b64: str | None = field(default=None, repr=False)
     # `[storage] export_root`: the shared directory storage provider's root, which the worker and
     # every node see at the same place (activities/storage_provider.py); None: no [storage]
     # table, so the node's storage.mount and storage.unmount answer `unsupported`.
@@ -218,7 +216,6 @@ _SYSTEM_ID = re.compile(r"^[a-z0-9]{1,32}$")
 _USER = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
 _SHA512_CRYPT = re.compile(r"^\$6\$(rounds=[0-9]{1,9}\$)?[./A-Za-z0-9]{1,16}\$[./A-Za-z0-9]{86}$")
 _TOKEN_PART = re.compile(r"^[A-Za-z0-9._~+/=-]{1,256}$")
-_PAYLOAD_KEY = re.compile(r"^(?:[A-Za-z0-9+/]{22}==|[A-Za-z0-9+/]{32}|[A-Za-z0-9+/]{43}=)$")
 _ENROLLMENT_TOKEN = re.compile(r"^[\x21-\x7e]{1,1024}$")  # printable ASCII, no whitespace
 _BUNDLE_REF = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+=#-]{0,299}$")
 _INTERVAL = re.compile(r"^([0-9]{1,6})([smh])$")
@@ -373,8 +370,6 @@ def _validate(spec: CloudInitInput) -> tuple[int, list[_Route]]:
         agent.enrollment_token
     ):
         raise _fail("agent.enrollment_token", "must be 1..1024 printable ASCII characters")
-    if agent.payload_key_b64 is not None and not _PAYLOAD_KEY.fullmatch(agent.payload_key_b64):
-        raise _fail("agent.payload_key_b64", "must be base64 of a 16, 24 or 32 byte AES key")
     if agent.agent_package_url is not None:
         validate_url(agent.agent_package_url, "agent.agent_package_url", https_only=True)
         if not urlsplit(agent.agent_package_url).path.endswith(".deb"):
@@ -430,11 +425,6 @@ def render_agent_toml(agent: AgentBootstrap) -> str:
         f"api_url = {_toml_str(agent.api_url)}\n"
         f"enrollment_token = {_toml_str(agent.enrollment_token)}\n"
         f"state_dir = {_toml_str(agent.state_dir)}\n"
-        + (
-            f"payload_key_file = {_toml_str(PAYLOAD_KEY_PATH)}\n"
-            if agent.payload_key_b64 is not None
-            else ""
-        )
         # A table last: every key above belongs to the top level.
         + (
             f"\n[storage]\nexport_root = {_toml_str(agent.storage_export_root)}\n"
@@ -673,8 +663,6 @@ def render_cloud_init(spec: CloudInitInput) -> RenderedCloudInit:
             + "\n",
         ),
     ]
-    if agent.payload_key_b64 is not None:
-        write_files.append(_file(PAYLOAD_KEY_PATH, agent.payload_key_b64 + "\n", "0600"))
     if agent.agent_package_url is not None:
         write_files += [
             _file(AGENT_PACKAGE_URL_PATH, agent.agent_package_url + "\n"),

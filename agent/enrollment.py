@@ -7,14 +7,20 @@ The config file (default /etc/gpucloud/agent.toml, or GPUCLOUD_AGENT_CONFIG), TO
     api_url = "https://api.gpucloud.example"      # the gateway
     enrollment_token = "gpe_…"                   # single-use, TTL-bound
     state_dir = "/var/lib/gpucloud-agent"        # where the identity is kept (default shown)
+    payload_key_file = "/etc/…/payload.key"      # optional; default state_dir/payload.key
 
 The identity (state_dir/identity.json, mode 0600) holds the node id and the Temporal address,
-namespace and task queue. A reimaged node has an empty state dir and a fresh token, and enrolls
-again as the same node. The token is never logged and never kept after enrollment.
+namespace and task queue. The enrollment answer also carries the node's own payload key (derived
+for this node from the control plane's cluster key, core/codec.py): it goes to the payload key
+file (mode 0600, before the identity, so an identity never names a key that is not on disk) and
+the identity keeps its key id. A reimaged node has an empty state dir and a fresh token, and
+enrolls again as the same node. The token is never logged and never kept after enrollment.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import os
 import secrets
@@ -27,8 +33,10 @@ import httpx
 
 from agent.config_file import ConfigError, read_agent_config
 from contracts.node_files import DEFAULT_STATE_DIR
+from core.codec import key_id
 
 ENROLL_PATH = "/api/v1/internal/agent/enroll"
+PAYLOAD_KEY_NAME = "payload.key"
 
 
 class EnrollmentError(RuntimeError):
@@ -44,6 +52,12 @@ class AgentConfig:
     api_url: str
     enrollment_token: str = field(repr=False)
     state_dir: Path = DEFAULT_STATE_DIR
+    # Where enrollment writes the node's payload key; None: state_dir/payload.key.
+    payload_key_file: Path | None = None
+
+    @property
+    def payload_key_path(self) -> Path:
+        return self.payload_key_file or self.state_dir / PAYLOAD_KEY_NAME
 
     @classmethod
     def load(cls, path: Path) -> AgentConfig:
@@ -62,7 +76,15 @@ class AgentConfig:
         if not isinstance(token, str) or not token:
             raise EnrollmentError(f"{source}: enrollment_token is missing", "config")
         state_dir = Path(data.get("state_dir", DEFAULT_STATE_DIR))
-        return cls(api_url=api_url.rstrip("/"), enrollment_token=token, state_dir=state_dir)
+        key_file = data.get("payload_key_file")
+        if key_file is not None and (not isinstance(key_file, str) or not key_file.startswith("/")):
+            raise EnrollmentError(f"{source}: payload_key_file must be an absolute path", "config")
+        return cls(
+            api_url=api_url.rstrip("/"),
+            enrollment_token=token,
+            state_dir=state_dir,
+            payload_key_file=Path(key_file) if key_file else None,
+        )
 
 
 @dataclass(frozen=True)
@@ -74,6 +96,9 @@ class AgentIdentity:
     task_queue: str
     # Empty in an identity stored before the gateway answered it: the agent's own setting then.
     control_plane_task_queue: str = ""
+    # The id of the node payload key enrollment wrote to the payload key file; empty in an
+    # identity from before node keys (the agent then uses the key its cloud-init gave it).
+    payload_key_id: str = ""
 
 
 def identity_path(state_dir: Path) -> Path:
@@ -156,6 +181,9 @@ async def ensure_enrolled(
             code, message = "http_error", f"HTTP {response.status_code}"
         raise EnrollmentError(f"enrollment refused: {message}", code)
     body = response.json()
+    payload_key_id = ""
+    if body.get("payload_key"):
+        payload_key_id = _store_payload_key(config.payload_key_path, str(body["payload_key"]))
     identity = AgentIdentity(
         node_id=str(body["node_id"]),
         hostname=body.get("hostname"),
@@ -163,7 +191,21 @@ async def ensure_enrolled(
         temporal_namespace=str(body["temporal_namespace"]),
         task_queue=str(body["task_queue"]),
         control_plane_task_queue=str(body.get("control_plane_task_queue") or ""),
+        payload_key_id=payload_key_id,
     )
     store_identity(config.state_dir, identity)
     attempt_path(config.state_dir).unlink(missing_ok=True)
     return identity
+
+
+def _store_payload_key(path: Path, key_b64: str) -> str:
+    """Write the node's payload key (mode 0600, replacing whatever key file was there: a
+    cloud-init from before node keys left the cluster key in it) and return its key id."""
+    try:
+        key = base64.b64decode(key_b64, validate=True)
+    except (binascii.Error, ValueError):
+        key = b""
+    if len(key) not in (16, 24, 32):
+        raise EnrollmentError("the gateway answered a malformed payload key", "bad_answer")
+    _write_private(path, key_b64 + "\n")
+    return key_id(key)

@@ -12,15 +12,20 @@ metal, pyroute2 for networks, sysfs/NVML and the vendor tool for GPUs
 `gpucloud.agent.backends` (the simulator registers `simulated` from sim/): the agent never imports
 a simulator itself.
 
-The payload key (AES, base64) comes from GPUCLOUD_CODEC_KEY or the config's `payload_key_file`;
-without one the agent refuses to start, unless `--dev` says this is a development run (then the
-embedded stack's public development key is used). `--node-id` skips enrollment (development).
+The payload key: an enrolled agent holds only its node's own key, which enrollment wrote to its
+payload key file (core/codec.py: derived for this node from the control plane's cluster key; it
+opens only this node's payloads). GPUCLOUD_CODEC_KEY (development, tests) or a `payload_key_file`
+written by a cloud-init from before node keys is the cluster key, used as before. Without any
+key the agent refuses to start, unless `--dev` says this is a development run (then the embedded
+stack's public development key is used). `--node-id` skips enrollment (development).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import binascii
 import dataclasses
 import logging
 import os
@@ -34,13 +39,14 @@ from typing import Any
 
 from agent.backends.system_root import SystemRoot
 from agent.config_file import ConfigError, gpu_sysfs, host_root_from_env, read_agent_config
-from agent.enrollment import AgentConfig, EnrollmentError, ensure_enrolled
+from agent.enrollment import AgentConfig, AgentIdentity, EnrollmentError, ensure_enrolled
 from agent.heartbeat import DEFAULT_INTERVAL_SECONDS, probe_local_gpus, run_heartbeats
 from agent.node_worker import NodeServices, build_node_worker, run_until_signalled
 from contracts.node_files import DEFAULT_CONFIG_PATH
+from core.codec import key_id
 from core.config import DEV_CODEC_KEY_B64, Settings
 from core.crash_traces import enable_crash_traces
-from core.temporal import connect
+from core.temporal import connect, with_node_payload_key
 
 __all__ = ["build_node_worker", "main"]
 
@@ -82,22 +88,54 @@ def make_services(kind: str, context: BackendContext) -> NodeServices:
     raise ConfigError(f"unknown backend {kind!r}; choose one of {', '.join(backend_names())}")
 
 
-def payload_key(config: dict[str, Any], root: SystemRoot, *, dev: bool) -> str:
-    """The payload codec key (base64): the environment's, else the config's key file; the
-    development key only with --dev."""
+@dataclasses.dataclass(frozen=True)
+class PayloadKey:
+    key_b64: str = dataclasses.field(repr=False)
+    # Set: the node's own derived key (it opens this node's payloads only); None: the cluster key.
+    node_id: str | None = None
+
+
+def _read_key_file(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError as err:
+        raise ConfigError(f"cannot read the payload key file: {err.strerror}") from None
+
+
+def payload_key(
+    config: dict[str, Any],
+    root: SystemRoot,
+    *,
+    dev: bool,
+    identity: AgentIdentity | None = None,
+    key_path: Path | None = None,
+) -> PayloadKey:
+    """The payload codec key: the environment's (the cluster key, as given); else the node key
+    enrollment stored at `key_path` (the identity names its key id); else the config's key file
+    (a cloud-init from before node keys wrote the cluster key there); the development key only
+    with --dev."""
     if os.environ.get(CODEC_KEY_ENV):
-        return os.environ[CODEC_KEY_ENV]
+        return PayloadKey(os.environ[CODEC_KEY_ENV])
+    if identity is not None and identity.payload_key_id and key_path is not None:
+        key_b64 = _read_key_file(key_path)
+        try:
+            stored_id = key_id(base64.b64decode(key_b64, validate=True))
+        except (binascii.Error, ValueError):
+            stored_id = ""
+        if stored_id != identity.payload_key_id:
+            raise ConfigError(
+                "the payload key file does not hold the key this node enrolled with "
+                "(re-enroll: a fresh enrollment token and an empty state dir)"
+            )
+        return PayloadKey(key_b64, identity.node_id)
     key_file = config.get("payload_key_file")
     if isinstance(key_file, str) and key_file:
-        try:
-            return root.host_path(key_file).read_text().strip()
-        except OSError as err:
-            raise ConfigError(f"cannot read payload_key_file: {err.strerror}") from None
+        return PayloadKey(_read_key_file(root.host_path(key_file)))
     if dev:
-        return DEV_CODEC_KEY_B64
+        return PayloadKey(DEV_CODEC_KEY_B64)
     raise ConfigError(
-        f"no payload key: set {CODEC_KEY_ENV} or payload_key_file in the agent config "
-        "(--dev uses the public development key)"
+        f"no payload key: enroll, or set {CODEC_KEY_ENV} or payload_key_file in the agent "
+        "config (--dev uses the public development key)"
     )
 
 
@@ -139,17 +177,30 @@ async def run(args: argparse.Namespace, settings: Settings) -> None:
     root = host_root_from_env()
     config_path = root.host_path(str(args.config))
     config = read_agent_config(config_path) if config_path.exists() or args.node_id is None else {}
-    settings = dataclasses.replace(settings, codec_key_b64=payload_key(config, root, dev=args.dev))
-    _ = settings.codec_key  # a malformed key fails here, before enrollment spends the token
+    if os.environ.get(CODEC_KEY_ENV):
+        # A malformed key fails here, before enrollment spends the token.
+        _ = dataclasses.replace(settings, codec_key_b64=os.environ[CODEC_KEY_ENV]).codec_key
     if args.node_id is not None:
         node_id = str(args.node_id)
+        key = payload_key(config, root, dev=args.dev)
     else:
         agent_config = AgentConfig.from_data(config, source=config_path)
         agent_config = dataclasses.replace(
-            agent_config, state_dir=root.host_path(str(agent_config.state_dir))
+            agent_config,
+            state_dir=root.host_path(str(agent_config.state_dir)),
+            payload_key_file=root.host_path(str(agent_config.payload_key_file))
+            if agent_config.payload_key_file is not None
+            else None,
         )
         identity = await ensure_enrolled(agent_config, agent_version=AGENT_VERSION)
         node_id = identity.node_id
+        key = payload_key(
+            config,
+            root,
+            dev=args.dev,
+            identity=identity,
+            key_path=agent_config.payload_key_path,
+        )
         settings = dataclasses.replace(
             settings,
             temporal_address=identity.temporal_address,
@@ -157,9 +208,12 @@ async def run(args: argparse.Namespace, settings: Settings) -> None:
             control_plane_task_queue=identity.control_plane_task_queue
             or settings.control_plane_task_queue,
         )
+    settings = dataclasses.replace(settings, codec_key_b64=key.key_b64)
     hostname = args.hostname or socket.gethostname()
     services = make_services(args.backend, BackendContext(config, root, node_id, hostname))
     client = await connect(settings, identity=f"agent-{node_id}@{hostname}")
+    if key.node_id is not None:
+        client = with_node_payload_key(client, settings.codec_key, key.node_id)
     worker = build_node_worker(client, node_id, services, graceful_shutdown=SHUTDOWN_GRACE)
     logging.getLogger("agent").info(
         "agent %s (%s backend) for node %s polling %s",

@@ -11,23 +11,44 @@ from datetime import timedelta
 from pathlib import Path
 
 from temporalio.client import Client, WorkflowHistory
-from temporalio.converter import DataConverter, DefaultFailureConverterWithEncodedAttributes
+from temporalio.converter import (
+    DataConverter,
+    DefaultFailureConverterWithEncodedAttributes,
+    PayloadCodec,
+)
 from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 from temporalio.service import GrpcCompression, TLSConfig
 
-from core.codec import AesGcmPayloadCodec
+from core.codec import AesGcmPayloadCodec, NodePayloadCodec
 from core.config import Settings
 from core.payload_json import PayloadConverter
 
 
-def data_converter(codec_key: bytes, old_keys: Sequence[bytes] = ()) -> DataConverter:
+def data_converter(
+    codec_key: bytes, old_keys: Sequence[bytes] = (), *, node_id: str | None = None
+) -> DataConverter:
+    """The control plane's converter (the cluster key, and old ones still decoded); with
+    `node_id`, a node agent's: `codec_key` is then that node's derived key (core/codec.py)."""
+    codec: PayloadCodec = (
+        NodePayloadCodec(codec_key, node_id)
+        if node_id is not None
+        else AesGcmPayloadCodec(codec_key, old_keys)
+    )
     # Failure messages and stack traces are encrypted too: an exception may quote an input.
     return dataclasses.replace(
         DataConverter.default,
         payload_converter_class=PayloadConverter,
-        payload_codec=AesGcmPayloadCodec(codec_key, old_keys),
+        payload_codec=codec,
         failure_converter_class=DefaultFailureConverterWithEncodedAttributes,
     )
+
+
+def with_node_payload_key(client: Client, node_key: bytes, node_id: str) -> Client:
+    """`client` (its connection, namespace and identity) with a node agent's converter: it
+    encrypts everything with the node's key and decrypts nothing else."""
+    config = client.config()
+    config["data_converter"] = data_converter(node_key, node_id=node_id)
+    return Client(**config)
 
 
 _runtimes: dict[str, Runtime] = {}

@@ -3,6 +3,8 @@ drop-ins) on a host root, and the binary's refusals (no payload key without --de
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import subprocess
 import sys
@@ -15,6 +17,7 @@ from agent.backends.libvirt_slice import LibvirtSliceBackend
 from agent.backends.system_root import SystemRoot
 from agent.config_file import ConfigError, read_agent_config
 from agent.main import EXIT_CONFIG
+from core.codec import key_id
 from sim.machine_image import build_machine
 from tests.test_agent_host import baremetal_spec
 
@@ -98,11 +101,16 @@ def _agent(tmp_path: Path, *args: str, key: str | None = None) -> subprocess.Com
     if key is not None:
         env["GPUCLOUD_CODEC_KEY"] = key
     env["GPUCLOUD_AGENT_ROOT"] = str(tmp_path)
+    # Nobody answers there: an agent past its key check fails to connect instead of serving.
+    env["GPUCLOUD_TEMPORAL_ADDRESS"] = "127.0.0.1:9"
     (tmp_path / "etc/gpucloud").mkdir(parents=True, exist_ok=True)
-    # An API nobody answers: a start that gets past the key check fails at enrollment instead.
-    (tmp_path / "etc/gpucloud/agent.toml").write_text(
-        'api_url = "http://127.0.0.1:9"\nenrollment_token = "gpe_x"\n'
-    )
+    config = tmp_path / "etc/gpucloud/agent.toml"
+    if not config.exists():
+        # An API nobody answers: a start that gets past the key check fails at enrollment.
+        config.write_text(
+            'api_url = "http://127.0.0.1:9"\nenrollment_token = "gpe_x"\n'
+            'state_dir = "/var/lib/gpucloud-agent"\n'
+        )
     return subprocess.run(
         [sys.executable, "-m", "agent.main", "--config", "/etc/gpucloud/agent.toml", *args],
         env=env,
@@ -113,28 +121,53 @@ def _agent(tmp_path: Path, *args: str, key: str | None = None) -> subprocess.Com
     )
 
 
+NODE_ID = "7f1c2d3e-0000-4000-8000-000000000001"
+NODE_KEY = "MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY="  # base64 of 32 bytes
+
+
 def test_the_agent_refuses_to_start_without_a_payload_key(tmp_path: Path) -> None:
-    refused = _agent(tmp_path)
+    # Not enrolling (--node-id) and no key given: nothing to encrypt payloads with.
+    refused = _agent(tmp_path, "--node-id", NODE_ID)
     assert refused.returncode == EXIT_CONFIG
     assert "no payload key" in refused.stderr
-    # --dev allows the public development key: the agent gets as far as enrolling.
-    dev = _agent(tmp_path, "--dev")
-    assert dev.returncode == 1
-    assert "enrollment failed (unreachable)" in dev.stderr
-    # A key file named by the config (cloud-init writes one) counts as explicit.
+    # Enrolling: the key comes with the enrollment answer, so the agent goes to enroll.
+    enrolling = _agent(tmp_path)
+    assert enrolling.returncode == 1
+    assert "enrollment failed (unreachable)" in enrolling.stderr
+    # --dev allows the public development key.
+    dev = _agent(tmp_path, "--dev", "--node-id", NODE_ID)
+    assert dev.returncode != EXIT_CONFIG, dev.stderr
+    assert "no payload key" not in dev.stderr
+    # A key file named by the config (a cloud-init from before node keys wrote one) counts as
+    # explicit: the cluster key, used as before.
     (tmp_path / "etc/gpucloud/payload.key").write_text("MDEyMzQ1Njc4OWFiY2RlZg==\n")
     with (tmp_path / "etc/gpucloud/agent.toml").open("a") as f:
         f.write('payload_key_file = "/etc/gpucloud/payload.key"\n')
-    keyed = subprocess.run(
-        [sys.executable, "-m", "agent.main", "--config", "/etc/gpucloud/agent.toml"],
-        env={
-            **{k: v for k, v in os.environ.items() if k != "GPUCLOUD_CODEC_KEY"},
-            "GPUCLOUD_AGENT_ROOT": str(tmp_path),
-        },
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert keyed.returncode == 1, keyed.stderr
-    assert "gpe_x" not in keyed.stderr + dev.stderr + refused.stderr
+    keyed = _agent(tmp_path, "--node-id", NODE_ID)
+    assert keyed.returncode != EXIT_CONFIG, keyed.stderr
+    assert "gpe_x" not in keyed.stderr + dev.stderr + refused.stderr + enrolling.stderr
+
+
+def test_an_enrolled_agent_starts_only_with_the_key_its_identity_names(tmp_path: Path) -> None:
+    """Enrollment stores the node's key and names its key id in the identity: a key file that
+    holds another key (swapped, truncated) stops the agent with a config error instead of
+    encrypting with the wrong key."""
+    state = tmp_path / "var/lib/gpucloud-agent"
+    state.mkdir(parents=True)
+    identity = {
+        "node_id": NODE_ID,
+        "hostname": "n1",
+        "temporal_address": "127.0.0.1:9",
+        "temporal_namespace": "default",
+        "task_queue": f"node-{NODE_ID}",
+        "payload_key_id": key_id(base64.b64decode(NODE_KEY)),
+    }
+    (state / "identity.json").write_text(json.dumps(identity))
+    (state / "payload.key").write_text("MDEyMzQ1Njc4OWFiY2RlZg==\n")  # not the enrolled key
+    swapped = _agent(tmp_path)
+    assert swapped.returncode == EXIT_CONFIG
+    assert "does not hold the key this node enrolled with" in swapped.stderr
+    (state / "payload.key").write_text(NODE_KEY + "\n")
+    enrolled = _agent(tmp_path)
+    assert enrolled.returncode != EXIT_CONFIG, enrolled.stderr  # on to Temporal, unreachable
+    assert NODE_KEY not in enrolled.stderr + swapped.stderr

@@ -4,6 +4,7 @@ deleted nodes are refused with clear codes."""
 
 from __future__ import annotations
 
+import base64
 import logging
 import stat
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 from sqlalchemy import text
 
 from agent.enrollment import AgentConfig, EnrollmentError, ensure_enrolled, load_identity
+from core.codec import key_id, node_payload_key
 from tests.factories import create_node, create_sku
 
 # The worker writes what the gateway asks for: token issue and redemption.
@@ -55,6 +57,13 @@ async def test_agent_enrolls_once_and_keeps_its_identity(
     assert stat.S_IMODE(stored.stat().st_mode) == 0o600
     assert token not in stored.read_text()
     assert load_identity(tmp_path / "state") == identity
+    # The node's own payload key (derived for it from the cluster key, never the cluster key),
+    # 0600 in the state dir; the identity names its key id.
+    key_file = tmp_path / "state" / "payload.key"
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    node_key = base64.b64decode(key_file.read_text().strip())
+    assert node_key == node_payload_key(settings.codec_key, node.id) != settings.codec_key
+    assert identity.payload_key_id == key_id(node_key)
 
     async with db_sessions() as session:
         enrolled = (

@@ -195,6 +195,10 @@ def test_agent_toml_round_trips_through_agent_config(tmp_path: Path) -> None:
     assert config.api_url == "https://api.gpucloud.example"
     assert config.enrollment_token == 'gpe_"quoted"\\back'
     assert config.state_dir == Path("/var/lib/gpucloud-agent")
+    # No payload key rides in user data: enrollment writes the node's own key into the state dir.
+    assert config.payload_key_file is None
+    assert config.payload_key_path == Path("/var/lib/gpucloud-agent/payload.key")
+    assert not [p for p in files(doc) if p.endswith(".key")]
     unit = files(doc)[f"/etc/systemd/system/{AGENT_UNIT}"]["content"]
     assert f"GPUCLOUD_AGENT_CONFIG={AGENT_CONFIG_PATH}" in unit
     assert "SSL_CERT_FILE" not in unit
@@ -207,7 +211,6 @@ def test_storage_export_root_reaches_the_agents_storage_config(tmp_path: Path) -
     agent = AgentBootstrap(
         api_url="https://api.gpucloud.example",
         enrollment_token=ENROLLMENT_TOKEN,
-        payload_key_b64="A" * 43 + "=",
         storage_export_root="/srv/my storage+1",
     )
     doc = body(render_cloud_init(make_input(agent=agent)).content)

@@ -41,6 +41,7 @@ from activities.cloud_init import (
 )
 from activities.onboarding.host_access import BmcLogin, SshLogin
 from agent.main import AGENT_VERSION
+from core.codec import node_payload_key
 from core.config import Settings
 from core.failures import ClassifiedError, FailureClass
 from devstack.processes import free_port
@@ -62,10 +63,12 @@ from sim.first_boot import (
 )
 from tests.factories import create_node, create_sku
 from tests.gateway_fixtures import bearer
+from tests.lifecycle_support import eventually, server_started
 from tests.maas_fixtures import MaasSim, sim_machine, sim_scenario
 
 API_URL = "http://testserver.local"  # only for the parsing tests: nothing listens there
-PAYLOAD_KEY_PATH = "/etc/gpucloud/payload.key"
+# Where enrollment leaves the node's own payload key (no key comes with cloud-init).
+PAYLOAD_KEY_PATH = "/var/lib/gpucloud-agent/payload.key"
 FORGED_TOKEN = "gpe_" + "A" * 43
 # The agent is a real process (imports, enrollment, Temporal): generous, on a shared machine.
 ENROLL_TIMEOUT_S = 60.0
@@ -94,9 +97,7 @@ class Gateway:
         return render_agent_toml(self.bootstrap(token))
 
     def bootstrap(self, token: str) -> AgentBootstrap:
-        return AgentBootstrap(
-            api_url=self.url, enrollment_token=token, payload_key_b64=self.settings.codec_key_b64
-        )
+        return AgentBootstrap(api_url=self.url, enrollment_token=token)
 
 
 @pytest.fixture
@@ -113,12 +114,7 @@ async def gateway(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
     )
     serving = asyncio.create_task(server.serve())
-    async with asyncio.timeout(30):
-        while not server.started:  # uvicorn offers no started event
-            if serving.done():
-                serving.result()  # startup failed: raise its error here
-                raise AssertionError("the gateway exited before it started")
-            await asyncio.sleep(0.02)
+    await server_started(server, serving)
     try:
         async with httpx.AsyncClient(
             base_url=url, headers=bearer(await make_token("admin")), timeout=30
@@ -262,7 +258,7 @@ async def test_a_deployed_machine_boots_and_its_agent_enrolls(
         await deploy(maas_sim, "node-a", user_data)
         record = await enrolled(fb, "node-a")
         # The enrolled agent goes on to serve its node's task queue on Temporal (with the
-        # payload key cloud-init gave it).
+        # node's own payload key, from its enrollment).
         polling = f"polling node-{node.id}"
         await wait_until(lambda: polling in agent_log(record), "polling", record)
         await polls(fb, 3)  # later polls do not boot the same deployment again
@@ -286,8 +282,12 @@ async def test_a_deployed_machine_boots_and_its_agent_enrolls(
     agent_toml = on_disk(record, AGENT_CONFIG_PATH)
     assert agent_toml.read_text() == gateway.agent_toml(token)
     assert mode(agent_toml) == 0o600
+    # No key came with cloud-init; enrollment wrote the node's own (never the cluster key).
+    assert "payload" not in user_data
     key = on_disk(record, PAYLOAD_KEY_PATH)
-    assert (key.read_text().strip(), mode(key)) == (gateway.settings.codec_key_b64, 0o600)
+    node_key = node_payload_key(gateway.settings.codec_key, node.id)
+    assert (key.read_text().strip(), mode(key)) == (base64.b64encode(node_key).decode(), 0o600)
+    assert not on_disk(record, "/etc/gpucloud/payload.key").exists()
     unit = on_disk(record, AGENT_UNIT_PATH)
     assert (unit.read_text(), mode(unit)) == (render_agent_unit(ca_bundle=False), 0o644)
     assert mode(on_disk(record, "/etc/maas/maas-machine-creds.yml")) == 0o600
@@ -527,13 +527,12 @@ async def test_simulated_bmc_power_cycle_enlists_an_unknown_machine(maas_sim: Ma
     assert not [m for m in before["machines"] if m["bmc_address"] == "10.176.16.12"]
     await bmc.power_cycle(BmcLogin(address="10.176.16.12", user="root", password="calvin"))
     assert bmc.cycles == [("10.176.16.12", "enlisting")]
-    async with asyncio.timeout(10):
-        while True:
-            found = [m for m in (await maas_sim.state())["machines"]
-                     if m["bmc_address"] == "10.176.16.12"]  # fmt: skip
-            if found:
-                break
-            await asyncio.sleep(0.02)
+
+    async def enlisted() -> list[dict[str, Any]]:
+        machines = (await maas_sim.state())["machines"]
+        return [m for m in machines if m["bmc_address"] == "10.176.16.12"]
+
+    found = await eventually(enlisted, timeout=10)
     assert found[0]["status_name"] == "New"
 
     with pytest.raises(ClassifiedError) as err:

@@ -185,10 +185,12 @@ async def test_the_real_agent_serves_a_node_from_onboarding_to_deletion(
     assert first.root is not None
     identity = first.root / "var/lib/gpucloud-agent/identity.json"
     assert node_id in identity.read_text()
-    # The agent's config is the rendered one: a payload key file, no key in agent.toml.
+    # The agent's config is the rendered one: no payload key in it nor beside it; the node's own
+    # key came with its enrollment, into the state dir (tests/test_node_payload_keys.py).
     agent_toml = (first.root / "etc/gpucloud/agent.toml").read_text()
-    assert "payload_key_file" in agent_toml
-    assert (first.root / "etc/gpucloud/payload.key").stat().st_mode & 0o777 == 0o600
+    assert "payload_key" not in agent_toml
+    assert not (first.root / "etc/gpucloud/payload.key").exists()
+    assert (first.root / "var/lib/gpucloud-agent/payload.key").stat().st_mode & 0o777 == 0o600
     # Active with the GPU slots of the inventory the agent reported (a bare-metal node has them
     # too: its heartbeats are compared with them).
     await assert_slots_from_inventory(decommission, node_id)

@@ -286,7 +286,6 @@ class NodeStageActivities(StageActivitiesBase):
             agent=AgentBootstrap(
                 api_url=self.deps.api_url,
                 enrollment_token=enrollment_token,
-                payload_key_b64=self.deps.payload_key_b64,
                 storage_export_root=self.deps.storage_export_root,
             ),
             roce=tuple(CloudInitRoce(i, c) for i, c in roce)
@@ -738,7 +737,6 @@ class NodeStageActivities(StageActivitiesBase):
                 AgentBootstrap(
                     api_url=self.deps.api_url,
                     enrollment_token=token,
-                    payload_key_b64=self.deps.payload_key_b64,
                     storage_export_root=self.deps.storage_export_root,
                 )
             )

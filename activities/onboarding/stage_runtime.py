@@ -18,7 +18,7 @@ import datetime as dt
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -52,8 +52,6 @@ class OnboardingDeps:
     secrets: SecretStore
     host_access: HostAccess
     api_url: str  # what a node's agent calls to enroll (written into its cloud-init)
-    # The payload codec key (base64) a node's agent needs, delivered by its cloud-init.
-    payload_key_b64: str | None = field(default=None, repr=False)
     # The shared directory storage provider's root, written into a node's agent config as its
     # `[storage] export_root` (the worker and every node see it at the same place).
     storage_export_root: str | None = None

@@ -1,7 +1,11 @@
 """Temporal's remote codec protocol for Temporal Web and `temporal --codec-endpoint`:
 POST {endpoint}/encode and {endpoint}/decode with {"payloads": [{"metadata": {k: base64},
 "data": base64}]} (Payloads as proto3 JSON). Admin only: by bearer token, or by the short-lived
-session cookie that POST /api/v1/admin/codec/session sets for the browser."""
+session cookie that POST /api/v1/admin/codec/session sets for the browser.
+
+It decodes every payload of the cluster: those sealed with the cluster key (or an old one) and
+those sealed with a node's derived key (their metadata names the node; core/codec.py). It
+encodes with the cluster key."""
 
 from __future__ import annotations
 

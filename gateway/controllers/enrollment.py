@@ -1,9 +1,11 @@
 """Node agent enrollment: operators issue a single-use enrollment token for a node (cloud-init
-carries it to the node); the agent redeems it once on the internal route and gets its identity
-and Temporal settings back. After that the agent talks to Temporal only."""
+carries it to the node); the agent redeems it once on the internal route and gets its identity,
+its Temporal settings and its own payload key back (derived for this node from the cluster key,
+which never leaves the control plane). After that the agent talks to Temporal only."""
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
 import hashlib
 import uuid
@@ -22,6 +24,7 @@ from contracts.enrollment import (
     RedeemFailure,
     RedeemTokenInput,
 )
+from core.codec import key_id, node_payload_key
 from core.enrollment_token import (
     DEFAULT_TTL_SECONDS,
     hash_enrollment_token,
@@ -72,6 +75,11 @@ class Enrolled(msgspec.Struct, kw_only=True):
     # Where the agent's heartbeats go (the control plane's worker queue): the agent knows the
     # site only from this answer, like the Temporal address.
     control_plane_task_queue: str
+    # This node's payload key (base64; core/codec.py, derived from the cluster key for this node
+    # alone): what the agent encrypts and decrypts its Temporal payloads with. Only here, over
+    # the enrollment call: never in cloud-init, never in Temporal.
+    payload_key: str
+    payload_key_id: str
 
 
 # The answer to each refusal: the token is the agent's only credential, so a bad one is 401.
@@ -177,6 +185,7 @@ class AgentEnrollmentController(Controller):
             answer_once=True,
         )
         node_id = uuid.UUID(enrolled.node_id)
+        node_key = node_payload_key(settings.codec_key, node_id)
         return Enrolled(
             node_id=node_id,
             hostname=enrolled.hostname,
@@ -184,4 +193,6 @@ class AgentEnrollmentController(Controller):
             temporal_namespace=settings.temporal_namespace,
             task_queue=node_task_queue(node_id),
             control_plane_task_queue=settings.control_plane_task_queue,
+            payload_key=base64.b64encode(node_key).decode(),
+            payload_key_id=key_id(node_key),
         )
