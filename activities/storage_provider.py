@@ -9,19 +9,35 @@ Its tree under the root:
 
     namespaces/                                0o700: no one but the provider and the nodes'
                                                agents (root) lists or enters it
-    namespaces/<namespace id>/                 the namespace's data (created empty, 0o2770: no
-                                               world access)
+    namespaces/<namespace id>/                 the namespace's data: owner root, group the
+                                               namespace's own gid, 0o2770 (no world access;
+                                               setgid, so everything made in it keeps that
+                                               group) and a default ACL giving the group rwx
+                                               on everything made in it, whatever the
+                                               writer's umask
     grants/                                    0o700, likewise
     grants/<namespace id>/<attachment id>.json {"node_id", "mode"}: what the node's agent checks
                                                before it mounts (and the mode it mounts with)
+    gids/                                      0o700, likewise
+    gids/<gid>                                 the namespace id that holds the gid (claimed
+                                               with O_EXCL, so two namespaces never share one)
 
-Isolation (issue 36 item 4, the part done): a tenant on a node reaches a namespace only through
-the bind mount its agent made for an attachment (agent/storage_mounts.py), never by walking the
-export: a non-root user cannot list `namespaces/` or `grants/`, nor enter another project's
-namespace even knowing its id. Not done yet: mapping the tenant's uid/gid onto its own namespace
-(so a non-root tenant reads and writes its own mount: today only root on the node can) and
-mounting only the attached namespaces on a node instead of the whole export (a root tenant, e.g.
-with `grant_sudo`, still reaches the export root on its node).
+Isolation (issue 36 item 4): a tenant on a node reaches a namespace only through the bind mount
+its agent made for an attachment (agent/storage_mounts.py), never by walking the export: a
+non-root user cannot list `namespaces/` or `grants/`, nor enter another project's namespace even
+knowing its id. Each namespace has a gid of its own, from NAMESPACE_GID_MIN..MAX (fleet-wide:
+it lives on the shared filesystem, so every node reads the same one); while an attachment is
+mounted on a bare-metal node, the agent makes the allocation's tenant account a member of that
+gid's group (agent/backends/baremetal_users.py), and takes it out at the unmount. Files keep the
+writer's node-local uid; access goes by the group, so another allocation of the same project,
+on another node and with another uid, reads and writes them too. Single-writer against
+multi-writer is not the group's business: the control plane lets one attachment write and the
+agent mounts the others read-only. Not done yet: mounting only the attached namespaces on a
+node instead of the whole export (a root tenant, e.g. with `grant_sudo`, still reaches the
+export root on its node; see docs/storage.md).
+
+A provider that may not chown (not root on the export) keeps the directories' group as it is
+and says so in the log: the namespaces work, but only root on a node writes them.
 
 Quota is enforced by the provider's accounting, not by the kernel: the bytes allocated under a
 namespace (st_blocks, hard links once) are compared with its quota_bytes when an attachment is
@@ -33,17 +49,35 @@ the workload's business), so the namespace's policy decides.
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import shutil
+import struct
+import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from contracts.storage import PROVIDER_SHARED_DIRECTORY
+from contracts.storage import NAMESPACE_GID_MAX, NAMESPACE_GID_MIN, PROVIDER_SHARED_DIRECTORY
+
+logger = logging.getLogger("activities.storage_provider")
 
 STORAGE_ROOT_ENV = "GPUCLOUD_STORAGE_ROOT"
 DEFAULT_STORAGE_ROOT = "/srv/gpucloud-storage"
+
+# A POSIX default ACL as the kernel takes it (the system.posix_acl_default xattr): version 2,
+# then (tag, permissions, id) entries in tag order. Owner and group rwx, others nothing: new files
+# get the group's access from the mode they are made with, not from the writer's umask.
+_ACL_XATTR = "system.posix_acl_default"
+_ACL_UNDEFINED_ID = 0xFFFFFFFF
+_ACL_USER_OBJ, _ACL_GROUP_OBJ, _ACL_OTHER = 0x01, 0x04, 0x20
+_NAMESPACE_DEFAULT_ACL = struct.pack("<I", 2) + b"".join(
+    struct.pack("<HHI", tag, perms, _ACL_UNDEFINED_ID)
+    for tag, perms in ((_ACL_USER_OBJ, 0o7), (_ACL_GROUP_OBJ, 0o7), (_ACL_OTHER, 0))
+)
 
 
 @dataclass(frozen=True)
@@ -97,20 +131,104 @@ class SharedDirectoryProvider:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(directory, 0o700)
 
+    def _gid_claim(self, gid: int) -> Path:
+        return self.root / "gids" / str(gid)
+
     def create(self, key: str) -> None:
         self._private_dir("namespaces")
         path = self.namespace_dir(key)
         path.mkdir(mode=0o700, exist_ok=True)
-        # No world access; group-writable with setgid for the project's group once tenants'
-        # ids are mapped onto it (see the module text).
-        os.chmod(path, 0o2770)  # noqa: S103
+        self._own_group(key)
 
     def delete(self, key: str) -> None:
+        gid = self._claimed_gid(key)
         for path in (self._grants_dir(key), self.namespace_dir(key)):
             if path.is_symlink():
                 path.unlink()
             elif path.exists():
                 shutil.rmtree(path)
+        # The gid last: a retried delete finds the claim by probing (see _claim_gid).
+        if gid is not None:
+            self._gid_claim(gid).unlink(missing_ok=True)
+
+    # ------------------------------------------------------------------ the namespace's group
+
+    def namespace_gid(self, key: str) -> int | None:
+        """The namespace's own gid, if it has one (None: the provider could not set it)."""
+        gid = self.namespace_dir(key).stat().st_gid
+        return gid if self._claim_holder(gid) == key else None
+
+    def _own_group(self, key: str) -> None:
+        """Make the namespace directory root:<its gid> 0o2770 with the group's default ACL, or
+        make it so again (idempotent; a namespace of an older build gets its gid here, at its
+        next create or grant)."""
+        path = self.namespace_dir(key)
+        gid = self.namespace_gid(key) or self._claim_gid(key)
+        try:
+            os.chown(path, -1, gid)
+        except PermissionError:
+            logger.warning(
+                "namespace %s: the provider may not chown in the export; only root on a node "
+                "can write it",
+                key,
+            )
+        # After the chown (which may clear set-id bits): no world access, setgid.
+        os.chmod(path, 0o2770)  # noqa: S103
+        try:
+            os.setxattr(path, _ACL_XATTR, _NAMESPACE_DEFAULT_ACL)
+        except OSError as err:
+            if err.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP):
+                raise
+            logger.warning(
+                "namespace %s: the export takes no POSIX ACLs; files follow the writer's umask",
+                key,
+            )
+
+    def _claim_holder(self, gid: int) -> str | None:
+        if not NAMESPACE_GID_MIN <= gid <= NAMESPACE_GID_MAX:
+            return None
+        try:
+            return self._gid_claim(gid).read_text().strip()
+        except FileNotFoundError:
+            return None
+
+    @staticmethod
+    def _probe(key: str) -> Iterator[int]:
+        """The gids to try for `key`, in order: from a start its id picks, round the range."""
+        span = NAMESPACE_GID_MAX - NAMESPACE_GID_MIN + 1
+        start = uuid.UUID(key).int % span if _is_uuid(key) else 0
+        return (NAMESPACE_GID_MIN + (start + step) % span for step in range(span))
+
+    def _claim_gid(self, key: str) -> int:
+        """A gid no other namespace holds: the first free one along the key's probe (or one an
+        interrupted earlier call claimed for it), claimed by creating its file exclusively, which
+        a shared filesystem (NFS included) does atomically."""
+        self._private_dir("gids")
+        for gid in self._probe(key):
+            claim = self._gid_claim(gid)
+            try:
+                fd = os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            except FileExistsError:
+                if self._claim_holder(gid) == key:
+                    return gid
+                continue
+            with os.fdopen(fd, "w") as out:
+                out.write(key)
+            return gid
+        raise OSError(errno.ENOSPC, "no namespace gid left in the storage export")
+
+    def _claimed_gid(self, key: str) -> int | None:
+        """The gid `key` holds: its directory's, or (the directory gone: a retried delete) the
+        one along its probe."""
+        if self.namespace_dir(key).is_dir():
+            return self.namespace_gid(key)
+        for gid in self._probe(key):
+            holder = self._claim_holder(gid)
+            if holder == key:
+                return gid
+            if holder is None:
+                return None
+        return None
 
     def usage_bytes(self, key: str) -> int:
         """Bytes allocated under the namespace's directory. A directory that is not there (the
@@ -135,6 +253,10 @@ class SharedDirectoryProvider:
         return total
 
     def grant(self, key: str, attachment_id: str, node_id: str, mode: str) -> None:
+        if self.namespace_dir(key).is_dir():
+            # Its group made so again (a namespace of an older build gets one here); one that is
+            # missing is the node's mount to refuse, as before.
+            self._own_group(key)
         self._private_dir("grants")
         directory = self._grants_dir(key)
         directory.mkdir(parents=True, exist_ok=True)
@@ -145,3 +267,11 @@ class SharedDirectoryProvider:
 
     def revoke(self, key: str, attachment_id: str) -> None:
         (self._grants_dir(key) / f"{attachment_id}.json").unlink(missing_ok=True)
+
+
+def _is_uuid(value: str) -> bool:
+    try:
+        uuid.UUID(value)
+    except ValueError:
+        return False
+    return True

@@ -16,8 +16,18 @@ Rules:
 - A mount needs the grant for this attachment and this node; the grant's mode wins (a read_only
   grant is mounted read-only whatever the task says). A source or grant that is a symlink is
   refused (`unsafe_path`).
-- The mount is a bind mount (mount(8) --bind, then remount,bind,ro for read_only), seen in the
-  kernel's mount table; an existing mount at the point is adopted, so a retried task is a no-op.
+- The mount is a bind mount (mount(8) --bind, then remount,bind,nosuid,nodev, plus ro for
+  read_only), seen in the kernel's mount table; an existing mount at the point is adopted, so a
+  retried task is a no-op. nosuid: a tenant may not leave a setgid program in the namespace for
+  whoever mounts it next to run with the namespace's group.
+- Tenant access on a bare-metal node (issue 36 item 4): the namespace directory belongs to a gid
+  of its own (activities/storage_provider.py); after the mount, the allocation's tenant account
+  is made a member of that group (`tenant_access_granted`, through the bare-metal user backend),
+  so the non-root tenant reads and writes its mount (the mount's mode decides which) and nothing
+  else of the export. An unmount takes the membership away first (`tenant_access_removed`)
+  unless another mount on this node still shows the same namespace. A process the tenant
+  started before the attach keeps the groups it had: the next login (or `sg gpucloud-ns<gid>`)
+  has the new one.
 - An unmount removes the mount and then the empty mount point, never anything in it: a mount
   point that still holds files after the unmount is left alone and reported, so a failed unmount
   can never delete namespace data. Unmounting what is not mounted succeeds.
@@ -25,7 +35,8 @@ Rules:
   VM gets it as a virtiofs filesystem (`guest_attached`, tagged `virtiofs_tag(attachment id)`,
   through the node's slice backend: hot-plugged and kept in the domain's definition), and the
   tenant mounts the tag inside the guest. An unmount takes it out of the VM first
-  (`guest_detached`; a guest still using it refuses, and the host mount stays).
+  (`guest_detached`; a guest that has not let the device go in time fails it, and the host mount
+  stays; one that has it mounted loses it).
 """
 
 from __future__ import annotations
@@ -53,6 +64,8 @@ from agent.progress import utc_now_iso
 from contracts.host_tasks import STORAGE_MOUNT, STORAGE_UNMOUNT, HostErrorType
 from contracts.states import SkuShape
 from contracts.storage import (
+    NAMESPACE_GID_MAX,
+    NAMESPACE_GID_MIN,
     PROVIDER_SHARED_DIRECTORY,
     StorageMountInput,
     StorageMountResult,
@@ -68,6 +81,8 @@ MOUNT_PHASES = ("grant_checked", "mount_point_prepared", "mounted")
 UNMOUNT_PHASES = ("unmounted", "mount_point_removed")
 GUEST_ATTACH_PHASE = "guest_attached"  # after MOUNT_PHASES, for a slice VM
 GUEST_DETACH_PHASE = "guest_detached"  # before UNMOUNT_PHASES, for a slice VM
+TENANT_GRANT_PHASE = "tenant_access_granted"  # after MOUNT_PHASES, for a host tenant
+TENANT_REVOKE_PHASE = "tenant_access_removed"  # before UNMOUNT_PHASES, for a host tenant
 DEFAULT_MOUNT_BASE = "/mnt/gpucloud/storage"
 MOUNT_COMMAND_TIMEOUT_S = 60
 MOUNT_TABLE = Path("/proc/self/mountinfo")
@@ -115,6 +130,15 @@ class GuestFilesystems(Protocol):
     def detach_filesystem(self, allocation_id: str, tag: str) -> str: ...
 
 
+class TenantAccounts(Protocol):
+    """The node's bare-metal tenant accounts, as far as storage needs them
+    (agent.backends.baremetal_users); blocking."""
+
+    def join_storage_group(self, allocation_id: str, gid: int) -> str | None: ...
+
+    def leave_storage_group(self, allocation_id: str, gid: int) -> bool: ...
+
+
 class MountFailed(Exception):
     """mount(8) or umount(8) said no; the message is the tool's, without paths."""
 
@@ -126,12 +150,13 @@ class KernelBindMounter:
 
     def bind(self, source: Path, target: Path, *, read_only: bool) -> None:
         self._run("mount", "--bind", str(source), str(target))
-        if read_only:
-            try:
-                self._run("mount", "-o", "remount,bind,ro", str(target))
-            except MountFailed:
-                self._run("umount", str(target))
-                raise
+        # A bind mount takes its flags only from a remount.
+        flags = "remount,bind,nosuid,nodev" + (",ro" if read_only else "")
+        try:
+            self._run("mount", "-o", flags, str(target))
+        except MountFailed:
+            self._run("umount", str(target))
+            raise
 
     def unmount(self, target: Path) -> None:
         self._run("umount", str(target))
@@ -184,12 +209,15 @@ class StorageMountBackend:
         mounter: Mounter | None = None,
         *,
         guests: GuestFilesystems | None = None,
+        tenants: TenantAccounts | None = None,
     ) -> None:
-        """`guests`: the node's slice VMs (None: the node runs none)."""
+        """`guests`: the node's slice VMs (None: the node runs none). `tenants`: its bare-metal
+        tenant accounts (None: it has none; only root on the node reaches a mount)."""
         self.root = root
         self.config = config
         self._mounter = mounter or KernelBindMounter()
         self.guests = guests
+        self.tenants = tenants
 
     def mount_point(self, attachment_id: str) -> str:
         """The mount point as seen on the node."""
@@ -221,6 +249,10 @@ class StorageMountBackend:
                 ) from None
             progress(mount_phase, PhaseStatus.SUCCEEDED, "read-only" if read_only else "read-write")
         if guests is None:
+            if self.tenants is not None:
+                progress(TENANT_GRANT_PHASE, PhaseStatus.STARTED)
+                message = self._grant_tenant(spec, target)
+                progress(TENANT_GRANT_PHASE, PhaseStatus.SUCCEEDED, message)
             return MountOutcome(point, read_only, adopted_existing=adopted)
         tag = virtiofs_tag(spec.attachment_id)
         progress(GUEST_ATTACH_PHASE, PhaseStatus.STARTED)
@@ -239,6 +271,11 @@ class StorageMountBackend:
                 spec.allocation_id, virtiofs_tag(spec.attachment_id)
             )
             progress(GUEST_DETACH_PHASE, PhaseStatus.SUCCEEDED, message)
+        elif self.tenants is not None:
+            # Before the unmount: a busy mount stays, but the tenant's access to it is gone.
+            progress(TENANT_REVOKE_PHASE, PhaseStatus.STARTED)
+            message = self._revoke_tenant(spec, target)
+            progress(TENANT_REVOKE_PHASE, PhaseStatus.SUCCEEDED, message)
         progress(unmount_phase, PhaseStatus.STARTED)
         was_mounted = self._mounter.is_mounted(target)
         if was_mounted:
@@ -254,6 +291,64 @@ class StorageMountBackend:
         self._remove_mount_point(point)
         progress(remove_phase, PhaseStatus.SUCCEEDED)
         return UnmountOutcome(was_mounted=was_mounted)
+
+    # ------------------------------------------------------------------ tenant access
+
+    def _grant_tenant(self, spec: StorageMountInput, target: Path) -> str:
+        assert self.tenants is not None
+        gid = self._namespace_gid(target)
+        if gid is None:
+            # A provider that could not give the namespace its group (not root on the export).
+            return "the namespace has no group of its own: only root reaches it"
+        try:
+            username = self.tenants.join_storage_group(spec.allocation_id, gid)
+        except OSError as err:
+            raise HostError(
+                HostErrorType.STORAGE_ERROR, f"tenant access not granted: {_describe(err)}"
+            ) from None
+        if username is None:
+            if spec.allocation_shape == SkuShape.BAREMETAL:
+                # Provisioned before it is active: retried, then the attachment fails.
+                raise HostError(
+                    HostErrorType.STORAGE_ERROR, "no tenant account for the allocation here"
+                )
+            return "no tenant account for the allocation on this node"
+        return f"{username} is in the namespace's group (gid {gid})"
+
+    def _revoke_tenant(self, spec: StorageUnmountInput, target: Path) -> str:
+        assert self.tenants is not None
+        if not self._mounter.is_mounted(target):
+            return "not mounted"
+        gid = self._namespace_gid(target)
+        if gid is None:
+            return "the namespace has no group of its own"
+        if self._still_mounted_elsewhere(target):
+            return "the namespace is still mounted here for another attachment"
+        try:
+            was_member = self.tenants.leave_storage_group(spec.allocation_id, gid)
+        except OSError as err:
+            raise HostError(
+                HostErrorType.STORAGE_ERROR, f"tenant access not removed: {_describe(err)}"
+            ) from None
+        return f"left the namespace's group (gid {gid})" if was_member else "was not a member"
+
+    @staticmethod
+    def _namespace_gid(target: Path) -> int | None:
+        """The gid of the mounted namespace directory, if it is a namespace's own."""
+        gid = target.stat().st_gid
+        return gid if NAMESPACE_GID_MIN <= gid <= NAMESPACE_GID_MAX else None
+
+    def _still_mounted_elsewhere(self, target: Path) -> bool:
+        """Whether another mount under the mount base shows the same directory as `target`."""
+        own = target.stat()
+        base = target.parent
+        for other in base.iterdir():
+            if other == target or not self._mounter.is_mounted(other):
+                continue
+            st = other.stat()
+            if (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino):
+                return True
+        return False
 
     # ------------------------------------------------------------------ helpers
 

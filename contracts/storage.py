@@ -105,6 +105,12 @@ class DetachActor(StrEnum):
 # The one provider (activities/storage_provider.py, agent/storage_mounts.py): a directory per
 # namespace on a filesystem the control plane and the nodes share.
 PROVIDER_SHARED_DIRECTORY = "shared_directory"
+# Its namespaces' groups: the provider gives each namespace directory a gid of its own from this
+# range (fleet-wide, as it is stored on the shared filesystem), and a node's agent makes the
+# tenant of an allocation the namespace is attached to a member. Disjoint from system ids (< 1000)
+# and from the agents' tenant uid range (baremetal_users.UserAccountConfig, 20000-29999).
+NAMESPACE_GID_MIN = 3_000_000
+NAMESPACE_GID_MAX = 3_999_999
 
 
 class NamespaceStatus(StrEnum):

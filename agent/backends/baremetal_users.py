@@ -23,6 +23,12 @@ and every deprovision ends with the GPU scrub. Only accounts in the managed uid 
 adopted, revoked or removed: a spec naming `root` or any pre-existing system account is
 `invalid_spec`, and one naming another allocation's user is `lease_conflict`.
 
+Storage: while a storage namespace is mounted for an allocation (agent/storage_mounts.py), its
+tenant account is a member of the namespace's group (`gpucloud-ns<gid>`, the gid the storage
+provider gave the namespace, in contracts.storage's NAMESPACE_GID range): `join_storage_group` and
+`leave_storage_group`. The group is made with its first member and removed with its last, and a
+removed account leaves every group.
+
 Key material is never logged, put in messages or errors: only counts.
 """
 
@@ -50,6 +56,7 @@ from agent.backend import (
 from agent.backend import RevokeOutcome as HostRevokeOutcome
 from agent.backends.system_root import SystemRoot
 from contracts.host_tasks import HostErrorType, HostProvisionInput, HostReleaseInput
+from contracts.storage import NAMESPACE_GID_MAX, NAMESPACE_GID_MIN
 
 logger = logging.getLogger("agent.backends.baremetal_users")
 
@@ -66,6 +73,7 @@ RESERVED_USERNAMES = frozenset(
 )  # fmt: skip
 _ALLOCATION_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _GECOS_TAG = "gpucloud allocation "
+STORAGE_GROUP_PREFIX = "gpucloud-ns"
 
 _PROVISION_USER, _INSTALL_KEYS, _VERIFY = BAREMETAL_PROVISION_PHASES
 _TERMINATE, _REMOVE_USER, _WIPE_HOME, _SCRUB = BAREMETAL_DEPROVISION_PHASES
@@ -101,6 +109,8 @@ class UserAccountConfig:
     def __post_init__(self) -> None:
         if not 0 < self.uid_min <= self.uid_max:
             raise ValueError("uid range must be positive and non-empty")
+        if self.uid_min <= NAMESPACE_GID_MAX and self.uid_max >= NAMESPACE_GID_MIN:
+            raise ValueError("the uid range overlaps the storage namespaces' gids")
 
 
 @dataclass(frozen=True)
@@ -330,6 +340,81 @@ class FileBaremetalUserBackend:
             row = accounts.passwd.find(username)
             return None if row is None else self._managed(row, None)
 
+    # ------------------------------------------------------------------ storage groups
+
+    def join_storage_group(self, allocation_id: str, gid: int) -> str | None:
+        """Make the allocation's tenant a member of the storage namespace group `gid` (made if
+        missing). Returns the user name, or None when this node has no account for the
+        allocation. Idempotent. A gid outside the namespaces' range, or held here by a group
+        that is not a namespace's, is refused: the gid comes from the shared filesystem, and no
+        tenant is ever put in a system group that way."""
+        self._check_allocation_id(allocation_id)
+        name = _storage_group_name(gid)
+        with self.root.account_lock():
+            db = _Accounts(self.root)
+            account = self._allocation_account(db, allocation_id)
+            if account is None:
+                return None
+            for row in db.group.rows():
+                if len(row) > 2 and row[2] == str(gid) and row[0] != name:
+                    raise HostError(
+                        HostErrorType.STORAGE_ERROR,
+                        f"gid {gid} is held by another group on this node",
+                    )
+            members = _members(db.group.find(name), 3)
+            if account.username not in members:
+                members.append(account.username)
+            db.group.put([name, "x", str(gid), ",".join(members)])
+            if db.gshadow.exists:
+                db.gshadow.put([name, "!", "", ",".join(members)])
+            db.save(self.root)
+        return account.username
+
+    def leave_storage_group(self, allocation_id: str, gid: int) -> bool:
+        """Take the allocation's tenant out of the storage namespace group `gid`; the group goes
+        with its last member. Returns whether it was a member. Idempotent."""
+        self._check_allocation_id(allocation_id)
+        name = _storage_group_name(gid)
+        with self.root.account_lock():
+            db = _Accounts(self.root)
+            account = self._allocation_account(db, allocation_id)
+            group = db.group.find(name)
+            if account is None or group is None:
+                return False
+            members = _members(group, 3)
+            was_member = account.username in members
+            members = [m for m in members if m != account.username]
+            if members:
+                db.group.put([name, "x", str(gid), ",".join(members)])
+                if db.gshadow.exists:
+                    db.gshadow.put([name, "!", "", ",".join(members)])
+            else:
+                db.group.remove(name)
+                db.gshadow.remove(name)
+            db.save(self.root)
+        return was_member
+
+    def storage_groups(self, username: str) -> list[int]:
+        """The namespace gids `username` is a member of (read-only)."""
+        self._check_username(username)
+        with self.root.account_lock():
+            db = _Accounts(self.root)
+            return sorted(
+                int(row[2])
+                for row in db.group.rows()
+                if row[0].startswith(STORAGE_GROUP_PREFIX)
+                and len(row) > 3
+                and row[2].isdigit()
+                and username in _members(row, 3)
+            )
+
+    def _allocation_account(self, db: _Accounts, allocation_id: str) -> Account | None:
+        tag = _GECOS_TAG + allocation_id
+        for row in db.passwd.rows():
+            if len(row) >= 7 and row[4] == tag and self._in_range(row[2]):
+                return self._managed(row, allocation_id)
+        return None
+
     # ------------------------------------------------------------------ account databases
 
     def _create_account(self, username: str, allocation_id: str) -> tuple[Account, bool]:
@@ -385,6 +470,11 @@ class FileBaremetalUserBackend:
                 db.gshadow.remove(username)
             db.group.drop_member(username, 3)
             db.gshadow.drop_member(username, 2, 3)
+            for row in db.group.rows():
+                # Storage groups left with no member (a detach that never ran) go too.
+                if row[0].startswith(STORAGE_GROUP_PREFIX) and not _members(row, 3):
+                    db.group.remove(row[0])
+                    db.gshadow.remove(row[0])
             db.save(self.root)
         return removed
 
@@ -550,6 +640,18 @@ class FileBaremetalUserBackend:
 class AccessCheckFailed(Exception):
     """The read-back after provisioning disagrees with what was written (retried as an
     unexpected host error). Its message names paths and fields, never keys."""
+
+
+def _storage_group_name(gid: int) -> str:
+    if not NAMESPACE_GID_MIN <= gid <= NAMESPACE_GID_MAX:
+        raise HostError(HostErrorType.STORAGE_ERROR, f"gid {gid} is not a storage namespace's gid")
+    return f"{STORAGE_GROUP_PREFIX}{gid}"
+
+
+def _members(row: list[str] | None, column: int) -> list[str]:
+    if row is None or len(row) <= column:
+        return []
+    return [member for member in row[column].split(",") if member]
 
 
 def _phase(progress: Progress, name: str, work: Callable[[], str]) -> None:

@@ -263,7 +263,11 @@ def node_services_from_config(
     return NodeServices(
         host=NodeHostBackend(slice=slices, baremetal=baremetal),
         maintenance=maintenance,
-        storage=StorageMountBackend(root, storage, guests=slices) if storage.export_root else None,
+        storage=(
+            StorageMountBackend(root, storage, guests=slices, tenants=baremetal)
+            if storage.export_root
+            else None
+        ),
         terminal=NodeShells(
             baremetal=BaremetalLoginShell(baremetal),
             slice=SliceSerialConsole(str(table(data, "libvirt").get("uri", "qemu:///system"))),
