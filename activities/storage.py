@@ -10,6 +10,12 @@
   see no writer), the provider's grant and revoke, and the node_tasks rows of the mount tasks.
 - `storage.detach_for_release`: AllocationWorkflow's release detaches every attachment of the
   allocation first (each through its own workflow's detach update) and waits for them.
+- Billing (issue 37): a namespace's storage usage record (its quota, priced per GB-hour) is
+  opened in the transaction that creates it and closed in the one that deletes it
+  (activities/billing/storage_usage.py); a namespace with no price in its account's currency is
+  refused. The meter runs `storage.measure_usage` (used bytes for the namespace view, measured
+  off any tenant's path) and `storage.detach_for_billing` (a depleted account's attachments once
+  its grace period is over, each through its own workflow, actor billing).
 
 Provider calls block (filesystem): they run in a thread, never inside a database transaction.
 """
@@ -34,11 +40,25 @@ from temporalio.client import Client, WorkflowUpdateFailedError
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
+from activities.billing.storage_usage import (
+    StorageNotPriced,
+    close_storage_usage,
+    open_storage_usage,
+)
 from activities.node_task_log import queue_task, record_task_outcome
 from activities.operation_support import record_audit, refusal, transaction
 from activities.storage_provider import StorageProvider
 from contracts.admin_operation import NOT_FOUND
-from contracts.states import AllocationStatus, NodeTaskStatus
+from contracts.billing_meter import (
+    STORAGE_DETACH_FOR_BILLING,
+    STORAGE_MEASURE_USAGE,
+    STORAGE_NOT_PRICED,
+    StorageDetachForBillingInput,
+    StorageDetachForBillingResult,
+    StorageMeasureInput,
+    StorageMeasureResult,
+)
+from contracts.states import AllocationStatus, NodeTaskStatus, ReleaseActor
 from contracts.storage import (
     ALLOCATION_NOT_ATTACHABLE,
     ATTACHMENT_NODE_OBSERVE,
@@ -106,6 +126,8 @@ PRECHECK_REFUSALS = (
     WRITER_CONFLICT,
     PROVIDER_UNAVAILABLE,
 )
+# The meter measures a namespace's used bytes again once its last measure is this old.
+MEASURE_INTERVAL_SECONDS = 5 * 60
 # How often detach_for_release heartbeats while it waits, without a heartbeat timeout (with one:
 # three times per timeout).
 _HEARTBEAT_S = 5.0
@@ -202,16 +224,27 @@ async def _apply_transition(session: AsyncSession, input: TransitionInput) -> St
     return row
 
 
+async def _record_measure(session: AsyncSession, namespace_id: uuid.UUID, usage: int) -> None:
+    await session.execute(
+        update(StorageNamespace)
+        .where(StorageNamespace.id == namespace_id)
+        .values(used_bytes=usage, usage_measured_at=func.clock_timestamp())
+    )
+
+
 class StorageActivities:
     def __init__(
         self,
         sessions: async_sessionmaker[AsyncSession],
         provider: StorageProvider,
         client: Client,
+        *,
+        measure_interval_seconds: int = MEASURE_INTERVAL_SECONDS,
     ) -> None:
         self._sessions = sessions
         self._provider = provider
         self._client = client
+        self._measure_interval = dt.timedelta(seconds=measure_interval_seconds)
 
     def activities(self) -> list[Callable[..., Any]]:
         """The attachment workflow's and the release's activities."""
@@ -228,6 +261,8 @@ class StorageActivities:
             self.host_task_queue,
             self.host_task_finish,
             self.detach_for_release,
+            self.measure_usage,
+            self.detach_for_billing,
         ]
 
     def operations(self) -> list[Callable[..., Any]]:
@@ -260,6 +295,20 @@ class StorageActivities:
                     .returning(StorageNamespace)
                 )
                 assert row is not None
+                try:
+                    await open_storage_usage(
+                        session,
+                        namespace_id=namespace_id,
+                        project_id=row.project_id,
+                        provider=row.provider,
+                        quota_bytes=row.quota_bytes,
+                    )
+                except StorageNotPriced as err:
+                    raise refusal(
+                        STORAGE_NOT_PRICED,
+                        f"{err}: storage cannot be created for this account",
+                        {"provider": err.provider, "currency": err.currency},
+                    ) from None
                 record_audit(
                     session,
                     input.actor,
@@ -318,6 +367,7 @@ class StorageActivities:
                     .execution_options(populate_existing=True)
                 )
                 assert row is not None
+                await close_storage_usage(session, namespace_id)  # billed until now
                 record_audit(
                     session,
                     input.actor,
@@ -406,6 +456,79 @@ class StorageActivities:
         while the provider cannot, e.g. its directory is not in the export."""
         usage: int = await asyncio.to_thread(self._provider.usage_bytes, namespace_key)
         return usage
+
+    @activity.defn(name=STORAGE_MEASURE_USAGE)
+    async def measure_usage(self, input: StorageMeasureInput) -> StorageMeasureResult:
+        """The meter's measure of the active namespaces' used bytes, for the namespace view: the
+        ones never measured or measured longest ago first, each at most every
+        MEASURE_INTERVAL_SECONDS, for at most `max_seconds` per run (the rest waits
+        for the next run). A namespace the provider cannot measure here keeps its last measure."""
+        result = StorageMeasureResult()
+        async with transaction(self._sessions) as session:
+            now = await session.scalar(select(func.clock_timestamp()))
+            assert now is not None
+            stale_before = now - self._measure_interval
+            keys = list(
+                await session.scalars(
+                    select(StorageNamespace.id)
+                    .where(
+                        StorageNamespace.status == NamespaceStatus.ACTIVE,
+                        or_(
+                            StorageNamespace.usage_measured_at.is_(None),
+                            StorageNamespace.usage_measured_at <= stale_before,
+                        ),
+                    )
+                    .order_by(StorageNamespace.usage_measured_at.asc().nulls_first())
+                    .limit(1000)
+                )
+            )
+        deadline = asyncio.get_running_loop().time() + input.max_seconds
+        heartbeats = asyncio.create_task(self._heartbeat())
+        try:
+            for key in keys:
+                if asyncio.get_running_loop().time() >= deadline:
+                    break
+                try:
+                    usage = await asyncio.to_thread(self._provider.usage_bytes, str(key))
+                except OSError:
+                    result.unavailable += 1
+                    continue
+                async with transaction(self._sessions) as session:
+                    await _record_measure(session, key, usage)
+                result.measured += 1
+        finally:
+            heartbeats.cancel()
+        return result
+
+    @activity.defn(name=STORAGE_DETACH_FOR_BILLING)
+    async def detach_for_billing(
+        self, input: StorageDetachForBillingInput
+    ) -> StorageDetachForBillingResult:
+        """A depleted account's grace is over: each attachment is asked to detach by its own
+        workflow (actor billing, on its event rows and the allocation's timeline), not waited
+        for (a detach that fails is asked again by a later meter run). The data is kept."""
+        result = StorageDetachForBillingResult()
+        request = DetachRequest(ReleaseActor.BILLING.value, input.reason, wait=False)
+        for attachment_id in input.attachment_ids:
+            async with transaction(self._sessions) as session:
+                workflow_id = await session.scalar(
+                    select(StorageAttachment.workflow_id).where(
+                        StorageAttachment.id == uuid.UUID(attachment_id)
+                    )
+                )
+            if workflow_id is None:
+                result.skipped.append(attachment_id)
+                continue
+            handle = self._client.get_workflow_handle(workflow_id)
+            try:
+                await handle.execute_update(DETACH_UPDATE, request, result_type=AttachmentView)
+                result.requested.append(attachment_id)
+            except (RPCError, WorkflowUpdateFailedError) as err:
+                if isinstance(err, RPCError) and err.status != RPCStatusCode.NOT_FOUND:
+                    raise
+                result.skipped.append(attachment_id)  # its workflow closed: detached
+            activity.heartbeat(len(result.requested) + len(result.skipped))
+        return result
 
     @activity.defn(name=ATTACHMENT_PRECHECK)
     async def attachment_precheck(self, attachment_id: str) -> PrecheckResult:

@@ -84,6 +84,42 @@ class MeterResult:
     allocations_to_release: list[str] = field(default_factory=list)
     # Notices waiting for their webhook delivery (new ones, and retries that are due).
     notifications_due: int = 0
+    # Storage (issue 37): the part of debits_posted / charged_minor that is storage, and the
+    # attachments of accounts depleted beyond their grace, to be detached (data kept).
+    storage_debits_posted: int = 0
+    storage_charged_minor: int = 0
+    attachments_to_detach: list[str] = field(default_factory=list)
+
+
+# The storage activities the meter runs (activities/storage.py, on the control-plane queue).
+STORAGE_DETACH_FOR_BILLING = "storage.detach_for_billing"
+STORAGE_MEASURE_USAGE = "storage.measure_usage"
+# A namespace whose provider has no price in its account's currency (storage_prices): refused.
+STORAGE_NOT_PRICED = "storage_not_priced"
+
+
+@dataclass
+class StorageDetachForBillingInput:
+    attachment_ids: list[str]
+    reason: str = "billing account depleted beyond its storage grace period"
+
+
+@dataclass
+class StorageDetachForBillingResult:
+    requested: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+
+@dataclass
+class StorageMeasureInput:
+    # Stop measuring after this long (the rest waits for the next run), oldest measure first.
+    max_seconds: float = 20.0
+
+
+@dataclass
+class StorageMeasureResult:
+    measured: int = 0
+    unavailable: int = 0  # the provider could not measure them here (e.g. export not mounted)
 
 
 @dataclass

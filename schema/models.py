@@ -722,15 +722,18 @@ class LedgerEntry(Base):
     project_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("projects.id"))
     amount_minor: Mapped[int] = mapped_column(BigInteger)
     currency: Mapped[str] = mapped_column(String(3))
-    kind: Mapped[str] = mapped_column(String(32))  # usage_debit | payment_credit | admin_credit
+    # usage_debit | storage_debit | payment_credit | admin_credit
+    kind: Mapped[str] = mapped_column(String(32))
     idempotency_key: Mapped[str] = mapped_column(String(200), unique=True)
     usage_record_id: Mapped[uuid.UUID | None] = mapped_column(UUID)
+    storage_usage_record_id: Mapped[uuid.UUID | None] = mapped_column(UUID)
     description: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=CLOCK)
     __table_args__ = (
         CheckConstraint("amount_minor <> 0", name="ledger_nonzero"),
         CheckConstraint(
-            "(kind = 'usage_debit') = (amount_minor < 0)", name="ledger_debits_negative"
+            "(kind IN ('usage_debit', 'storage_debit')) = (amount_minor < 0)",
+            name="ledger_debits_negative",
         ),
         Index("ledger_project", "project_id", "created_at"),
     )
@@ -768,6 +771,8 @@ DEPLETED_THRESHOLD_MINOR = 0
 # Issue 37: a project's storage limits until an admin sets its own (billing_accounts columns).
 DEFAULT_STORAGE_NAMESPACE_LIMIT = 10
 DEFAULT_STORAGE_QUOTA_LIMIT_BYTES = 10 << 40  # 10 TiB
+# How long a depleted account keeps its storage attached before the meter detaches it.
+DEFAULT_STORAGE_GRACE_SECONDS = 72 * 3600
 
 
 class BillingAccount(Base):
@@ -802,12 +807,53 @@ class BillingAccount(Base):
     storage_quota_limit_bytes: Mapped[int] = mapped_column(
         BigInteger, server_default=text(str(DEFAULT_STORAGE_QUOTA_LIMIT_BYTES))
     )
+    # Depleted this long (since state_changed_at), its storage attachments are detached.
+    storage_grace_seconds: Mapped[int] = mapped_column(
+        Integer, server_default=text(str(DEFAULT_STORAGE_GRACE_SECONDS))
+    )
     __table_args__ = (
         CheckConstraint("state IN ('healthy', 'low_balance', 'depleted')", name="billing_state"),
         CheckConstraint(
             "storage_namespace_limit >= 0 AND storage_quota_limit_bytes >= 0",
             name="billing_storage_limits",
         ),
+        CheckConstraint("storage_grace_seconds >= 0", name="billing_storage_grace"),
+    )
+
+
+class StoragePrice(Base):
+    """The storage catalog (like sku_catalog's compute prices): the price of a provisioned
+    decimal GB (10^9 bytes) per hour, per provider and currency, in millionths of the currency's
+    minor unit. A namespace is priced in its account's currency when it is created."""
+
+    __tablename__ = "storage_prices"
+    provider: Mapped[str] = mapped_column(String(32), primary_key=True)
+    currency: Mapped[str] = mapped_column(String(3), primary_key=True)
+    price_per_gb_hour_micro_minor: Mapped[int] = mapped_column(BigInteger)
+    __table_args__ = (
+        CheckConstraint("price_per_gb_hour_micro_minor >= 0", name="storage_prices_nonnegative"),
+    )
+
+
+class StorageUsageRecord(Base):
+    """One namespace's billable window: its provisioned quota at its price, opened with the
+    namespace and closed when it is deleted; charged per window by the meter."""
+
+    __tablename__ = "storage_usage_records"
+    id: Mapped[uuid.UUID] = mapped_column(UUID, primary_key=True)
+    namespace_id: Mapped[uuid.UUID] = mapped_column(
+        ForeignKey("storage_namespaces.id"), unique=True
+    )
+    project_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("projects.id"))
+    quota_bytes: Mapped[int] = mapped_column(BigInteger)
+    price_per_gb_hour_micro_minor: Mapped[int] = mapped_column(BigInteger)
+    currency: Mapped[str] = mapped_column(String(3))
+    started_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    ended_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    billed_until: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    charged_minor: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
+    __table_args__ = (
+        Index("storage_usage_open", "project_id", postgresql_where=text("ended_at IS NULL")),
     )
 
 
@@ -1264,6 +1310,9 @@ class StorageNamespace(Base):
     status: Mapped[str] = mapped_column(String(16), server_default=text("'active'"))
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=CLOCK)
     deleted_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    # The provider's last measure of the namespace (the meter's, or an attach's precheck).
+    used_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    usage_measured_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
     __table_args__ = (
         CheckConstraint(_check_in("status", NamespaceStatus), name="storage_namespaces_status"),
         CheckConstraint("quota_bytes > 0", name="storage_namespaces_quota_positive"),

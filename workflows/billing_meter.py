@@ -3,7 +3,10 @@
 one short run charges every open usage window and reclassifies balances in a single pass, and
 its history never grows. Depleted accounts' allocations are released by their own workflows;
 notices the run left due are then delivered to the projects' webhooks (a delivery that does not
-land is retried by a later run, so the meter never waits on a tenant's endpoint for long)."""
+land is retried by a later run, so the meter never waits on a tenant's endpoint for long).
+Storage (issue 37): the attachments of accounts depleted beyond their grace period are detached
+through their own workflows, and the namespaces' used bytes are measured by the provider off
+any tenant's path (oldest measure first, for a bounded time per run)."""
 
 from __future__ import annotations
 
@@ -15,18 +18,27 @@ from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
     from contracts.billing_meter import (
+        STORAGE_DETACH_FOR_BILLING,
+        STORAGE_MEASURE_USAGE,
         BillingForceReleaseInput,
         BillingForceReleaseResult,
         DeliverNotificationsInput,
         DeliverNotificationsResult,
         MeterInput,
         MeterResult,
+        StorageDetachForBillingInput,
+        StorageDetachForBillingResult,
+        StorageMeasureInput,
+        StorageMeasureResult,
     )
 
 WORKFLOW_NAME = "BillingMeterWorkflow"
 SCHEDULE_ID = "billing-meter"
 # Runs recorded before notices were delivered issue no delivery command.
 DELIVER_NOTIFICATIONS_PATCH = "billing-meter-deliver-notifications"
+# Runs recorded before storage was billed detach and measure nothing.
+STORAGE_GRACE_DETACH_PATCH = "billing-meter-storage-grace-detach"
+STORAGE_MEASURE_PATCH = "billing-meter-storage-measure"
 
 
 @workflow.defn(name=WORKFLOW_NAME)
@@ -49,6 +61,29 @@ class BillingMeterWorkflow:
                 heartbeat_timeout=timedelta(seconds=30),
                 retry_policy=RetryPolicy(maximum_attempts=5),
             )
+        if result.attachments_to_detach and workflow.patched(STORAGE_GRACE_DETACH_PATCH):
+            await workflow.execute_activity(
+                STORAGE_DETACH_FOR_BILLING,
+                StorageDetachForBillingInput(sorted(set(result.attachments_to_detach))),
+                result_type=StorageDetachForBillingResult,
+                start_to_close_timeout=timedelta(minutes=2),
+                heartbeat_timeout=timedelta(seconds=30),
+                retry_policy=RetryPolicy(maximum_attempts=5),
+            )
+        if workflow.patched(STORAGE_MEASURE_PATCH):
+            measure = StorageMeasureInput()
+            try:
+                await workflow.execute_activity(
+                    STORAGE_MEASURE_USAGE,
+                    measure,
+                    result_type=StorageMeasureResult,
+                    start_to_close_timeout=timedelta(seconds=measure.max_seconds + 40),
+                    heartbeat_timeout=timedelta(seconds=30),
+                    retry_policy=RetryPolicy(maximum_attempts=1),
+                )
+            except ActivityError as err:
+                # The measures are for display and the next run measures again.
+                workflow.logger.warning("storage usage was not measured: %s", err)
         if result.notifications_due and workflow.patched(DELIVER_NOTIFICATIONS_PATCH):
             try:
                 await workflow.execute_activity(

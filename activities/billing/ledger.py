@@ -31,7 +31,7 @@ from activities.billing.accounts import (
     refresh_state,
 )
 from contracts.payment_session import CURRENCY_MISMATCH
-from schema.models import BillingAccount, LedgerEntry, UsageRecord
+from schema.models import BillingAccount, LedgerEntry, StorageUsageRecord, UsageRecord
 
 
 class CurrencyMismatch(ValueError):
@@ -47,12 +47,13 @@ class CurrencyMismatch(ValueError):
         self.account_currency = account
 
 
-# Rows per INSERT statement: 8 parameters each, under asyncpg's 32,767.
+# Rows per INSERT statement: 9 parameters each, under asyncpg's 32,767.
 INSERT_CHUNK = 1000
 
 
 class EntryKind(StrEnum):
     USAGE_DEBIT = "usage_debit"
+    STORAGE_DEBIT = "storage_debit"  # a storage namespace's provisioned GB-hours
     PAYMENT_CREDIT = "payment_credit"
     ADMIN_CREDIT = "admin_credit"
 
@@ -68,6 +69,7 @@ class Posting:
     currency: str = "usd"
     usage_record_id: uuid.UUID | None = None
     description: str | None = None
+    storage_usage_record_id: uuid.UUID | None = None
 
 
 @dataclass(frozen=True)
@@ -76,11 +78,14 @@ class Posted:
     created: bool  # False: an earlier posting with the same key stands
 
 
+DEBITS = (EntryKind.USAGE_DEBIT, EntryKind.STORAGE_DEBIT)
+
+
 def _validate(p: Posting) -> None:
     if p.amount_minor == 0:
         raise ValueError("a ledger entry moves money: amount_minor must not be 0")
-    if (p.kind == EntryKind.USAGE_DEBIT) != (p.amount_minor < 0):
-        raise ValueError("usage debits are negative and credits positive")
+    if (p.kind in DEBITS) != (p.amount_minor < 0):
+        raise ValueError("debits are negative and credits positive")
 
 
 async def post_entries(session: AsyncSession, postings: Sequence[Posting]) -> list[Posted]:
@@ -128,6 +133,7 @@ async def post_entries(session: AsyncSession, postings: Sequence[Posting]) -> li
                                 "kind": p.kind,
                                 "idempotency_key": p.idempotency_key,
                                 "usage_record_id": p.usage_record_id,
+                                "storage_usage_record_id": p.storage_usage_record_id,
                                 "description": p.description,
                             }
                             for p in postings[i : i + INSERT_CHUNK]
@@ -141,6 +147,7 @@ async def post_entries(session: AsyncSession, postings: Sequence[Posting]) -> li
     created = {key: entry_id for key, entry_id in created_rows}
     by_project: dict[uuid.UUID, int] = defaultdict(int)
     by_record: dict[uuid.UUID, int] = defaultdict(int)
+    by_storage_record: dict[uuid.UUID, int] = defaultdict(int)
     credited: set[uuid.UUID] = set()
     for p in postings:
         if p.idempotency_key not in created:
@@ -148,6 +155,8 @@ async def post_entries(session: AsyncSession, postings: Sequence[Posting]) -> li
         by_project[p.project_id] += p.amount_minor
         if p.usage_record_id is not None:
             by_record[p.usage_record_id] -= p.amount_minor
+        if p.storage_usage_record_id is not None:
+            by_storage_record[p.storage_usage_record_id] -= p.amount_minor
         if p.amount_minor > 0:
             credited.add(p.project_id)
     for project_id in sorted(by_project):
@@ -157,15 +166,17 @@ async def post_entries(session: AsyncSession, postings: Sequence[Posting]) -> li
                 .where(BillingAccount.project_id == project_id)
                 .values(balance_minor=BillingAccount.balance_minor + by_project[project_id])
             )
-    if by_record:
-        records = UsageRecord.__table__
+    for model, moved in ((UsageRecord, by_record), (StorageUsageRecord, by_storage_record)):
+        if not moved:
+            continue
+        records = model.__table__
         assert isinstance(records, Table)
         connection = await session.connection()
         await connection.execute(
             update(records)
             .where(records.c.id == bindparam("b_id"))
             .values(charged_minor=records.c.charged_minor + bindparam("b_charged")),
-            [{"b_id": r, "b_charged": c} for r, c in sorted(by_record.items())],
+            [{"b_id": r, "b_charged": c} for r, c in sorted(moved.items())],
         )
     for project_id in sorted(credited):  # a repeated posting changed nothing: nothing to redo
         await refresh_state(session, project_id)
@@ -221,7 +232,7 @@ async def post_entry(
 class TotalMismatch:
     """A running total that differs from the ledger's sum (found by check_running_totals)."""
 
-    kind: str  # account | usage_record
+    kind: str  # account | usage_record | storage_usage_record
     id: uuid.UUID
     running_minor: int
     ledger_minor: int
@@ -243,7 +254,8 @@ async def check_running_totals(
     project_id: uuid.UUID | None = None,
     repair: bool = False,
 ) -> list[TotalMismatch]:
-    """Recompute every account's running total (and every usage record's charged_minor) from
+    """Recompute every account's running total (and every usage record's and storage usage
+    record's charged_minor) from
     the ledger, for one project or all: the mismatches found. With `repair`, each is set to the
     ledger's sum, its account row locked first (a posting racing the repair waits for it), in
     the caller's transaction. A maintenance check: it reads the whole ledger."""
@@ -264,20 +276,43 @@ async def check_running_totals(
     records = select(
         UsageRecord.id, UsageRecord.charged_minor, func.coalesce(charged.c.total, 0)
     ).outerjoin(charged, charged.c.usage_record_id == UsageRecord.id)
+    storage_charged = (
+        select(
+            LedgerEntry.storage_usage_record_id,
+            (-func.sum(LedgerEntry.amount_minor)).label("total"),
+        )
+        .where(LedgerEntry.storage_usage_record_id.is_not(None))
+        .group_by(LedgerEntry.storage_usage_record_id)
+        .subquery()
+    )
+    storage_records = select(
+        StorageUsageRecord.id,
+        StorageUsageRecord.charged_minor,
+        func.coalesce(storage_charged.c.total, 0),
+    ).outerjoin(storage_charged, storage_charged.c.storage_usage_record_id == StorageUsageRecord.id)
     if project_id is not None:
         accounts = accounts.where(BillingAccount.project_id == project_id)
         records = records.where(UsageRecord.project_id == project_id)
+        storage_records = storage_records.where(StorageUsageRecord.project_id == project_id)
     if repair:
         accounts = accounts.order_by(BillingAccount.project_id).with_for_update(of=BillingAccount)
-    found = [
-        TotalMismatch("account", pid, int(running), int(total))
-        for pid, running, total in (await session.execute(accounts)).all()
-        if int(running) != int(total)
-    ] + [
-        TotalMismatch("usage_record", rid, int(running), int(total))
-        for rid, running, total in (await session.execute(records)).all()
-        if int(running) != int(total)
-    ]
+    found = (
+        [
+            TotalMismatch("account", pid, int(running), int(total))
+            for pid, running, total in (await session.execute(accounts)).all()
+            if int(running) != int(total)
+        ]
+        + [
+            TotalMismatch("usage_record", rid, int(running), int(total))
+            for rid, running, total in (await session.execute(records)).all()
+            if int(running) != int(total)
+        ]
+        + [
+            TotalMismatch("storage_usage_record", rid, int(running), int(total))
+            for rid, running, total in (await session.execute(storage_records)).all()
+            if int(running) != int(total)
+        ]
+    )
     if repair:
         for m in found:
             if m.kind == "account":
@@ -287,10 +322,9 @@ async def check_running_totals(
                     .values(balance_minor=await ledger_sum_minor(session, m.id))
                 )
             else:
+                model = UsageRecord if m.kind == "usage_record" else StorageUsageRecord
                 await session.execute(
-                    update(UsageRecord)
-                    .where(UsageRecord.id == m.id)
-                    .values(charged_minor=m.ledger_minor)
+                    update(model).where(model.id == m.id).values(charged_minor=m.ledger_minor)
                 )
     return found
 

@@ -9,11 +9,20 @@ Records are billed in batches, one transaction each (records locked in id order,
 entry in one INSERT, the running totals moved once per account: activities/billing/ledger.py
 post_entries), so a run over thousands of open records is tens of transactions, not thousands.
 
+Storage is billed the same way (issue 37 item 3): each namespace's storage usage record
+(activities/billing/storage_usage.py: its provisioned quota at its price per GB-hour) is charged
+per window aligned to its start, under the idempotency key (storage record, k), in batches after
+the compute records, as `storage_debit` entries in the account's currency.
+
 Balances are then reclassified (healthy / low_balance / depleted, activities/billing/accounts.py):
 a notice goes to the outbox once per kind and episode (delivered to the project's webhook by
 billing.deliver_notifications, which the workflow runs when some are due), and a depleted
 account's allocations are handed to their own workflows for release (billing force-release),
-never released around them.
+never released around them. Once an account has been depleted longer than its storage grace
+period (billing_accounts.storage_grace_seconds, measured against the run's `until`), its storage
+attachments still attached are handed to their own workflows for detach (actor billing; the
+data is kept), and one that failed to detach (a busy mount) is asked again every
+GRACE_DETACH_RETRY_SECONDS.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import func, or_, select
+from sqlalchemy import and_, func, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from temporalio import activity
 from temporalio.client import Client, WorkflowUpdateFailedError
@@ -31,6 +40,7 @@ from temporalio.service import RPCError
 
 from activities.billing.accounts import refresh_state
 from activities.billing.ledger import EntryKind, Posting, post_entries
+from activities.billing.storage_usage import storage_cumulative_charge
 from contracts.allocation import (
     RELEASE_UPDATE,
     ReleaseAccepted,
@@ -45,7 +55,16 @@ from contracts.billing_meter import (
     MeterResult,
 )
 from contracts.states import AllocationStatus, ReleaseActor
-from schema.models import Allocation, BillingAccount, Notification, UsageRecord
+from contracts.storage import AttachmentStatus
+from schema.models import (
+    Allocation,
+    BillingAccount,
+    BillingEvent,
+    Notification,
+    StorageAttachment,
+    StorageUsageRecord,
+    UsageRecord,
+)
 
 WINDOW_SECONDS = 60
 _US_PER_HOUR = 3_600_000_000
@@ -57,6 +76,44 @@ BATCH_RECORDS = 500
 BATCH_WINDOWS = 5000
 # Allocations that would keep consuming a depleted account.
 _BILLABLE = (AllocationStatus.REQUESTED, AllocationStatus.PROVISIONING, AllocationStatus.ACTIVE)
+# How often a detach that failed after a depleted account's grace is asked for again.
+GRACE_DETACH_RETRY_SECONDS = 15 * 60
+# Attachments a depleted account's grace ends: attached or on their way to it (a detach asked
+# for before the mount stops the attach). `detaching` is already on its way out; `failed` and
+# `detached` hold no mount; `detach_failed` is asked again, no more often than the retry setting.
+_DETACHABLE = (
+    AttachmentStatus.REQUESTED,
+    AttachmentStatus.PRECHECKING,
+    AttachmentStatus.GRANT_APPLYING,
+    AttachmentStatus.GRANT_APPLIED,
+    AttachmentStatus.MOUNTING,
+    AttachmentStatus.MOUNTED,
+)
+
+
+def due_windows(
+    started_at: dt.datetime,
+    billed_until: dt.datetime,
+    ended_at: dt.datetime | None,
+    until: dt.datetime,
+    window: dt.timedelta,
+) -> tuple[int, int, dt.datetime] | None:
+    """The windows [first, last) of a record to bill now and the instant billed through after
+    them; None when nothing is due. A closed record is billed through its end (its last window
+    partial); an open one through its last whole window before `until`; at most
+    MAX_WINDOWS_PER_RUN at once."""
+    first = (billed_until - started_at) // window
+    if ended_at is not None and ended_at <= until:
+        last = -(-(ended_at - started_at) // window)  # ceil
+        bill_to = ended_at
+    else:
+        last = (until - started_at) // window  # whole windows only
+        bill_to = started_at + last * window
+    last = min(last, first + MAX_WINDOWS_PER_RUN)
+    bill_to = min(bill_to, started_at + last * window)
+    if bill_to <= billed_until:
+        return None
+    return first, last, bill_to
 
 
 def cumulative_charge(price_per_gpu_hour_minor: int, gpus: int, elapsed: dt.timedelta) -> int:
@@ -71,10 +128,12 @@ class BillingActivities:
         client: Client | None = None,
         *,
         window_seconds: int = WINDOW_SECONDS,
+        grace_detach_retry_seconds: int = GRACE_DETACH_RETRY_SECONDS,
     ) -> None:
         self._sessions = sessions
         self._client = client
         self._window = dt.timedelta(seconds=window_seconds)
+        self._grace_detach_retry = dt.timedelta(seconds=grace_detach_retry_seconds)
 
     @activity.defn(name="billing.meter")
     async def meter(self, input: MeterInput) -> MeterResult:
@@ -97,9 +156,25 @@ class BillingActivities:
                     .order_by(UsageRecord.id)
                 )
             ).all()
+            storage_due = (
+                await session.execute(
+                    select(
+                        StorageUsageRecord.id,
+                        StorageUsageRecord.billed_until,
+                        StorageUsageRecord.ended_at,
+                    )
+                    .where(
+                        StorageUsageRecord.billed_until
+                        < func.coalesce(StorageUsageRecord.ended_at, until)
+                    )
+                    .order_by(StorageUsageRecord.id)
+                )
+            ).all()
         projects: set[uuid.UUID] = set()
         for batch in self._batches(due, until):
             projects.update(await self._bill_batch(batch, until, result))
+        for batch in self._batches(storage_due, until):
+            projects.update(await self._bill_storage_batch(batch, until, result))
         async with self._sessions() as session:
             # Accounts not healthy are looked at every run: a payment may have restored them.
             projects.update(
@@ -112,7 +187,7 @@ class BillingActivities:
                 ).all()
             )
         for project_id in sorted(projects):
-            await self._reclassify(project_id, result)
+            await self._reclassify(project_id, until, result)
         result.notifications_due = await self._notifications_due()
         return result
 
@@ -152,19 +227,12 @@ class BillingActivities:
                 )
             ).all()
             for record in records:
-                end_of_usage = record.ended_at
-                first = (record.billed_until - record.started_at) // self._window
-                if end_of_usage is not None and end_of_usage <= until:
-                    # Closed: bill through the end, its last window partial.
-                    last = -(-(end_of_usage - record.started_at) // self._window)  # ceil
-                    bill_to = end_of_usage
-                else:
-                    last = (until - record.started_at) // self._window  # whole windows only
-                    bill_to = record.started_at + last * self._window
-                last = min(last, first + MAX_WINDOWS_PER_RUN)
-                bill_to = min(bill_to, record.started_at + last * self._window)
-                if bill_to <= record.billed_until:
+                windows = due_windows(
+                    record.started_at, record.billed_until, record.ended_at, until, self._window
+                )
+                if windows is None:
                     continue
+                first, last, bill_to = windows
                 for k in range(first, last):
                     start = record.started_at + k * self._window
                     end = min(start + self._window, bill_to)
@@ -199,7 +267,66 @@ class BillingActivities:
                     result.charged_minor -= p.amount_minor
         return projects
 
-    async def _reclassify(self, project_id: uuid.UUID, result: MeterResult) -> None:
+    async def _bill_storage_batch(
+        self, record_ids: list[uuid.UUID], until: dt.datetime, result: MeterResult
+    ) -> set[uuid.UUID]:
+        """_bill_batch for storage usage records: the quota held in each window at the record's
+        price per GB-hour, idempotent per (storage record, window)."""
+        postings: list[Posting] = []
+        projects: set[uuid.UUID] = set()
+        async with self._sessions() as session, session.begin():
+            records = (
+                await session.scalars(
+                    select(StorageUsageRecord)
+                    .where(StorageUsageRecord.id.in_(record_ids))
+                    .order_by(StorageUsageRecord.id)
+                    .with_for_update()
+                )
+            ).all()
+            for record in records:
+                windows = due_windows(
+                    record.started_at, record.billed_until, record.ended_at, until, self._window
+                )
+                if windows is None:
+                    continue
+                first, last, bill_to = windows
+                for k in range(first, last):
+                    start = record.started_at + k * self._window
+                    end = min(start + self._window, bill_to)
+                    price, quota = record.price_per_gb_hour_micro_minor, record.quota_bytes
+                    charge = storage_cumulative_charge(
+                        price, quota, end - record.started_at
+                    ) - storage_cumulative_charge(price, quota, start - record.started_at)
+                    if charge <= 0:  # a window worth less than a minor unit: the next carries it
+                        continue
+                    postings.append(
+                        Posting(
+                            project_id=record.project_id,
+                            amount_minor=-charge,
+                            kind=EntryKind.STORAGE_DEBIT,
+                            idempotency_key=f"storage:{record.id}:{k}",
+                            currency=record.currency,
+                            storage_usage_record_id=record.id,
+                            description=(
+                                f"storage {record.namespace_id}, {quota} bytes, window {k}"
+                            ),
+                        )
+                    )
+                record.billed_until = bill_to
+                result.records_billed += 1
+                projects.add(record.project_id)
+            posted = await post_entries(session, postings)
+            for p, done in zip(postings, posted, strict=True):
+                if done.created:
+                    result.debits_posted += 1
+                    result.charged_minor -= p.amount_minor
+                    result.storage_debits_posted += 1
+                    result.storage_charged_minor -= p.amount_minor
+        return projects
+
+    async def _reclassify(
+        self, project_id: uuid.UUID, until: dt.datetime, result: MeterResult
+    ) -> None:
         async with self._sessions() as session, session.begin():
             account = await refresh_state(session, project_id)
             if account is None:
@@ -207,6 +334,7 @@ class BillingActivities:
             if account.changed:
                 result.state_changes.append(f"{project_id}:{account.previous}->{account.state}")
             if account.state == BalanceState.DEPLETED:
+                await self._storage_grace(session, project_id, until, result)
                 ids = (
                     await session.scalars(
                         select(Allocation.id).where(
@@ -217,6 +345,56 @@ class BillingActivities:
                     )
                 ).all()
                 result.allocations_to_release.extend(str(i) for i in ids)
+
+    async def _storage_grace(
+        self, session: AsyncSession, project_id: uuid.UUID, until: dt.datetime, result: MeterResult
+    ) -> None:
+        """A depleted account keeps its storage attached for its grace period (counted from when
+        it became depleted, to the run's `until`); after it, its attachments are detached by
+        their own workflows (billing.detach_storage in the workflow), recorded as a billing
+        event. The namespaces and their data stay, and are still billed."""
+        depleted_since, grace_seconds = (
+            await session.execute(
+                select(BillingAccount.state_changed_at, BillingAccount.storage_grace_seconds).where(
+                    BillingAccount.project_id == project_id
+                )
+            )
+        ).one()
+        grace_ends = depleted_since + dt.timedelta(seconds=grace_seconds)
+        if until < grace_ends:
+            return
+        # Like the grace, the retry interval counts to the run's `until` (now, in production).
+        retry_before = until - self._grace_detach_retry
+        ids = (
+            await session.scalars(
+                select(StorageAttachment.id)
+                .where(
+                    StorageAttachment.project_id == project_id,
+                    or_(
+                        StorageAttachment.status.in_([s.value for s in _DETACHABLE]),
+                        and_(
+                            StorageAttachment.status == AttachmentStatus.DETACH_FAILED.value,
+                            StorageAttachment.updated_at <= retry_before,
+                        ),
+                    ),
+                )
+                .order_by(StorageAttachment.id)
+            )
+        ).all()
+        if not ids:
+            return
+        session.add(
+            BillingEvent(
+                project_id=project_id,
+                event="storage_grace_detach",
+                details={
+                    "attachment_ids": [str(i) for i in ids],
+                    "depleted_since": depleted_since.isoformat(),
+                    "grace_seconds": grace_seconds,
+                },
+            )
+        )
+        result.attachments_to_detach.extend(str(i) for i in ids)
 
     async def _notifications_due(self) -> int:
         async with self._sessions() as session:

@@ -27,7 +27,7 @@ from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from contracts.allocation import BALANCE_DEPLETED
-from contracts.billing_meter import BalanceState
+from contracts.billing_meter import STORAGE_NOT_PRICED, BalanceState
 from contracts.storage import (
     ABANDON_REFUSALS,
     ABANDON_UPDATE,
@@ -78,7 +78,12 @@ NAME_PATTERN = "^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
 # Provider-side limits are the provider's business; this bounds what a request can ask for.
 MAX_QUOTA_BYTES = 1 << 50  # 1 PiB
 
-_NAMESPACE_STATUSES = {NAMESPACE_NOT_FOUND: 404, NAMESPACE_EXISTS: 409, NAMESPACE_ATTACHED: 409}
+_NAMESPACE_STATUSES = {
+    NAMESPACE_NOT_FOUND: 404,
+    NAMESPACE_EXISTS: 409,
+    NAMESPACE_ATTACHED: 409,
+    STORAGE_NOT_PRICED: 409,
+}
 
 
 class NamespaceCreate(RequestBody):
@@ -96,6 +101,11 @@ class NamespaceView(msgspec.Struct, kw_only=True):
     allow_multi_writer: bool
     status: str  # active | deleted
     created_at: dt.datetime
+    # The provider's last measure of the bytes stored (the meter measures every few minutes,
+    # off any tenant's path; an attach's precheck too), and when; null until first measured.
+    # Billing is by quota_bytes (provisioned), not by this.
+    used_bytes: int | None = None
+    usage_measured_at: dt.datetime | None = None
 
 
 class NamespaceList(msgspec.Struct, kw_only=True):
@@ -157,6 +167,8 @@ def _namespace_view(row: StorageNamespace) -> NamespaceView:
         allow_multi_writer=row.allow_multi_writer,
         status=row.status,
         created_at=row.created_at,
+        used_bytes=row.used_bytes,
+        usage_measured_at=row.usage_measured_at,
     )
 
 
@@ -296,7 +308,9 @@ class StorageNamespacesController(Controller):
         description=(
             "402 balance_depleted for a depleted project; 403 quota_exceeded beyond the "
             "project's limits on namespaces and their total quota (GET "
-            "/api/v1/billing/storage-limits)."
+            "/api/v1/billing/storage-limits); 409 storage_not_priced when the storage catalog "
+            "has no price in the account's currency. The namespace is billed for its quota per "
+            "GB-hour from now until it is deleted."
         ),
         responses=errors(400, 402, 403, 409, 413, 422),
     )
