@@ -19,6 +19,7 @@ ran (workflow.patched).
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 
 from temporalio import workflow
@@ -45,6 +46,7 @@ with workflow.unsafe.imports_passed_through():
         PaymentSessionView,
         SettleResult,
     )
+    from contracts.workflow_input import MAX_ID_CHARS, text_problem
 
 _LOCAL = timedelta(seconds=30)
 _DB_RETRY = RetryPolicy(initial_interval=timedelta(milliseconds=200), maximum_attempts=20)
@@ -52,6 +54,11 @@ _DB_RETRY = RetryPolicy(initial_interval=timedelta(milliseconds=200), maximum_at
 COMPLETE_STEP_PATCH = "payment-session-checkout-completed-step"
 # After expiry, a late success is still credited (flagged for review).
 LATE_SUCCESS_PATCH = "payment-session-late-success-window"
+# A malformed checkout_completed signal is dropped (issue 38).
+COMPLETION_CHECKED_PATCH = "payment-session-completion-checked"
+# Bounds of what a completion may say (gateway.controllers.payments reads Stripe's event so).
+_MAX_AMOUNT_MINOR = 10**12
+_CURRENCY = re.compile(r"[A-Za-z]{3}")
 
 
 @workflow.defn(name=WORKFLOW_NAME)
@@ -85,8 +92,15 @@ class PaymentSessionWorkflow:
 
     @workflow.signal(name=COMPLETED_SIGNAL)
     def checkout_completed(self, completion: CheckoutCompletion) -> None:
-        if self._completion is None:
-            self._completion = completion
+        if self._completion is not None:
+            return
+        problem = _completion_problem(completion)
+        # A completion no activity could store (or credit) is dropped, not taken as the first
+        # one: it would fail the workflow, or use up the slot of the real one (issue 38).
+        if problem is not None and workflow.patched(COMPLETION_CHECKED_PATCH):
+            workflow.logger.warning("checkout completion dropped: %s", problem)
+            return
+        self._completion = completion
 
     @workflow.query(name=STATUS_QUERY)
     def status(self) -> PaymentSessionView:
@@ -201,3 +215,26 @@ class PaymentSessionWorkflow:
             retry_policy=retry,
         )
         return result
+
+
+def _completion_problem(completion: CheckoutCompletion) -> str | None:
+    """Why a checkout completion cannot be recorded and credited as it is, or None."""
+    amount = completion.amount_total
+    if (
+        isinstance(amount, bool)
+        or not isinstance(amount, int)
+        or not 0 <= amount <= _MAX_AMOUNT_MINOR
+    ):
+        return "amount_total: not an amount in minor units"
+    if not isinstance(completion.currency, str) or not _CURRENCY.fullmatch(completion.currency):
+        return "currency: not a three-letter code"
+    for name, value in (
+        ("stripe_checkout_session_id", completion.stripe_checkout_session_id),
+        ("source", completion.source),
+    ):
+        if (problem := text_problem(value, max_chars=MAX_ID_CHARS)) is not None or not value:
+            return f"{name}: {problem or 'empty'}"
+    event_id = completion.stripe_event_id
+    if event_id is not None and (problem := text_problem(event_id, max_chars=MAX_ID_CHARS)):
+        return f"stripe_event_id: {problem}"
+    return None

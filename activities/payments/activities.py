@@ -17,7 +17,7 @@ import logging
 import uuid
 
 import stripe
-from sqlalchemy import func, select
+from sqlalchemy import Select, func, or_, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from temporalio import activity
@@ -58,6 +58,8 @@ from schema.models import PaymentSession, PaymentSessionEvent
 log = logging.getLogger(__name__)
 CLOCK = func.clock_timestamp()
 SESSION_MISMATCH = "stripe_session_mismatch"
+# payment_sessions.failure_reason of a session whose TTL elapsed unpaid.
+TTL_ELAPSED = "ttl_elapsed"
 # Stripe accepts a Checkout Session expires_at between 30 minutes and 24 hours from now.
 _STRIPE_MIN_TTL, _STRIPE_MAX_TTL = 1800.0, 86400.0
 
@@ -325,8 +327,8 @@ class PaymentActivities:
             if row.status != INITIATED:
                 return _settled(row)
             row.status = EXPIRED
-            row.failure_reason = "ttl_elapsed"
-            _event(session, row.id, "expired", INITIATED, EXPIRED, reason="ttl_elapsed")
+            row.failure_reason = TTL_ELAPSED
+            _event(session, row.id, "expired", INITIATED, EXPIRED, reason=TTL_ELAPSED)
             await session.flush()
             return _settled(row)
 
@@ -341,12 +343,21 @@ class PaymentActivities:
 
     @activity.defn(name="payments.reconciliation_scan")
     async def reconciliation_scan(self, input: ReconciliationInput) -> ReconciliationScan:
-        """Load our initiated sessions → ask Stripe (one list call, then a lookup for each one
-        the list did not settle) → report paid ones and those past their TTL. Writes nothing:
-        the workflow signals the owning workflows, which apply the outcome."""
+        """Load our unsettled sessions → ask Stripe → report the paid ones and those initiated
+        past their TTL. Writes nothing: the workflow signals the owning workflows (or, where
+        one has closed, settles the session itself), which apply the outcome.
+
+        Unsettled: initiated, or expired unpaid (`ttl_elapsed`, nothing credited) no longer than
+        `late_horizon_seconds` ago: a delayed payment method may still settle, also after the
+        late-success window (issue 37). Stripe is asked with its list of completed sessions
+        (paged; whatever it lists that we hold unsettled counts, however many we hold) and,
+        for each loaded session the list did not settle, a lookup: initiated ones past the
+        grace, expired ones the newest `max_late_checks` first."""
         async with self._sessions() as session:
             now = await session.scalar(select(CLOCK))
-            rows = list(
+            assert now is not None
+            late_since = now - dt.timedelta(seconds=input.late_horizon_seconds)
+            initiated = list(
                 (
                     await session.scalars(
                         select(PaymentSession)
@@ -359,20 +370,36 @@ class PaymentActivities:
                     )
                 ).all()
             )
-        assert now is not None
-        ours = {r.stripe_checkout_session_id: r for r in rows}
+            expired = list(
+                (
+                    await session.scalars(
+                        _unsettled_expired(late_since)
+                        .order_by(PaymentSession.expires_at.desc())
+                        .limit(input.max_late_checks)
+                    )
+                ).all()
+            )
+        ours: dict[str | None, PaymentSession] = {
+            r.stripe_checkout_session_id: r for r in [*initiated, *expired]
+        }
         scan = ReconciliationScan()
         found: dict[str, StripeCheckoutSession] = {}
-        horizon = now - dt.timedelta(seconds=self._settings.session_ttl_seconds + 3600)
+        horizon = late_since - dt.timedelta(seconds=self._settings.session_ttl_seconds + 3600)
         try:
             listed = await self._stripe.list_checkout_sessions(
-                created_after=int(horizon.timestamp())
+                created_after=int(horizon.timestamp()),
+                status="complete",
+                max_pages=_LIST_PAGES,
             )
             scan.listed = len(listed)
-            found.update({s.id: s for s in listed if s.id in ours})
+            found.update({s.id: s for s in listed if s.payment_status == "paid"})
+            await self._add_listed(ours, [i for i in found if i not in ours], late_since)
+            found = {i: s for i, s in found.items() if i in ours}
             grace = dt.timedelta(seconds=input.grace_seconds)
             for stripe_id, row in ours.items():
-                if stripe_id is None or stripe_id in found or row.created_at > now - grace:
+                if stripe_id is None or stripe_id in found:
+                    continue
+                if row.status == INITIATED and row.created_at > now - grace:
                     continue
                 activity.heartbeat(stripe_id)
                 try:
@@ -396,6 +423,46 @@ class PaymentActivities:
                         requested_amount_minor=row.requested_amount_minor,
                     )
                 )
-            elif row.expires_at is not None and row.expires_at < now:
+            elif row.status == INITIATED and row.expires_at is not None and row.expires_at < now:
                 scan.overdue.append(str(row.id))
         return scan
+
+    async def _add_listed(
+        self,
+        ours: dict[str | None, PaymentSession],
+        stripe_ids: list[str],
+        late_since: dt.datetime,
+    ) -> None:
+        """Add to `ours` the sessions Stripe listed as paid that we hold unsettled but did not
+        load (beyond the bounds of the loads)."""
+        if not stripe_ids:
+            return
+        async with self._sessions() as session:
+            rows = await session.scalars(
+                select(PaymentSession).where(
+                    PaymentSession.stripe_checkout_session_id.in_(stripe_ids),
+                    or_(
+                        PaymentSession.status == INITIATED,
+                        PaymentSession.id.in_(
+                            _unsettled_expired(late_since).with_only_columns(PaymentSession.id)
+                        ),
+                    ),
+                )
+            )
+            ours.update({r.stripe_checkout_session_id: r for r in rows})
+
+
+# Pages of Stripe's list of completed sessions one scan reads (100 sessions a page).
+_LIST_PAGES = 20
+
+
+def _unsettled_expired(late_since: dt.datetime) -> Select[PaymentSession]:
+    """Sessions that expired unpaid (the TTL elapsed, nothing was ever completed or credited)
+    since `late_since`: a late success may still arrive for them."""
+    return select(PaymentSession).where(
+        PaymentSession.status == EXPIRED,
+        PaymentSession.failure_reason == TTL_ELAPSED,
+        PaymentSession.ledger_entry_id.is_(None),
+        PaymentSession.stripe_checkout_session_id.is_not(None),
+        PaymentSession.expires_at > late_since,
+    )

@@ -110,12 +110,28 @@ class StripeApi:
         return _session(found)
 
     async def list_checkout_sessions(
-        self, *, created_after: int, limit: int = 100
+        self,
+        *,
+        created_after: int,
+        status: str | None = None,
+        limit: int = 100,
+        max_pages: int = 1,
     ) -> list[StripeCheckoutSession]:
+        """Checkout Sessions created at or after `created_after` (and in `status`, if given),
+        newest first, following Stripe's cursor for at most `max_pages` pages."""
         client = await self._client()
-        self.calls["checkout.sessions.list"] += 1
-        page = await asyncio.to_thread(
-            client.v1.checkout.sessions.list,
-            {"created": {"gte": created_after}, "limit": limit},
-        )
-        return [_session(s) for s in page.data]
+        params: dict[str, Any] = {"created": {"gte": created_after}, "limit": limit}
+        if status is not None:
+            params["status"] = status
+        found: list[StripeCheckoutSession] = []
+        for _ in range(max_pages):
+            self.calls["checkout.sessions.list"] += 1
+            page = await asyncio.to_thread(
+                client.v1.checkout.sessions.list,
+                params,  # type: ignore[arg-type]
+            )
+            found.extend(_session(s) for s in page.data)
+            if not page.has_more or not page.data:
+                break
+            params = {**params, "starting_after": page.data[-1].id}
+        return found
