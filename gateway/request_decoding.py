@@ -15,7 +15,8 @@ Query, path and header parameters are checked as strictly, before the handler's 
 (`check_parameters`, the app's before_request hook; guards have run):
 
 - a value outside Text (percent-encoded NUL, control characters, invalid UTF-8) is 422
-  `invalid_text` naming the parameter;
+  `invalid_text` naming the parameter; so is invalid UTF-8 anywhere in the path or the query
+  string, in a parameter the route declares or not (`(path)`, or the query key);
 - no coercion surprises: an integer is decimal digits (not `1e1` or `5.0`), a boolean is `true`
   or `false` (not `1`, `yes` or `True`), a parameter that is not a list appears at most once;
 - a string is at most `MAX_PARAMETER_CHARS` (or its declared maxLength), a list at most
@@ -300,18 +301,18 @@ def _specs_of(request: Request[Any, Any, Any]) -> list[ParameterSpec]:
     return cached[1]
 
 
-def _query_values(query_string: bytes) -> dict[str, list[str | None]]:
-    """Each query key's values as sent, percent-decoded as UTF-8; None for a value that is not
-    UTF-8 (the framework would have turned it into U+FFFD)."""
-    values: dict[str, list[str | None]] = {}
+def _query_values(query_string: bytes) -> dict[str | None, list[str | None]]:
+    """Each query key's values as sent, percent-decoded as UTF-8; None for a value, or a key,
+    that is not UTF-8 (the framework would have turned it into U+FFFD)."""
+    values: dict[str | None, list[str | None]] = {}
     for pair in query_string.split(b"&"):
         if not pair:
             continue
         raw_key, _, raw_value = pair.partition(b"=")
         try:
-            key = unquote_to_bytes(raw_key.replace(b"+", b" ")).decode()
+            key: str | None = unquote_to_bytes(raw_key.replace(b"+", b" ")).decode()
         except UnicodeDecodeError:
-            continue  # no declared parameter is spelled so
+            key = None  # no declared parameter is spelled so
         try:
             value: str | None = unquote_to_bytes(raw_value.replace(b"+", b" ")).decode()
         except UnicodeDecodeError:
@@ -338,12 +339,26 @@ def _check_value(spec: ParameterSpec, value: str | None) -> None:
         raise _refuse(spec, f"{spec.alias} must be true or false")
 
 
+def _check_utf8(scope: Any) -> None:
+    """The path and the whole query string, as sent, percent-decode to UTF-8, declared
+    parameters or not (the server would have turned any other byte into U+FFFD silently)."""
+    raw_path = scope.get("raw_path") or b""
+    try:
+        unquote_to_bytes(raw_path).decode()
+    except UnicodeDecodeError:
+        raise invalid_text("(path)", "path") from None
+    for key, values in _query_values(scope.get("query_string", b"")).items():
+        if key is None or None in values:
+            raise invalid_text(key or "(key)", "query")
+
+
 async def check_parameters(request: Request[Any, Any, Any]) -> None:
     """The app's before_request hook: the module docstring's rules for parameters."""
+    _check_utf8(request.scope)
     specs = _specs_of(request)
     if not specs:
         return
-    query: dict[str, list[str | None]] | None = None
+    query: dict[str | None, list[str | None]] | None = None
     for spec in specs:
         if spec.source == "query":
             if query is None:

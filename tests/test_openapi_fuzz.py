@@ -14,8 +14,11 @@ made for the tenant is released through the API and must end released.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import re
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +28,7 @@ from temporalio.client import Client
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from tests.gateway_fixtures import TEMPORAL_UI_ORIGIN, served_over_http
+from tests.lifecycle_support import eventually
 from tests.stripe_fixtures import PaymentsFactory
 from tests.test_openapi_conformance import ADMIN_PATHS, EXCLUDED, TENANT_PATHS, _operation_ids
 
@@ -186,12 +190,12 @@ async def _release_everything(http: httpx.AsyncClient, token: str) -> None:
             if item["status"] not in DONE:
                 answer = await http.post(release.format(item[key]), headers=auth)
                 assert answer.status_code in (200, 202, 409), answer.text
-        for _ in range(120):
-            items = (await http.get(listing, params={"limit": 200}, headers=auth)).json()["items"]
-            if all(item["status"] in DONE for item in items):
-                break
-            await asyncio.sleep(1)
-        assert all(item["status"] in DONE for item in items), items
+
+        async def all_done(listing: str = listing) -> bool:
+            listed = await http.get(listing, params={"limit": 200}, headers=auth)
+            return all(item["status"] in DONE for item in listed.json()["items"])
+
+        await eventually(all_done, timeout=120, interval=0.2)
 
 
 async def test_hostile_fuzzing_finds_no_5xx_no_codeless_4xx_and_no_mismatch(
@@ -229,3 +233,97 @@ async def test_hostile_fuzzing_finds_no_5xx_no_codeless_4xx_and_no_mismatch(
         # A fresh token: the admin run may well have revoked the tenant's (its stateful phase
         # follows the tokens list into revocations).
         await _release_everything(http, await make_token("tenant", project))
+
+
+# --- invalid UTF-8: every route, by hand (schemathesis sends text, always valid UTF-8) ---
+
+# A lone continuation byte, a lead byte without its continuation, a UTF-8-encoded lone surrogate,
+# and a code point past U+10FFFF: all percent-encoded, as a client puts bytes into a URL.
+BAD_URL_BYTES = ["%FF", "%C3%28", "%ED%A0%80", "%F4%90%80%80"]
+BAD_BODIES = [b"\xff\xfe", b'{"a": "\xc3\x28"}', b'{"\xed\xa0\x80": 1}', b'["\xf4\x90\x80\x80"]']
+HTTP_METHODS = ("get", "post", "put", "patch", "delete")
+
+
+def _concrete(path: str, parameters: list[dict[str, Any]], spoiled: dict[str, str]) -> str:
+    """The path with each parameter filled in: a well-formed value, or a spoiled one."""
+    for parameter in parameters:
+        name = parameter["name"]
+        schema = parameter.get("schema", {})
+        value = "1" if schema.get("type") == "integer" else "x"
+        if schema.get("format") == "uuid":
+            value = str(uuid.uuid4())
+        path = path.replace(f"{{{name}}}", spoiled.get(name, value))
+    return path
+
+
+def _invalid_utf8_cases(document: dict[str, Any]) -> list[tuple[str, str, str, bytes | None]]:
+    """(method, url, where, body) for every operation of the document: invalid UTF-8 in each
+    query parameter it declares and in one it does not, in a query key, in each path
+    parameter, and in the body of each operation that takes one."""
+    cases: list[tuple[str, str, str, bytes | None]] = []
+    for path, item in document["paths"].items():
+        for method in HTTP_METHODS:
+            operation = item.get(method)
+            if operation is None:
+                continue
+            parameters = [*item.get("parameters", []), *operation.get("parameters", [])]
+            in_path = [p for p in parameters if p["in"] == "path"]
+            url = _concrete(path, in_path, {})
+            queried = [p["name"] for p in parameters if p["in"] == "query"] + ["undeclared"]
+            for name in queried:
+                cases += [(method, f"{url}?{name}={bad}", f"query {name}", None)
+                          for bad in BAD_URL_BYTES]  # fmt: skip
+            cases.append((method, f"{url}?%FF=1", "query key", None))
+            for parameter in in_path:
+                cases += [
+                    (method, _concrete(path, in_path, {parameter["name"]: bad}), "path", None)
+                    for bad in BAD_URL_BYTES
+                ]
+            if "requestBody" in operation or path.startswith("/api/v1/webhooks/"):
+                cases += [(method, url, "body", body) for body in BAD_BODIES]
+    return cases
+
+
+async def test_invalid_utf8_in_any_body_query_or_path_is_a_4xx_with_a_code(
+    payments: PaymentsFactory,
+    make_project: Any,
+    make_token: Any,
+    temporal_client: Client,
+    caplog: Any,
+) -> None:
+    """Every documented operation, as the tenant (tenant routes) or an admin (the others):
+    refused with a 4xx and a machine-readable error.code, never a 5xx, never a traceback."""
+    caplog.set_level(logging.INFO, logger="gateway.errors")
+    project = await make_project()
+    plane = await payments(project=project)
+    tokens = {
+        "tenant": await make_token("tenant", project),
+        "admin": await make_token("admin"),
+    }
+    app = create_app(
+        plane.settings,
+        temporal_client=temporal_client,
+        config=GatewayConfig(temporal_ui_origin=TEMPORAL_UI_ORIGIN),
+    )
+    async with (
+        served_over_http(app) as base_url,
+        httpx.AsyncClient(base_url=base_url, timeout=30) as http,
+    ):
+        document = (await http.get("/schema/openapi.json")).json()
+        cases = _invalid_utf8_cases(document)
+        assert len({(m, u.split("?")[0]) for m, u, _, _ in cases}) > 50  # every route, really
+        wrong = []
+        for method, url, where, body in cases:
+            who = "tenant" if re.match(TENANT_PATHS, url) else "admin"
+            headers = {"Authorization": f"Bearer {tokens[who]}"}
+            if body is not None:
+                headers["Content-Type"] = "application/json"
+            response = await http.request(method.upper(), url, content=body, headers=headers)
+            try:
+                code = response.json()["error"]["code"]
+            except Exception:
+                code = None
+            if not 400 <= response.status_code < 500 or not code:
+                wrong.append(f"{method.upper()} {url} ({where}): {response.status_code} {code}")
+        assert not wrong, "\n".join(wrong)
+    assert "Traceback" not in caplog.text

@@ -94,12 +94,21 @@ with workflow.unsafe.imports_passed_through():
         CloseForAllocationInput,
         CloseForAllocationResult,
     )
+    from contracts.workflow_input import (
+        MAX_ID_CHARS,
+        check_text,
+        text_problem,
+        uuid_problem,
+    )
     from core import search_attributes as sa
     from core.task_queues import node_task_queue
 
 # Issue 37: a release with storage attached fences the tenant (host release) before it detaches
 # the storage; histories recorded before it detached first.
 RELEASE_FENCES_FIRST_PATCH = "release-fences-first"
+# A host-task progress report that is malformed, or that cannot be recorded, is dropped with a
+# warning instead of failing the workflow (issue 38).
+PROGRESS_TOLERATED_PATCH = "host-task-progress-tolerated"
 
 _LOCAL = timedelta(seconds=30)
 _DB_RETRY = RetryPolicy(initial_interval=timedelta(milliseconds=200), maximum_attempts=20)
@@ -148,6 +157,16 @@ class AllocationWorkflow:
         assert self._reservation is not None
         return self._reservation
 
+    @reserve.validator
+    def _validate_reserve(self, request_fingerprint: str) -> None:
+        # Refused before it enters history; the handler checks again (histories from before).
+        if request_fingerprint != self._input.request_fingerprint:
+            raise ApplicationError(
+                "this idempotency key was already used with a different request body",
+                type=IDEMPOTENCY_KEY_REUSED,
+                non_retryable=True,
+            )
+
     @workflow.update(name=RELEASE_UPDATE)
     async def request_release(self, request: ReleaseRequest) -> ReleaseAccepted:
         prior = self._status or AllocationStatus.REQUESTED
@@ -174,6 +193,7 @@ class AllocationWorkflow:
     def _validate_release(self, request: ReleaseRequest) -> None:
         if request.actor not in {a.value for a in ReleaseActor}:
             raise ApplicationError(f"unknown release actor {request.actor!r}", type="invalid_actor")
+        check_text("reason", request.reason)
         if self._rejection is not None or self._status == AllocationStatus.FAILED:
             raise ApplicationError(
                 f"allocation is {self._status or 'rejected'}; there is nothing to release",
@@ -193,6 +213,9 @@ class AllocationWorkflow:
 
     @detach.validator
     def _validate_detach(self, request: DetachRequest) -> None:
+        if request.actor not in {a.value for a in ReleaseActor}:
+            raise ApplicationError(f"unknown detach actor {request.actor!r}", type="invalid_actor")
+        check_text("reason", request.reason)
         if self._detach is not None:
             return  # accepted before: answered with its result
         idle = self._pending_release is None and not self._release_running
@@ -208,10 +231,21 @@ class AllocationWorkflow:
     @workflow.signal(name=HOST_TASK_PROGRESS_SIGNAL)
     async def host_task_progress(self, report: HostTaskProgress) -> None:
         """The node's agent started an attempt of one of this workflow's host tasks, or its
-        phases moved on: recorded for the timeline (seed 002), nothing decided on it."""
-        await workflow.execute_local_activity(
-            RECORD_TASK_PROGRESS, report, start_to_close_timeout=_LOCAL, retry_policy=_DB_RETRY
-        )
+        phases moved on: recorded for the timeline (seed 002), nothing decided on it. A report
+        that is malformed, or that still cannot be recorded after the retries, is dropped with a
+        warning: a signal can never fail this workflow (issue 38)."""
+        problem = _progress_problem(report)
+        if problem is not None and workflow.patched(PROGRESS_TOLERATED_PATCH):
+            workflow.logger.warning("host task progress dropped: %s", problem)
+            return
+        try:
+            await workflow.execute_local_activity(
+                RECORD_TASK_PROGRESS, report, start_to_close_timeout=_LOCAL, retry_policy=_DB_RETRY
+            )
+        except ActivityError as err:
+            if not workflow.patched(PROGRESS_TOLERATED_PATCH):
+                raise
+            workflow.logger.warning("host task progress not recorded: %s", err)
 
     @workflow.query(name=STATUS_QUERY)
     def status(self) -> AllocationView:
@@ -732,3 +766,25 @@ def _classify_provisioning_failure(err: ActivityError, kind: str) -> tuple[str, 
         return cause.type, cause.message
     error_type, message = _describe_error(err, kind)
     return PROVISIONING_ERROR, f"{error_type}: {message}"
+
+
+def _progress_problem(report: HostTaskProgress) -> str | None:
+    """Why the agent's progress report cannot be recorded as it is, or None (messages are
+    redacted, control characters dropped, when recorded)."""
+    if (problem := uuid_problem(report.task_id)) is not None:
+        return f"task_id: {problem}"
+    if not isinstance(report.attempt, int) or not 0 <= report.attempt < 2**31:
+        return "attempt: not a small non-negative integer"
+    if (problem := text_problem(report.started_at, max_chars=64)) is not None:
+        return f"started_at: {problem}"
+    for phase in report.phases:
+        for name, value, limit in (
+            ("phase", phase.phase, MAX_ID_CHARS),
+            ("status", phase.status, MAX_ID_CHARS),
+            ("at", phase.at, 64),
+        ):
+            if (problem := text_problem(value, max_chars=limit)) is not None:
+                return f"phases.{name}: {problem}"
+        if not isinstance(phase.attempt, int) or not 0 <= phase.attempt < 2**31:
+            return "phases.attempt: not a small non-negative integer"
+    return None

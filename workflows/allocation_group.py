@@ -64,6 +64,7 @@ with workflow.unsafe.imports_passed_through():
         AllocationStatus,
         ReleaseActor,
     )
+    from contracts.workflow_input import check_text
     from core import search_attributes as sa
 
 _LOCAL = timedelta(seconds=30)
@@ -80,6 +81,7 @@ MEMBERS_ENDED_REASON = "every member of the group has ended"
 _RELEASE_STATES = (AllocationGroupStatus.RELEASING, AllocationGroupStatus.RELEASE_FAILED)
 # A member status that answers a release the group asked of it: the release began, or there is
 # nothing left to release.
+_MEMBER_STATUSES = frozenset(s.value for s in AllocationStatus)
 _ANSWERS_A_RELEASE = MEMBER_ENDED | {AllocationStatus.RELEASING, AllocationStatus.RELEASE_FAILED}
 
 
@@ -146,6 +148,7 @@ class AllocationGroupWorkflow:
     def _validate_release(self, request: ReleaseRequest) -> None:
         if request.actor not in {a.value for a in ReleaseActor}:
             raise ApplicationError(f"unknown release actor {request.actor!r}", type="invalid_actor")
+        check_text("reason", request.reason)
         if self._status == AllocationGroupStatus.FAILED:
             raise ApplicationError(
                 "allocation group is failed; its members were released with it",
@@ -154,6 +157,11 @@ class AllocationGroupWorkflow:
 
     @workflow.signal(name=MEMBER_STATUS_SIGNAL)
     def member_status(self, report: MemberStatus) -> None:
+        # Sent by the members' workflows; a report with a status no allocation has (from any
+        # other sender) is dropped: the group's own status is derived from these (issue 38).
+        if report.status not in _MEMBER_STATUSES:
+            workflow.logger.warning("member status report dropped: unknown status")
+            return
         self._member_moved(report.allocation_id, report.status)
 
     @workflow.query(name=STATUS_QUERY)

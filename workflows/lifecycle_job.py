@@ -33,6 +33,7 @@ from contracts.lifecycle import (
     check_operator_action,
     expected_job_status,
 )
+from contracts.workflow_input import check_text
 from core import search_attributes as sa
 from core.failures import FailureClass
 
@@ -305,6 +306,9 @@ class OperatorControlledJob(Generic[StageT, ActionT, ResultT]):
 
     @operator_action.validator
     def _validate_action(self, request: OperatorRequest) -> None:
+        # What the job records of the request (its actor and reason) must be storable text.
+        check_text("actor", request.actor, max_chars=200)
+        check_text("reason", request.reason)
         check_operator_action(
             request,
             self._kind.actions,

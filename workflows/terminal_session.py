@@ -38,7 +38,9 @@ from temporalio.exceptions import TimeoutError as ActivityTimeout
 with workflow.unsafe.imports_passed_through():
     from contracts.states import NodeTaskStatus
     from contracts.terminal_session import (
+        ACTOR_ADMIN,
         ACTOR_SYSTEM,
+        ACTOR_USER,
         APPLY_CHANGE,
         CLAIM_UPDATE,
         CLOSE_REASONS,
@@ -73,6 +75,7 @@ with workflow.unsafe.imports_passed_through():
         TerminalSessionStatus,
         TerminalSessionView,
     )
+    from contracts.workflow_input import check_text, invalid_input
     from core.task_queues import node_task_queue
 
 _LOCAL = timedelta(seconds=30)
@@ -162,6 +165,10 @@ class TerminalSessionWorkflow:
             raise ApplicationError(
                 f"unknown close reason {request.reason!r}", type="invalid_reason"
             )
+        # Recorded with the session's end: a known actor, an admin's note as storable text.
+        if request.actor not in (ACTOR_USER, ACTOR_ADMIN, ACTOR_SYSTEM):
+            raise invalid_input("actor", "not user, admin or system")
+        check_text("note", request.note)
 
     @workflow.query(name=STATUS_QUERY)
     def status(self) -> TerminalSessionView:
