@@ -16,7 +16,8 @@ answers the calls onboarding makes outside MAAS's API (activities/onboarding/hos
   forgotten, so every deployment boots afresh. `hold(hostname)` takes the machine's network
   away (its agent is not running); `release(hostname)` brings it back (a late enrollment);
   `stop_agent` is `systemctl stop`. Malformed user data is recorded and logged, never fatal.
-- `SimulatedBmc` power-cycles through POST /_sim/bmc/{address}/power-cycle: an unknown machine
+- `SimulatedBmc` reads the chassis status through GET /_sim/bmc/{address} and power-cycles
+  through POST /_sim/bmc/{address}/power-cycle: an unknown machine
   PXE-boots and enlists as New, as with `ipmitool chassis power cycle`. The BMC login is not
   checked (the simulator's BMCs accept any).
 - `SimulatedHostSeeder` stands for SSH to the deployed host: seeds are recorded, an address can
@@ -707,8 +708,9 @@ def write_host_file(root: Path, path: str, content: str, mode: int) -> None:
 
 
 class SimulatedBmc:
-    """`BmcPowerControl` against the MAAS simulator's BMCs (POST /_sim/bmc/{address}/power-cycle).
-    No BMC at the address: bmc_power_failure, like an IPMI session that cannot be opened."""
+    """`BmcPowerControl` against the MAAS simulator's BMCs (GET /_sim/bmc/{address} for the
+    chassis status, POST /_sim/bmc/{address}/power-cycle). No BMC at the address:
+    bmc_power_failure, like an IPMI session that cannot be opened."""
 
     def __init__(
         self,
@@ -722,8 +724,18 @@ class SimulatedBmc:
         self._transport = transport
         self.cycles: list[tuple[str, str]] = []  # (address, "enlisting" | "booted")
 
+    async def power_status(self, login: BmcLogin) -> str:
+        response = await self._call(login, "GET", f"/_sim/bmc/{quote(login.address, safe='')}")
+        return str(response.json().get("power", "unknown"))
+
     async def power_cycle(self, login: BmcLogin) -> None:
         path = f"/_sim/bmc/{quote(login.address, safe='')}/power-cycle"
+        response = await self._call(login, "POST", path)
+        result = str(response.json().get("result", ""))
+        self.cycles.append((login.address, result))
+        logger.info("BMC %s power-cycled (%s)", login.address, result)
+
+    async def _call(self, login: BmcLogin, method: str, path: str) -> httpx.Response:
         try:
             async with httpx.AsyncClient(
                 base_url=self._base_url,
@@ -731,7 +743,10 @@ class SimulatedBmc:
                 timeout=HTTP_TIMEOUT_S,
                 transport=self._transport,
             ) as client:
-                response = await client.post(path, json={})
+                if method == "GET":
+                    response = await client.get(path)
+                else:
+                    response = await client.post(path, json={})
         except httpx.HTTPError as err:
             raise ClassifiedError(
                 f"BMC {login.address}: the simulated BMC network is unreachable "
@@ -750,12 +765,10 @@ class SimulatedBmc:
             )
         if response.status_code != 200:
             raise ClassifiedError(
-                f"BMC {login.address}: power cycle failed (HTTP {response.status_code})",
+                f"BMC {login.address}: {method} {path} failed (HTTP {response.status_code})",
                 failure_class=FailureClass.BMC_POWER_FAILURE,
             )
-        result = str(response.json().get("result", ""))
-        self.cycles.append((login.address, result))
-        logger.info("BMC %s power-cycled (%s)", login.address, result)
+        return response
 
 
 class SimulatedHostSeeder:

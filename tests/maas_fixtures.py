@@ -37,6 +37,7 @@ and yields a `MaasSim` handle:
     await set_power(ref, "on" | "off")              at the BMC
     await set_status(ref, "Deploying")              forced, no transition
     await power_cycle_bmc(address)                  -> "enlisting" | "booted"
+    await bmc_log() / erasures()                    every BMC request / disk erase MAAS ran
     await set_fault(ref, kind, **params)            a machine fault (sim.maas.faults)
     await clear_faults(ref)
     await add_request_fault(kind, **params)         site-wide http_error / slow / truncate_list
@@ -236,6 +237,12 @@ class MaasSim:
 
     async def reset_counters(self) -> Any:
         return await self._call("POST", "/_sim/counters/reset")
+
+    async def bmc_log(self) -> list[dict[str, Any]]:
+        return list((await self._call("GET", "/_sim/bmc-log"))["requests"])
+
+    async def erasures(self) -> list[dict[str, Any]]:
+        return list((await self._call("GET", "/_sim/erasures"))["erasures"])
 
     async def release(self, ref: str, *, erase: bool = False, comment: str = "") -> Any:
         return await self._call(

@@ -58,12 +58,26 @@ def fleet_machines(example: int, size: int) -> list[tuple[str, str]]:
     return [(f"sf{example}-{i}", f"10.177.{subnet}.{10 + i}") for i in range(size)]
 
 
+def unknown_machines(example: int) -> list[tuple[str, str, str]]:
+    """Example `example`'s machines MAAS does not know (hostname, BMC address, chassis power):
+    a new one, off, that discovery may power-cycle; and a host running outside MAAS, that it
+    must not."""
+    subnet = 40 + example % 200
+    return [(f"sf{example}-dark", f"10.177.{subnet}.30", "off"),
+            (f"sf{example}-stranger", f"10.177.{subnet}.31", "on")]  # fmt: skip
+
+
 def fleet_scenario(examples: int, size: int) -> dict[str, Any]:
     """One scenario holding every example's machines: the simulator is not reset between
     examples, so an earlier example's nodes keep their machines (a reconcile of the site sees
     no machine vanish that no step removed, and is not refused for it)."""
     return sim_scenario(
-        *(sim_machine(h, ip) for e in range(1, examples + 1) for h, ip in fleet_machines(e, size))
+        *(sim_machine(h, ip) for e in range(1, examples + 1) for h, ip in fleet_machines(e, size)),
+        *(
+            sim_machine(h, ip, enlisted=False, power=power)
+            for e in range(1, examples + 1)
+            for h, ip, power in unknown_machines(e)
+        ),
     )
 
 
@@ -75,6 +89,9 @@ class Snapshot:
     bindings: dict[str, str]  # system_id -> live node_id
     node_status: dict[str, str]  # node_id -> status
     live_jobs: set[str]  # node_ids with a decommission/onboarding job not settled
+    bmc_requests: int = 0  # how many BMC requests the simulator had logged
+    machine_status: dict[str, str] = field(default_factory=dict)  # system_id -> MAAS status
+    at_bmc: dict[str, list[str]] = field(default_factory=dict)  # BMC address -> system_ids
 
 
 @dataclass
@@ -94,6 +111,9 @@ class SafetyWorld:
     physical: dict[str, str] = field(default_factory=dict)  # node_id -> scenario hostname
     checked_jobs: set[str] = field(default_factory=set)
     typos: int = 0
+    unknown: list[tuple[str, str]] = field(default_factory=list)  # (hostname, BMC) not in MAAS
+    # decommission id -> how many erasures the simulator had logged when it was submitted
+    erase_mark: dict[str, int] = field(default_factory=dict)
 
     @property
     def sessions(self) -> Any:
@@ -133,7 +153,16 @@ class SafetyWorld:
             )
             live = {str(n) for n in [*live_dec, *live_onb] if n is not None}
         bindings = {str(sid): str(nid) for sid, nid, st in rows if sid and st not in LIVE_NODE}
-        return Snapshot(counters, bindings, statuses, live)
+        state = await self.maas_sim.state()
+        return Snapshot(
+            counters,
+            bindings,
+            statuses,
+            live,
+            bmc_requests=len(await self.maas_sim.bmc_log()),
+            machine_status={m["system_id"]: m["status_name"] for m in state["machines"]},
+            at_bmc={h["bmc_address"]: list(h["in_maas"]) for h in state["hardware"]},
+        )
 
     async def node_status(self, node_id: str) -> str | None:
         async with self.sessions() as session:
@@ -226,7 +255,7 @@ class SafetyWorld:
         oid, node_id = body["onboarding_id"], body["node_id"]
         self.onboardings[oid] = (node_id, hostname)
         self.nodes[node_id] = hostname
-        if (hostname, bmc) in self.machines:
+        if (hostname, bmc) in self.machines or (hostname, bmc) in self.unknown:
             self.physical[node_id] = hostname
             self.grant_deploy(node_id)
         from tests.onboarding_fixtures import Job
@@ -255,10 +284,12 @@ class SafetyWorld:
         body: dict[str, Any] = {"mode": mode, "reason": REASON}
         if mode != "soft_reset":
             body["erase"] = erase
+        erasures = len(await self.maas_sim.erasures())
         response = await self.admin.post(f"/api/v1/admin/nodes/{node_id}/decommission", json=body)
         if response.status_code >= 400:
             return f"{response.status_code} {response.json()['error']['code']}"
         did = response.json()["decommission_id"]
+        self.erase_mark.setdefault(did, erasures)
         if mode == "reimage":
             self.grant_deploy(node_id)
         if did not in self.decommissions:
@@ -314,6 +345,8 @@ class SafetyWorld:
         problems += await self._decommission_outcomes()
         problems += await self._enabled_by_decommission()
         problems += await self._deploys(after)
+        problems += await self._power_actions(before)
+        problems += await self._erases_observed()
         if problems:
             trail = "\n".join(self.log)
             raise SafetyViolation(f"after {step}:\n  " + "\n  ".join(problems) + f"\n{trail}")
@@ -397,8 +430,9 @@ class SafetyWorld:
                         .order_by(NodeDecommissionEvent.occurred_at)
                     )
                 )
-                if _proved(devents, "validate_clean_node"):
-                    found = found or f"{drow.mode} (validate_clean passed in this run)"
+                proof = _ENABLE_PROOF.get(drow.mode, "validate_clean_node")
+                if _proved(devents, proof):
+                    found = found or f"{drow.mode} ({proof} passed in this run)"
             return found
 
     async def _enabled_by_decommission(self) -> list[str]:
@@ -424,10 +458,11 @@ class SafetyWorld:
                         .order_by(NodeDecommissionEvent.occurred_at)
                     )
                 )
-                if not _proved(events, "validate_clean_node"):
+                proof = _ENABLE_PROOF.get(row.mode, "validate_clean_node")
+                if not _proved(events, proof):
                     out.append(
                         f"{row.mode} {did} {row.status} enabled {self.nodes.get(node_id)} "
-                        "without a validate_clean pass in its run"
+                        f"without a {proof} pass in its run"
                     )
                 else:
                     self.log.append(f"    {self.nodes.get(node_id)} re-enabled by {row.mode}")
@@ -492,6 +527,111 @@ class SafetyWorld:
                     f"machine {sid} ({host}) deployed {n} times; the runs so far allow {bound}"
                 )
         return out
+
+    async def _power_actions(self, before: Snapshot) -> list[str]:
+        """No BMC powered (cycle or on) during the step without this product's recorded BMC
+        check of that address, nor one whose machine was, before the step, bound to a live
+        node or Deployed/Allocated/Deploying in MAAS. What was powered is the simulator's BMC
+        log, not the product's word."""
+        out: list[str] = []
+        for request in (await self.maas_sim.bmc_log())[before.bmc_requests :]:
+            if request["action"] not in BMC_POWER_ACTIONS:
+                continue
+            address = request["address"]
+            for sid in before.at_bmc.get(address, []):
+                owner = before.bindings.get(sid)
+                if owner is not None:
+                    out.append(
+                        f"BMC {address} powered ({request['action']}) while its machine {sid} "
+                        f"was bound to live node {owner} ({self.nodes.get(owner, '?')})"
+                    )
+                if before.machine_status.get(sid) in IN_USE_IN_MAAS:
+                    out.append(
+                        f"BMC {address} powered ({request['action']}) while its machine {sid} "
+                        f"was {before.machine_status[sid]} in MAAS"
+                    )
+            if not await self._bmc_checked(address):
+                out.append(
+                    f"BMC {address} powered ({request['action']}) with no BMC check recorded "
+                    "by an onboarding of this example"
+                )
+        return out
+
+    async def _bmc_checked(self, address: str) -> bool:
+        ids = [uuid.UUID(o) for o in self.onboardings] or [uuid.uuid4()]
+        async with self.sessions() as session:
+            events = await session.scalars(
+                select(NodeOnboardingEvent).where(
+                    NodeOnboardingEvent.onboarding_id.in_(ids),
+                    NodeOnboardingEvent.stage == "create_or_find_in_maas",
+                )
+            )
+            return any(
+                (e.details or {}).get("bmc_check", {}).get("address") == address
+                and (e.details or {}).get("bmc_check", {}).get("verdict") == "ok"
+                for e in events
+            )
+
+    async def _erases_observed(self) -> list[str]:
+        """No node deleted by a full decommission, or enabled again by a reimage, that asked
+        for an erase, unless the simulator saw that erase done on the job's machine after the
+        job was submitted; or the job's disk disposition says it was not erased because the
+        erase failed (and the simulator saw it fail) and the site allows the no-erase release.
+        A disposition `erased` must agree with the simulator too."""
+        out: list[str] = []
+        erasures = await self.maas_sim.erasures()
+        async with self.sessions() as session:
+            for did, node_id in self.decommissions.items():
+                if f"erase:{did}" in self.checked_jobs:
+                    continue
+                row = await session.get(NodeDecommission, uuid.UUID(did))
+                if row is None or row.mode not in ("full_decommission", "reimage"):
+                    continue
+                if row.status not in ("completed", "reconciled"):
+                    continue
+                node = await self.node_status(node_id)
+                if node != ("deleted" if row.mode == "full_decommission" else "active"):
+                    continue
+                self.checked_jobs.add(f"erase:{did}")
+                disposition = next(
+                    (f for f in row.followups or [] if f.get("kind") == "disk_disposition"), None
+                )
+                seen = [
+                    e
+                    for e in erasures[self.erase_mark.get(did, 0) :]
+                    if e["system_id"] == row.maas_system_id
+                ]
+                erased = [e for e in seen if e["outcome"] == "erased" and e["method"] == row.erase]
+                what = f"{row.mode} {did[:8]} of {self.nodes.get(node_id)} ({row.status}, {node})"
+                if disposition is not None and disposition["disposition"] == "erased":
+                    if not erased:
+                        out.append(f"{what} records disks erased; MAAS never erased them")
+                    continue
+                if row.erase == "none":
+                    if disposition is None and row.maas_system_id:
+                        out.append(f"{what}: no disk disposition recorded")
+                    continue
+                if erased:
+                    out.append(f"{what}: erased, but no disk disposition says so")
+                elif (
+                    disposition is not None
+                    and disposition.get("reason") == "erase_failed_fallback"
+                    and any(e["outcome"] == "failed" for e in seen)
+                ):
+                    continue
+                else:
+                    out.append(
+                        f"{what} asked for a {row.erase} erase; MAAS erased nothing since the "
+                        f"job began (disposition: {disposition})"
+                    )
+        return out
+
+
+BMC_POWER_ACTIONS = ("cycle", "on")
+# What proves a node healthy when a decommission enables it again: a reimage has no
+# validate_clean (the OS is new); its proof is the fresh agent's enrollment in the run.
+_ENABLE_PROOF = {"reimage": "wait_for_agent_enrollment"}
+IN_USE_IN_MAAS = ("Deployed", "Allocated", "Deploying")
 
 
 def _proved(events: list[Any], stage: str) -> bool:

@@ -125,7 +125,16 @@ async def test_erase_failure_falls_back_to_no_erase_when_the_site_allows(
     await decommission.onboarding.set_policy(release_fallback_no_erase=True)
     job = await decommission.start(node_id, "full_decommission", erase="secure")
     row = await decommission.wait_status(job, "completed")
-    assert [f["kind"] for f in row.followups] == ["agent_drained", "erase_fallback"]
+    kinds = [f["kind"] for f in row.followups]
+    assert kinds == ["agent_drained", "erase_fallback", "disk_disposition"]
+    # Where the disks went, said once: not erased, because the erase failed and the site allows
+    # releasing without it.
+    disposition = row.followups[-1]
+    assert (disposition["disposition"], disposition["reason"]) == (
+        "not_erased",
+        "erase_failed_fallback",
+    )
+    assert disposition["requested"] == "secure"
     machine = await decommission.onboarding.maas_sim.machine(system_id)
     assert machine["status_name"] == "Ready"
     counters = await decommission.onboarding.maas_sim.counters()

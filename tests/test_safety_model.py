@@ -7,6 +7,14 @@ whatever job is failed), the workflows on Temporal with the production worker, t
 simulator over HTTP, the agents booted from the rendered cloud-init. After every step the
 invariants of tests/safety_model_support.py hold:
 
+- no BMC powered (cycle or on, as the simulator's BMC log shows) without a BMC check this
+  product recorded for that address, nor one whose machine was bound to a live node or
+  Deployed/Allocated/Deploying in MAAS;
+- no node deleted by a full decommission or enabled by a reimage that asked for an erase unless
+  the simulator's erase log shows that erase done on the job's machine since the job began (or
+  the job's disk disposition says the erase failed, as the simulator saw, and the site's
+  fallback released without it); a disposition `erased` agrees with the simulator;
+
 - no release/erase/power-off/delete/deploy of a machine bound to a live node other than the one
   the step (or a job still running) was for;
 - no node `active` without a health proof or validate_clean pass in the run that enabled it;
@@ -41,7 +49,13 @@ from temporalio.client import Client
 from activities.node_admin import DRAIN_POLL_ENV
 from gateway.maas_sites import sync_reconciler_schedule
 from tests.decommission_fixtures import DecommissionRig
-from tests.safety_model_support import SafetyWorld, Snapshot, fleet_machines, fleet_scenario
+from tests.safety_model_support import (
+    SafetyWorld,
+    Snapshot,
+    fleet_machines,
+    fleet_scenario,
+    unknown_machines,
+)
 
 EXAMPLES = int(os.environ.get("GPUCLOUD_SAFETY_EXAMPLES", "3"))
 STEPS = int(os.environ.get("GPUCLOUD_SAFETY_STEPS", "12"))
@@ -71,7 +85,14 @@ async def _world(
             every_seconds=86400,
             paused=False,
         )
-    return SafetyWorld(rig=rig, admin=admin, maas_sim=maas_sim, example=example, machines=machines)
+    return SafetyWorld(
+        rig=rig,
+        admin=admin,
+        maas_sim=maas_sim,
+        example=example,
+        machines=machines,
+        unknown=[(h, ip) for h, ip, _ in unknown_machines(example)],
+    )
 
 
 class Bridge:
@@ -91,6 +112,8 @@ STEP = st.one_of(
     st.tuples(st.just("reconcile")),
     st.tuples(st.just("onboard"), st.integers(0, FLEET - 1)),
     st.tuples(st.just("onboard_mistyped"), st.integers(0, FLEET - 1)),
+    # A machine MAAS does not know: a new one (off) or a host running outside MAAS.
+    st.tuples(st.just("onboard_unknown"), st.integers(0, 1)),
     st.tuples(
         st.just("node"),
         st.sampled_from(["retire", "reactivate", "resume", "protect", "unprotect"]),
@@ -166,10 +189,16 @@ class SafetyModel:
         if not held:
             return
         _, host = held[i % len(held)]
-        bmc = dict(self.world.machines)[host]
+        bmc = dict(self.world.machines + self.world.unknown)[host]
         self.world.typos += 1
         typo = f"sf{self.world.example}-typo{self.world.typos}"
         self.step(f"onboard({typo}, {bmc} = {host}'s BMC)", set(), self.world.onboard(typo, bmc))
+
+    def _onboard_unknown(self, i: int) -> None:
+        host, bmc = self.world.unknown[i % len(self.world.unknown)]
+        if host in self.world.nodes.values():
+            return
+        self.step(f"onboard({host}, {bmc}, not in MAAS)", set(), self.world.onboard(host, bmc))
 
     def _node_verb(self, verb: str, node_id: str) -> None:
         self.step(
@@ -271,6 +300,24 @@ async def replay(safety: Any, steps: list[tuple[Any, ...]]) -> None:
     rig, admin, maas_sim = safety
     bridge = Bridge(asyncio.get_running_loop())
     await asyncio.to_thread(lambda: SafetyModel(bridge, rig, admin, maas_sim).run(steps))
+
+
+async def test_replay_unknown_bmcs_then_erasing_decommissions(safety: Any) -> None:
+    """The BMC and erase invariants on a fixed sequence: the running stranger's onboarding is
+    refused (and retried: still never cycled), the dark machine is discovered by a checked
+    power-on, then a reimage and a full decommission with a quick erase must show the erase in
+    the simulator's log."""
+    await replay(
+        safety,
+        [
+            ("onboard_unknown", 1),
+            ("job", "retry", 0),
+            ("onboard_unknown", 0),
+            ("decommission", "reimage", "quick", 0),
+            ("decommission", "full_decommission", "quick", 1),
+            ("reconcile",),
+        ],
+    )
 
 
 async def test_replay_mistyped_bmc_cancel_then_full_decommission(safety: Any) -> None:

@@ -779,6 +779,7 @@ class NodeDecommissionWorkflow(OperatorControlledJob[Stage, OperatorAction, Deco
             if observation.machine_present and observation.maas_status != "Ready":
                 raise cannot(f"the machine is {observation.maas_status}, not Ready")
             self._state.released_in_maas = True
+            self._note_adopted_disk_disposition(observation)
         if failed == Stage.POWER_OFF_MAAS_NODE:
             if observation.machine_present and observation.power_state != "off":
                 raise cannot(f"the machine is powered {observation.power_state}")
@@ -880,6 +881,39 @@ class NodeDecommissionWorkflow(OperatorControlledJob[Stage, OperatorAction, Deco
         self._site = loaded.site
         self._upsert_search_attributes()
         return await self._observe()
+
+    def _note_adopted_disk_disposition(self, observation: Observation) -> None:
+        """Where the disks went, for an adopted release (issue 35), from what adopt observed
+        now: erased when MAAS's log shows an erase since the deployment (method unknown: not
+        this job's release), else not erased and why. Workflow state only (no command), so
+        earlier histories replay unchanged."""
+        assert self._input is not None
+        facts: dict[str, Any] = {
+            "kind": "disk_disposition",
+            "system_id": self._state.system_id,
+            "requested": self._input.erase,
+        }
+        if not observation.machine_present:
+            facts.update(disposition="not_erased", reason="machine_absent")
+        elif observation.disks_erased:
+            facts.update(
+                disposition="erased",
+                method="unknown",
+                observed="MAAS event log (adopt): Disk erasing ended after the last deployment",
+            )
+        elif Erase(self._input.erase) == Erase.NONE:
+            facts.update(
+                disposition="not_erased",
+                reason="operator_accepted_risk",
+                accepted_by=self._input.requested_by or None,
+                accepted_reason=self._input.reason or None,
+            )
+        else:
+            return  # _check_observed refused this adopt already
+        self._state.followups = [
+            f for f in self._state.followups if f.get("kind") != "disk_disposition"
+        ]
+        self._state.followups.append({k: v for k, v in facts.items() if v is not None})
 
     def _check_observed(self, failed: Stage, observation: Observation) -> None:
         """What adopt needs to have seen before it accepts `failed` as done (raises
@@ -1055,6 +1089,15 @@ def _host_not_wiped(
             "host_not_wiped": True,
             "system_id": system_id,
             "not_done": ["release_and_erase", "power_off", "agent_uninstall"],
+            # Where the disks went (issue 35): nowhere this job can vouch for.
+            "disk_disposition": {
+                "kind": "disk_disposition",
+                "disposition": "not_erased",
+                "reason": "machine_vanished",
+                "system_id": system_id,
+                "detail": "the machine left MAAS before it was released: its disks were not "
+                "erased and may still hold the previous tenant's data",
+            },
             "maas_status": observation.maas_status,
             "node_status": observation.node_status,
         },

@@ -172,6 +172,27 @@ async def disks_erased_since_deployment(maas: MaasClient, system_id: str) -> boo
     return False
 
 
+DISK_DISPOSITION = "disk_disposition"
+
+
+def record_disk_disposition(
+    state: DecommissionState, disposition: str, **facts: Any
+) -> dict[str, Any]:
+    """The job's disk disposition (issue 35: where the disks went): `erased` (method, how it
+    was observed) or `not_erased` (reason: operator_accepted_risk, erase_failed_fallback,
+    machine_absent, machine_vanished). One per job, the last release's; kept in the job's
+    followups so the API shows it, and returned for the stage event's details (the timeline)."""
+    record = {
+        "kind": DISK_DISPOSITION,
+        "disposition": disposition,
+        "system_id": state.system_id,
+        **{k: v for k, v in facts.items() if v is not None},
+    }
+    state.followups = [f for f in state.followups if f.get("kind") != DISK_DISPOSITION]
+    state.followups.append(record)
+    return record
+
+
 class DecommissionActivities:
     def __init__(self, deps: DecommissionDeps) -> None:
         self.deps = deps
@@ -664,7 +685,13 @@ class DecommissionActivities:
                 run.skipped("the node is not MAAS-managed")
             elif run.state.machine_absent:
                 run.state.released_in_maas = True
-                run.skipped("the machine is gone from MAAS (adopted)")
+                disposition = record_disk_disposition(
+                    run.state,
+                    "not_erased",
+                    reason="machine_absent",
+                    detail="the machine is gone from MAAS (adopted): this job erased nothing",
+                )
+                run.skipped("the machine is gone from MAAS (adopted)", disk_disposition=disposition)
             else:
                 await self._refuse_if_protected(run, "MAAS release (and erase)")
                 async with self.maas(run) as maas:
@@ -699,7 +726,11 @@ class DecommissionActivities:
                     erase=erase.value,
                 )
             state.released_in_maas = True
-            run.done("the machine was already Ready (released out of band); adopted")
+            disposition = await self._disk_disposition(run, maas, erase, out_of_band=True)
+            run.done(
+                "the machine was already Ready (released out of band); adopted",
+                disk_disposition=disposition,
+            )
             return
         if machine.status == S.DEPLOYING:
             machine = await maas.abort(state.system_id, comment="gpucloud decommission")
@@ -759,7 +790,60 @@ class DecommissionActivities:
             run.done("released back to Ready for a redeploy (no erase)", erase=Erase.NONE.value)
             return
         note = " (erase fell back to none)" if state.erase_fell_back else ""
-        run.done(f"released to Ready, erase {state.erase_used}{note}", erase=state.erase_used)
+        disposition = await self._disk_disposition(run, maas, erase)
+        run.done(
+            f"released to Ready, erase {state.erase_used}{note}; disks "
+            f"{disposition['disposition'].replace('_', ' ')}",
+            erase=state.erase_used,
+            disk_disposition=disposition,
+        )
+
+    async def _disk_disposition(
+        self, run: Run, maas: MaasClient, requested: Erase, *, out_of_band: bool = False
+    ) -> dict[str, Any]:
+        """Where this release left the disks, recorded on the job (followups, shown by the
+        API) and in the stage's event (the timeline). `erased` only when MAAS's event log shows
+        the erase finished since the machine's last deployment (observed now, never inferred
+        from the request); otherwise `not_erased` with why: the erase failed and the site's
+        policy allowed the no-erase release, or the request asked for none (the operator
+        accepted the risk, named with the request's reason)."""
+        state, request = run.state, run.input.decommission
+        assert state.system_id is not None
+        if state.erase_fell_back:
+            return record_disk_disposition(
+                state,
+                "not_erased",
+                reason="erase_failed_fallback",
+                requested=requested.value,
+                detail=f"the {requested.value} erase failed in MAAS (Failed disk erasing); "
+                "released without erase as the site's release_fallback_no_erase allows",
+            )
+        if requested == Erase.NONE:
+            return record_disk_disposition(
+                state,
+                "not_erased",
+                reason="operator_accepted_risk",
+                requested=Erase.NONE.value,
+                accepted_by=request.requested_by or None,
+                accepted_reason=request.reason or None,
+                detail="the request asked for no erase: the disks keep their data",
+            )
+        if not await disks_erased_since_deployment(maas, state.system_id):
+            raise ambiguity(
+                "erase_not_observed",
+                f"the machine is Ready but MAAS shows no disk erase since it was deployed; "
+                f"the requested {requested.value} erase was not seen done",
+                maas_status=state.maas_status,
+                erase=requested.value,
+            )
+        return record_disk_disposition(
+            state,
+            "erased",
+            # Released out of band: MAAS's log shows an erase, not which one.
+            method="unknown" if out_of_band else (state.erase_used or requested.value),
+            requested=requested.value,
+            observed="MAAS event log: Disk erasing ended (Releasing) after the last deployment",
+        )
 
     @staticmethod
     def _note_fallback(state: DecommissionState, erase: Erase) -> None:

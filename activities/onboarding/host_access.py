@@ -33,6 +33,11 @@ class SshLogin:
 
 @runtime_checkable
 class BmcPowerControl(Protocol):
+    async def power_status(self, login: BmcLogin) -> str:
+        """The chassis power the BMC reports: "on", "off" or "unknown". Asked before any power
+        action (issue 35): the answer is part of the evidence discovery records."""
+        ...
+
     async def power_cycle(self, login: BmcLogin) -> None:
         """Power-cycle the machine so it PXE-boots (and enlists in MAAS if unknown)."""
         ...

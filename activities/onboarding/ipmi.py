@@ -63,10 +63,15 @@ class IpmitoolBmc:
         self._timeout_s = timeout_s
         self._env = env
 
-    async def power_cycle(self, login: BmcLogin) -> None:
+    async def power_status(self, login: BmcLogin) -> str:
+        """`chassis power status`: "on", "off", or "unknown" for an answer that says neither."""
         _check_login(login)
         status = await self._run(login, "chassis", "power", "status")
-        if re.search(r"\bis off\b", status, re.IGNORECASE):
+        found = re.search(r"\bis (on|off)\b", status, re.IGNORECASE)
+        return found.group(1).lower() if found else "unknown"
+
+    async def power_cycle(self, login: BmcLogin) -> None:
+        if await self.power_status(login) == "off":
             logger.info("BMC %s: chassis is off, powering on", login.address)
             await self._run(login, "chassis", "power", "on")
             return

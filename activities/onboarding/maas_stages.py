@@ -10,6 +10,18 @@ becomes usable, or exactly one machine that appeared at that BMC or anywhere dur
 several candidates fail closed with state_ambiguity. A sole pre-existing New machine is claimed
 only when the site opts in (auto_claim_single_new_machine).
 
+No BMC is power-cycled on an address alone (`_check_bmc`, issue 35): first the evidence is
+obtained in the same run and recorded (an event before the cycle, the stage's details after):
+what MAAS has at that address (each machine's status, owner, binding to a node, holder job), the
+power address of the record found for this hostname, and the chassis power the BMC reports. The
+cycle is refused with state_ambiguity when the address is another machine's (`bmc_in_use`: one
+MAAS has at the address besides this job's own IPMI-only record, or that record is past New,
+owned, bound to another live node or held by another live job), when the record found for this
+hostname names another BMC than the operator declared (`bmc_address_mismatch`), or when the
+chassis is not off (`bmc_chassis_on`: a running host that MAAS does not know at this address;
+powering it off is the operator's call) unless this job itself power-cycled that BMC in an
+earlier attempt. A BMC that cannot be asked is bmc_power_failure.
+
 Whatever is found or discovered is claimed before anything touches it (`claim_machine`, issue
 35): a machine bound to another live node or held by another live onboarding job fails the
 stage with state_ambiguity naming both, and the job row's maas_system_id, unique among live jobs
@@ -38,7 +50,9 @@ from activities.maas.types import (
     LinkMode,
     Machine,
     MachineStatus,
+    PowerState,
 )
+from activities.onboarding import read_model
 from activities.onboarding.host_access import BmcLogin
 from activities.onboarding.stage_errors import StageError
 from activities.onboarding.stage_runtime import (
@@ -62,7 +76,13 @@ from contracts.onboarding import (
 )
 from contracts.states import NodeStatus
 from core.failures import ClassifiedError, FailureClass
-from schema.models import MaasRoceAssignment, Node, NodeMaasState, NodeOnboarding
+from schema.models import (
+    MaasRoceAssignment,
+    Node,
+    NodeMaasState,
+    NodeOnboarding,
+    NodeOnboardingEvent,
+)
 
 S = MachineStatus
 BOSS_PATTERN = re.compile(r"boss|boot optimi[sz]ed|m\.2", re.IGNORECASE)
@@ -293,14 +313,31 @@ class MaasStageActivities(StageActivitiesBase):
             # without an IPMI record of ours that it would then collide with on hostname.
             return new_before[0], "auto_claim", {}
         login, _ = await self._bmc_login(run)
+        # The BMC is checked before a record is made for it, and MAAS again right before the
+        # cycle (a machine may have appeared at the address meanwhile).
+        evidence = await self._check_bmc(run, maas, record, login)
         if record is None:
             record = await maas.create_machine(
                 hostname=ob.hostname,
                 power=_ipmi_power(login),
             )
         if _usable(record):
-            return record, "discovery", {}
+            return record, "discovery", {"bmc_check": evidence}
+        evidence = await self._check_bmc(run, maas, record, login)
+        await self._record_bmc_check(run, evidence)
         await self.deps.host_access.bmc.power_cycle(login)
+        try:
+            machine, how, details = await self._poll_discovery(run, maas, record, new_before)
+        except StageError as err:
+            err.details.setdefault("bmc_check", evidence)
+            raise
+        return machine, how, {**details, "bmc_check": evidence}
+
+    async def _poll_discovery(
+        self, run: StageRun, maas: MaasClient, record: Machine, new_before: list[Machine]
+    ) -> tuple[Machine, str, dict[str, Any]]:
+        site, ob = run.site, run.input.onboarding
+        auto_claim = site.policy.auto_claim_single_new_machine
         placeholder = record.system_id
         before = {m.system_id for m in new_before}
         seen_new: list[Machine] = []
@@ -365,6 +402,166 @@ class MaasStageActivities(StageActivitiesBase):
             f"no machine PXE-booted into MAAS from BMC {ob.ipmi_ip} in time",
             system_id=placeholder,
         )
+
+    async def _check_bmc(
+        self,
+        run: StageRun,
+        maas: MaasClient,
+        record: Machine | None,
+        login: BmcLogin,
+        *,
+        power: str | None = None,
+    ) -> dict[str, Any]:
+        """The evidence that the BMC at the declared address is the machine this job may
+        power-cycle, obtained now; raises state_ambiguity (the evidence in its details) when it
+        is not. `power`: the chassis state already read in this attempt (not asked twice)."""
+        ob = run.input.onboarding
+        address = ob.ipmi_ip
+        addresses = await maas.power_addresses()
+        # In MAAS's order (creation order): of two discoveries' records, the earlier wins.
+        at_address = [s for s, a in addresses.items() if a == address]
+        ours_at = (
+            at_address.index(record.system_id)
+            if record and record.system_id in at_address
+            else None
+        )
+        evidence: dict[str, Any] = {
+            "address": address,
+            "record": record.system_id if record is not None else None,
+            "record_power_address": addresses.get(record.system_id) if record else None,
+            "maas_at_address": [],
+        }
+        others: list[dict[str, Any]] = []
+        for position, system_id in enumerate(at_address):
+            try:
+                machine = await maas.get_machine(system_id)
+            except MaasNotFound:
+                continue  # deleted between the two reads: nothing at the address to cycle
+            seen = await self._machine_holders(run, machine)
+            evidence["maas_at_address"].append(seen)
+            if record is not None and system_id == record.system_id:
+                continue
+            # A concurrent discovery's IPMI-only record for this BMC (New, no interfaces, owned,
+            # bound and held by nobody) made after ours is not a machine MAAS knows there (that
+            # discovery defers to this one); one made before ours is that discovery's: refused.
+            later = ours_at is not None and position > ours_at
+            if not (later and _placeholder(machine) and not _taken(seen)):
+                others.append(seen)
+        if record is not None:
+            mine = next(
+                (m for m in evidence["maas_at_address"] if m["system_id"] == record.system_id),
+                None,
+            ) or await self._machine_holders(run, record)
+            # This job's own record may be cycled only while nobody has it: IPMI-only New,
+            # no owner, bound to no other node, held by no other job.
+            if mine["status"] != S.NEW.label or mine["owner"] or _taken(mine):
+                others.append(mine)
+
+        def refuse(code: str, message: str) -> StageError:
+            evidence["verdict"] = f"refused: {code}"
+            return _ambiguity(code, message, bmc_check=evidence)
+
+        if others:
+            first = others[0]
+            named = (
+                f"node {first['bound_node_id']} ({first['bound_hostname']})"
+                if first.get("bound_node_id")
+                else f"onboarding {first['holder_onboarding_id']}"
+                if first.get("holder_onboarding_id")
+                else f"owner {first['owner']}"
+                if first["owner"]
+                else "no node"
+            )
+            raise refuse(
+                "bmc_in_use",
+                f"BMC {address} is MAAS machine {first['system_id']}'s ({first['hostname']}, "
+                f"{first['status']}, bound to {named}); it was not power-cycled",
+            )
+        record_address = evidence["record_power_address"]
+        if record is not None and record_address and record_address != address:
+            raise refuse(
+                "bmc_address_mismatch",
+                f"MAAS machine {record.system_id} ({record.hostname}) has BMC {record_address}, "
+                f"the onboarding declares {address}; neither was power-cycled",
+            )
+        # MAAS has nothing else at the address: now the BMC itself is asked.
+        if power is None:
+            power = await self.deps.host_access.bmc.power_status(login)
+        evidence["power"] = power
+        evidence["cycled_before"] = await self._cycled_before(run, address)
+        if power != PowerState.OFF and not evidence["cycled_before"]:
+            raise refuse(
+                "bmc_chassis_on",
+                f"the chassis at BMC {address} is {power} and MAAS knows no machine there: a "
+                "running host is not power-cycled on an address alone; if it is the machine "
+                "to onboard, power it off at its BMC, then retry",
+            )
+        evidence["verdict"] = "ok"
+        return evidence
+
+    async def _machine_holders(self, run: StageRun, machine: Machine) -> dict[str, Any]:
+        """What MAAS and this control plane say about `machine`: status, owner, the live node
+        bound to it and the live onboarding (other than this one) holding it."""
+        site_id = uuid.UUID(run.site.site_id)
+        node_id = uuid.UUID(run.input.onboarding.node_id)
+        seen: dict[str, Any] = {
+            "system_id": machine.system_id,
+            "hostname": machine.hostname,
+            "status": machine.status.label,
+            "owner": machine.owner,
+            "power_state": str(machine.power_state),
+        }
+        async with self.deps.sessions() as session:
+            bound = (
+                await session.execute(
+                    select(Node.id, Node.hostname)
+                    .join(NodeMaasState, NodeMaasState.node_id == Node.id)
+                    .where(
+                        NodeMaasState.site_id == site_id,
+                        NodeMaasState.maas_system_id == machine.system_id,
+                        Node.status != NodeStatus.DELETED,
+                        Node.id != node_id,
+                    )
+                )
+            ).first()
+            holder = await _live_holder(session, site_id, machine.system_id, run.onboarding_id)
+        if bound is not None:
+            seen.update(bound_node_id=str(bound.id), bound_hostname=bound.hostname)
+        if holder is not None:
+            seen.update(holder_onboarding_id=str(holder.onboarding_id))
+        return seen
+
+    async def _cycled_before(self, run: StageRun, address: str) -> bool:
+        """This job power-cycled the BMC at `address` in an earlier attempt (its own recorded
+        check): a chassis found on now is that cycle's boot, not a stranger's host."""
+        async with self.deps.sessions() as session:
+            found = await session.scalar(
+                select(NodeOnboardingEvent.id)
+                .where(
+                    NodeOnboardingEvent.onboarding_id == run.onboarding_id,
+                    NodeOnboardingEvent.stage == Stage.CREATE_OR_FIND_IN_MAAS.value,
+                    NodeOnboardingEvent.details["bmc_check"]["address"].astext == address,
+                    NodeOnboardingEvent.details["bmc_check"]["verdict"].astext == "ok",
+                )
+                .limit(1)
+            )
+        return found is not None
+
+    async def _record_bmc_check(self, run: StageRun, evidence: dict[str, Any]) -> None:
+        """The check, in the job's timeline before the cycle is sent."""
+        async with self.deps.sessions() as session, session.begin():
+            await read_model.add_event(
+                session,
+                run.onboarding_id,
+                stage=Stage.CREATE_OR_FIND_IN_MAAS.value,
+                attempt=run.input.attempt,
+                status="started",
+                message=(
+                    f"BMC {evidence['address']} checked (chassis {evidence['power']}, "
+                    f"MAAS record {evidence['record']}); power-cycling"
+                ),
+                details={"bmc_check": evidence},
+            )
 
     @staticmethod
     async def _new_machines(maas: MaasClient, *, exclude: Machine | None) -> list[Machine]:
@@ -836,6 +1033,15 @@ async def _delete_placeholder(maas: MaasClient, system_id: str) -> bool:
         return False
     await maas.delete_machine(system_id)
     return True
+
+
+def _placeholder(machine: Machine) -> bool:
+    """An IPMI-only New record nobody owns: what discovery makes for a BMC."""
+    return machine.status == S.NEW and not machine.owner and not _usable(machine)
+
+
+def _taken(seen: dict[str, Any]) -> bool:
+    return bool(seen.get("bound_node_id") or seen.get("holder_onboarding_id"))
 
 
 def _ipmi_power(login: BmcLogin) -> IpmiPowerParameters:

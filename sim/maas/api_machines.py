@@ -335,8 +335,12 @@ def deploy(ctx: Ctx, system_id: str) -> dict[str, Any]:
 
 def release(ctx: Ctx, system_id: str) -> dict[str, Any]:
     p, machine = ctx.params, _machine(ctx, system_id)
-    erase = p.bool("erase") or p.bool("secure_erase") or p.bool("quick_erase")
-    lifecycle.release(ctx.region, machine, ctx.username, erase, p.get("comment") or "")
+    # MAAS: secure_erase wins over quick_erase; either implies erase.
+    method = "secure" if p.bool("secure_erase") else "quick" if p.bool("quick_erase") else "plain"
+    erase = p.bool("erase") or method != "plain"
+    lifecycle.release(
+        ctx.region, machine, ctx.username, erase, p.get("comment") or "", erase_method=method
+    )
     return _json(ctx, machine)
 
 

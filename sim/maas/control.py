@@ -35,7 +35,17 @@ scenario hostname or a BMC address.
                                                  user with a fresh API key of its own, answered
                                                  once as "api_key" (forgotten on reset)
     GET    /_sim/users                           the added users (never their keys)
-    POST   /_sim/bmc/{address}/power-cycle       {"result": "enlisting" | "booted"}
+    GET    /_sim/bmc/{address}                   {"bmc_address", "power": "on" | "off"}: the
+                                                 chassis status a BMC answers (ipmitool
+                                                 `chassis power status`); 404 when no BMC
+                                                 answers there
+    POST   /_sim/bmc/{address}/power-cycle       {"action": "cycle" | "on"} (default cycle) ->
+                                                 {"result": "enlisting" | "booted"}
+    GET    /_sim/bmc-log                         {"requests": [{"address", "action", "power_before",
+                                                 "at"}]}: every BMC request above, in order
+    GET    /_sim/erasures                        {"erasures": [{"system_id", "hostname", "method",
+                                                 "outcome", "at"}]}: every disk erase MAAS ran
+                                                 to its end (erased or failed)
     POST   /_sim/time-scale                      {"time_scale": 0.01}
 """
 
@@ -367,12 +377,46 @@ def _users(sim: Simulator, _: dict[str, Any], __: dict[str, str]) -> Any:
     return {"users": [admin, *added]}
 
 
-@_route("POST", r"/_sim/bmc/(?P<address>[^/]+)/power-cycle")
-def _power_cycle(sim: Simulator, _: dict[str, Any], args: dict[str, str]) -> Any:
-    hardware = sim.region.hardware.get(args["address"])
+def _bmc(sim: Simulator, address: str, action: str) -> Hardware:
+    """The hardware whose BMC answers at `address` (operators reach a BMC at its own address,
+    never at the one enlistment detects behind NAT); the request is logged either way."""
+    hardware = sim.region.hardware.get(address)
+    sim.region.bmc_log.append(
+        {
+            "address": address,
+            "action": action,
+            "power_before": hardware.power if hardware is not None else None,
+            "at": sim.region.wall_now(),
+        }
+    )
     if hardware is None:
-        raise ControlError(404, f"no BMC at {args['address']}")
+        raise ControlError(404, f"no BMC at {address}")
+    return hardware
+
+
+@_route("GET", r"/_sim/bmc/(?P<address>[^/]+)")
+def _bmc_status(sim: Simulator, _: dict[str, Any], args: dict[str, str]) -> Any:
+    hardware = _bmc(sim, args["address"], "status")
+    return {"bmc_address": hardware.bmc_address, "power": hardware.power}
+
+
+@_route("POST", r"/_sim/bmc/(?P<address>[^/]+)/power-cycle")
+def _power_cycle(sim: Simulator, payload: dict[str, Any], args: dict[str, str]) -> Any:
+    action = str(payload.get("action") or "cycle")
+    if action not in ("cycle", "on"):
+        raise ControlError(400, "action is 'cycle' or 'on'")
+    hardware = _bmc(sim, args["address"], action)
     return {"result": enlistment.power_cycle_bmc(sim.region, hardware)}
+
+
+@_route("GET", "/_sim/bmc-log")
+def _bmc_log(sim: Simulator, _: dict[str, Any], __: dict[str, str]) -> Any:
+    return {"requests": list(sim.region.bmc_log)}
+
+
+@_route("GET", "/_sim/erasures")
+def _erasures(sim: Simulator, _: dict[str, Any], __: dict[str, str]) -> Any:
+    return {"erasures": list(sim.region.erasures)}
 
 
 @_route("POST", "/_sim/time-scale")

@@ -3,10 +3,10 @@
 The worker's real BMC path (activities/onboarding/ipmi.IpmitoolBmc) runs it exactly as it runs
 ipmitool: `-I lanplus -H ADDRESS -U USER -E chassis power status|on|cycle`, the password in
 IPMI_PASSWORD. It answers as ipmitool does (stdout, exit status, stderr on failure) by calling
-the simulator's BMC control API, POST /_sim/bmc/{address}/power-cycle, at GPUCLOUD_SIM_MAAS_URL
-with GPUCLOUD_SIM_MAAS_CONTROL_TOKEN. The simulator's BMCs accept any login and report every
-chassis as on, so `status` never reaches the network; an unknown address fails the way an
-unreachable BMC does.
+the simulator's BMC control API at GPUCLOUD_SIM_MAAS_URL with GPUCLOUD_SIM_MAAS_CONTROL_TOKEN:
+`status` is GET /_sim/bmc/{address} (the chassis's real power, as a BMC reports it), `on` and
+`cycle` are POST /_sim/bmc/{address}/power-cycle. The simulator's BMCs accept any login; an
+unknown address fails the way an unreachable BMC does.
 """
 
 from __future__ import annotations
@@ -38,26 +38,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Invalid command: {' '.join(args.command)}", file=sys.stderr)
         return 1
     action = args.command[2]
-    if action == "status":
-        print("Chassis Power is on")
-        return 0
-    if action not in ("on", "cycle"):
+    if action not in ("status", "on", "cycle"):
         print(f"Invalid chassis power command: {action}", file=sys.stderr)
         return 1
     token = os.environ.get("GPUCLOUD_SIM_MAAS_CONTROL_TOKEN", "")
+    url = f"{_base_url()}/_sim/bmc/{quote(args.host, safe='')}"
+    headers = {"Authorization": f"Bearer {token}"}
     try:
-        response = httpx.post(
-            f"{_base_url()}/_sim/bmc/{quote(args.host, safe='')}/power-cycle",
-            json={},
-            headers={"Authorization": f"Bearer {token}"},
-            timeout=10.0,
-        )
+        if action == "status":
+            response = httpx.get(url, headers=headers, timeout=10.0)
+        else:
+            response = httpx.post(
+                f"{url}/power-cycle", json={"action": action}, headers=headers, timeout=10.0
+            )
     except httpx.HTTPError:
         print(NO_SESSION, file=sys.stderr)
         return 1
     if response.status_code != 200:
         print(NO_SESSION, file=sys.stderr)
         return 1
+    if action == "status":
+        print(f"Chassis Power is {response.json().get('power', 'unknown')}")
+        return 0
     print(f"Chassis Power Control: {'Up/On' if action == 'on' else 'Cycle'}")
     return 0
 

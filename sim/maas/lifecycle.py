@@ -321,7 +321,12 @@ def _fail_deployment(region: Region, machine: Machine, message: str) -> None:
 
 
 def release(
-    region: Region, machine: Machine, user: str, erase: bool = False, comment: str = ""
+    region: Region,
+    machine: Machine,
+    user: str,
+    erase: bool = False,
+    comment: str = "",
+    erase_method: str = "plain",
 ) -> None:
     if machine.status in (S.READY, S.RELEASING):
         return
@@ -339,14 +344,25 @@ def release(
         set_status(region, machine, S.DISK_ERASING)
         set_power(region, machine, True)
         region.schedule(
-            machine, timings(region, machine).disk_erasing, lambda: _finish_erasing(region, machine)
+            machine,
+            timings(region, machine).disk_erasing,
+            lambda: _finish_erasing(region, machine, erase_method),
         )
     else:
         _begin_releasing(region, machine)
 
 
-def _finish_erasing(region: Region, machine: Machine) -> None:
+def _finish_erasing(region: Region, machine: Machine, method: str = "plain") -> None:
     failure = machine_faults(machine).take(F.ERASE_FAILS)
+    region.erasures.append(
+        {
+            "system_id": machine.system_id,
+            "hostname": machine.hardware.spec.hostname if machine.hardware else None,
+            "method": method,
+            "outcome": "failed" if failure is not None else "erased",
+            "at": region.wall_now(),
+        }
+    )
     if failure is not None:
         message = failure.message or ERASE_FAILED
         machine.error_description = message

@@ -71,6 +71,12 @@ class Region:
         self.hardware: dict[str, Hardware] = {}  # by BMC address
         self.machines: dict[str, Machine] = {}  # by system_id, in creation order
         self.events: list[Event] = []
+        # What happened to the physical machines, for tests to observe (never shown through the
+        # MAAS API): every BMC request in order ({"address", "action": status|on|cycle,
+        # "power_before", "at"}), and every disk erase MAAS ran to its end ({"system_id",
+        # "hostname" (scenario), "method": plain|quick|secure, "outcome": erased|failed, "at"}).
+        self.bmc_log: list[dict[str, Any]] = []
+        self.erasures: list[dict[str, Any]] = []
         # MAAS global config (maas/?op=get_config / set_config), as MAAS stores it.
         self.config: dict[str, Any] = {
             "hardware_sync_interval": _timespan(self.site.hardware_sync_interval),
