@@ -248,15 +248,18 @@ def _render_interface(devices: ET.Element, plan: SliceDomain) -> None:
         _sub(iface, "mtu", size=str(plan.mtu))
 
 
-def render_filesystem(source_dir: str, tag: str, *, read_only: bool) -> str:
-    """A host directory for the guest to mount as virtiofs (`mount -t virtiofs <tag> <dir>`).
-    `read_only` also marks the device; the host directory is a read-only bind mount already."""
+def render_filesystem(source_dir: str, tag: str) -> str:
+    """A host directory for the guest to mount as virtiofs (`mount -t virtiofs <tag> <dir>`),
+    served by the host's virtiofsd, which libvirt starts for the device (and stops with it).
+
+    Never `<readonly/>`: libvirt 9.0 (Debian 12) refuses it for virtiofs ("virtiofs does not yet
+    support read-only mode", for the device hot-plugged and in a definition alike). A read-only
+    attachment is a read-only bind mount on the host (agent/storage_mounts.py), which virtiofsd
+    serves as it is: the guest's writes fail with EROFS (tests/test_qemu_guest_virtiofs.py)."""
     fs = ET.Element("filesystem", {"type": "mount", "accessmode": "passthrough"})
     _sub(fs, "driver", type="virtiofs")
     _sub(fs, "source", dir=source_dir)
     _sub(fs, "target", dir=tag)
-    if read_only:
-        _sub(fs, "readonly")
     return ET.tostring(fs, encoding="unicode")
 
 

@@ -26,6 +26,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -86,6 +87,7 @@ class LibvirtSliceBackend:
         gpu_health: GpuHealthCheck | None = None,
         networks: SliceNetworks | None = None,
         domain_type: str = domain_xml.DEFAULT_DOMAIN_TYPE,
+        device_removal_timeout_s: float = 60.0,
     ) -> None:
         """
         uri: libvirt URI ("qemu:///system"; "test:///abs/path/host.xml" in tests).
@@ -99,6 +101,8 @@ class LibvirtSliceBackend:
             host); None skips the check (the test driver's GPUs have no sysfs).
         domain_type: "kvm" (production) or "qemu" (TCG, where KVM is unusable); libvirt's test
             driver always gets "test".
+        device_removal_timeout_s: how long a live detach waits for the guest to let the device
+            go before the task fails (and is retried).
         """
         if domain_type not in domain_xml.DOMAIN_TYPES:
             raise ValueError(f"domain_type must be one of {', '.join(domain_xml.DOMAIN_TYPES)}")
@@ -122,6 +126,7 @@ class LibvirtSliceBackend:
         self.readiness_timeout_s = readiness_timeout_s
         self.driver_timeout_s = driver_timeout_s
         self.poll_interval_s = poll_interval_s
+        self.device_removal_timeout_s = device_removal_timeout_s
         self._conn = connection
         self._lock = threading.Lock()
         # Serialises define and lease bookkeeping: two allocations must not claim one GPU.
@@ -374,55 +379,105 @@ class LibvirtSliceBackend:
         self, allocation_id: str, source_dir: Path, tag: str, *, read_only: bool
     ) -> str:
         """Give the allocation's VM the host directory as virtiofs filesystem `tag`: hot-plugged
-        into the running guest and kept in its definition. One already there is adopted."""
+        into the running guest (libvirt starts a virtiofsd for it) and kept in the domain's
+        definition, so a restarted VM has it again. Where it is already (live, defined) counts
+        as done. `read_only`: the directory must be a read-only mount already, the one guard a
+        virtiofs device has here (domain_xml.render_filesystem)."""
         _check_ids(allocation_id, None)
         domain = self.lookup_domain(allocation_id)
         if domain is None:
             raise HostError(
                 HostErrorType.INVALID_SPEC, f"allocation {allocation_id} has no VM on this node"
             )
+        if read_only and not _read_only_mount(source_dir):
+            raise HostError(
+                HostErrorType.STORAGE_ERROR,
+                f"virtiofs {tag} not attached: the host directory of a read-only attachment "
+                "is not a read-only mount",
+            )
         with self._define_lock:
-            persistent = domain.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE)
-            if domain_xml.filesystem_element(persistent, tag) is not None:
+            found = self._filesystem_devices(domain, tag)
+            config = found.defined is None
+            live = found.hot_pluggable and found.live is None
+            if not (config or live):
                 return f"virtiofs {tag} already attached"
-            device = domain_xml.render_filesystem(str(source_dir), tag, read_only=read_only)
-            return self._change_device(domain, persistent, tag, device, attach=True)
+            device = domain_xml.render_filesystem(str(source_dir), tag)
+            return self._change_device(domain, tag, device, attach=True, config=config, live=live)
 
     def detach_filesystem(self, allocation_id: str, tag: str) -> str:
         """Take filesystem `tag` out of the VM (live and its definition); what is not there (or a
-        VM already gone) counts as done."""
+        VM already gone) counts as done. The live unplug is done when libvirt has removed the
+        device (the guest let go of it, virtiofsd stopped): until then the host directory is
+        still the guest's, and the task fails after `device_removal_timeout_s` (a retry waits
+        again). A guest with the filesystem mounted does not refuse: its mount loses the device
+        (ENOTCONN)."""
         _check_ids(allocation_id, None)
         domain = self.lookup_domain(allocation_id)
         if domain is None:
             return "no VM: nothing attached"
         with self._define_lock:
-            persistent = domain.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE)
-            device = domain_xml.filesystem_element(persistent, tag)
+            found = self._filesystem_devices(domain, tag)
+            live = found.hot_pluggable and found.live is not None
+            # The defined element where there is one: libvirt matches a device by target tag and,
+            # when the XML names one, by alias, which the definition has not and the live has.
+            device = found.defined or (found.live if live else None)
             if device is None:
                 return f"virtiofs {tag} was not attached"
-            return self._change_device(domain, persistent, tag, device, attach=False)
+            config = found.defined is not None
+            message = self._change_device(
+                domain, tag, device, attach=False, config=config, live=live
+            )
+            if live:
+                self._wait_device_removed(domain, tag)
+            return message
+
+    def _filesystem_devices(self, domain: Any, tag: str) -> _FilesystemDevices:
+        defined = domain_xml.filesystem_element(
+            domain.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE), tag
+        )
+        # libvirt's test driver changes no running domain's devices (it has no hot-plug).
+        if self.is_test_driver or not domain.isActive():
+            return _FilesystemDevices(defined, None, hot_pluggable=False)
+        live = domain_xml.filesystem_element(domain.XMLDesc(0), tag)
+        return _FilesystemDevices(defined, live, hot_pluggable=True)
 
     def _change_device(
-        self, domain: Any, persistent: str, tag: str, device: str, *, attach: bool
+        self, domain: Any, tag: str, device: str, *, attach: bool, config: bool, live: bool
     ) -> str:
-        live = domain.isActive()
-        flags = libvirt.VIR_DOMAIN_AFFECT_CONFIG | (libvirt.VIR_DOMAIN_AFFECT_LIVE if live else 0)
+        flags = (libvirt.VIR_DOMAIN_AFFECT_CONFIG if config else 0) | (
+            libvirt.VIR_DOMAIN_AFFECT_LIVE if live else 0
+        )
         verb = "attached" if attach else "detached"
         try:
             (domain.attachDeviceFlags if attach else domain.detachDeviceFlags)(device, flags)
         except libvirt.libvirtError as err:
             if err.get_error_code() != libvirt.VIR_ERR_NO_SUPPORT:
-                # A guest that holds the filesystem mounted refuses the unplug, for one.
+                # libvirt or QEMU said no (no virtiofsd for the device, no free PCI slot, an
+                # unplug still pending): retried, then the attachment's failure.
                 raise HostError(
                     HostErrorType.STORAGE_ERROR, f"virtiofs {tag} not {verb}: {err}"
                 ) from None
             # The driver has no device hot-plug at all (libvirt's test driver): the persistent
             # definition carries the change, and the guest sees it from its next boot.
+            persistent = domain.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE)
             self.conn.defineXML(
                 domain_xml.with_filesystem(persistent, tag, device if attach else None)
             )
             return f"virtiofs {tag} {verb} in the definition (this driver has no hot-plug)"
         return f"virtiofs {tag} {verb}{' live' if live else ''}"
+
+    def _wait_device_removed(self, domain: Any, tag: str) -> None:
+        """libvirt answers a live detach after waiting a few seconds for the guest; a slow guest
+        (TCG under load) lets the device go later, and only then is virtiofsd stopped."""
+        deadline = time.monotonic() + self.device_removal_timeout_s
+        while domain.isActive() and domain_xml.filesystem_element(domain.XMLDesc(0), tag):
+            if time.monotonic() >= deadline:
+                raise HostError(
+                    HostErrorType.STORAGE_ERROR,
+                    f"virtiofs {tag}: the guest has not released the device within "
+                    f"{self.device_removal_timeout_s:g}s (the unplug stays requested)",
+                )
+            time.sleep(self.poll_interval_s)
 
     # ------------------------------------------------------------------ helpers
 
@@ -590,6 +645,16 @@ class LibvirtSliceBackend:
         return f"{len(held)} GPU lease(s) released{links}"
 
 
+@dataclass(frozen=True)
+class _FilesystemDevices:
+    """A virtiofs filesystem's device XML in a domain's definition and in its running guest
+    (None: not there); `hot_pluggable`: a running guest whose devices can change."""
+
+    defined: str | None
+    live: str | None
+    hot_pluggable: bool
+
+
 class _ShutdownTimedOut(Exception):
     """The guest did not power off in time: the release continues with a hard stop."""
 
@@ -614,6 +679,13 @@ def _start_failure(err: Exception) -> Exception:
     if _VFIO_FAILURE.search(message):
         return HostError(HostErrorType.VFIO_ERROR, f"the host refused the GPU: {message[:300]}")
     return err
+
+
+def _read_only_mount(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def _check_ids(allocation_id: str, username: str | None) -> None:
