@@ -6,7 +6,9 @@ restart."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from core.config import env
 
 STRIPE_API_KEY_PATH = "kv/stripe/api-key"  # {"key": "sk_…"}
 STRIPE_WEBHOOK_SECRET_PATH = "kv/stripe/webhook-secret"  # noqa: S105 - a path; {"secret": "whsec_…"}
@@ -14,20 +16,82 @@ STRIPE_WEBHOOK_SECRET_PATH = "kv/stripe/webhook-secret"  # noqa: S105 - a path; 
 
 @dataclass(frozen=True)
 class PaymentSettings:
-    stripe_api_base: str = "https://api.stripe.com"
-    # How long a Checkout Session waits for payment before the payment session expires.
-    session_ttl_seconds: float = 24 * 3600.0
-    # How long after that a payment that still succeeds (delayed payment methods settle days
-    # later) is credited, and flagged for review, instead of being dropped.
-    late_success_window_seconds: float = 14 * 86400.0
-    success_url: str = "http://localhost:8000/payments/success"
-    cancel_url: str = "http://localhost:8000/payments/cancel"
-    stripe_timeout_seconds: float = 20.0
-    # Stripe-Signature timestamps older than this are refused (Stripe's default tolerance).
-    webhook_tolerance_seconds: int = 300
-    reconciliation_interval_seconds: float = 300.0
-    # The admin list shows initiated sessions older than this as stuck.
-    stuck_after_seconds: float = 3600.0
+    # Each field's variable and meaning: core.config.env (docs/gen_configuration.py).
+    stripe_api_base: str = field(
+        default="https://api.stripe.com",
+        metadata=env(
+            "GPUCLOUD_STRIPE_API_BASE",
+            "worker, gateway",
+            "the Stripe API (stripe-mock under `bin/stack` and in tests); its key and webhook "
+            "secret come from Vault (`kv/stripe/api-key`, `kv/stripe/webhook-secret`), never the "
+            "environment",
+        ),
+    )
+    session_ttl_seconds: float = field(
+        default=24 * 3600.0,
+        metadata=env(
+            "GPUCLOUD_PAYMENT_SESSION_TTL_S",
+            "worker",
+            "how long a Checkout Session waits for payment before the payment session expires",
+        ),
+    )
+    # Delayed payment methods settle days later: such a success is credited and flagged for
+    # review instead of being dropped.
+    late_success_window_seconds: float = field(
+        default=14 * 86400.0,
+        metadata=env(
+            "GPUCLOUD_PAYMENT_LATE_SUCCESS_WINDOW_S",
+            "worker",
+            "how long an expired payment session still credits a late success (flagged "
+            "`late_success`)",
+        ),
+    )
+    success_url: str = field(
+        default="http://localhost:8000/payments/success",
+        metadata=env(
+            "GPUCLOUD_PAYMENT_SUCCESS_URL",
+            "worker",
+            "where Stripe's checkout page sends the tenant back after paying",
+        ),
+    )
+    cancel_url: str = field(
+        default="http://localhost:8000/payments/cancel",
+        metadata=env(
+            "GPUCLOUD_PAYMENT_CANCEL_URL",
+            "worker",
+            "where Stripe's checkout page sends the tenant back after cancelling",
+        ),
+    )
+    stripe_timeout_seconds: float = field(
+        default=20.0,
+        metadata=env("GPUCLOUD_STRIPE_TIMEOUT_S", "worker", "bound on each Stripe call"),
+    )
+    webhook_tolerance_seconds: int = field(
+        default=300,
+        metadata=env(
+            "GPUCLOUD_STRIPE_WEBHOOK_TOLERANCE_S",
+            "gateway",
+            "how old a signed webhook may be before it is refused (replay protection; Stripe's "
+            "default tolerance)",
+        ),
+    )
+    reconciliation_interval_seconds: float = field(
+        default=300.0,
+        metadata=env(
+            "GPUCLOUD_STRIPE_RECONCILE_INTERVAL_S",
+            "worker",
+            "how often open payment sessions are checked against Stripe",
+        ),
+    )
+    stuck_after_seconds: float = field(
+        default=3600.0,
+        metadata=env(
+            "GPUCLOUD_PAYMENT_STUCK_AFTER_S",
+            "gateway",
+            "age after which an open session is listed as stuck "
+            "(`GET /api/v1/admin/payments/sessions`)",
+        ),
+    )
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> PaymentSettings:
@@ -79,15 +143,43 @@ CHECKOUT_AMOUNT_LIMITS: dict[str, tuple[int, int]] = {
 class NotificationSettings:
     """How the worker delivers tenant notifications to project webhooks."""
 
-    timeout_seconds: float = 5.0
-    max_attempts: int = 8
-    # First retry after this, doubling up to max_backoff_seconds.
-    initial_backoff_seconds: float = 30.0
+    timeout_seconds: float = field(
+        default=5.0,
+        metadata=env(
+            "GPUCLOUD_NOTIFICATION_WEBHOOK_TIMEOUT_S",
+            "worker",
+            "bound on one delivery of a balance notice to a project's webhook",
+        ),
+    )
+    max_attempts: int = field(
+        default=8,
+        metadata=env(
+            "GPUCLOUD_NOTIFICATION_WEBHOOK_MAX_ATTEMPTS",
+            "worker",
+            "deliveries of one notice before it is given up",
+        ),
+    )
+    initial_backoff_seconds: float = field(
+        default=30.0,
+        metadata=env(
+            "GPUCLOUD_NOTIFICATION_WEBHOOK_RETRY_INITIAL_S",
+            "worker",
+            "first retry of a failed delivery, doubling up to an hour",
+        ),
+    )
     max_backoff_seconds: float = 3600.0
     # Webhooks on loopback, private, link-local or otherwise reserved addresses are refused
     # (the worker must not be a way into the control plane's network), and plain http with
     # them; the dev stack and the tests turn this on.
-    allow_private_targets: bool = False
+    allow_private_targets: bool = field(
+        default=False,
+        metadata=env(
+            "GPUCLOUD_NOTIFICATION_WEBHOOK_ALLOW_PRIVATE",
+            "gateway, worker",
+            "`1` lets a webhook resolve to a private or loopback address (tests, the embedded "
+            "stack)",
+        ),
+    )
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> NotificationSettings:

@@ -5,25 +5,65 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from core.config import env
 
 DEFAULT_TEMPORAL_UI_ORIGIN = "http://localhost:8233"
 
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    # The browser origin of Temporal Web, allowed by CORS to call the codec endpoint.
-    temporal_ui_origin: str = DEFAULT_TEMPORAL_UI_ORIGIN
-    # Lifetime of the codec session cookie (Temporal Web cannot send our bearer token).
-    codec_session_ttl_seconds: int = 900
-    # Lifetime of the operator console's session cookie (gateway/console/): a working shift.
-    console_session_ttl_seconds: int = 8 * 3600
-    # Mark the codec cookie Secure. None: only when the request itself came over https.
-    cookie_secure: bool | None = None
-    # Codec requests carry whole payloads; they get their own, larger body limit.
-    codec_max_body_bytes: int = 4 * 1024 * 1024
+    # Each field's variable and meaning: core.config.env (docs/gen_configuration.py).
+    host: str = field(
+        default="127.0.0.1",
+        metadata=env("GPUCLOUD_GATEWAY_HOST", "gateway, `bin/stack`", "the gateway's bind address"),
+    )
+    port: int = field(
+        default=8000,
+        metadata=env("GPUCLOUD_GATEWAY_PORT", "gateway, `bin/stack`", "the gateway's port"),
+    )
+    temporal_ui_origin: str = field(
+        default=DEFAULT_TEMPORAL_UI_ORIGIN,
+        metadata=env(
+            "GPUCLOUD_TEMPORAL_UI_ORIGIN",
+            "gateway",
+            "Temporal Web's browser origin, allowed by CORS on the codec endpoint (`bin/stack` "
+            "sets the gateway's own: Temporal Web is served under `/temporal/`)",
+        ),
+    )
+    codec_session_ttl_seconds: int = field(
+        default=900,
+        metadata=env(
+            "GPUCLOUD_CODEC_SESSION_TTL_S",
+            "gateway",
+            "lifetime of the codec session cookie (Temporal Web cannot send our bearer token)",
+        ),
+    )
+    console_session_ttl_seconds: int = field(
+        default=8 * 3600,
+        metadata=env(
+            "GPUCLOUD_CONSOLE_SESSION_TTL_S",
+            "gateway",
+            "lifetime of the operator console's session cookie (it also opens the codec endpoint)",
+        ),
+    )
+    cookie_secure: bool | None = field(
+        default=None,
+        metadata=env(
+            "GPUCLOUD_COOKIE_SECURE",
+            "gateway",
+            "force the cookies' Secure flag on (`1`) or off; unset: only over https",
+        ),
+    )
+    codec_max_body_bytes: int = field(
+        default=4 * 1024 * 1024,
+        metadata=env(
+            "GPUCLOUD_CODEC_MAX_BODY_BYTES",
+            "gateway",
+            "body limit of the codec endpoint (requests carry whole payloads)",
+        ),
+    )
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> GatewayConfig:
