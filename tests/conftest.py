@@ -42,6 +42,7 @@ pytest_plugins = [
     "tests.decommission_fixtures",
     "tests.terminal_fixtures",
     "tests.qemu_fixtures",
+    "tests.enrolled_fleet",
 ]
 
 # Skip reasons that mean "this machine lacks root", not "this machine lacks hardware". Under

@@ -33,6 +33,7 @@ from temporalio.api.enums.v1 import TaskQueueType
 from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.client import Client
+from temporalio.service import RPCError, RPCStatusCode
 from websockets.asyncio.client import ClientConnection, connect
 
 from core.config import Settings
@@ -188,15 +189,29 @@ class TerminalRig:
                 await ws.close()
 
 
+TRANSIENT_RPC_STATUSES = {
+    RPCStatusCode.CANCELLED,
+    RPCStatusCode.DEADLINE_EXCEEDED,
+    RPCStatusCode.UNAVAILABLE,
+}
+
+
 async def wait_polled(client: Client, queue: str, timeout: float = 60.0) -> None:
     async def polled() -> bool:
-        response = await client.workflow_service.describe_task_queue(
-            DescribeTaskQueueRequest(
-                namespace=client.namespace,
-                task_queue=TaskQueue(name=queue),
-                task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_ACTIVITY,
+        try:
+            response = await client.workflow_service.describe_task_queue(
+                DescribeTaskQueueRequest(
+                    namespace=client.namespace,
+                    task_queue=TaskQueue(name=queue),
+                    task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_ACTIVITY,
+                )
             )
-        )
+        except RPCError as err:
+            # A loaded dev server may cancel or time out one describe (seen in CI under load):
+            # that says nothing about the pollers; ask again.
+            if err.status in TRANSIENT_RPC_STATUSES:
+                return False
+            raise
         return bool(response.pollers)
 
     await eventually(polled, timeout=timeout, interval=0.2)

@@ -1,7 +1,8 @@
 """Allocation groups end to end through the HTTP API (seed 001 §1a): every group transition and
 side transition, idempotent creation and release under races, anti-affinity under concurrent
-placement, on real Temporal, real PostgreSQL and real agent workers whose simulated hosts
-inject the faults."""
+placement, on real Temporal, real PostgreSQL and nodes of the enrolled fleet
+(tests/enrolled_fleet.py: onboarded through the admin API, each agent enrolled), whose agents'
+simulated hosts inject the faults."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from contracts.host_tasks import SLICE_VM_PROVISION, SLICE_VM_RELEASE, HostError
 from contracts.states import AllocationGroupStatus
 from schema.models import AllocationEvent, AllocationGroupEvent, AuditEntry, NodeTask
 from sim.config import SimHostConfig
-from sim.host import SimulatedHost
+from tests.enrolled_fleet import EnrolledFleet
 from tests.factories import BAREMETAL_SKU
 from tests.histories import record_history
 from tests.lifecycle_support import (
@@ -29,8 +30,6 @@ from tests.lifecycle_support import (
     slice_request,
     wait_status,
 )
-
-pytestmark = pytest.mark.usefixtures("control_plane")
 
 GROUPS = "/api/v1/allocation-groups"
 
@@ -87,11 +86,13 @@ async def group_closed(temporal_client: Any, group_id: str) -> str:
 
 
 async def test_group_lifecycle_with_anti_affinity_and_merged_timeline(
-    tenant: Tenant, db_sessions: Any, start_node_agent: Any, temporal_client: Any, admin: Any
+    tenant: Tenant,
+    db_sessions: Any,
+    enrolled_fleet: EnrolledFleet,
+    temporal_client: Any,
+    admin: Any,
 ) -> None:
-    nodes = await create_fleet(db_sessions, slice_nodes=2)
-    for node in nodes:
-        await start_node_agent(node.id)
+    nodes = await enrolled_fleet.create(slice_nodes=2)
 
     created = await create_group(
         tenant, [member(1, tenant.ssh_key_id), member(1, tenant.ssh_key_id)]
@@ -173,8 +174,10 @@ async def test_group_lifecycle_with_anti_affinity_and_merged_timeline(
     assert stranger.status_code == 404
 
 
-async def test_idempotent_creation(tenant: Tenant, db_sessions: Any) -> None:
-    await create_fleet(db_sessions, slice_nodes=2)
+async def test_idempotent_creation(
+    tenant: Tenant, db_sessions: Any, enrolled_fleet: EnrolledFleet
+) -> None:
+    await enrolled_fleet.create(slice_nodes=2)
     body = [member(1), member(2, required=False)]
     answers = await asyncio.gather(*(create_group(tenant, body, key="grp-1") for _ in range(5)))
     assert len({a["group_id"] for a in answers}) == 1
@@ -203,6 +206,7 @@ async def test_idempotent_creation(tenant: Tenant, db_sessions: Any) -> None:
     assert (groups, members) == (1, 2)
 
 
+@pytest.mark.usefixtures("control_plane")
 async def test_bad_requests_are_refused_with_codes(tenant: Tenant) -> None:
     no_required = await tenant.client.post(
         f"{GROUPS}/", json={"members": [member(1, required=False)]}
@@ -229,10 +233,9 @@ async def test_bad_requests_are_refused_with_codes(tenant: Tenant) -> None:
 
 
 async def test_group_fails_when_no_required_member_can_become_usable(
-    tenant: Tenant, db_sessions: Any, start_node_agent: Any, temporal_client: Any
+    tenant: Tenant, db_sessions: Any, enrolled_fleet: EnrolledFleet, temporal_client: Any
 ) -> None:
-    (node,) = await create_fleet(db_sessions, slice_nodes=1)  # no bare-metal node at all
-    await start_node_agent(node.id)
+    await enrolled_fleet.create(slice_nodes=1)  # no bare-metal node at all
     created = await create_group(
         tenant,
         [member(8, sku=BAREMETAL_SKU), member(1, required=False)],
@@ -276,10 +279,10 @@ async def test_group_fails_when_no_required_member_can_become_usable(
 
 
 async def test_degraded_when_a_required_member_fails_while_another_is_usable(
-    tenant: Tenant, db_sessions: Any, start_node_agent: Any, temporal_client: Any
+    tenant: Tenant, db_sessions: Any, enrolled_fleet: EnrolledFleet, temporal_client: Any
 ) -> None:
-    nodes = await create_fleet(db_sessions, slice_nodes=2)
-    agents = [await start_node_agent(node.id) for node in nodes]
+    nodes = await enrolled_fleet.create(slice_nodes=2)
+    agents = [node.agent for node in nodes]
     # Whichever member lands on the first node fails to provision there.
     agents[0].host.faults.inject(SLICE_VM_PROVISION, HostErrorType.IMAGE_ERROR, times=1)
     created = await create_group(tenant, [member(1), member(1)])
@@ -304,11 +307,9 @@ async def test_degraded_when_a_required_member_fails_while_another_is_usable(
 
 
 async def test_active_group_degrades_when_a_required_member_is_released_alone(
-    tenant: Tenant, db_sessions: Any, start_node_agent: Any
+    tenant: Tenant, db_sessions: Any, enrolled_fleet: EnrolledFleet
 ) -> None:
-    nodes = await create_fleet(db_sessions, slice_nodes=2)
-    for node in nodes:
-        await start_node_agent(node.id)
+    await enrolled_fleet.create(slice_nodes=2)
     created = await create_group(tenant, [member(1), member(1)])
     group_id = created["group_id"]
     await wait_group(tenant, group_id, "active")
@@ -320,14 +321,12 @@ async def test_active_group_degrades_when_a_required_member_is_released_alone(
 
 
 async def test_a_group_whose_members_all_ended_alone_completes(
-    tenant: Tenant, db_sessions: Any, start_node_agent: Any, temporal_client: Any
+    tenant: Tenant, db_sessions: Any, enrolled_fleet: EnrolledFleet, temporal_client: Any
 ) -> None:
     """Issue 37: each member released on its own left the group degraded forever, its
     workflow never finishing. Once the last member has ended, the group is released (by the
     group: nobody asked for the group's release) and its workflow completes."""
-    nodes = await create_fleet(db_sessions, slice_nodes=2)
-    for node in nodes:
-        await start_node_agent(node.id)
+    await enrolled_fleet.create(slice_nodes=2)
     created = await create_group(tenant, [member(1), member(1, required=False)])
     group_id = created["group_id"]
     member_ids = [m["allocation_id"] for m in created["members"]]
@@ -367,10 +366,14 @@ async def test_a_group_whose_members_all_ended_alone_completes(
 
 
 async def test_release_failed_then_admin_force_release_of_the_group(
-    tenant: Tenant, db_sessions: Any, start_node_agent: Any, temporal_client: Any, admin: Any
+    tenant: Tenant,
+    db_sessions: Any,
+    enrolled_fleet: EnrolledFleet,
+    temporal_client: Any,
+    admin: Any,
 ) -> None:
-    nodes = await create_fleet(db_sessions, slice_nodes=2)
-    agents = [await start_node_agent(node.id) for node in nodes]
+    nodes = await enrolled_fleet.create(slice_nodes=2)
+    agents = [node.agent for node in nodes]
     created = await create_group(tenant, [member(1), member(1)])
     group_id = created["group_id"]
     active = await wait_group(tenant, group_id, "active")
@@ -433,14 +436,12 @@ async def test_release_failed_then_admin_force_release_of_the_group(
 
 
 async def test_concurrent_group_releases_release_each_member_once(
-    tenant: Tenant, db_sessions: Any, start_node_agent: Any, temporal_client: Any
+    tenant: Tenant, db_sessions: Any, enrolled_fleet: EnrolledFleet, temporal_client: Any
 ) -> None:
-    nodes = await create_fleet(db_sessions, slice_nodes=2)
+    nodes = await enrolled_fleet.create(slice_nodes=2)
     for node in nodes:
         # Slow hosts: the releases arrive while the members are still provisioning.
-        await start_node_agent(
-            node.id, SimulatedHost(str(node.id), config=SimHostConfig(phase_delay_s=0.2))
-        )
+        node.agent.host.config = SimHostConfig(phase_delay_s=0.2)
     created = await create_group(tenant, [member(1), member(1)])
     group_id = created["group_id"]
     member_ids = [m["allocation_id"] for m in created["members"]]
@@ -497,11 +498,11 @@ async def test_concurrent_group_releases_release_each_member_once(
 
 
 async def test_anti_affinity_holds_under_concurrent_placement(
-    tenant: Tenant, db_sessions: Any
+    tenant: Tenant, db_sessions: Any, enrolled_fleet: EnrolledFleet
 ) -> None:
-    """No agents: placement is all this test needs. Four groups of three members each, all
-    placed at once on three nodes with room for every member on any one of them."""
-    await create_fleet(db_sessions, slice_nodes=3)
+    """Placement is all this test needs. Four groups of three members each, all placed at once
+    on three nodes with room for every member on any one of them."""
+    await enrolled_fleet.create(slice_nodes=3)
     groups = await asyncio.gather(
         *(create_group(tenant, [member(1), member(1), member(2)]) for _ in range(4))
     )
@@ -536,6 +537,7 @@ async def test_anti_affinity_holds_under_concurrent_placement(
     assert len({g["group_id"] for g in groups}) == 4
 
 
+@pytest.mark.usefixtures("control_plane")
 async def test_a_depleted_projects_group_is_refused_402_before_anything_is_created(
     api: Any, make_project: Any, make_token: Any, db_sessions: Any, temporal_client: Any
 ) -> None:

@@ -1,6 +1,7 @@
 """AllocationWorkflow end to end through the HTTP API: every transition and every row of seed
-000's failure→state table, on real Temporal, real PostgreSQL and real agent workers whose
-simulated hosts inject the faults."""
+000's failure→state table, on real Temporal, real PostgreSQL and nodes of the enrolled fleet
+(tests/enrolled_fleet.py: onboarded through the admin API, each agent enrolled with its token and
+active by its first inventory), whose agents' simulated hosts inject the faults."""
 
 from __future__ import annotations
 
@@ -25,12 +26,13 @@ from core import search_attributes as sa
 from core.build_id import BUILD_IDS
 from gateway.allocations import allocation_id_for
 from schema.models import Allocation, AuditEntry, NodeTask
+from sim.config import SimHostConfig
+from tests.enrolled_fleet import EnrolledFleet
 from tests.factories import SLICE_SKU
 from tests.histories import record_history
 from tests.lifecycle_support import (
     Tenant,
     baremetal_request,
-    create_fleet,
     events_of,
     eventually,
     held_claims,
@@ -38,8 +40,6 @@ from tests.lifecycle_support import (
     slice_request,
     wait_status,
 )
-
-pytestmark = pytest.mark.usefixtures("control_plane")
 
 
 async def allocate(tenant: Tenant, body: dict[str, Any], key: str | None = None) -> dict[str, Any]:
@@ -52,10 +52,9 @@ async def allocate(tenant: Tenant, body: dict[str, Any], key: str | None = None)
 
 
 async def test_slice_allocation_full_lifecycle(
-    tenant: Tenant, db_sessions: Any, start_node_agent: Any, temporal_client: Any
+    tenant: Tenant, db_sessions: Any, enrolled_fleet: EnrolledFleet, temporal_client: Any
 ) -> None:
-    (node,) = await create_fleet(db_sessions, slice_nodes=1)
-    await start_node_agent(node.id)
+    (node,) = await enrolled_fleet.create(slice_nodes=1)
 
     created = await allocate(tenant, slice_request(2, tenant.ssh_key_id))
     allocation_id = created["allocation_id"]
@@ -106,10 +105,11 @@ async def test_slice_allocation_full_lifecycle(
 
 
 async def test_search_attributes_follow_the_allocation_without_an_upsert_on_the_post_path(
-    tenant: Tenant, db_sessions: Any, start_node_agent: Any, temporal_client: Any, settings: Any
+    tenant: Tenant, enrolled_fleet: EnrolledFleet, temporal_client: Any, settings: Any
 ) -> None:
-    (node,) = await create_fleet(db_sessions, slice_nodes=1)
-    created = await allocate(tenant, slice_request(2, tenant.ssh_key_id))  # no agent yet
+    (node,) = await enrolled_fleet.create(slice_nodes=1)
+    await node.agent.stop()  # the node's agent is down: the allocation waits in provisioning
+    created = await allocate(tenant, slice_request(2, tenant.ssh_key_id))
     handle = temporal_client.get_workflow_handle(allocation_workflow_id(created["allocation_id"]))
 
     async def attributes() -> dict[str, Any]:
@@ -142,7 +142,7 @@ async def test_search_attributes_follow_the_allocation_without_an_upsert_on_the_
         f"unversioned:{settings.build_id}",
     ]
 
-    await start_node_agent(node.id)
+    await enrolled_fleet.restart_agent(node)  # back before the task's schedule-to-start ends
     await wait_status(tenant.client, created["allocation_id"], "active")
     # The row turns active inside the activity; the upsert is a command of the workflow task
     # that follows it, so the attributes may lag the row by one task.
@@ -176,10 +176,9 @@ async def test_search_attributes_follow_the_allocation_without_an_upsert_on_the_
 
 
 async def test_baremetal_allocation_claims_whole_node(
-    tenant: Tenant, db_sessions: Any, start_node_agent: Any, temporal_client: Any
+    tenant: Tenant, db_sessions: Any, enrolled_fleet: EnrolledFleet, temporal_client: Any
 ) -> None:
-    (node,) = await create_fleet(db_sessions, slice_nodes=0, baremetal_nodes=1)
-    await start_node_agent(node.id)
+    (node,) = await enrolled_fleet.create(slice_nodes=0, baremetal_nodes=1)
 
     created = await allocate(tenant, baremetal_request(tenant.ssh_key_id))
     allocation_id = created["allocation_id"]
@@ -226,15 +225,14 @@ async def test_baremetal_allocation_claims_whole_node(
 async def test_provisioning_failures_land_in_failed_with_every_claim_freed(
     tenant: Tenant,
     db_sessions: Any,
-    start_node_agent: Any,
+    enrolled_fleet: EnrolledFleet,
     temporal_client: Any,
     fault: HostErrorType,
     times: int,
     phase: str | None,
 ) -> None:
-    (node,) = await create_fleet(db_sessions, slice_nodes=1)
-    agent = await start_node_agent(node.id)
-    agent.host.faults.inject(SLICE_VM_PROVISION, fault, times=times, phase=phase)
+    (node,) = await enrolled_fleet.create(slice_nodes=1)
+    node.agent.host.faults.inject(SLICE_VM_PROVISION, fault, times=times, phase=phase)
 
     allocation_id = (await allocate(tenant, slice_request(4)))["allocation_id"]
     failed = await wait_status(tenant.client, allocation_id, "failed")
@@ -259,19 +257,19 @@ async def test_provisioning_failures_land_in_failed_with_every_claim_freed(
 
 
 async def test_lease_conflict_is_retried_by_the_workflow(
-    tenant: Tenant, db_sessions: Any, start_node_agent: Any
+    tenant: Tenant, enrolled_fleet: EnrolledFleet
 ) -> None:
-    (node,) = await create_fleet(db_sessions, slice_nodes=1)
-    agent = await start_node_agent(node.id)
-    agent.host.faults.inject(SLICE_VM_PROVISION, HostErrorType.LEASE_CONFLICT, times=2)
+    (node,) = await enrolled_fleet.create(slice_nodes=1)
+    node.agent.host.faults.inject(SLICE_VM_PROVISION, HostErrorType.LEASE_CONFLICT, times=2)
     allocation_id = (await allocate(tenant, slice_request(1)))["allocation_id"]
     await wait_status(tenant.client, allocation_id, "active")
 
 
 async def test_dead_node_fails_provisioning_as_node_unreachable(
-    tenant: Tenant, db_sessions: Any, temporal_client: Any
+    tenant: Tenant, db_sessions: Any, temporal_client: Any, enrolled_fleet: EnrolledFleet
 ) -> None:
-    await create_fleet(db_sessions, slice_nodes=1)  # no agent runs for this node
+    (node,) = await enrolled_fleet.create(slice_nodes=1)
+    await node.agent.stop()  # the agent dies; the node is still active (not yet offline)
     allocation_id = (await allocate(tenant, slice_request(1)))["allocation_id"]
     failed = await wait_status(tenant.client, allocation_id, "failed", timeout=30)
     assert failed["failure_reason"] == "node_unreachable"
@@ -284,10 +282,10 @@ async def test_dead_node_fails_provisioning_as_node_unreachable(
 
 
 async def test_release_hard_stop_still_counts_as_released(
-    tenant: Tenant, db_sessions: Any, start_node_agent: Any
+    tenant: Tenant, enrolled_fleet: EnrolledFleet
 ) -> None:
-    (node,) = await create_fleet(db_sessions, slice_nodes=1)
-    agent = await start_node_agent(node.id)
+    (node,) = await enrolled_fleet.create(slice_nodes=1)
+    agent = node.agent
     allocation_id = (await allocate(tenant, slice_request(1)))["allocation_id"]
     await wait_status(tenant.client, allocation_id, "active")
     agent.host.faults.fail_graceful_shutdown()
@@ -297,10 +295,14 @@ async def test_release_hard_stop_still_counts_as_released(
 
 
 async def test_release_failed_then_user_retry_releases(
-    tenant: Tenant, db_sessions: Any, start_node_agent: Any, temporal_client: Any, admin: Any
+    tenant: Tenant,
+    db_sessions: Any,
+    enrolled_fleet: EnrolledFleet,
+    temporal_client: Any,
+    admin: Any,
 ) -> None:
-    (node,) = await create_fleet(db_sessions, slice_nodes=1)
-    agent = await start_node_agent(node.id)
+    (node,) = await enrolled_fleet.create(slice_nodes=1)
+    agent = node.agent
     allocation_id = (await allocate(tenant, slice_request(2)))["allocation_id"]
     await wait_status(tenant.client, allocation_id, "active")
 
@@ -335,10 +337,14 @@ async def test_release_failed_then_user_retry_releases(
 
 
 async def test_admin_force_release_from_release_failed_and_from_active(
-    tenant: Tenant, db_sessions: Any, start_node_agent: Any, admin: Any, temporal_client: Any
+    tenant: Tenant,
+    db_sessions: Any,
+    enrolled_fleet: EnrolledFleet,
+    admin: Any,
+    temporal_client: Any,
 ) -> None:
-    (node,) = await create_fleet(db_sessions, slice_nodes=1)
-    agent = await start_node_agent(node.id)
+    (node,) = await enrolled_fleet.create(slice_nodes=1)
+    agent = node.agent
     first = (await allocate(tenant, slice_request(1)))["allocation_id"]
     second = (await allocate(tenant, slice_request(1)))["allocation_id"]
     await wait_status(tenant.client, first, "active")
@@ -380,6 +386,7 @@ async def test_admin_force_release_from_release_failed_and_from_active(
         )
 
 
+@pytest.mark.usefixtures("control_plane")
 async def test_tenant_cannot_force_release(tenant: Tenant, db_sessions: Any) -> None:
     response = await tenant.client.post(
         f"/api/v1/admin/allocations/{uuid.uuid4()}/force-release", json={"reason": "x"}
@@ -388,10 +395,9 @@ async def test_tenant_cannot_force_release(tenant: Tenant, db_sessions: Any) -> 
 
 
 async def test_idempotent_create_and_release(
-    tenant: Tenant, db_sessions: Any, start_node_agent: Any
+    tenant: Tenant, db_sessions: Any, enrolled_fleet: EnrolledFleet
 ) -> None:
-    (node,) = await create_fleet(db_sessions, slice_nodes=1)
-    await start_node_agent(node.id)
+    await enrolled_fleet.create(slice_nodes=1)
     body = slice_request(2)
     first = await allocate(tenant, body, key="order-7")
     second = await allocate(tenant, body, key="order-7")
@@ -423,14 +429,10 @@ async def test_idempotent_create_and_release(
 
 
 async def test_release_requested_while_provisioning_runs_after_activation(
-    tenant: Tenant, db_sessions: Any, start_node_agent: Any, sim_hosts: Any, temporal_client: Any
+    tenant: Tenant, db_sessions: Any, enrolled_fleet: EnrolledFleet, temporal_client: Any
 ) -> None:
-    from sim.config import SimHostConfig
-    from sim.host import SimulatedHost
-
-    (node,) = await create_fleet(db_sessions, slice_nodes=1)
-    slow = SimulatedHost(str(node.id), config=SimHostConfig(phase_delay_s=0.3))
-    await start_node_agent(node.id, host=slow)
+    (node,) = await enrolled_fleet.create(slice_nodes=1)
+    node.agent.host.config = SimHostConfig(phase_delay_s=0.3)  # each phase takes 0.3 s
     allocation_id = (await allocate(tenant, slice_request(1)))["allocation_id"]
     await wait_status(tenant.client, allocation_id, "provisioning")
     response = await tenant.client.post(f"/api/v1/allocations/{allocation_id}/release")
@@ -453,13 +455,26 @@ async def test_release_requested_while_provisioning_runs_after_activation(
         {"gpus": 3},  # count not allowed
         {"region": "eu-nowhere-1"},  # no capacity in region
         {"sku": "h100.8x.baremetal", "gpus": 4},  # wrong shape/count for the SKU
-        {"gpus": 8},  # no node with 8 free GPUs (the fleet is 4-GPU nodes)
+        {"gpus": 8},  # no node with 8 free GPUs (another project holds 8 + 1 of the 16)
     ],
 )
 async def test_sku_unavailable_reserves_nothing(
-    tenant: Tenant, db_sessions: Any, overrides: dict[str, Any], temporal_client: Any
+    tenant: Tenant,
+    db_sessions: Any,
+    overrides: dict[str, Any],
+    enrolled_fleet: EnrolledFleet,
+    api: Any,
+    make_project: Any,
+    make_token: Any,
 ) -> None:
-    await create_fleet(db_sessions, slice_nodes=2, baremetal_nodes=0, gpus=4)
+    await enrolled_fleet.create(slice_nodes=2)
+    if overrides == {"gpus": 8}:
+        # Best fit: the 8 take one node whole, the 1 lands on the other; neither has 8 free.
+        other = await api(token=await make_token("tenant", await make_project()))
+        for gpus in (8, 1):
+            taken = await other.post("/api/v1/allocations", json=slice_request(gpus))
+            assert taken.status_code == 201, taken.text
+    reserved_before = await reserved_slots(db_sessions)
     response = await tenant.client.post(
         "/api/v1/allocations",
         json={**slice_request(1), **overrides},
@@ -468,8 +483,9 @@ async def test_sku_unavailable_reserves_nothing(
     assert response.status_code == 409, response.text
     assert response.json()["error"]["code"] == "sku_unavailable"
     async with db_sessions() as session:
-        assert (await session.scalars(select(Allocation.id))).all() == []
-    assert await reserved_slots(db_sessions) == 0
+        mine = select(Allocation.id).where(Allocation.project_id == tenant.project_id)
+        assert (await session.scalars(mine)).all() == []
+    assert await reserved_slots(db_sessions) == reserved_before
     # Replaying the same key answers the same rejection.
     again = await tenant.client.post(
         "/api/v1/allocations",
@@ -480,9 +496,9 @@ async def test_sku_unavailable_reserves_nothing(
 
 
 async def test_unknown_ssh_key_is_rejected_before_anything_is_reserved(
-    tenant: Tenant, db_sessions: Any
+    tenant: Tenant, db_sessions: Any, enrolled_fleet: EnrolledFleet
 ) -> None:
-    await create_fleet(db_sessions, slice_nodes=1)
+    await enrolled_fleet.create(slice_nodes=1)
     response = await tenant.client.post(
         "/api/v1/allocations", json=slice_request(1, str(uuid.uuid4()))
     )
@@ -492,11 +508,9 @@ async def test_unknown_ssh_key_is_rejected_before_anything_is_reserved(
 
 
 async def test_slice_placement_prefers_numa_fit_then_best_fit(
-    tenant: Tenant, db_sessions: Any, start_node_agent: Any
+    tenant: Tenant, db_sessions: Any, enrolled_fleet: EnrolledFleet
 ) -> None:
-    nodes = await create_fleet(db_sessions, slice_nodes=2)
-    for node in nodes:
-        await start_node_agent(node.id)
+    await enrolled_fleet.create(slice_nodes=2)
     first = await allocate(tenant, slice_request(2))
     # Best-fit: the second request lands on the node that already has fewer free GPUs.
     second = await allocate(tenant, slice_request(2))
@@ -522,7 +536,7 @@ async def test_post_that_times_out_names_the_allocation_it_may_have_started(
     settings: Any,
     temporal_client: Any,
     db_engine: Any,
-    start_node_agent: Any,
+    enrolled_fleet: EnrolledFleet,
 ) -> None:
     """No worker answers (the control plane is down): the gateway answers 503 within its RPC
     bound and names the allocation id, which becomes real once a worker is back."""
@@ -530,8 +544,7 @@ async def test_post_that_times_out_names_the_allocation_it_may_have_started(
 
     from worker import build_worker
 
-    (node,) = await create_fleet(db_sessions, slice_nodes=1)
-    await start_node_agent(node.id)
+    await enrolled_fleet.create(slice_nodes=1)
     quick = dataclasses.replace(
         settings, temporal_rpc_timeout_seconds=1.0, control_plane_task_queue=f"down-{uuid.uuid4()}"
     )
@@ -583,10 +596,9 @@ async def test_post_retries_an_update_the_server_aborted_and_reserves_once(
     make_ssh_key: Any,
     db_sessions: Any,
     temporal_client: Any,
-    start_node_agent: Any,
+    enrolled_fleet: EnrolledFleet,
 ) -> None:
-    (node,) = await create_fleet(db_sessions, slice_nodes=1)
-    await start_node_agent(node.id)
+    await enrolled_fleet.create(slice_nodes=1)
     faults = _AbortedUpdateWithStart(list(plan))
     aborting = Client(**{**temporal_client.config(), "interceptors": [faults]})
     project = await make_project()

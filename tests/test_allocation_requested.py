@@ -1,7 +1,8 @@
 """Seed 000's `requested`: placement creates the allocation `requested` (reserved, the workflow not
 yet provisioning) and the workflow moves it on to `provisioning`; a reserved node that leaves
 service before that fails the allocation from `requested`. And seed 001 §1's admin force-release
-while a release runs: queued behind it, not dropped. Real Temporal, PostgreSQL and agents."""
+while a release runs: queued behind it, not dropped. Real Temporal, PostgreSQL and agents; the
+nodes of the last two come from the enrolled fleet (tests/enrolled_fleet.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from contracts.node_liveness import LivenessInput
 from contracts.states import NodeTaskStatus
 from schema.models import AuditEntry, Node, NodeTask
 from sim.config import SimHostConfig
-from sim.host import SimulatedHost
+from tests.enrolled_fleet import EnrolledFleet
 from tests.histories import record_history
 from tests.lifecycle_support import (
     Tenant,
@@ -88,10 +89,9 @@ async def test_a_reserved_node_that_leaves_service_before_provisioning_fails_it_
 
 
 async def test_requested_then_provisioning_in_the_event_log(
-    tenant: Tenant, db_sessions: Any, start_node_agent: Any, control_plane: Any
+    tenant: Tenant, db_sessions: Any, enrolled_fleet: EnrolledFleet
 ) -> None:
-    (node,) = await create_fleet(db_sessions, slice_nodes=1)
-    await start_node_agent(node.id)
+    await enrolled_fleet.create(slice_nodes=1)
     created = await tenant.client.post("/api/v1/allocations", json=slice_request(1))
     assert created.json()["status"] == "requested"
     active = await wait_status(tenant.client, created.json()["allocation_id"], "active")
@@ -107,14 +107,13 @@ async def test_requested_then_provisioning_in_the_event_log(
 async def test_admin_force_release_during_a_running_release_runs_after_it_fails(
     tenant: Tenant,
     db_sessions: Any,
-    start_node_agent: Any,
+    enrolled_fleet: EnrolledFleet,
     admin: Any,
     temporal_client: Any,
-    control_plane: Any,
 ) -> None:
-    (node,) = await create_fleet(db_sessions, slice_nodes=1)
-    slow = SimulatedHost(str(node.id), config=SimHostConfig(phase_delay_s=0.3))
-    agent = await start_node_agent(node.id, host=slow)
+    (node,) = await enrolled_fleet.create(slice_nodes=1)
+    agent = node.agent
+    agent.host.config = SimHostConfig(phase_delay_s=0.3)  # each phase takes 0.3 s
     allocation_id = (await tenant.client.post("/api/v1/allocations", json=slice_request(1))).json()[
         "allocation_id"
     ]

@@ -136,6 +136,10 @@ async def test_late_enrollment_is_adopted(onboarding: OnboardingRig) -> None:
 
     onboarding.first_boot.release("r-late")  # it enrolls late, with the pushed token
     await onboarding.first_boot.wait_for("r-late", enrolled=True, timeout=20)
+    # The adopt re-observes enrollment and inventory under the site's timeout: give the agent,
+    # reachable now, the usual time (4 s was for failing fast above, and is too short for its
+    # first inventory on a loaded machine).
+    await onboarding.set_policy(enrollment_timeout_seconds=120)
     result = await onboarding.action(job, "adopt_observed_state")
     assert result.expected_status == "reconciled"
     row = await onboarding.wait_status(job, "reconciled")
