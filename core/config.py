@@ -54,8 +54,9 @@ class Settings:
     codec_key_b64: str = field(
         metadata=env(
             "GPUCLOUD_CODEC_KEY",
-            "all",
-            "base64 of a 16/24/32-byte AES key for the payload codec; **set it in production**",
+            "control plane (worker, gateway, CLIs); agents only in development (`--node-id`)",
+            "base64 of a 16/24/32-byte AES key for the payload codec, the cluster key; each node "
+            "gets a key derived from it at enrollment and never this one; **set it in production**",
             default="a fixed development key",
         )
     )
