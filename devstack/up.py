@@ -665,6 +665,8 @@ class Stack:
         return await self.client.service_client.check_health(timeout=timedelta(seconds=2))
 
     async def start(self) -> dict[str, str]:
+        """Every process of the stack, in the order their dependencies need, each waited for
+        until it answers; returns the demo tokens (admin, tenant) and the demo site's id."""
         o = self.o
         o.state_dir.mkdir(parents=True, exist_ok=True)
         o.logs_dir.mkdir(parents=True, exist_ok=True)
@@ -672,9 +674,37 @@ class Stack:
         # Temporal Web is the ui-server in both modes, behind the gateway's console sign-in;
         # the dev server's embedded UI (no sign-in, every write action on) is never served.
         web_problem = await asyncio.to_thread(self._build_temporal_web)
-
         # The dev server first: it takes a few seconds, PostgreSQL and the migrations run
         # meanwhile. A cluster needs PostgreSQL first (below).
+        temporal = await self._start_dev_temporal()
+        vault, maas = await self._start_side_servers()
+
+        t0 = time.monotonic()
+        database_url = await asyncio.to_thread(self._start_postgres)
+        _say(f"  postgres   ready on 127.0.0.1:{o.pg_port}, database migrated "
+             f"({time.monotonic() - t0:.1f}s)")  # fmt: skip
+        self._check_stop()
+        tokens = await seed(database_url, o.tokens_file)
+        _say("  demo data  catalog, fleet, project 'demo' and tokens in place")
+
+        await self._ready_temporal(temporal, web_problem, t0)
+        approle_env = await self._ready_vault(vault)
+        started = await self._start_control_plane(database_url, approle_env)
+        await self._wait_for("the MAAS simulator",
+                             lambda: http_ok(f"{o.maas_url}/api/2.0/version/"), maas,
+                             limit_s=30)  # fmt: skip
+        maas_key = _maas_api_key(o.maas_api_key_file)
+        tokens["maas_site_id"] = await seed_demo_site(o, tokens["admin_token"], maas_key)
+        _say(f"  maas-sim   ready on {o.maas_url} (pid {maas.pid}), demo site 'demo-maas'")
+        for child in started:
+            _say(f"  {child.name:<10} ready (pid {child.pid}), log {child.log_path}")
+        _say(f"  all up in {time.monotonic() - t0:.1f}s")
+        return tokens
+
+    async def _start_dev_temporal(self) -> Child:
+        """The Temporal dev server's child; started here only in dev mode (a cluster is started
+        once PostgreSQL is up, `_ready_temporal`)."""
+        o = self.o
         temporal_argv = [
             str(temporal_cli_path(build=False)),
             "server",
@@ -692,6 +722,12 @@ class Stack:
             self.children.append(temporal)
             await temporal.start()
             _say(f"  temporal   starting (pid {temporal.pid}), log {temporal.log_path}")
+        return temporal
+
+    async def _start_side_servers(self) -> tuple[Child, Child]:
+        """Vault, the MAAS simulator with its first-boot machines, and stripe-mock: started, not
+        yet waited for (returns the Vault and MAAS children, waited for later)."""
+        o = self.o
         if o.vault == "hashicorp":
             vault_argv = server_argv(o.hashicorp_vault)
         else:
@@ -702,8 +738,9 @@ class Stack:
         vault = Child("vault", vault_argv, o.logs_dir / "vault.log", dict(os.environ), REPO_ROOT)
         self.children.append(vault)
         await vault.start()
-        maas_key = _maas_api_key(o.maas_api_key_file)
-        maas_control_token = _maas_control_token(o.maas_control_token_file)
+        # Both files are made on first use, before the simulator reads them.
+        _maas_api_key(o.maas_api_key_file)
+        _maas_control_token(o.maas_control_token_file)
         maas_argv = [sys.executable, "-m", "sim.maas", "--host", "127.0.0.1",
                      "--port", str(o.maas_port),
                      "--api-key-file", str(o.maas_api_key_file),
@@ -726,15 +763,12 @@ class Stack:
                        o.logs_dir / "stripe-mock.log", dict(os.environ), REPO_ROOT)  # fmt: skip
         self.children.append(stripe)
         await stripe.start()
+        return vault, maas
 
-        t0 = time.monotonic()
-        database_url = await asyncio.to_thread(self._start_postgres)
-        _say(f"  postgres   ready on 127.0.0.1:{o.pg_port}, database migrated "
-             f"({time.monotonic() - t0:.1f}s)")  # fmt: skip
-        self._check_stop()
-        tokens = await seed(database_url, o.tokens_file)
-        _say("  demo data  catalog, fleet, project 'demo' and tokens in place")
-
+    async def _ready_temporal(self, temporal: Child, web_problem: str | None, t0: float) -> None:
+        """Temporal answering (a cluster started first, now that PostgreSQL is up), Temporal
+        Web in front of it, and the dev server's visibility store trimmed."""
+        o = self.o
         if o.temporal == "cluster":
             temporal = await self._start_temporal_cluster()
         await self._wait_for("Temporal", self._connect_temporal, temporal)
@@ -750,7 +784,13 @@ class Stack:
                 _say(f"  temporal   dropped {dropped} visibility indexes nothing queries")
             if await asyncio.to_thread(guard_full_text_triggers, temporal_db):
                 _say("  temporal   full-text visibility triggers now write only what changed")
-        # Before the worker and the gateway: they read secrets from it at call time.
+
+    async def _ready_vault(self, vault: Child) -> dict[str, dict[str, str]]:
+        """Vault answering (HashiCorp's initialised and unsealed), the Stripe secrets in it, and
+        the AppRole logins of the worker and the gateway (returned), each with its own policy;
+        the root token stays with the stack. Before the worker and the gateway start: they read
+        secrets from it at call time."""
+        o = self.o
         if o.vault == "hashicorp":
             # Answers while sealed or uninitialised too (sys/health would not say 200 then).
             await self._wait_for("Vault", lambda: http_ok(f"{o.vault_addr}/v1/sys/seal-status"),
@@ -761,12 +801,18 @@ class Stack:
                              limit_s=30)  # fmt: skip
         _say(f"  vault      ready on {o.vault_addr} (pid {vault.pid}), log {vault.log_path}")
         await seed_stripe_secrets(o)
-        # The worker and the gateway log in by AppRole, each with its own policy; the root
-        # token stays with the stack (bootstrap and seeding).
-        approle_env = await asyncio.to_thread(
+        return await asyncio.to_thread(
             provision_vault_auth, o.vault_addr, o.vault_token_file, o.state_dir / "vault-approle"
         )
 
+    async def _start_control_plane(
+        self, database_url: str, approle_env: dict[str, dict[str, str]]
+    ) -> list[Child]:
+        """The worker, the gateway and (with agents) the simulated fleet, started and waited for
+        together: the worker polling its queue, the fleet's agents polling and none of the demo
+        nodes offline, the gateway's health check answering. Returns them, in start order."""
+        o = self.o
+        maas_control_token = _maas_control_token(o.maas_control_token_file)
         envs = self.process_envs(database_url, approle_env, maas_control_token)
         env, worker_env, gateway_env = envs["fleet"], envs["worker"], envs["gateway"]
         worker = Child("worker", python_entry("worker"), o.logs_dir / "worker.log", worker_env,
@@ -818,15 +864,7 @@ class Stack:
             await asyncio.gather(*waits)
         finally:
             await readiness_db.dispose()
-        await self._wait_for("the MAAS simulator",
-                             lambda: http_ok(f"{o.maas_url}/api/2.0/version/"), maas,
-                             limit_s=30)  # fmt: skip
-        tokens["maas_site_id"] = await seed_demo_site(o, tokens["admin_token"], maas_key)
-        _say(f"  maas-sim   ready on {o.maas_url} (pid {maas.pid}), demo site 'demo-maas'")
-        for child in started:
-            _say(f"  {child.name:<10} ready (pid {child.pid}), log {child.log_path}")
-        _say(f"  all up in {time.monotonic() - t0:.1f}s")
-        return tokens
+        return started
 
     async def supervise(self) -> int:
         """Until a stop is requested (0) or a child exits on its own (1)."""
