@@ -70,6 +70,7 @@ from workflows.onboarding import MaasNodeOnboardWorkflow
 from workflows.onboarding_batch import MaasNodeBatchOnboardWorkflow
 from workflows.payment_session import PaymentSessionWorkflow
 from workflows.storage_attachment import StorageAttachmentWorkflow
+from workflows.storage_namespace import StorageNamespaceDeleteWorkflow
 from workflows.stripe_reconciliation import StripeReconciliationWorkflow
 from workflows.terminal_session import TerminalSessionWorkflow
 
@@ -90,6 +91,7 @@ WORKFLOWS = [
     TerminalSessionWorkflow,
     StorageAttachmentWorkflow,
     NodeHealthProbeWorkflow,
+    StorageNamespaceDeleteWorkflow,
 ]
 
 # Workflow modules stay sandboxed; every other module (our contracts, the SDK, the standard

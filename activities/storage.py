@@ -1,8 +1,11 @@
 """Storage namespaces and attachments in the worker (seed 001 §7).
 
-- Namespace create/delete are AdminOperationWorkflow operations (tenant and admin API): the row,
-  its audit row and the provider's directory. A delete is refused while any attachment of the
-  namespace is not `detached`; it is the only path that deletes a namespace's data.
+- Namespace create is an AdminOperationWorkflow operation: the provider's directory, then the
+  row and its audit row in one transaction that holds the project's storage lock and checks its
+  limits (403 quota_exceeded). Delete is StorageNamespaceDeleteWorkflow's (workflows/
+  storage_namespace.py): begin (active → deleting, refused while any attachment of the namespace
+  is not `detached`), remove the data in bounded heartbeating chunks, finish (→ deleted once the
+  provider reports it gone). It is the only path that deletes a namespace's data.
 - StorageAttachmentWorkflow's activities: open (the row, `requested`), transitions
   (compare-and-set on seed 001 §7's table with an event row in the same transaction), the
   precheck (write mode against quota posture, provider capability and policy, other writers:
@@ -11,7 +14,7 @@
 - `storage.detach_for_release`: AllocationWorkflow's release detaches every attachment of the
   allocation first (each through its own workflow's detach update) and waits for them.
 - Billing (issue 37): a namespace's storage usage record (its quota, priced per GB-hour) is
-  opened in the transaction that creates it and closed in the one that deletes it
+  opened in the transaction that creates it and closed in the one that makes it `deleting`
   (activities/billing/storage_usage.py); a namespace with no price in its account's currency is
   refused. The meter runs `storage.measure_usage` (used bytes for the namespace view, measured
   off any tenant's path) and `storage.detach_for_billing` (a depleted account's attachments once
@@ -37,6 +40,7 @@ from temporalio.api.enums.v1 import TaskQueueType
 from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.client import Client, WorkflowUpdateFailedError
+from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
@@ -47,7 +51,7 @@ from activities.billing.storage_usage import (
 )
 from activities.node_task_log import queue_task, record_task_outcome
 from activities.operation_support import record_audit, refusal, transaction
-from activities.storage_provider import StorageProvider
+from activities.storage_provider import DELETE_CHUNK_ENTRIES, StorageProvider
 from contracts.admin_operation import NOT_FOUND
 from contracts.billing_meter import (
     STORAGE_DETACH_FOR_BILLING,
@@ -77,8 +81,13 @@ from contracts.storage import (
     NAMESPACE_ATTACHED,
     NAMESPACE_CREATE,
     NAMESPACE_DELETE,
+    NAMESPACE_DELETE_BEGIN,
+    NAMESPACE_DELETE_FINISH,
+    NAMESPACE_DELETE_WORKFLOW,
+    NAMESPACE_DELETING,
     NAMESPACE_EXISTS,
     NAMESPACE_NOT_FOUND,
+    NAMESPACE_REMOVE_DATA,
     NAMESPACE_USAGE,
     NODE_ALIVE,
     NODE_LIVENESS_UNKNOWN,
@@ -98,7 +107,10 @@ from contracts.storage import (
     HostTaskFinishInput,
     HostTaskQueueInput,
     NamespaceCreateInput,
+    NamespaceDeleteFinishInput,
     NamespaceDeleteInput,
+    NamespaceDeleteWorkflowInput,
+    NamespaceRemoveDataResult,
     NamespaceState,
     NamespaceStatus,
     NodeObservation,
@@ -108,10 +120,14 @@ from contracts.storage import (
     PrecheckResult,
     TransitionInput,
     WriteMode,
+    namespace_delete_workflow_id,
 )
 from core.task_queues import node_task_queue
 from schema.models import (
+    DEFAULT_STORAGE_NAMESPACE_LIMIT,
+    DEFAULT_STORAGE_QUOTA_LIMIT_BYTES,
     Allocation,
+    BillingAccount,
     Node,
     StorageAttachment,
     StorageAttachmentEvent,
@@ -132,6 +148,10 @@ MEASURE_INTERVAL_SECONDS = 5 * 60
 # three times per timeout).
 _HEARTBEAT_S = 5.0
 TRANSITION_CONFLICT = "storage_transition_conflict"
+# One NAMESPACE_REMOVE_DATA attempt removes chunks for about this long, then answers its
+# progress (the workflow calls again): an attempt is bounded, and the history grows per attempt,
+# not per chunk.
+REMOVE_BUDGET_SECONDS = 20.0
 
 
 def attachment_view(row: StorageAttachment) -> AttachmentView:
@@ -232,6 +252,54 @@ async def _record_measure(session: AsyncSession, namespace_id: uuid.UUID, usage:
     )
 
 
+async def _lock_project_storage(session: AsyncSession, project_id: uuid.UUID) -> None:
+    """The project's storage lock, until the transaction ends: namespace creates of one project
+    take it in turn, so each counts what the ones before it made."""
+    await session.execute(
+        select(func.pg_advisory_xact_lock(func.hashtextextended(f"storage-limits:{project_id}", 0)))
+    )
+
+
+async def _refuse_beyond_limits(
+    session: AsyncSession, project_id: uuid.UUID, quota_bytes: int
+) -> None:
+    """403 quota_exceeded beyond the project's limits (admin-set on its billing account, else the
+    policy's defaults) on its active namespaces and their total quota. A deleting namespace no
+    longer counts: it is no longer billed nor usable (its data is on its way out)."""
+    limits = (
+        await session.execute(
+            select(
+                BillingAccount.storage_namespace_limit, BillingAccount.storage_quota_limit_bytes
+            ).where(BillingAccount.project_id == project_id)
+        )
+    ).first()
+    namespace_limit, quota_limit = (
+        (int(limits[0]), int(limits[1]))
+        if limits is not None
+        else (DEFAULT_STORAGE_NAMESPACE_LIMIT, DEFAULT_STORAGE_QUOTA_LIMIT_BYTES)
+    )
+    count, total = (
+        await session.execute(
+            select(func.count(), func.coalesce(func.sum(StorageNamespace.quota_bytes), 0)).where(
+                StorageNamespace.project_id == project_id,
+                StorageNamespace.status == NamespaceStatus.ACTIVE,
+            )
+        )
+    ).one()
+    if count + 1 > namespace_limit or int(total) + quota_bytes > quota_limit:
+        raise refusal(
+            QUOTA_EXCEEDED,
+            "the project's storage limits do not allow this namespace",
+            {
+                "namespace_limit": namespace_limit,
+                "namespaces": int(count),
+                "quota_limit_bytes": quota_limit,
+                "quota_bytes": int(total),
+                "requested_quota_bytes": quota_bytes,
+            },
+        )
+
+
 class StorageActivities:
     def __init__(
         self,
@@ -240,11 +308,15 @@ class StorageActivities:
         client: Client,
         *,
         measure_interval_seconds: int = MEASURE_INTERVAL_SECONDS,
+        delete_chunk_entries: int = DELETE_CHUNK_ENTRIES,
+        remove_budget_seconds: float = REMOVE_BUDGET_SECONDS,
     ) -> None:
         self._sessions = sessions
         self._provider = provider
         self._client = client
         self._measure_interval = dt.timedelta(seconds=measure_interval_seconds)
+        self._delete_chunk_entries = delete_chunk_entries
+        self._remove_budget_seconds = remove_budget_seconds
 
     def activities(self) -> list[Callable[..., Any]]:
         """The attachment workflow's and the release's activities."""
@@ -263,6 +335,9 @@ class StorageActivities:
             self.detach_for_release,
             self.measure_usage,
             self.detach_for_billing,
+            self.namespace_delete_begin,
+            self.namespace_remove_data,
+            self.namespace_delete_finish,
         ]
 
     def operations(self) -> list[Callable[..., Any]]:
@@ -273,8 +348,11 @@ class StorageActivities:
 
     @activity.defn(name=NAMESPACE_CREATE)
     async def namespace_create(self, input: NamespaceCreateInput) -> NamespaceState:
-        """The provider's directory first (idempotent; an orphan from a refused insert is empty
-        and harmless), then the row and its audit row. The same namespace id answers the same."""
+        """The provider's directory first (idempotent), then the row and its audit row, in one
+        transaction that holds the project's storage lock and checks its limits there (403
+        quota_exceeded), so concurrent creates at the limit cannot all pass. The same namespace
+        id answers the same, whatever the limits now. A refused create takes its (empty)
+        directory away again."""
         await asyncio.to_thread(self._provider.create, input.namespace_id)
         namespace_id = uuid.UUID(input.namespace_id)
         try:
@@ -282,11 +360,14 @@ class StorageActivities:
                 existing = await session.get(StorageNamespace, namespace_id)
                 if existing is not None:
                     return namespace_state(existing)
+                project_id = uuid.UUID(input.project_id)
+                await _lock_project_storage(session, project_id)
+                await _refuse_beyond_limits(session, project_id, input.quota_bytes)
                 row = await session.scalar(
                     pg_insert(StorageNamespace)
                     .values(
                         id=namespace_id,
-                        project_id=uuid.UUID(input.project_id),
+                        project_id=project_id,
                         name=input.name,
                         provider=self._provider.kind,
                         quota_bytes=input.quota_bytes,
@@ -325,14 +406,47 @@ class StorageActivities:
                 )
                 return namespace_state(row)
         except sqlalchemy.exc.IntegrityError:
+            await self._discard_refused(namespace_id)
             raise refusal(
                 NAMESPACE_EXISTS, "the project already has a storage namespace with this name"
             ) from None
+        except ApplicationError:
+            await self._discard_refused(namespace_id)
+            raise
+
+    async def _discard_refused(self, namespace_id: uuid.UUID) -> None:
+        """The directory of a create that was refused, unless a namespace row names it after all
+        (a retried create of one that exists keeps its data)."""
+        async with transaction(self._sessions) as session:
+            if await session.get(StorageNamespace, namespace_id) is not None:
+                return
+        await asyncio.to_thread(self._provider.delete, str(namespace_id))
 
     @activity.defn(name=NAMESPACE_DELETE)
     async def namespace_delete(self, input: NamespaceDeleteInput) -> NamespaceState:
-        """active → deleted unless an attachment of it is not detached (409), then its data is
-        deleted at the provider (again on a retry: a deleted row answers and deletes again)."""
+        """The delete of older builds' AdminOperationWorkflow (one in flight at a deploy): the
+        namespace becomes `deleting` as NAMESPACE_DELETE_BEGIN does, and its
+        StorageNamespaceDeleteWorkflow is started to remove the data."""
+        state = await self.namespace_delete_begin(input)
+        await self._client.start_workflow(
+            NAMESPACE_DELETE_WORKFLOW,
+            NamespaceDeleteWorkflowInput(
+                actor=input.actor, namespace_id=input.namespace_id, project_id=input.project_id
+            ),
+            id=namespace_delete_workflow_id(input.namespace_id),
+            task_queue=activity.info().task_queue,
+            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+            id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
+        )
+        return state
+
+    @activity.defn(name=NAMESPACE_DELETE_BEGIN)
+    async def namespace_delete_begin(self, input: NamespaceDeleteInput) -> NamespaceState:
+        """active → deleting, refused (409 storage_namespace_attached) while an attachment of it
+        is not detached; no new attachment opens against a deleting one (attachment_open holds
+        the row FOR SHARE, this FOR UPDATE). Billing stops here: the usage record is closed in
+        this transaction, as the tenant can no longer use the namespace. A deleting or deleted
+        namespace answers as it is (a retry)."""
         namespace_id = uuid.UUID(input.namespace_id)
         async with transaction(self._sessions) as session:
             row = await session.scalar(
@@ -344,43 +458,102 @@ class StorageActivities:
                 input.project_id is not None and str(row.project_id) != input.project_id
             ):
                 raise refusal(NAMESPACE_NOT_FOUND, "storage namespace not found")
-            if row.status == NamespaceStatus.ACTIVE:
-                attached = list(
-                    await session.scalars(
-                        select(StorageAttachment.id).where(
-                            StorageAttachment.namespace_id == namespace_id,
-                            StorageAttachment.status != AttachmentStatus.DETACHED,
-                        )
+            if row.status != NamespaceStatus.ACTIVE:
+                return namespace_state(row)
+            attached = list(
+                await session.scalars(
+                    select(StorageAttachment.id).where(
+                        StorageAttachment.namespace_id == namespace_id,
+                        StorageAttachment.status != AttachmentStatus.DETACHED,
                     )
                 )
-                if attached:
-                    raise refusal(
-                        NAMESPACE_ATTACHED,
-                        "the namespace is attached: detach it first",
-                        {"attachment_ids": [str(a) for a in attached]},
-                    )
-                row = await session.scalar(
-                    update(StorageNamespace)
-                    .where(StorageNamespace.id == namespace_id)
-                    .values(status=NamespaceStatus.DELETED, deleted_at=func.clock_timestamp())
-                    .returning(StorageNamespace)
-                    .execution_options(populate_existing=True)
+            )
+            if attached:
+                raise refusal(
+                    NAMESPACE_ATTACHED,
+                    "the namespace is attached: detach it first",
+                    {"attachment_ids": [str(a) for a in attached]},
                 )
-                assert row is not None
-                await close_storage_usage(session, namespace_id)  # billed until now
-                record_audit(
-                    session,
-                    input.actor,
-                    action="storage_namespace.delete",
-                    target_type="storage_namespace",
-                    target_id=input.namespace_id,
-                    prior_state=NamespaceStatus.ACTIVE.value,
-                    expected_state=NamespaceStatus.DELETED.value,
-                    details={"project_id": str(row.project_id), "name": row.name},
+            row = await session.scalar(
+                update(StorageNamespace)
+                .where(StorageNamespace.id == namespace_id)
+                .values(status=NamespaceStatus.DELETING)
+                .returning(StorageNamespace)
+                .execution_options(populate_existing=True)
+            )
+            assert row is not None
+            await close_storage_usage(session, namespace_id)  # billed until now
+            record_audit(
+                session,
+                input.actor,
+                action="storage_namespace.delete",
+                target_type="storage_namespace",
+                target_id=input.namespace_id,
+                prior_state=NamespaceStatus.ACTIVE.value,
+                expected_state=NamespaceStatus.DELETED.value,
+                details={"project_id": str(row.project_id), "name": row.name},
+            )
+            return namespace_state(row)
+
+    @activity.defn(name=NAMESPACE_REMOVE_DATA)
+    async def namespace_remove_data(self, namespace_id: str) -> NamespaceRemoveDataResult:
+        """Remove the namespace's data at the provider, one bounded chunk at a time in a thread,
+        heartbeating after each, until the provider reports it gone or this attempt's time is
+        up (the workflow calls again). A cancelled or timed-out attempt stops at its next
+        heartbeat: at most the chunk it was in keeps running beside the retry, and the provider
+        takes that. A refusal of the filesystem raises, and is retried."""
+        result = NamespaceRemoveDataResult()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._remove_budget_seconds
+        while True:
+            removed, gone = await asyncio.to_thread(
+                self._provider.delete_chunk, namespace_id, self._delete_chunk_entries
+            )
+            result.removed_entries += removed
+            result.chunks += 1
+            activity.heartbeat(result.removed_entries)
+            if gone:
+                result.gone = True
+                return result
+            if loop.time() >= deadline:
+                return result
+
+    @activity.defn(name=NAMESPACE_DELETE_FINISH)
+    async def namespace_delete_finish(self, input: NamespaceDeleteFinishInput) -> NamespaceState:
+        """deleting → deleted, once the provider reported the data gone (deleted_at is then), with
+        an audit row saying what was removed. A deleted namespace answers as it is."""
+        namespace_id = uuid.UUID(input.namespace_id)
+        async with transaction(self._sessions) as session:
+            row = await session.scalar(
+                update(StorageNamespace)
+                .where(
+                    StorageNamespace.id == namespace_id,
+                    StorageNamespace.status == NamespaceStatus.DELETING,
                 )
-            state = namespace_state(row)
-        await asyncio.to_thread(self._provider.delete, input.namespace_id)
-        return state
+                .values(status=NamespaceStatus.DELETED, deleted_at=func.clock_timestamp())
+                .returning(StorageNamespace)
+                .execution_options(populate_existing=True)
+            )
+            if row is None:
+                row = await session.get(StorageNamespace, namespace_id)
+                if row is None:
+                    raise refusal(NAMESPACE_NOT_FOUND, "storage namespace not found")
+                return namespace_state(row)
+            record_audit(
+                session,
+                input.actor,
+                action="storage_namespace.data_removed",
+                target_type="storage_namespace",
+                target_id=input.namespace_id,
+                prior_state=NamespaceStatus.DELETING.value,
+                expected_state=NamespaceStatus.DELETED.value,
+                details={
+                    "project_id": str(row.project_id),
+                    "removed_entries": input.removed_entries,
+                    "chunks": input.chunks,
+                },
+            )
+            return namespace_state(row)
 
     # ------------------------------------------------------------------ attachments
 
@@ -413,6 +586,16 @@ class StorageActivities:
                 .where(StorageNamespace.id == uuid.UUID(input.namespace_id))
                 .with_for_update(read=True)
             )
+            if (
+                namespace is not None
+                and namespace.project_id == project_id
+                and namespace.status == NamespaceStatus.DELETING
+            ):
+                raise refusal(
+                    NAMESPACE_DELETING,
+                    "the storage namespace is being deleted",
+                    {"status": namespace.status},
+                )
             if (
                 namespace is None
                 or namespace.project_id != project_id

@@ -49,6 +49,7 @@ the workload's business), so the namespace's policy decides.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -66,6 +67,9 @@ from contracts.storage import NAMESPACE_GID_MAX, NAMESPACE_GID_MIN, PROVIDER_SHA
 logger = logging.getLogger("activities.storage_provider")
 
 STORAGE_ROOT_ENV = "GPUCLOUD_STORAGE_ROOT"
+# A delete removes this many entries (files, directories) per chunk; the caller heartbeats
+# between chunks.
+DELETE_CHUNK_ENTRIES = 1000
 DEFAULT_STORAGE_ROOT = "/srv/gpucloud-storage"
 
 # A POSIX default ACL as the kernel takes it (the system.posix_acl_default xattr): version 2,
@@ -97,6 +101,12 @@ class StorageProvider(Protocol):
 
     def delete(self, key: str) -> None:
         """Delete the namespace's data: only ever for a namespace deleted by its owner."""
+        ...
+
+    def delete_chunk(self, key: str, max_entries: int) -> tuple[int, bool]:
+        """Remove at most `max_entries` entries of the namespace's data; answers how many it
+        removed and whether the namespace is gone (data, grants and all). Bounded, so a caller
+        heartbeats between chunks and a cancelled caller leaves at most one chunk running."""
         ...
 
     def usage_bytes(self, key: str) -> int: ...
@@ -141,15 +151,38 @@ class SharedDirectoryProvider:
         self._own_group(key)
 
     def delete(self, key: str) -> None:
+        while not self.delete_chunk(key, DELETE_CHUNK_ENTRIES)[1]:
+            pass
+
+    def delete_chunk(self, key: str, max_entries: int) -> tuple[int, bool]:
+        """The data first, bottom-up, `max_entries` unlinks or rmdirs at a time; once its
+        directory is gone, the grants and then the gid (a retried delete finds the claim by
+        probing, see _claimed_gid). Safe beside another call on the same key (an earlier attempt
+        still finishing its chunk): what the other removed is skipped. Raises what the
+        filesystem refuses (an immutable file, a mount inside the namespace): the namespace is
+        then not gone, and the caller tries again later."""
+        top = self.namespace_dir(key)
+        removed = 0
+        if top.is_symlink():
+            top.unlink(missing_ok=True)
+            removed += 1
+        elif top.exists():
+            removed += _remove_bottom_up(top, max_entries)
+        if os.path.lexists(top):
+            return removed, False
+        grants = self._grants_dir(key)
+        if os.path.lexists(grants):
+            if grants.is_symlink():
+                grants.unlink(missing_ok=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):  # removed beside us
+                    shutil.rmtree(grants)
+            if os.path.lexists(grants):
+                return removed, False
         gid = self._claimed_gid(key)
-        for path in (self._grants_dir(key), self.namespace_dir(key)):
-            if path.is_symlink():
-                path.unlink()
-            elif path.exists():
-                shutil.rmtree(path)
-        # The gid last: a retried delete finds the claim by probing (see _claim_gid).
         if gid is not None:
             self._gid_claim(gid).unlink(missing_ok=True)
+        return removed, True
 
     # ------------------------------------------------------------------ the namespace's group
 
@@ -267,6 +300,64 @@ class SharedDirectoryProvider:
 
     def revoke(self, key: str, attachment_id: str) -> None:
         (self._grants_dir(key) / f"{attachment_id}.json").unlink(missing_ok=True)
+
+
+def _remove_bottom_up(top: Path, budget: int) -> int:
+    """Unlink files and remove emptied directories under `top` (and `top` itself last), at most
+    `budget` of them: depth first, never following a symlink, reading each directory lazily (a
+    directory of millions of entries is not listed whole). Answers how many it removed. An
+    entry the filesystem refuses is stepped over, so everything else still goes; once nothing
+    else is left, the first refusal is raised (the caller tries again later)."""
+    removed = 0
+    refused: dict[str, OSError] = {}
+    stack = [os.fspath(top)]
+    while stack and removed < budget:
+        directory = stack[-1]
+        descended = False
+        try:
+            with os.scandir(directory) as entries:
+                for entry in entries:
+                    if entry.path in refused:
+                        continue
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append(entry.path)
+                        descended = True
+                        break
+                    try:
+                        os.unlink(entry.path)
+                    except FileNotFoundError:
+                        continue
+                    except OSError as err:
+                        refused[entry.path] = err
+                        continue
+                    removed += 1
+                    if removed >= budget:
+                        return removed
+        except FileNotFoundError:
+            stack.pop()
+            continue
+        except OSError as err:  # not listable
+            refused[directory] = err
+            stack.pop()
+            continue
+        if descended:
+            continue
+        try:
+            os.rmdir(directory)
+            removed += 1
+        except FileNotFoundError:
+            pass
+        except OSError as err:  # not empty: something in it was refused
+            refused.setdefault(directory, err)
+        stack.pop()
+    if refused and not stack:
+        path, first = next(iter(refused.items()))
+        raise OSError(
+            first.errno,
+            f"{len(refused)} entries of the namespace could not be removed; first {path}: "
+            f"{first.strerror}",
+        )
+    return removed
 
 
 def _is_uuid(value: str) -> bool:

@@ -115,7 +115,24 @@ NAMESPACE_GID_MAX = 3_999_999
 
 class NamespaceStatus(StrEnum):
     ACTIVE = "active"
-    DELETED = "deleted"
+    # Asked to be deleted (StorageNamespaceDeleteWorkflow runs): takes no new attachment, no
+    # longer billed or counted against the project's limits, its data still being removed.
+    DELETING = "deleting"
+    DELETED = "deleted"  # the provider reported its data gone
+
+
+# StorageNamespaceDeleteWorkflow `storage-namespace-delete-{namespace id}` (workflows/
+# storage_namespace.py): the gateway starts it with update-with-start (ACCEPT_DELETE_UPDATE
+# answers once the namespace is `deleting`, or refuses); it removes the data through the provider
+# in heartbeating, retried steps and marks the namespace `deleted` only once the provider reports
+# its directory gone.
+NAMESPACE_DELETE_WORKFLOW = "StorageNamespaceDeleteWorkflow"
+NAMESPACE_DELETE_WORKFLOW_ID_PREFIX = "storage-namespace-delete-"
+ACCEPT_DELETE_UPDATE = "accept_delete"
+
+
+def namespace_delete_workflow_id(namespace_id: str) -> str:
+    return f"{NAMESPACE_DELETE_WORKFLOW_ID_PREFIX}{namespace_id}"
 
 
 # Control-plane activities (worker: activities/storage.py).
@@ -131,6 +148,11 @@ GRANT_REVOKE = "storage.grant_revoke"
 HOST_TASK_QUEUE = "storage.host_task_queue"
 HOST_TASK_FINISH = "storage.host_task_finish"
 DETACH_FOR_RELEASE = "storage.detach_for_release"
+# StorageNamespaceDeleteWorkflow's: active → deleting (or the refusal), a bounded removal of the
+# data (heartbeating per chunk), deleting → deleted once the provider reports it gone.
+NAMESPACE_DELETE_BEGIN = "storage.namespace_delete_begin"
+NAMESPACE_REMOVE_DATA = "storage.namespace_remove_data"
+NAMESPACE_DELETE_FINISH = "storage.namespace_delete_finish"
 
 # AllocationWorkflow's release detaches the allocation's attachments first: when its release
 # plan counts any; a plan recorded by an older build has no count, and this patch decided.
@@ -163,6 +185,10 @@ NAMESPACE_DELETE = STORAGE_NAMESPACE_DELETE
 NAMESPACE_NOT_FOUND = "storage_namespace_not_found"
 NAMESPACE_EXISTS = "storage_namespace_exists"
 NAMESPACE_ATTACHED = "storage_namespace_attached"
+# An attachment asked for a namespace being deleted (409).
+NAMESPACE_DELETING = "storage_namespace_deleting"
+# What a delete request is refused with (StorageNamespaceDeleteWorkflow's accept update).
+NAMESPACE_DELETE_REFUSALS = (NAMESPACE_NOT_FOUND, NAMESPACE_ATTACHED)
 ALLOCATION_NOT_ATTACHABLE = "allocation_not_attachable"
 QUOTA_EXCEEDED = "quota_exceeded"
 MULTI_WRITER_NOT_ALLOWED = "multi_writer_not_allowed"
@@ -175,7 +201,7 @@ DETACHED_BEFORE_MOUNT = "detached_before_mount"  # the attach stopped for a deta
 NODE_OFFLINE = "node_offline"  # the node's agent is silent (seed 003 §6.3): no unmount to ask
 # An allocation release whose attachments did not all detach: the release ends release_failed.
 STORAGE_DETACH_FAILED = "storage_detach_failed"
-OPEN_REFUSALS = (NAMESPACE_NOT_FOUND, ALLOCATION_NOT_ATTACHABLE)
+OPEN_REFUSALS = (NAMESPACE_NOT_FOUND, ALLOCATION_NOT_ATTACHABLE, NAMESPACE_DELETING)
 # Abandon (ABANDON_UPDATE): the refusals (409 codes) and the detached attachment's failure_reason.
 ATTACHMENT_NOT_DETACH_FAILED = "attachment_not_detach_failed"
 ATTACHMENT_DETACH_IN_PROGRESS = "attachment_detach_in_progress"  # a detach or abandon runs
@@ -418,6 +444,47 @@ class NamespaceDeleteInput:
     actor: Actor
     namespace_id: str
     project_id: str | None  # None: an admin, any project
+
+
+@dataclass
+class NamespaceDeleteWorkflowInput:
+    """A continued run carries what the earlier runs removed."""
+
+    actor: Actor
+    namespace_id: str
+    project_id: str | None  # None: an admin, any project
+    removed_entries: int = 0
+    chunks: int = 0
+
+
+@dataclass
+class NamespaceRemoveDataResult:
+    """One NAMESPACE_REMOVE_DATA attempt: what it removed, in how many chunks, and whether the
+    provider reports the namespace's data gone."""
+
+    removed_entries: int = 0
+    chunks: int = 0
+    gone: bool = False
+
+
+@dataclass
+class NamespaceDeleteFinishInput:
+    actor: Actor
+    namespace_id: str
+    removed_entries: int
+    chunks: int
+
+
+@dataclass
+class NamespaceDeleteResult:
+    """The delete workflow's result: `refusal` (NAMESPACE_DELETE_REFUSALS) when it was refused
+    and deleted nothing, else the deleted namespace."""
+
+    namespace_id: str
+    status: str
+    refusal: str | None = None
+    removed_entries: int = 0
+    chunks: int = 0
 
 
 @dataclass

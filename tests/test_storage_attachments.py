@@ -286,9 +286,15 @@ async def test_mount_write_detach_keeps_the_data_and_namespace_delete_waits_for_
 
     # Detached: the owner may delete it now, data and all.
     deleted = await tenant.client.delete(f"/api/v1/storage/namespaces/{namespace['id']}")
-    assert deleted.status_code == 200, deleted.text
-    assert deleted.json()["status"] == "deleted"
-    assert not data_dir.exists()
+    assert deleted.status_code == 202, deleted.text
+    assert deleted.json()["status"] in {"deleting", "deleted"}
+    url = f"/api/v1/storage/namespaces/{namespace['id']}"
+
+    async def deleted_view() -> bool:
+        return bool((await tenant.client.get(url)).json()["status"] == "deleted")
+
+    await eventually(deleted_view, timeout=30)
+    assert not data_dir.exists()  # deleted only once the data is gone
     listed = (await tenant.client.get("/api/v1/storage/namespaces")).json()["items"]
     assert namespace["id"] not in [n["id"] for n in listed]
 

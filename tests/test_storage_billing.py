@@ -179,7 +179,7 @@ async def test_a_namespace_is_billed_per_gb_hour_of_its_quota_exactly_once(
     await tenant.client.delete(f"/api/v1/allocations/{allocation_id}/attachments/{aid}")
     await wait_attachment(tenant.client, allocation_id, aid, "detached")
     deleted = await tenant.client.delete(f"/api/v1/storage/namespaces/{namespace['id']}")
-    assert deleted.status_code == 200, deleted.text
+    assert deleted.status_code == 202, deleted.text
     assert (await storage_record(db_sessions, namespace["id"])).ended_at is not None
     later = await meter(temporal_client, settings, until + dt.timedelta(hours=5))
     assert later.storage_debits_posted == 0

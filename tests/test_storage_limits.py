@@ -2,15 +2,21 @@
 namespace beyond the project's limit on active namespaces or on their total quota is refused with
 403 quota_exceeded before anything is created; the limits are admin-set (audited), with the
 policy's defaults until then; a depleted project creates no namespace (402 balance_depleted)
-until it is credited."""
+until it is credited. The limits are checked in the transaction that creates the namespace,
+under the project's lock: many creates at once at the limit make exactly what it allows."""
 
 from __future__ import annotations
 
+import asyncio
+import uuid
+from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
 from sqlalchemy import select
 
+from gateway.controllers.storage import _derived_id
 from schema.models import (
     DEFAULT_STORAGE_NAMESPACE_LIMIT,
     DEFAULT_STORAGE_QUOTA_LIMIT_BYTES,
@@ -116,9 +122,9 @@ async def test_namespaces_beyond_the_count_or_the_total_quota_are_refused(
     limits = (await client.get("/api/v1/billing/storage-limits")).json()
     assert (limits["namespaces"], limits["quota_bytes"]) == (2, 3 * MIB)
 
-    # A deleted namespace no longer counts.
+    # A namespace asked to be deleted no longer counts, from the request on.
     deleted = await client.delete(f"/api/v1/storage/namespaces/{first.json()['id']}")
-    assert deleted.status_code == 200, deleted.text
+    assert deleted.status_code == 202, deleted.text
     third = await create(client, "three", 2 * MIB)
     assert third.status_code == 201, third.text
     async with db_sessions() as session:
@@ -151,3 +157,45 @@ async def test_a_depleted_project_creates_no_namespace_until_credited(
     created = await create(client, "data", MIB)
     assert created.status_code == 201, created.text
     assert created.json()["quota_bytes"] == MIB
+
+
+async def test_concurrent_creates_at_the_limits_make_exactly_what_they_allow(
+    tenant: tuple[Any, Any], admin: Any, db_sessions: Any, storage_provider_root: Path
+) -> None:
+    project, client = tenant
+    # The count: 3 namespaces, 12 asked for at once.
+    assert (await set_limits(admin, project.id, 3, 100 * MIB)).status_code == 200
+    answers = await asyncio.gather(
+        *(create(client, f"count-{i}", MIB, key=f"count-{i}") for i in range(12))
+    )
+    assert Counter(a.status_code for a in answers) == {201: 3, 403: 9}, [a.text for a in answers]
+    assert {a.json()["error"]["code"] for a in answers if a.status_code == 403} == {
+        "quota_exceeded"
+    }
+    created = {a.json()["id"] for a in answers if a.status_code == 201}
+    assert await active_ids(db_sessions, project.id) == created
+    # A refused create leaves no directory behind at the provider.
+    for index, answer in enumerate(answers):
+        namespace_id = _derived_id(project.id, f"count-{index}")
+        exists = (storage_provider_root / "namespaces" / str(namespace_id)).is_dir()
+        assert exists == (answer.status_code == 201)
+
+    # The total quota: 3 + 5 MiB, twelve 1 MiB namespaces asked for at once (room for 5).
+    assert (await set_limits(admin, project.id, 100, 8 * MIB)).status_code == 200
+    answers = await asyncio.gather(*(create(client, f"quota-{i}", MIB) for i in range(12)))
+    assert Counter(a.status_code for a in answers) == {201: 5, 403: 7}, [a.text for a in answers]
+    limits = (await client.get("/api/v1/billing/storage-limits")).json()
+    assert (limits["namespaces"], limits["quota_bytes"]) == (8, 8 * MIB)
+    assert len(await active_ids(db_sessions, project.id)) == 8
+
+
+async def active_ids(db_sessions: Any, project_id: uuid.UUID) -> set[str]:
+    async with db_sessions() as session:
+        return {
+            str(i)
+            for i in await session.scalars(
+                select(StorageNamespace.id).where(
+                    StorageNamespace.project_id == project_id, StorageNamespace.status == "active"
+                )
+            )
+        }

@@ -1,7 +1,9 @@
 """Storage namespaces and attachments (seed 001 §7).
 
-Namespaces are project-owned storage with a quota; the worker creates and deletes them
-(AdminOperationWorkflow operations), a delete is refused while the namespace is attached. An
+Namespaces are project-owned storage with a quota; the worker creates them (an
+AdminOperationWorkflow operation, which checks the project's storage limits under its lock) and
+deletes them (StorageNamespaceDeleteWorkflow: 202 once `deleting`, `deleted` once the provider
+reports the data gone); a delete is refused while the namespace is attached. An
 attachment is a StorageAttachmentWorkflow: POST starts it with update-with-start and answers once
 it is on record (`requested`); the worker prechecks, grants and has the node's agent mount it.
 DELETE asks the workflow to detach (also from failed or detach_failed: the retry). Admins see
@@ -31,11 +33,13 @@ from contracts.billing_meter import STORAGE_NOT_PRICED, BalanceState
 from contracts.storage import (
     ABANDON_REFUSALS,
     ABANDON_UPDATE,
+    ACCEPT_DELETE_UPDATE,
     ALLOCATION_NOT_ATTACHABLE,
     DETACH_UPDATE,
     NAMESPACE_ATTACHED,
     NAMESPACE_CREATE,
-    NAMESPACE_DELETE,
+    NAMESPACE_DELETE_WORKFLOW,
+    NAMESPACE_DELETING,
     NAMESPACE_EXISTS,
     NAMESPACE_NOT_FOUND,
     OPEN_UPDATE,
@@ -49,21 +53,22 @@ from contracts.storage import (
     DetachActor,
     DetachRequest,
     NamespaceCreateInput,
-    NamespaceDeleteInput,
+    NamespaceDeleteResult,
+    NamespaceDeleteWorkflowInput,
     NamespaceState,
     NamespaceStatus,
     StoragePolicy,
     WriteMode,
     attachment_workflow_id,
+    namespace_delete_workflow_id,
 )
 from core.config import Settings
 from gateway import allocations, audit
 from gateway.admin_operations import actor, run_admin_operation
 from gateway.allocations import IDEMPOTENCY_HEADER
 from gateway.auth import Principal, admin_guard, tenant_guard
-from gateway.controllers.billing import storage_limits
 from gateway.controllers.common import audit_reason
-from gateway.errors import ApiError, Conflict, Forbidden, NotFound
+from gateway.errors import ApiError, Conflict, NotFound
 from gateway.openapi import errors
 from gateway.pagination import newest_first_page
 from gateway.runtime import Runtime
@@ -83,6 +88,7 @@ _NAMESPACE_STATUSES = {
     NAMESPACE_EXISTS: 409,
     NAMESPACE_ATTACHED: 409,
     STORAGE_NOT_PRICED: 409,
+    QUOTA_EXCEEDED: 403,
 }
 
 
@@ -99,7 +105,7 @@ class NamespaceView(msgspec.Struct, kw_only=True):
     provider: str
     quota_bytes: int
     allow_multi_writer: bool
-    status: str  # active | deleted
+    status: str  # active | deleting (its data being removed) | deleted (the data gone)
     created_at: dt.datetime
     # The provider's last measure of the bytes stored (the meter measures every few minutes,
     # off any tenant's path; an attach's precheck too), and when; null until first measured.
@@ -265,10 +271,11 @@ async def request_detach(
     return DetachAccepted(attachment_id=attachment_id, status=view.status, detach_pending=pending)
 
 
-async def _refuse_beyond_limits(db: AsyncSession, project_id: uuid.UUID, quota_bytes: int) -> None:
+async def _refuse_depleted(db: AsyncSession, project_id: uuid.UUID) -> None:
     """Issue 37: a depleted project creates no namespace (402 balance_depleted; no account yet is
-    a balance of 0), and none beyond the project's limits on active namespaces and their total
-    quota (403 quota_exceeded; admin-set, gateway/controllers/billing.py)."""
+    a balance of 0). The limits on namespaces and their total quota (403 quota_exceeded) are
+    checked by the worker, in the transaction that creates the namespace, under the project's
+    lock (activities/storage.py), so concurrent creates cannot all pass them."""
     state = await db.scalar(
         select(BillingAccount.state).where(BillingAccount.project_id == project_id)
     )
@@ -277,22 +284,6 @@ async def _refuse_beyond_limits(db: AsyncSession, project_id: uuid.UUID, quota_b
             "the project's balance is depleted; add credit to create storage",
             code=BALANCE_DEPLETED,
             status_code=402,
-        )
-    limits = await storage_limits(db, project_id)
-    if (
-        limits.namespaces + 1 > limits.namespace_limit
-        or limits.quota_bytes + quota_bytes > limits.quota_limit_bytes
-    ):
-        raise Forbidden(
-            "the project's storage limits do not allow this namespace",
-            code=QUOTA_EXCEEDED,
-            details={
-                "namespace_limit": limits.namespace_limit,
-                "namespaces": limits.namespaces,
-                "quota_limit_bytes": limits.quota_limit_bytes,
-                "quota_bytes": limits.quota_bytes,
-                "requested_quota_bytes": quota_bytes,
-            },
         )
 
 
@@ -334,7 +325,7 @@ class StorageNamespacesController(Controller):
             if existing is not None:
                 _check_same_namespace(_namespace_view(existing), data)
         if existing is None:  # a retry of a created one is answered whatever the limits now
-            await _refuse_beyond_limits(db, principal.project, data.quota_bytes)
+            await _refuse_depleted(db, principal.project)
         await db.close()
         state = await run_admin_operation(
             temporal,
@@ -357,7 +348,11 @@ class StorageNamespacesController(Controller):
             _check_same_namespace(view, data)
         return view
 
-    @get("/", summary="The project's storage namespaces, newest first", responses=errors(400, 403))
+    @get(
+        "/",
+        summary="The project's storage namespaces (active and deleting), newest first",
+        responses=errors(400, 403),
+    )
     async def list_namespaces(
         self,
         db: NamedDependency[AsyncSession],
@@ -369,7 +364,9 @@ class StorageNamespacesController(Controller):
             db,
             select(StorageNamespace).where(
                 StorageNamespace.project_id == principal.project,
-                StorageNamespace.status == NamespaceStatus.ACTIVE,
+                StorageNamespace.status.in_(
+                    [NamespaceStatus.ACTIVE.value, NamespaceStatus.DELETING.value]
+                ),
             ),
             created=StorageNamespace.created_at,
             row_id=StorageNamespace.id,
@@ -392,31 +389,68 @@ class StorageNamespacesController(Controller):
 
     @delete(
         "/{namespace_id:uuid}",
-        status_code=200,
-        summary="Delete a namespace and its data (409 storage_namespace_attached while attached)",
+        status_code=202,
+        summary="Delete a namespace and its data (StorageNamespaceDeleteWorkflow)",
+        description=(
+            "202 with status `deleting`: the namespace takes no new attachment and is no longer "
+            "billed, and the worker removes its data; GET shows `deleted` once the provider "
+            "reports the data gone. A deleted one answers 202 `deleted` again. 409 "
+            "`storage_namespace_attached` (details.attachment_ids) while any attachment of it "
+            "is not detached; nothing is changed then."
+        ),
         responses=errors(403, 404, 409),
     )
     async def delete_namespace(
         self,
+        db: NamedDependency[AsyncSession],
         temporal: NamedDependency[TemporalOps],
         runtime: NamedDependency[Runtime],
         principal: NamedDependency[Principal],
         namespace_id: FromPath[uuid.UUID],
-    ) -> NamespaceView:
-        state = await run_admin_operation(
-            temporal,
-            runtime.settings.control_plane_task_queue,
-            NAMESPACE_DELETE,
-            NamespaceDeleteInput(
-                actor=actor(principal, None),
-                namespace_id=str(namespace_id),
-                project_id=str(principal.project),
-            ),
-            key=str(namespace_id),
-            result_type=NamespaceState,
-            statuses=_NAMESPACE_STATUSES,
+    ) -> Response[NamespaceView]:
+        # Another project's namespace is 404 before any workflow is asked: the delete workflow's
+        # id is the namespace's, and its answer must reach its owner only.
+        row = await db.get(StorageNamespace, namespace_id)
+        if row is None or row.project_id != principal.project:
+            raise NotFound("storage namespace not found")
+        if row.status == NamespaceStatus.DELETED:
+            return Response(_namespace_view(row), status_code=202)
+        await db.close()
+        workflow_input = NamespaceDeleteWorkflowInput(
+            actor=actor(principal, None),
+            namespace_id=str(namespace_id),
+            project_id=str(principal.project),
         )
-        return _state_view(state)
+        try:
+            await temporal.update_with_start(
+                lambda: WithStartWorkflowOperation(
+                    NAMESPACE_DELETE_WORKFLOW,
+                    workflow_input,
+                    id=namespace_delete_workflow_id(str(namespace_id)),
+                    id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+                    id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
+                    task_queue=runtime.settings.control_plane_task_queue,
+                    result_type=NamespaceDeleteResult,
+                ),
+                ACCEPT_DELETE_UPDATE,
+                result_type=NamespaceState,
+            )
+        except WorkflowUpdateFailedError as err:
+            cause = err.cause
+            if isinstance(cause, ApplicationError) and cause.type == NAMESPACE_ATTACHED:
+                details = cause.details[0] if cause.details else None
+                raise Conflict(
+                    cause.message,
+                    code=NAMESPACE_ATTACHED,
+                    details=details if isinstance(details, dict) else None,
+                ) from None
+            if isinstance(cause, ApplicationError) and cause.type == NAMESPACE_NOT_FOUND:
+                raise NotFound("storage namespace not found") from None
+            raise
+        # The record, which the workflow may have moved on already (deleting, or deleted).
+        fresh = await db.get(StorageNamespace, namespace_id, populate_existing=True)
+        assert fresh is not None
+        return Response(_namespace_view(fresh), status_code=202)
 
 
 class AllocationAttachmentsController(Controller):
@@ -482,8 +516,8 @@ class AllocationAttachmentsController(Controller):
         except WorkflowUpdateFailedError as err:
             cause = err.cause
             if isinstance(cause, ApplicationError):
-                if cause.type == ALLOCATION_NOT_ATTACHABLE:
-                    raise Conflict(cause.message, code=ALLOCATION_NOT_ATTACHABLE) from None
+                if cause.type in (ALLOCATION_NOT_ATTACHABLE, NAMESPACE_DELETING):
+                    raise Conflict(cause.message, code=cause.type) from None
                 if cause.type == NAMESPACE_NOT_FOUND:
                     raise ApiError(
                         cause.message, code=NAMESPACE_NOT_FOUND, status_code=404
