@@ -15,8 +15,10 @@ at most MAX_FRAME_BYTES, and websockets' own queues are capped.
 
 What the shell is comes from a `ShellLauncher`: on bare metal a login shell as the allocation's
 user (`BaremetalLoginShell`, through the bare-metal user backend's account), on a slice the VM's
-serial console through libvirt (`SliceSerialConsole`). The session's bytes are never logged and
-never reach Temporal: only ids and close reasons do.
+serial console through libvirt (`SliceSerialConsole`); on a simulated machine (the embedded
+stack) a confined shell (`confined_shell`, agent/shell_confinement.py), refused with
+`shell_confinement_unavailable` where it cannot be confined. The session's bytes are never
+logged and never reach Temporal: only ids and close reasons do.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from agent.backends.baremetal_users import FileBaremetalUserBackend
 from agent.backends.domain_xml import domain_name
 from agent.host_activities import heartbeat_interval_seconds
 from agent.progress import utc_now_iso
+from agent.shell_confinement import ConfinementUnavailable, ShellSpec, confined_launch
 from contracts.host_tasks import SHAPE_BAREMETAL, SHAPE_GPU_SLICE, HostErrorType
 from contracts.terminal_session import (
     AUTH_TIMEOUT_SECONDS,
@@ -123,8 +126,10 @@ class BaremetalLoginShell:
 
     On the node's real root the shell runs as that user (its uid and gid, no supplementary
     groups), in its home. On a simulated machine's root (tests, `--hosts libvirt-test`), where
-    the account exists only in that root's files, the shell runs as the agent's own user with
-    the account's home under that root: the same checks, without a uid to switch to."""
+    the account exists only in that root's files and the agent is a process of the computer
+    that runs the stack, the shell is confined (agent/shell_confinement.py): unprivileged, in
+    its own namespaces, seeing the system directories read-only and the account's home under
+    that root at its home's path, nothing else of this computer."""
 
     def __init__(self, users: FileBaremetalUserBackend) -> None:
         self.users = users
@@ -149,15 +154,34 @@ class BaremetalLoginShell:
                 uid=account.uid,
                 gid=account.gid,
             )
-        home = root.host_path(account.home)
-        home.mkdir(parents=True, exist_ok=True)
         executable = shell if Path(shell).exists() else FALLBACK_SHELL
-        return ShellCommand(
-            executable=executable,
-            argv=("-" + os.path.basename(executable),),
-            env=_login_env(account.username, str(home), executable),
-            cwd=str(home),
+        return confined_shell(
+            ShellSpec(
+                home=str(root.host_path(account.home)),
+                username=account.username,
+                uid=account.uid,
+                gid=account.gid,
+                hostname=_machine_hostname(root.host_path("/etc/hostname")),
+                executable=executable,
+                argv0="-" + os.path.basename(executable),
+                env=_login_env(account.username, f"/home/{account.username}", executable),
+                hidden=(str(root.host_path("/")),),
+            )
         )
+
+
+def _machine_hostname(path: Path) -> str:
+    with contextlib.suppress(OSError):
+        if name := path.read_text().strip():
+            return name
+    return "node"
+
+
+def confined_shell(spec: ShellSpec) -> ShellCommand:
+    """A simulated machine's shell, confined (agent/shell_confinement.py); raises
+    ConfinementUnavailable when this computer cannot confine it: never an unconfined shell."""
+    launch = confined_launch(spec)
+    return ShellCommand(executable=launch.executable, argv=launch.argv, env=launch.env, cwd="/")
 
 
 class SliceSerialConsole:
@@ -385,13 +409,18 @@ class TerminalActivities:
         self._check(spec)
         assert self._shells is not None
         try:
-            command = self._shells.shell_for(spec)
+            # In a thread: a launcher reads account files, a confined one probes once.
+            command = await asyncio.to_thread(self._shells.shell_for, spec)
             pty = await asyncio.to_thread(PtyProcess, command)
         except HostError as err:
             logger.warning("terminal %s: cannot start: %s", spec.session_id, err.error_type.value)
             raise ApplicationError(
                 err.message, type=err.error_type.value, non_retryable=True
             ) from None
+        except ConfinementUnavailable as err:
+            # Refused, never an unconfined shell in its place.
+            logger.warning("terminal %s: cannot confine the shell: %s", spec.session_id, err)
+            raise ApplicationError(str(err), type=err.code, non_retryable=True) from None
         except OSError as err:
             logger.warning("terminal %s: shell did not start (%s)", spec.session_id, err.errno)
             raise ApplicationError(

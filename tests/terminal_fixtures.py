@@ -225,6 +225,7 @@ def start_agent_process(
     backend: str = "host",
     agent_config: str = "",
     gpus: Sequence[GpuPlacement] = (),
+    extra_env: dict[str, str] | None = None,
 ) -> AgentProcess:
     """`gpucloud-agent --node-id` on a fresh simulated machine: with the production backend
     (`host`) its bare-metal users are real account files under the machine's root and its slice
@@ -243,6 +244,7 @@ def start_agent_process(
         "GPUCLOUD_CODEC_KEY": settings.codec_key_b64,
         # Liveness reports go to a queue nobody serves: the test's node is not re-inventoried.
         "GPUCLOUD_TASK_QUEUE": f"terminal-test-no-control-plane-{uuid.uuid4()}",
+        **(extra_env or {}),
     }
     with log.open("wb") as out:
         process = subprocess.Popen(
@@ -326,14 +328,23 @@ async def terminal_rig(
         return http
 
     async def build(
-        backend: str = "host", *, agent_config: str = "", **settings_changes: Any
+        backend: str = "host",
+        *,
+        agent_config: str = "",
+        agent_env: dict[str, str] | None = None,
+        **settings_changes: Any,
     ) -> TerminalRig:
         gateway = await serve_gateway(**settings_changes)
         (node,) = await create_fleet(db_sessions, slice_nodes=0, baremetal_nodes=1)
         node_id = str(node.id)
         machine = tmp_path / f"machine-{node_id[:8]}"
         agent = start_agent_process(
-            gateway.settings, node_id, machine, backend=backend, agent_config=agent_config
+            gateway.settings,
+            node_id,
+            machine,
+            backend=backend,
+            agent_config=agent_config,
+            extra_env=agent_env,
         )
         project = await make_project()
         tenant_token = await make_token("tenant", project)

@@ -64,7 +64,8 @@ async def test_open_type_resize_and_close(
         output = await term.run('echo "user=$USER home=$HOME sum=$((6*7))"', b"sum=42")
         username = f"gpu-{rig.allocation_id.replace('-', '')[:12]}"
         assert f"user={username}".encode() in output
-        assert f"home={rig.agent.root}/home/{username}".encode() in output
+        # Confined (agent/shell_confinement.py): the home is bound at its path inside.
+        assert f"home=/home/{username}".encode() in output
         await term.send_control(type="resize", cols=132, rows=43)
         await term.run("stty size", b"43 132")
         await term.send_control(type="ping")
@@ -383,13 +384,13 @@ async def test_the_command_line_client_runs_a_shell(terminal_rig: Rig) -> None:
 
 async def test_the_demo_fleets_simulated_agent_serves_terminals(terminal_rig: Rig) -> None:
     """`gpucloud-agent --backend simulated` (the demo fleet): the tenant's user lives in the
-    simulated host, and the shell is a local one in its home under the machine's root. A frame
+    simulated host, and the shell is a confined one in its home under the machine's root. A frame
     over MAX_FRAME_BYTES (text too) ends the tenant's stream with 1009."""
     rig = await terminal_rig(backend="simulated")
     created = await rig.open_session()
     async with rig.terminal(created) as term:
         output = await term.run('echo "home=$HOME sum=$((3*3))"', b"sum=9")
-        assert f"home={rig.agent.root}/home/gpu-".encode() in output
+        assert b"home=/home/gpu-" in output
         await term.ws.send("x" * (MAX_FRAME_BYTES + 1))
         async with asyncio.timeout(30):
             await term.ws.wait_closed()
