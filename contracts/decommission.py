@@ -21,6 +21,7 @@ from contracts.lifecycle import (
     ADOPT_ACTION,
     CANCEL_ACTION,
     FREEZE_ACTION,
+    RECORD_DISK_DISPOSITION_ACTION,
     RESUME_ACTION,
     RETRY_STAGE_ACTION,
     JobProgress,
@@ -211,6 +212,39 @@ class OperatorAction(StrEnum):
     CANCEL = CANCEL_ACTION
     ADOPT = ADOPT_ACTION
     MARK_MANUAL_INTERVENTION = FREEZE_ACTION
+    # Only for a full decommission stopped with HOST_NOT_WIPED: the operator's record of where
+    # the vanished machine's disks went, then the adopt that record allows (ends reconciled).
+    RECORD_DISK_DISPOSITION = RECORD_DISK_DISPOSITION_ACTION
+
+
+# A full decommission whose machine left MAAS before MAAS released (and erased) it (issue 35).
+HOST_NOT_WIPED = "host_not_wiped"
+
+
+class DiskDisposition(StrEnum):
+    """Where the disks of a machine that vanished from MAAS unreleased went, as the operator
+    who dealt with them records it (record_disk_disposition). Each one ends the disks' life
+    with this tenant's data: a host that may still run its OS is no disposition (bring it back
+    into MAAS and retry the release instead)."""
+
+    DESTROYED = "destroyed"  # physically destroyed (shredded, degaussed); a certificate exists
+    WIPED_OUT_OF_BAND = "wiped_out_of_band"  # sanitized outside MAAS (vendor secure erase)
+    RETAINED_QUARANTINED = "retained_quarantined"  # pulled and held in secured custody
+
+
+DISK_DISPOSITION_KIND = "disk_disposition"  # its followups entry (one per job)
+OPERATOR_RECORDED = "operator"  # the `source` of a disposition an operator recorded
+
+
+def operator_disk_disposition(followups: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The disk disposition an operator recorded for this job (record_disk_disposition), if
+    any: nothing the job observes later replaces it."""
+    for followup in followups:
+        if followup.get("kind") == DISK_DISPOSITION_KIND and (
+            followup.get("source") == OPERATOR_RECORDED
+        ):
+            return followup
+    return None
 
 
 # Which operator actions each job state accepts (the workflow's update validator; the console
@@ -225,6 +259,8 @@ ALLOWED_ACTIONS: dict[OperatorAction, frozenset[JobStatus]] = {
     OperatorAction.MARK_MANUAL_INTERVENTION: frozenset(
         {JobStatus.PENDING, JobStatus.RUNNING, *_FAILED}
     ),
+    # ... and only while the job stands failed with HOST_NOT_WIPED (the workflow checks).
+    OperatorAction.RECORD_DISK_DISPOSITION: frozenset({JobStatus.FAILED_MANUAL_INTERVENTION}),
 }
 
 

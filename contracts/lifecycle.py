@@ -21,6 +21,8 @@ FREEZE_ACTION = "mark_manual_intervention_required"
 ADOPT_ACTION = "adopt_observed_state"
 RETRY_STAGE_ACTION = "retry_stage"
 RESUME_ACTION = "resume"
+# A decommission's record of where a vanished machine's disks went (issue 35), then its adopt.
+RECORD_DISK_DISPOSITION_ACTION = "record_disk_disposition"
 # A lifecycle job's cancel or freeze can reach the workflow in the same workflow task as the
 # running stage's result: the update handler runs first and cancels the stage, but the result is
 # already there and wins the await. Jobs check for it before each stage; jobs that ran before that
@@ -71,6 +73,9 @@ class OperatorRequest:
     action: str  # an OperatorAction value of the job kind
     actor: str = ""
     reason: str = ""
+    # What an action needs beyond its reason (record_disk_disposition: the disposition and a
+    # reference); empty for the others.
+    details: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -126,7 +131,7 @@ def expected_job_status(action: str) -> JobStatus:
         return JobStatus.CANCELLED
     if action == FREEZE_ACTION:
         return JobStatus.FAILED_MANUAL_INTERVENTION
-    if action == ADOPT_ACTION:
+    if action in (ADOPT_ACTION, RECORD_DISK_DISPOSITION_ACTION):
         return JobStatus.RECONCILED
     return JobStatus.COMPLETED
 

@@ -99,6 +99,32 @@ _BY_CODE: dict[str, Outcome] = {
     "site_disabled": Outcome(
         _RETRYABLE, OperatorAction.RESUME, "enable the site again, then resume"
     ),
+    # Discovery refused before a BMC power cycle (issue 35; error_details.bmc_check holds the
+    # evidence). Nothing was created or powered, so there is nothing to adopt: the request
+    # names another machine's BMC (fix the request: cancel, resubmit with the right address),
+    # or the chassis runs a host MAAS does not know (power it off once it is the machine meant,
+    # then retry the stage: the check runs again).
+    "bmc_in_use": Outcome(
+        _MANUAL,
+        OperatorAction.CANCEL,
+        "the BMC address belongs to another machine in MAAS (see error_details.bmc_check); if "
+        "the address is mistyped, cancel and resubmit with the right ipmi_ip; nothing was "
+        "powered or created",
+    ),
+    "bmc_address_mismatch": Outcome(
+        _MANUAL,
+        OperatorAction.CANCEL,
+        "MAAS's record of this hostname names another BMC than the request (see "
+        "error_details.bmc_check); cancel and resubmit with the right ipmi_ip, or correct the "
+        "record's power address in MAAS and retry the stage",
+    ),
+    "bmc_chassis_on": Outcome(
+        _MANUAL,
+        OperatorAction.RETRY_STAGE,
+        "the chassis at this BMC is on (or its state unknown) and MAAS knows no machine there "
+        "(see error_details.bmc_check): make sure it is the machine to onboard, power it off at "
+        "its BMC, then retry the stage; a wrong address is cancelled and resubmitted",
+    ),
 }
 
 

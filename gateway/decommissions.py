@@ -598,6 +598,8 @@ async def operator_action(
     decommission_id: uuid.UUID,
     action: OperatorAction,
     reason: str,
+    *,
+    details: dict[str, Any] | None = None,
 ) -> ActionAnswer:
     reason = checked_reason(reason)
     row = await load(db, decommission_id)
@@ -614,7 +616,9 @@ async def operator_action(
         audit_details={"node_id": str(row.node_id)},
     )
     await db.close()  # never hold a database connection across a Temporal call
-    result = await run_operator_action(db, temporal, principal, job, action.value, reason)
+    result = await run_operator_action(
+        db, temporal, principal, job, action.value, reason, details=details
+    )
     return ActionAnswer(
         decommission_id=decommission_id,
         action=result.action,

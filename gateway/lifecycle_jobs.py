@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,17 +117,21 @@ async def run_operator_action(
     reason: str,
     *,
     idempotency_key: str | None = None,
+    details: dict[str, Any] | None = None,
 ) -> ActionResult:
-    """Send the action, audit it (actor, role, reason, prior and expected state, workflow id)
-    and commit the audit row; an action the workflow refuses (or that finds no workflow to
-    take it) is audited too, `accepted: false` with the refusal. The caller has already closed
-    its read of the job row."""
-    request_id = update_id(action, idempotency_key, job.version, reason)
+    """Send the action, audit it (actor, role, reason, prior and expected state, workflow id,
+    and the action's `details` where it has any) and commit the audit row; an action the
+    workflow refuses (or that finds no workflow to take it) is audited too, `accepted: false`
+    with the refusal. The caller has already closed its read of the job row."""
+    details = dict(details or {})
+    # Different details with the same reason are a different request, never the first's answer.
+    said = reason + ("\n" + json.dumps(details, sort_keys=True) if details else "")
+    request_id = update_id(action, idempotency_key, job.version, said)
 
     async def call(client: Client) -> ActionResult:
         result: ActionResult = await client.get_workflow_handle(job.workflow_id).execute_update(
             OPERATOR_ACTION_UPDATE,
-            OperatorRequest(action=action, actor=principal.name, reason=reason),
+            OperatorRequest(action=action, actor=principal.name, reason=reason, details=details),
             id=request_id,
             result_type=ActionResult,
             rpc_timeout=temporal.rpc_timeout,
@@ -156,6 +161,7 @@ async def run_operator_action(
                 "accepted": accepted,
                 "message": message,
                 "update_id": request_id,
+                **({"request": details} if details else {}),
             },
         )
         await db.commit()

@@ -10,6 +10,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from contracts.decommission import DiskDisposition
+
 # --- limits of every request, declared once (gateway.request_decoding enforces them) ---
 
 # How deep a JSON body may nest; deeper is 400 json_too_deep. The size limit is
@@ -51,6 +53,19 @@ Reason = Annotated[Text, msgspec.Meta(min_length=1, max_length=500)]
 
 class Request(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Base of request bodies: unknown fields are errors, so typos do not pass silently."""
+
+
+# --- decommission operator actions (the others take ActionRequest: a reason) ---
+
+
+class DiskDispositionRecord(Request):
+    """record-disk-disposition (issue 35): where the disks of a machine that vanished from
+    MAAS unreleased went, as the operator who dealt with them says; `reference` names the
+    evidence (a certificate of destruction, a custody ticket)."""
+
+    disposition: DiskDisposition
+    reason: Reason
+    reference: Annotated[Text, msgspec.Meta(min_length=1, max_length=200)] | None = None
 
 
 # --- errors (documentation only; gateway.errors builds the body) ---

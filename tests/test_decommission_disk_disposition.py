@@ -12,11 +12,16 @@ erase log, compared with what the job says."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import uuid
 from typing import Any
 
 import pytest
+from sqlalchemy import select
 
+from schema.models import AuditEntry, Node
 from tests.decommission_fixtures import DecommissionRig
+from tests.histories import record_history
 from tests.maas_fixtures import sim_machine, sim_scenario
 from tests.test_onboarding_api import submit_through_api, wait_shown
 
@@ -24,6 +29,7 @@ SCENARIO = sim_scenario(
     sim_machine("disp-quick", "10.176.22.10"),
     sim_machine("disp-none", "10.176.22.11"),
     sim_machine("disp-fails", "10.176.22.12"),
+    sim_machine("disp-gone", "10.176.22.13"),
 )
 SETTLED = ("completed", "reconciled", "failed_retryable", "failed_manual_intervention")
 
@@ -119,3 +125,129 @@ async def test_a_failed_erase_released_under_the_site_fallback_says_so(
     assert disposition["requested"] == "quick"
     erased = [e for e in await maas_sim.erasures() if e["system_id"] == system_id]
     assert [e["outcome"] for e in erased] == ["failed"]
+
+
+async def _shown_when(admin: Any, did: str, done: Any, timeout: float = 60) -> dict[str, Any]:
+    path = f"/api/v1/admin/decommissions/{did}"
+    shown: dict[str, Any] = {}
+    for _ in range(int(timeout / 0.1)):
+        shown = (await admin.get(path)).json()
+        if done(shown):
+            return shown
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"decommission {did}: {shown}")
+
+
+async def _audits(rig: DecommissionRig, did: str) -> list[AuditEntry]:
+    async with rig.sessions() as session:
+        found = await session.scalars(
+            select(AuditEntry)
+            .where(AuditEntry.action == "node.decommission.record_disk_disposition")
+            .where(AuditEntry.target_id == did)
+            .order_by(AuditEntry.id)
+        )
+        return list(found)
+
+
+async def _node_status(rig: DecommissionRig, node_id: str) -> str:
+    async with rig.sessions() as session:
+        return str(await session.scalar(select(Node.status).where(Node.id == uuid.UUID(node_id))))
+
+
+@pytest.mark.maas_scenario(SCENARIO)
+async def test_a_vanished_machine_ends_only_with_the_operators_disk_record(
+    decommission: DecommissionRig, admin: Any, maas_sim: Any
+) -> None:
+    """Issue 35: a full decommission whose machine someone deleted from MAAS before it was
+    released stops with host_not_wiped; the operator records where the disks went
+    (record-disk-disposition: disposition, reason, reference), refused and audited at any other
+    state or failure. Only with the record does the job go on, retire and delete the node and
+    end reconciled; the record is on the job, in its timeline and in the audit, as the
+    operator's word (never as an erase this job observed)."""
+    node_id, system_id = await _node(decommission, admin, "disp-gone", "10.176.22.13")
+    agent = await decommission.agent(node_id)
+    gate = threading.Event()
+    agent.maintenance.hang["drain"] = gate
+    response = await admin.post(
+        f"/api/v1/admin/nodes/{node_id}/decommission",
+        json={"mode": "full_decommission", "erase": "quick", "reason": "hardware refresh"},
+    )
+    assert response.status_code == 201, response.text
+    did = response.json()["decommission_id"]
+    job = decommission.track(did, node_id, "full_decommission")
+    base = f"/api/v1/admin/decommissions/{did}"
+    record = f"{base}/record-disk-disposition"
+    body = {"disposition": "destroyed", "reason": "drives shredded", "reference": "COD-4711"}
+
+    await _shown_when(admin, did, lambda s: s["current_stage"] == "drain_node")
+    running = await admin.post(record, json=body)  # the job runs: nothing to record yet
+    assert running.status_code == 409, running.text
+    assert running.json()["error"]["code"] == "action_not_allowed"
+
+    await maas_sim.delete(system_id)  # someone deletes the machine in MAAS
+    gate.set()
+    shown = await _shown_when(admin, did, lambda s: s["status"] == "failed_manual_intervention")
+    assert shown["error_code"] == "machine_deleted", shown
+    not_yet = await admin.post(record, json=body)  # not host_not_wiped: adopt decides first
+    assert not_yet.status_code == 409, not_yet.text
+    assert "host_not_wiped" in not_yet.json()["error"]["message"]
+
+    adopted = await admin.post(f"{base}/adopt", json={"reason": "it is gone"})
+    assert adopted.status_code == 200, adopted.text
+    shown = await _shown_when(admin, did, lambda s: s["error_code"] == "host_not_wiped")
+    assert shown["status"] == "failed_manual_intervention"
+    assert "record-disk-disposition" in shown["error_details"]["hint"]
+    vanished = shown["error_details"]["disk_disposition"]
+    assert (vanished["disposition"], vanished["reason"]) == ("not_erased", "machine_vanished")
+    assert await _node_status(decommission, node_id) != "deleted"
+
+    for bad in (
+        {**body, "disposition": "probably_fine"},
+        {"disposition": "destroyed", "reason": ""},
+        {"disposition": "destroyed"},
+    ):
+        refused = await admin.post(record, json=bad)
+        assert refused.status_code in (400, 422), refused.text
+        assert refused.json()["error"]["code"], refused.text
+
+    taken = await admin.post(record, json=body)
+    assert taken.status_code == 200, taken.text
+    assert (taken.json()["accepted"], taken.json()["expected_status"]) == (True, "reconciled")
+    shown = await _shown_when(admin, did, lambda s: s["status"] not in ("running", "pending"))
+    assert shown["status"] == "reconciled", shown
+    assert await _node_status(decommission, node_id) == "deleted"
+    assert agent.maintenance.calls.get("uninstall", 0) == 0  # nothing told the host anything
+    assert [e for e in await maas_sim.erasures() if e["system_id"] == system_id] == []
+
+    (kept,) = [f for f in shown["followups"] if f.get("kind") == "disk_disposition"]
+    assert kept["disposition"] == "destroyed"
+    assert kept["source"] == "operator"
+    assert kept["reason"] == "machine_vanished"  # why the job could not erase
+    assert (kept["recorded_reason"], kept["reference"]) == ("drives shredded", "COD-4711")
+    assert kept["recorded_by"]
+    assert kept["system_id"] == system_id
+    on_release = [
+        e["details"]["disk_disposition"]
+        for e in shown["events"]
+        if e["stage"] == "release_maas_node" and "disk_disposition" in e["details"]
+    ]
+    # Newest first: the operator's record, after the refusal that said the disks were not
+    # erased (the timeline keeps both).
+    assert on_release[0] == kept, shown["events"]
+    assert all(d in (kept, vanished) for d in on_release), shown["events"]
+    assert vanished in on_release, shown["events"]
+
+    closed = await admin.post(record, json={**body, "reason": "again"})
+    assert closed.status_code == 409, closed.text
+    assert closed.json()["error"]["code"] == "decommission_closed"
+
+    audited = await _audits(decommission, did)
+    assert [a.details["accepted"] for a in audited] == [False, False, True, False]
+    taken_audit = audited[2]
+    assert taken_audit.actor == kept["recorded_by"]
+    assert taken_audit.reason == "drives shredded"
+    assert taken_audit.details["request"] == {"disposition": "destroyed", "reference": "COD-4711"}
+    assert taken_audit.expected_state == "reconciled"
+    await record_history(
+        decommission.handle(job), "decommission", "vanished_machine_disk_disposition_recorded"
+    )

@@ -32,6 +32,13 @@ SCENARIO = sim_scenario(
 )
 FAILED = ("failed_manual_intervention", "failed_retryable")
 POWER_ACTIONS = ("cycle", "on")
+# What each refusal recommends: nothing was created or powered, so never adopt. A request that
+# names another machine's BMC is fixed (cancel, resubmit); a running host is powered off first.
+RECOMMENDED = {
+    "bmc_in_use": "cancel",
+    "bmc_address_mismatch": "cancel",
+    "bmc_chassis_on": "retry_stage",
+}
 
 
 async def _admin(rig: OnboardingRig, api: Any, make_token: Any) -> Any:
@@ -65,6 +72,10 @@ def _refusal(shown: dict[str, Any], code: str) -> dict[str, Any]:
     assert shown["current_stage"] == "create_or_find_in_maas", shown
     check: dict[str, Any] = shown["error_details"]["bmc_check"]
     assert check["verdict"] == f"refused: {code}", check
+    # The API says what to do about it, and the hint says how (the runbook: what to check).
+    assert shown["status"] == "failed_manual_intervention", shown
+    assert shown["recommended_action"] == RECOMMENDED[code], shown
+    assert "bmc_check" in shown["error_details"]["hint"], shown
     return check
 
 
@@ -192,3 +203,40 @@ async def test_a_bmc_that_does_not_answer_is_a_power_failure_with_nothing_create
     assert set(actions) == {"status"}, actions
     machines = (await onboarding.maas_sim.state())["machines"]
     assert "disc-nowhere" not in {m["hostname"] for m in machines}
+
+
+@pytest.mark.maas_scenario(SCENARIO)
+async def test_each_refusals_recommended_action_gets_the_onboarding_through(
+    onboarding: OnboardingRig, api: Any, make_token: Any
+) -> None:
+    """What the refusals recommend works: a running host powered off at its BMC, then the
+    stage retried, is checked again, found off and onboarded; a request naming another
+    machine's BMC is cancelled (nothing to compensate: nothing was created or powered) and
+    resubmitted with the right address."""
+    admin = await _admin(onboarding, api, make_token)
+    running = await submit_through_api(onboarding, admin, "disc-later", STRANGER)
+    shown = await wait_shown(admin, running, *FAILED, timeout=60)
+    _refusal(shown, "bmc_chassis_on")
+    await onboarding.maas_sim.set_power(STRANGER, "off")  # the operator, at the BMC
+    retried = await admin.post(
+        f"/api/v1/admin/onboardings/{running.onboarding_id}/retry",
+        json={"reason": "powered off at the BMC: it is the machine to onboard"},
+    )
+    assert retried.status_code == 200, retried.text
+    shown = await wait_shown(admin, running, "completed", timeout=120)
+    assert shown["maas_system_id"], shown
+    assert [a for a in await _bmc_actions(onboarding.maas_sim, STRANGER) if a in POWER_ACTIONS]
+
+    owned = await onboarding.maas_sim.machine("disc-owned")
+    await _record_by_hand(onboarding.maas_sim, "disc-typo2", NOWHERE)
+    typo = await submit_through_api(onboarding, admin, "disc-typo2", OWNED)
+    _refusal(await wait_shown(admin, typo, *FAILED, timeout=60), "bmc_in_use")
+    cancelled = await admin.post(
+        f"/api/v1/admin/onboardings/{typo.onboarding_id}/cancel",
+        json={"reason": "mistyped ipmi_ip"},
+    )
+    assert cancelled.status_code == 200, cancelled.text
+    await wait_shown(admin, typo, "cancelled", timeout=60)
+    after = await onboarding.maas_sim.machine(owned["system_id"])
+    assert (after["status_name"], after["owner"]) == ("Deployed", "ops-alice")
+    assert await _bmc_actions(onboarding.maas_sim, OWNED) == []

@@ -25,6 +25,9 @@ for an operator action (the `operator_action` update) instead of closing:
     cancel        stop (also while a stage runs) and compensate where possible: MAAS is never
                   rolled back; the node leaves draining/removing for offline/quarantined/retired
     mark_manual_intervention_required   freeze: stop the running stage, wait for a human
+    record_disk_disposition   only while the job stands failed with host_not_wiped: the
+                  operator's record of where the vanished machine's disks went (followups,
+                  timeline), then the adopt it allows; ends `reconciled`
 
 A failed validate_clean quarantines the node and raises an alert before the job fails; an
 uninstall that fails after retirement sends the node back to retired (never deleted early).
@@ -43,12 +46,16 @@ from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError,
 
 with workflow.unsafe.imports_passed_through():
     from contracts.decommission import (
+        DISK_DISPOSITION_KIND,
+        HOST_NOT_WIPED,
+        OPERATOR_RECORDED,
         REDEPLOY_RELEASE_NOTE,
         STAGES_BY_MODE,
         WORKFLOW_NAME,
         DecommissionInput,
         DecommissionResult,
         DecommissionState,
+        DiskDisposition,
         Erase,
         EventStatus,
         Mode,
@@ -62,6 +69,7 @@ with workflow.unsafe.imports_passed_through():
         StageInput,
         StageResult,
         StorageScope,
+        operator_disk_disposition,
     )
     from contracts.host_task_errors import (
         AGENT_CAPABILITY_MISSING,
@@ -87,8 +95,13 @@ with workflow.unsafe.imports_passed_through():
         UninstallResult,
         ValidateCleanResult,
     )
-    from contracts.lifecycle import STOP_BEFORE_NEXT_STAGE_PATCH
+    from contracts.lifecycle import (
+        ACTION_NOT_ALLOWED,
+        STOP_BEFORE_NEXT_STAGE_PATCH,
+        OperatorRequest,
+    )
     from contracts.onboarding import JobStatus, SiteConfig
+    from contracts.workflow_input import check_text
     from core import search_attributes as sa
     from core.failures import FailureClass
     from core.task_queues import node_task_queue
@@ -135,6 +148,10 @@ ADOPT_REOBSERVES_HOST_WORK_PATCH = "adopt-reobserves-host-work"
 # erased, the machine never powered off, its agent may still run. The adopt is refused with
 # `host_not_wiped` (failed_manual_intervention). Runs that adopted a vanished machine before go on.
 VANISHED_MACHINE_NOT_WIPED_PATCH = "vanished-machine-is-not-wiped"
+# ... until the operator records where its disks went (record_disk_disposition, only while the
+# job stands failed with host_not_wiped): the record goes to the job's followups and timeline,
+# and the adopt it allows goes on (ends reconciled). Earlier runs never took this action.
+OPERATOR_DISK_DISPOSITION_PATCH = "operator-records-the-disk-disposition"
 # Host stages adopt cannot observe the outcome of: they are run again (retry_stage), never skipped.
 _UNOBSERVABLE_HOST_WORK = (Stage.CLEANUP_STORAGE, Stage.SCRUB_GPU)
 # Storage-only cleanup disables the node and releases (or refuses over) its live allocations
@@ -721,6 +738,10 @@ class NodeDecommissionWorkflow(OperatorControlledJob[Stage, OperatorAction, Deco
                     return Stage.RELEASE_MAAS_NODE
                 return checkpoint_for(failed_stage)
             try:
+                if action == OperatorAction.RECORD_DISK_DISPOSITION and workflow.patched(
+                    OPERATOR_DISK_DISPOSITION_PATCH
+                ):
+                    await self._record_disk_disposition(failed_stage)
                 return await self._adopt(failed_stage)
             except StageFailure as failure:
                 await self._fail(failure)
@@ -768,6 +789,7 @@ class NodeDecommissionWorkflow(OperatorControlledJob[Stage, OperatorAction, Deco
                 and self._input is not None
                 and Mode(self._input.mode) == Mode.FULL_DECOMMISSION
                 and not self._state.released_in_maas
+                and operator_disk_disposition(self._state.followups) is None
                 and workflow.patched(VANISHED_MACHINE_NOT_WIPED_PATCH)
             ):
                 raise _host_not_wiped(failed, self._state.system_id, observation)
@@ -888,6 +910,8 @@ class NodeDecommissionWorkflow(OperatorControlledJob[Stage, OperatorAction, Deco
         this job's release), else not erased and why. Workflow state only (no command), so
         earlier histories replay unchanged."""
         assert self._input is not None
+        if operator_disk_disposition(self._state.followups) is not None:
+            return  # where the operator says the disks went stands
         facts: dict[str, Any] = {
             "kind": "disk_disposition",
             "system_id": self._state.system_id,
@@ -914,6 +938,41 @@ class NodeDecommissionWorkflow(OperatorControlledJob[Stage, OperatorAction, Deco
             f for f in self._state.followups if f.get("kind") != "disk_disposition"
         ]
         self._state.followups.append({k: v for k, v in facts.items() if v is not None})
+
+    async def _record_disk_disposition(self, failed: Stage) -> None:
+        """The operator's record of where a vanished machine's disks went (the validator
+        admitted it: the job stands failed with host_not_wiped), on the job's followups in place
+        of `not_erased / machine_vanished`, and on the release stage's event in the timeline:
+        named as the operator's word (`source: operator`, who, why, their reference), never as
+        something this job erased or observed."""
+        request = self._request
+        assert request is not None
+        disposition = DiskDisposition(request.details["disposition"])
+        actor = request.actor or "an operator"
+        record: dict[str, Any] = {
+            "kind": DISK_DISPOSITION_KIND,
+            "disposition": disposition.value,
+            "reason": "machine_vanished",
+            "system_id": self._state.system_id,
+            "source": OPERATOR_RECORDED,
+            "recorded_by": request.actor or None,
+            "recorded_reason": request.reason,
+            "reference": request.details.get("reference") or None,
+            "detail": f"the machine left MAAS before it was released, so this job erased "
+            f"nothing; {actor} recorded its disks {disposition.value.replace('_', ' ')}",
+        }
+        record = {k: v for k, v in record.items() if v is not None}
+        self._state.followups = [
+            f for f in self._state.followups if f.get("kind") != DISK_DISPOSITION_KIND
+        ]
+        self._state.followups.append(record)
+        await self._set_status(
+            self._status,
+            stage=Stage.RELEASE_MAAS_NODE,
+            event_status=EventStatus.SKIPPED,
+            message=f"disk disposition recorded by {actor}: {disposition.value}",
+            details={"disk_disposition": record, "failed_stage": failed.value},
+        )
 
     def _check_observed(self, failed: Stage, observation: Observation) -> None:
         """What adopt needs to have seen before it accepts `failed` as done (raises
@@ -988,6 +1047,35 @@ class NodeDecommissionWorkflow(OperatorControlledJob[Stage, OperatorAction, Deco
         ]
 
     # ------------------------------------------------------------------ operator surface
+
+    def _check_request(self, request: OperatorRequest) -> None:
+        """record_disk_disposition is admitted only while the job stands failed with
+        host_not_wiped, with a known disposition, a reason and (optionally) a one-line
+        reference; refused with action_not_allowed (the gateway's audited 409) otherwise."""
+        if request.action != OperatorAction.RECORD_DISK_DISPOSITION.value:
+            return
+        failure = self._standing_failure()
+        if failure is None or failure.error_code != HOST_NOT_WIPED:
+            standing = f" with {failure.error_code}" if failure else ""
+            raise ApplicationError(
+                "record_disk_disposition is only for a full decommission stopped with "
+                f"{HOST_NOT_WIPED} (its machine left MAAS unreleased); this one is "
+                f"{self._status.value}{standing} at {self._stage.value}",
+                type=ACTION_NOT_ALLOWED,
+            )
+        known = [d.value for d in DiskDisposition]
+        extra = set(request.details) - {"disposition", "reference"}
+        if request.details.get("disposition") not in known or extra:
+            raise ApplicationError(
+                f"record_disk_disposition needs a disposition, one of {', '.join(known)}, and "
+                "nothing but a reference besides",
+                type=ACTION_NOT_ALLOWED,
+            )
+        if not request.reason.strip():
+            raise ApplicationError(
+                "record_disk_disposition needs a reason", type=ACTION_NOT_ALLOWED
+            )
+        check_text("reference", request.details.get("reference", ""), max_chars=200)
 
     def _is_noop(self, action: OperatorAction) -> bool:
         return is_standing_action(action, self._status) or (

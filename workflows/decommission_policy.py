@@ -224,7 +224,11 @@ _BY_CODE: dict[str, Outcome] = {
         OperatorAction.RETRY_STAGE,
         "the machine vanished from MAAS before it was released: its disks were not wiped, it was "
         "not powered off and its agent not removed. Bring it back into MAAS (enlist and "
-        "commission it), then retry the stage so MAAS releases and erases it; or cancel",
+        "commission it), then retry the stage so MAAS releases and erases it; or, once its "
+        "disks are dealt with out of band, record where they went "
+        "(POST /api/v1/admin/decommissions/{id}/record-disk-disposition: destroyed, "
+        "wiped_out_of_band or retained_quarantined), which adopts and completes the job; or "
+        "cancel",
     ),
     "maas_changed_out_of_band": Outcome(
         _MANUAL,

@@ -163,6 +163,7 @@ class OperatorControlledJob(Generic[StageT, ActionT, ResultT]):
         self._interrupt: ActionT | None = None  # cancel or freeze, while the job runs
         self._stage_task: asyncio.Task[None] | None = None
         self._adopted = False  # an operator's adopt took the job over: it ends reconciled
+        self._request: OperatorRequest | None = None  # the action _next_action last answered
 
     # ------------------------------------------------------------------ the kind's part
 
@@ -318,6 +319,12 @@ class OperatorControlledJob(Generic[StageT, ActionT, ResultT]):
             is_noop=self._is_noop,
             allowed=self._kind.allowed,
         )
+        self._check_request(request)
+
+    def _check_request(self, request: OperatorRequest) -> None:
+        """The kind's own admission rule for an admitted action (raises ApplicationError of type
+        ACTION_NOT_ALLOWED): what the job state table cannot say (the standing failure, the
+        action's details). Validator side: reads the job, changes nothing."""
 
     def _is_noop(self, action: ActionT) -> bool:
         """An action the job answers "already in effect" to, without acting."""
@@ -335,6 +342,7 @@ class OperatorControlledJob(Generic[StageT, ActionT, ResultT]):
             await workflow.wait_condition(lambda: self._pending is not None)
             request, self._pending = self._pending, None
             assert request is not None
+            self._request = request
             action = self._kind.actions(request.action)
             failed_stage = self._failure.stage if self._failure else first_stage
             if action == FREEZE_ACTION:

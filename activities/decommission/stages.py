@@ -41,6 +41,7 @@ from contracts.allocation import (
     allocation_workflow_id,
 )
 from contracts.decommission import (
+    DISK_DISPOSITION_KIND,
     REDEPLOY_RELEASE_NOTE,
     DecommissionState,
     Erase,
@@ -52,6 +53,7 @@ from contracts.decommission import (
     Stage,
     StageInput,
     StageResult,
+    operator_disk_disposition,
 )
 from contracts.states import (
     LIVE_ALLOCATION_STATUSES,
@@ -172,9 +174,6 @@ async def disks_erased_since_deployment(maas: MaasClient, system_id: str) -> boo
     return False
 
 
-DISK_DISPOSITION = "disk_disposition"
-
-
 def record_disk_disposition(
     state: DecommissionState, disposition: str, **facts: Any
 ) -> dict[str, Any]:
@@ -183,12 +182,12 @@ def record_disk_disposition(
     machine_absent, machine_vanished). One per job, the last release's; kept in the job's
     followups so the API shows it, and returned for the stage event's details (the timeline)."""
     record = {
-        "kind": DISK_DISPOSITION,
+        "kind": DISK_DISPOSITION_KIND,
         "disposition": disposition,
         "system_id": state.system_id,
         **{k: v for k, v in facts.items() if v is not None},
     }
-    state.followups = [f for f in state.followups if f.get("kind") != DISK_DISPOSITION]
+    state.followups = [f for f in state.followups if f.get("kind") != DISK_DISPOSITION_KIND]
     state.followups.append(record)
     return record
 
@@ -685,7 +684,10 @@ class DecommissionActivities:
                 run.skipped("the node is not MAAS-managed")
             elif run.state.machine_absent:
                 run.state.released_in_maas = True
-                disposition = record_disk_disposition(
+                # Where an operator recorded the disks went (record_disk_disposition) stands.
+                disposition = operator_disk_disposition(
+                    run.state.followups
+                ) or record_disk_disposition(
                     run.state,
                     "not_erased",
                     reason="machine_absent",

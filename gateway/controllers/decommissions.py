@@ -28,6 +28,7 @@ from gateway.decommissions import (
 from gateway.errors import NotFound
 from gateway.openapi import errors, one_of
 from gateway.runtime import Runtime
+from gateway.schemas import DiskDispositionRecord
 from gateway.temporal import TemporalOps
 
 _START_NOTES = (
@@ -181,6 +182,43 @@ class AdminDecommissionsController(Controller):
         self, db: NamedDependency[AsyncSession], decommission_id: FromPath[uuid.UUID]
     ) -> DecommissionDetail:
         return await decommissions.detail(db, decommission_id)
+
+    @post(
+        "/decommissions/{decommission_id:uuid}/record-disk-disposition",
+        status_code=200,
+        summary="Record where the disks of a machine that vanished from MAAS went, then adopt "
+        "(a full decommission stopped with host_not_wiped only)",
+        description="Body {disposition: destroyed|wiped_out_of_band|retained_quarantined, "
+        "reason, reference (optional: the certificate of destruction or custody ticket)}. The "
+        "machine left MAAS before MAAS released and erased it, so the job cannot observe the "
+        "disks' fate: the operator's record replaces `not_erased / machine_vanished` in the "
+        "job's followups (source: operator, recorded_by, recorded_reason, reference) and on "
+        "the release_maas_node event, and the adopt it allows goes on: the node is retired and "
+        "deleted, the job ends reconciled. Refused (409 action_not_allowed, audited) in any "
+        "other job state or failure; a refused adopt after it stops the job with cannot_adopt "
+        "and keeps the record." + _ACTION_NOTES,
+        responses=errors(400, 403, 404, 409, 413, 422),
+    )
+    async def record_disk_disposition(
+        self,
+        data: JSONBody[DiskDispositionRecord],
+        db: NamedDependency[AsyncSession],
+        temporal: NamedDependency[TemporalOps],
+        principal: NamedDependency[Principal],
+        decommission_id: FromPath[uuid.UUID],
+    ) -> ActionAnswer:
+        details: dict[str, str] = {"disposition": data.disposition.value}
+        if data.reference is not None:
+            details["reference"] = data.reference
+        return await decommissions.operator_action(
+            db,
+            temporal,
+            principal,
+            decommission_id,
+            OperatorAction.RECORD_DISK_DISPOSITION,
+            data.reason,
+            details=details,
+        )
 
     # --- operator actions: one route each, the same shape ---
 
