@@ -15,7 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from temporalio import activity
 
 from activities.node_liveness import bring_back_online
-from contracts.node_presence import RecordHeartbeatInput
+from contracts.node_presence import RecordHeartbeatInput, node_presence_workflow_id
 from contracts.states import NodeStatus
 from schema.models import GpuSlot, Node
 
@@ -29,6 +29,16 @@ class NodePresenceActivities:
         """Returns the PCI addresses on which inventory and slots disagree (empty: they match,
         or no inventory was reported)."""
         beat = input.heartbeat
+        # The heartbeat's node is the one its presence workflow is for: the workflow id is all a
+        # node's Temporal identity is bound to (temporal-authz: a node may signal only its own
+        # `node-presence-{id}`), while the payload is the node's own word. A heartbeat naming
+        # another node would let one node keep another online or rewrite its inventory.
+        workflow_id = activity.info().workflow_id
+        if workflow_id != node_presence_workflow_id(beat.node_id):
+            activity.logger.warning(
+                "dropped a heartbeat naming node %s sent to %s", beat.node_id, workflow_id
+            )
+            return []
         node_id = uuid.UUID(beat.node_id)
         values: dict[str, object] = {"last_agent_contact_at": func.clock_timestamp()}
         if beat.agent_version:
