@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from sqlalchemy import and_, func, or_, select
@@ -116,9 +117,47 @@ def due_windows(
     return first, last, bill_to
 
 
+def window_charges(
+    started_at: dt.datetime,
+    billed_until: dt.datetime,
+    ended_at: dt.datetime | None,
+    until: dt.datetime,
+    window: dt.timedelta,
+    cumulative: Callable[[dt.timedelta], int],
+) -> tuple[list[tuple[int, int]], dt.datetime] | None:
+    """Each due window k with its charge, and the instant billed through after them (None:
+    nothing due). A window's charge is cumulative(its end) - cumulative(its start), both since
+    the record started, so the windows add up exactly to the whole usage rounded down once; a
+    window worth less than a minor unit is left out and the next carries it."""
+    windows = due_windows(started_at, billed_until, ended_at, until, window)
+    if windows is None:
+        return None
+    first, last, bill_to = windows
+    charges: list[tuple[int, int]] = []
+    for k in range(first, last):
+        start = started_at + k * window
+        end = min(start + window, bill_to)
+        charge = cumulative(end - started_at) - cumulative(start - started_at)
+        if charge > 0:
+            charges.append((k, charge))
+    return charges, bill_to
+
+
 def cumulative_charge(price_per_gpu_hour_minor: int, gpus: int, elapsed: dt.timedelta) -> int:
     elapsed_us = max(0, elapsed // dt.timedelta(microseconds=1))
     return price_per_gpu_hour_minor * gpus * elapsed_us // _US_PER_HOUR
+
+
+async def _post_counted(
+    session: AsyncSession, postings: list[Posting], result: MeterResult
+) -> list[Posting]:
+    """Post the batch's debits (idempotent per key) and count those this run created into the
+    run's result; returns them (a concurrent or earlier run's are not counted again)."""
+    posted = await post_entries(session, postings)
+    created = [p for p, done in zip(postings, posted, strict=True) if done.created]
+    result.debits_posted += len(created)
+    result.charged_minor += sum(-p.amount_minor for p in created)
+    return created
 
 
 class BillingActivities:
@@ -227,44 +266,33 @@ class BillingActivities:
                 )
             ).all()
             for record in records:
-                windows = due_windows(
-                    record.started_at, record.billed_until, record.ended_at, until, self._window
+                due = window_charges(
+                    record.started_at,
+                    record.billed_until,
+                    record.ended_at,
+                    until,
+                    self._window,
+                    partial(cumulative_charge, record.price_per_gpu_hour_minor, record.gpu_count),
                 )
-                if windows is None:
+                if due is None:
                     continue
-                first, last, bill_to = windows
-                for k in range(first, last):
-                    start = record.started_at + k * self._window
-                    end = min(start + self._window, bill_to)
-                    charge = cumulative_charge(
-                        record.price_per_gpu_hour_minor, record.gpu_count, end - record.started_at
-                    ) - cumulative_charge(
-                        record.price_per_gpu_hour_minor,
-                        record.gpu_count,
-                        start - record.started_at,
+                charges, record.billed_until = due
+                postings += [
+                    Posting(
+                        project_id=record.project_id,
+                        amount_minor=-charge,
+                        kind=EntryKind.USAGE_DEBIT,
+                        idempotency_key=f"usage:{record.id}:{k}",
+                        currency=record.currency,
+                        usage_record_id=record.id,
+                        description=f"{record.gpu_count}x {record.sku}, window {k}",
                     )
-                    if charge <= 0:
-                        continue
-                    postings.append(
-                        Posting(
-                            project_id=record.project_id,
-                            amount_minor=-charge,
-                            kind=EntryKind.USAGE_DEBIT,
-                            idempotency_key=f"usage:{record.id}:{k}",
-                            currency=record.currency,
-                            usage_record_id=record.id,
-                            description=f"{record.gpu_count}x {record.sku}, window {k}",
-                        )
-                    )
-                record.billed_until = bill_to
+                    for k, charge in charges
+                ]
                 result.records_billed += 1
                 projects.add(record.project_id)
-            posted = await post_entries(session, postings)
             # (The ORM's flush writes billed_until only: charged_minor is post_entries'.)
-            for p, done in zip(postings, posted, strict=True):
-                if done.created:
-                    result.debits_posted += 1
-                    result.charged_minor -= p.amount_minor
+            await _post_counted(session, postings, result)
         return projects
 
     async def _bill_storage_batch(
@@ -284,44 +312,35 @@ class BillingActivities:
                 )
             ).all()
             for record in records:
-                windows = due_windows(
-                    record.started_at, record.billed_until, record.ended_at, until, self._window
+                quota = record.quota_bytes
+                due = window_charges(
+                    record.started_at,
+                    record.billed_until,
+                    record.ended_at,
+                    until,
+                    self._window,
+                    partial(storage_cumulative_charge, record.price_per_gb_hour_micro_minor, quota),
                 )
-                if windows is None:
+                if due is None:
                     continue
-                first, last, bill_to = windows
-                for k in range(first, last):
-                    start = record.started_at + k * self._window
-                    end = min(start + self._window, bill_to)
-                    price, quota = record.price_per_gb_hour_micro_minor, record.quota_bytes
-                    charge = storage_cumulative_charge(
-                        price, quota, end - record.started_at
-                    ) - storage_cumulative_charge(price, quota, start - record.started_at)
-                    if charge <= 0:  # a window worth less than a minor unit: the next carries it
-                        continue
-                    postings.append(
-                        Posting(
-                            project_id=record.project_id,
-                            amount_minor=-charge,
-                            kind=EntryKind.STORAGE_DEBIT,
-                            idempotency_key=f"storage:{record.id}:{k}",
-                            currency=record.currency,
-                            storage_usage_record_id=record.id,
-                            description=(
-                                f"storage {record.namespace_id}, {quota} bytes, window {k}"
-                            ),
-                        )
+                charges, record.billed_until = due
+                postings += [
+                    Posting(
+                        project_id=record.project_id,
+                        amount_minor=-charge,
+                        kind=EntryKind.STORAGE_DEBIT,
+                        idempotency_key=f"storage:{record.id}:{k}",
+                        currency=record.currency,
+                        storage_usage_record_id=record.id,
+                        description=f"storage {record.namespace_id}, {quota} bytes, window {k}",
                     )
-                record.billed_until = bill_to
+                    for k, charge in charges
+                ]
                 result.records_billed += 1
                 projects.add(record.project_id)
-            posted = await post_entries(session, postings)
-            for p, done in zip(postings, posted, strict=True):
-                if done.created:
-                    result.debits_posted += 1
-                    result.charged_minor -= p.amount_minor
-                    result.storage_debits_posted += 1
-                    result.storage_charged_minor -= p.amount_minor
+            posted = await _post_counted(session, postings, result)
+            result.storage_debits_posted += len(posted)
+            result.storage_charged_minor += sum(-p.amount_minor for p in posted)
         return projects
 
     async def _reclassify(
