@@ -23,7 +23,7 @@ import subprocess
 import tempfile
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -74,18 +74,30 @@ exec /bin/busybox sleep 100000
 """
 
 
-def build_initramfs(target: Path) -> None:
-    busybox = Path("/bin/busybox").read_bytes()
+def build_initramfs(
+    target: Path,
+    init: str = INIT,
+    *,
+    kernel_release: str = "",
+    modules: Sequence[str] = (),
+    directories: Sequence[str] = (),
+) -> None:
+    """A gzipped busybox initramfs at `target`: `init` as /init, and `modules` (paths under
+    /lib/modules/<kernel_release>/kernel) as /lib/gpucloud/NN.ko in the order given, for the
+    init to insmod; `directories` made besides the ones every guest needs."""
     directory, executable, console = 0o040755, 0o100755, 0o020600
-    entries = [
-        ("bin", directory, b"", (0, 0)),
-        ("dev", directory, b"", (0, 0)),
+    names = ["bin", "dev", "proc", "sys", *directories]
+    if modules:
+        names += ["lib", "lib/gpucloud"]
+    entries = [(name, directory, b"", (0, 0)) for name in names]
+    entries += [
         ("dev/console", console, b"", (5, 1)),  # init's stdio: the kernel's console (ttyS0)
-        ("proc", directory, b"", (0, 0)),
-        ("sys", directory, b"", (0, 0)),
-        ("bin/busybox", executable, busybox, (0, 0)),
-        ("init", executable, INIT.encode(), (0, 0)),
+        ("bin/busybox", executable, Path("/bin/busybox").read_bytes(), (0, 0)),
+        ("init", executable, init.encode(), (0, 0)),
     ]
+    tree = Path("/lib/modules") / kernel_release / "kernel"
+    for i, module in enumerate(modules):  # named so the shell glob keeps the load order
+        entries.append((f"lib/gpucloud/{i:02d}.ko", 0o100644, (tree / module).read_bytes(), (0, 0)))
     target.write_bytes(gzip.compress(_cpio_newc(entries), compresslevel=1))
 
 

@@ -11,7 +11,6 @@ own kernel modules and writes its NIC's MTU to the console with the marker line.
 
 from __future__ import annotations
 
-import gzip
 import os
 import socket
 import time
@@ -30,7 +29,7 @@ from agent.network.slice_networks import SliceNetworks
 from tests.test_agent_libvirt import RecordingProgress
 from tests.test_qemu_guest import (
     MARKER,
-    _cpio_newc,
+    build_initramfs,
     guest_kernel,
     real_guest,
     workdir,  # noqa: F401 - the fixture
@@ -71,27 +70,6 @@ exec /bin/busybox sleep 100000
 """
 
 
-def build_initramfs(target: Path, kernel_release: str) -> None:
-    modules = Path("/lib/modules") / kernel_release / "kernel"
-    directory, executable, console = 0o040755, 0o100755, 0o020600
-    entries = [
-        ("bin", directory, b"", (0, 0)),
-        ("dev", directory, b"", (0, 0)),
-        ("dev/console", console, b"", (5, 1)),
-        ("proc", directory, b"", (0, 0)),
-        ("sys", directory, b"", (0, 0)),
-        ("lib", directory, b"", (0, 0)),
-        ("lib/gpucloud", directory, b"", (0, 0)),
-        ("bin/busybox", executable, Path("/bin/busybox").read_bytes(), (0, 0)),
-        ("init", executable, INIT.encode(), (0, 0)),
-    ]
-    for i, module in enumerate(MODULES):  # named so the shell glob keeps the load order
-        entries.append(
-            (f"lib/gpucloud/{i:02d}.ko", 0o100644, (modules / module).read_bytes(), (0, 0))
-        )
-    target.write_bytes(gzip.compress(_cpio_newc(entries), compresslevel=1))
-
-
 @pytest.fixture
 def uplink() -> Iterator[str]:
     """A stand-in for the node's uplink (one end of a veth pair), in the host's namespace, with
@@ -129,7 +107,7 @@ def test_a_real_guests_tap_has_no_ipv6_and_the_guest_gets_the_segment_mtu(
     assert kernel is not None, "no /boot/vmlinuz-* (bin/bootstrap installs linux-image-amd64)"
     release_name = kernel.name.removeprefix("vmlinuz-")
     initrd = workdir / "initramfs.cpio.gz"
-    build_initramfs(initrd, release_name)
+    build_initramfs(initrd, INIT, kernel_release=release_name, modules=MODULES)
     allocation = f"qnet{os.getpid()}"
     probe, backend, spec, release = real_guest(
         qemu_connection,

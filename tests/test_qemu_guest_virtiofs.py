@@ -16,7 +16,6 @@ Every step is reported on the serial console, which the test reads.
 from __future__ import annotations
 
 import contextlib
-import gzip
 import os
 import time
 import uuid
@@ -53,7 +52,7 @@ from contracts.storage import (
 from tests.test_agent_libvirt import RecordingProgress
 from tests.test_qemu_guest import (
     MARKER,
-    _cpio_newc,
+    build_initramfs,
     guest_kernel,
     real_guest,
     workdir,  # noqa: F401 - the fixture
@@ -104,29 +103,6 @@ while $bb cat /mnt/rw/from-host.txt >/dev/null 2>/tmp/rw-error; do $bb sleep 0.2
 say "rw gone: $($bb cat /tmp/rw-error)"
 exec $bb sleep 100000
 """
-
-
-def build_initramfs(target: Path, kernel_release: str, init: str) -> None:
-    modules = Path("/lib/modules") / kernel_release / "kernel"
-    directory, executable, console = 0o040755, 0o100755, 0o020600
-    entries = [
-        ("bin", directory, b"", (0, 0)),
-        ("dev", directory, b"", (0, 0)),
-        ("dev/console", console, b"", (5, 1)),
-        ("proc", directory, b"", (0, 0)),
-        ("sys", directory, b"", (0, 0)),
-        ("tmp", directory, b"", (0, 0)),
-        ("mnt", directory, b"", (0, 0)),
-        ("lib", directory, b"", (0, 0)),
-        ("lib/gpucloud", directory, b"", (0, 0)),
-        ("bin/busybox", executable, Path("/bin/busybox").read_bytes(), (0, 0)),
-        ("init", executable, init.encode(), (0, 0)),
-    ]
-    for i, module in enumerate(MODULES):  # named so the shell glob keeps the load order
-        entries.append(
-            (f"lib/gpucloud/{i:02d}.ko", 0o100644, (modules / module).read_bytes(), (0, 0))
-        )
-    target.write_bytes(gzip.compress(_cpio_newc(entries), compresslevel=1))
 
 
 def virtiofsd_serving(source: Path) -> list[int]:
@@ -184,7 +160,13 @@ def test_a_namespace_is_hot_plugged_into_a_real_guest_over_virtiofs_and_unplugge
     rw_attachment, ro_attachment = str(uuid.uuid4()), str(uuid.uuid4())
     rw_tag, ro_tag = virtiofs_tag(rw_attachment), virtiofs_tag(ro_attachment)
     initrd = workdir / "initramfs.cpio.gz"
-    build_initramfs(initrd, kernel.name.removeprefix("vmlinuz-"), init_script(rw_tag, ro_tag))
+    build_initramfs(
+        initrd,
+        init_script(rw_tag, ro_tag),
+        kernel_release=kernel.name.removeprefix("vmlinuz-"),
+        modules=MODULES,
+        directories=("tmp", "mnt"),
+    )
     allocation = f"qvfs{os.getpid()}"
     probe, backend, spec, release = real_guest(
         qemu_connection, workdir, kernel, initrd, allocation, SliceNetworks()
