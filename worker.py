@@ -22,8 +22,8 @@ from activities.allocations import AllocationActivities
 from activities.billing.metering import BillingActivities
 from activities.billing.notification_webhooks import NotificationWebhookActivities
 from activities.billing.notifications import NotificationActivities
+from activities.decommission.control_plane import DecommissionActivities, DecommissionDeps
 from activities.decommission.reimage import ReimageActivities
-from activities.decommission.stages import DecommissionActivities, DecommissionDeps
 from activities.enrollment_tokens import EnrollmentActivities
 from activities.lifecycle_submissions import LifecycleSubmissionActivities
 from activities.maas_reconcile import MaasReconcileActivities

@@ -1,108 +1,53 @@
-"""Node maintenance for decommission (seed 003 §5, seed 004): node.gpu_scrub, node.storage_cleanup,
-node.validate_clean, node.drain, node.uninstall and node.hw_sync_reseed.
-
-Two layers, like the host activities:
-
-- `MaintenanceBackend` (a protocol, blocking) does the work; `FileMaintenanceBackend` implements
-  it under a `SystemRoot` (a directory standing for "/", a temporary tree in tests). Everything
-  the node vendor or the OS must do is behind a small protocol: `NodeGpuScrubber` (production on
-  NVIDIA: `agent.gpu_tools.NvidiaSmiScrubber`, a read-only verification that no compute process
-  holds GPU memory; `WholeNodeScrubber` adapts the bare-metal `GpuScrubber`), `ProcessLister`
-  (default: `ProcProcessLister`, reading `proc/<pid>/status` under the root), `GpuMemoryProbe`
-  (production on NVIDIA: `NvmlGpuMemoryProbe`, read-only), `RunningTaskCounter` and
-  `UnitManager` (production: systemd over D-Bus; not implemented here). No operation runs a
-  shell or takes a command, a script or a path to act on from the control plane (seed 003 §2.4):
-  paths come from the agent's own config.
-- `MaintenanceActivities` registers them as Temporal activities on the node's queue, heartbeats
-  the phase list while the backend runs, maps `HostError` to `ApplicationError` and sanitises
-  everything that leaves the node (`sanitise`): secret-looking text redacted, the system root's
-  own location never shown, messages truncated.
-
-Rules:
-
-- storage_cleanup deletes the *contents* of configured scratch roots, never the roots; a root
-  that is a symlink (or under one) is refused (`unsafe_path`), symlinks inside a root are
-  unlinked, never followed; a filesystem mounted below a root is refused before anything is
-  deleted (rmtree would cross into it). Roots marked `tenant_owned_only` (default: /tmp and
-  /var/tmp) lose only top-level entries owned by a uid in the tenant range. scope "weka" is
-  `unsupported` until the Weka integration (seed 003 §11) exists.
-- validate_clean answers each check with passed/failed and a reason; a failed check is a result,
-  not an error. Checks: tenant accounts, groups and sudoers grants (etc/passwd, etc/group,
-  etc/sudoers.d); processes with any tenant uid (real, effective, saved or filesystem); tenant
-  mounts (below a home or scratch root, a tenant's /run/user/<uid>, a FUSE mount of a tenant
-  uid); GPU memory and GPU processes (the probe). A check that cannot be carried out (no mount
-  table, no /proc) fails.
-- GPU state that this host cannot verify (no probe or scrubber tool, no NVML library, no driver,
-  a GPU the driver cannot see) is reported as "unverified: <reason>" (agent.gpu_tools), never as
-  clean: the check fails and the scrub outcome is not scrubbed, unless node policy accepts it
-  (`FileMaintenanceBackend(allow_unverified_gpu=True)`: the check passes and the outcome counts as
-  scrubbed, the reason still saying "unverified"). GPU state that is checked and wrong (memory or
-  processes in use, a GPU fell off the bus) always fails.
-- drain writes a marker in the agent's state dir (idempotent) and reports the running task count.
-- uninstall removes only the paths listed in `AgentFiles` (the agent's own files).
-- hw_sync_reseed writes the hardware-sync service and timer units from a fixed template; the
-  command they run is agent config, never task input; the interval is validated.
+"""`FileMaintenanceBackend`: node maintenance under a `SystemRoot` ("/" on a node, a temporary
+tree in tests): gpu_scrub through the scrubber, storage_cleanup of the configured scratch roots,
+validate_clean's checks (tenant accounts, processes, mounts, GPU memory), drain/undrain's marker,
+uninstall of the agent's own files and hw_sync_reseed's units. The rules each follows are in the
+package docstring (agent/maintenance/__init__.py).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import logging
 import os
 import re
 import shutil
 import stat
-import traceback
 from collections.abc import Callable
-from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass, field, fields, is_dataclass, replace
+from dataclasses import replace
 from pathlib import Path, PurePosixPath
-from typing import Any, Protocol, TypeVar
-
-from temporalio import activity
-from temporalio.exceptions import ApplicationError
 
 from agent.backend import HostCancelled, HostError, PhaseStatus, Progress
-from agent.backends.baremetal_users import GpuScrubber, UserAccountConfig
 from agent.backends.system_root import SystemRoot, UnsafePath
-
-# GpuMemoryUse and NvmlGpuMemoryProbe live with the other vendor tools; importable from here too.
-from agent.gpu_tools import GpuMemoryUse as GpuMemoryUse
 from agent.gpu_tools import GpuQueryFailed, GpuToolUnavailable, is_unverified, unverified
-from agent.gpu_tools import NvmlGpuMemoryProbe as NvmlGpuMemoryProbe
-from agent.host_activities import heartbeat_interval_seconds
-from agent.progress import TaskProgress, utc_now_iso
+from agent.maintenance.config import MaintenanceConfig, ScratchRoot
+from agent.maintenance.interfaces import (
+    GpuMemoryProbe,
+    NodeGpuScrubber,
+    ProcessLister,
+    ProcProcessLister,
+    RunningTaskCounter,
+    UnitManager,
+)
+from agent.maintenance.protocol import (
+    DrainOutcome,
+    HwSyncOutcome,
+    StorageOutcome,
+    UninstallOutcome,
+    ValidateOutcome,
+)
+from agent.maintenance.sanitising import sanitise, sanitise_strings
+from agent.progress import utc_now_iso
 from contracts.host_tasks import (
-    NODE_DRAIN,
-    NODE_GPU_SCRUB,
-    NODE_HW_SYNC_RESEED,
-    NODE_STORAGE_CLEANUP,
-    NODE_UNDRAIN,
-    NODE_UNINSTALL,
-    NODE_VALIDATE_CLEAN,
-    NON_RETRYABLE_MAINTENANCE_ERRORS,
     STORAGE_SCOPE_LOCAL_SCRATCH,
     STORAGE_SCOPE_WEKA,
     CleanCheck,
-    DrainResult,
     GpuScrubOutcome,
-    GpuScrubResult,
     HostErrorType,
-    HostPhase,
     HwSyncReseedInput,
-    HwSyncReseedResult,
     NodeMaintenanceInput,
     ScratchRootOutcome,
     StorageCleanupInput,
-    StorageCleanupResult,
-    UninstallResult,
-    ValidateCleanResult,
 )
-from contracts.node_files import HwSyncConfig, render_hw_sync_service, render_hw_sync_timer
-from core.redaction import MAX_MESSAGE_CHARS, redact
-
-logger = logging.getLogger("agent.maintenance")
+from contracts.node_files import render_hw_sync_service, render_hw_sync_timer
 
 # Phase names, in the order each activity runs them.
 GPU_SCRUB_PHASES = ("gpus_scrubbed",)
@@ -125,273 +70,6 @@ CHECK_GPU_MEMORY = "gpu_memory"
 
 _MAX_NAMES = 5
 _INTERVAL_RANGE = (1, 1440)
-
-# --------------------------------------------------------------------------- sanitising
-
-
-def sanitise(text: str, *, root: SystemRoot | None = None, limit: int = MAX_MESSAGE_CHARS) -> str:
-    """Text safe for node_tasks output and the timeline: the system root's own location removed
-    (paths read as on the node), secret-looking text redacted, control characters dropped,
-    truncated to `limit` characters."""
-    if root is not None and str(root.path) != "/":
-        text = text.replace(str(root.path), "")
-    return redact(text, limit=limit)
-
-
-_T = TypeVar("_T")
-
-
-def sanitise_strings(value: _T, *, root: SystemRoot | None = None) -> _T:
-    """Apply `sanitise` to every string field of a (nested) result dataclass, in place."""
-    if is_dataclass(value) and not isinstance(value, type):
-        for f in fields(value):
-            current = getattr(value, f.name)
-            if isinstance(current, str):
-                setattr(value, f.name, sanitise(current, root=root))
-            elif isinstance(current, list):
-                setattr(
-                    value,
-                    f.name,
-                    [
-                        sanitise(item, root=root)
-                        if isinstance(item, str)
-                        else sanitise_strings(item, root=root)
-                        for item in current
-                    ],
-                )
-            elif is_dataclass(current):
-                sanitise_strings(current, root=root)
-    return value
-
-
-# --------------------------------------------------------------------------- interfaces
-
-
-class NodeGpuScrubber(Protocol):
-    """Scrubs every GPU on the node, or verifies there is nothing to scrub (production on NVIDIA:
-    agent.gpu_tools.NvidiaSmiScrubber, which checks that no compute process holds GPU memory and
-    never resets a GPU). One outcome per GPU; a GPU that could not be scrubbed is an outcome with
-    scrubbed=False, and one this host cannot verify has a message starting "unverified: "
-    (agent.gpu_tools.unverified). Raises GpuToolUnavailable when nothing can be verified here,
-    GpuQueryFailed (or anything else) when the scrub could not be attempted at all."""
-
-    def scrub_each(self) -> list[GpuScrubOutcome]: ...
-
-
-class WholeNodeScrubber:
-    """Adapts the bare-metal `GpuScrubber` (one call for the whole node) to `NodeGpuScrubber`."""
-
-    def __init__(self, scrubber: GpuScrubber) -> None:
-        self._scrubber = scrubber
-
-    def scrub_each(self) -> list[GpuScrubOutcome]:
-        try:
-            message = self._scrubber.scrub()
-        except GpuToolUnavailable as err:
-            return [GpuScrubOutcome(gpu="all", scrubbed=False, message=unverified(str(err)))]
-        except GpuQueryFailed as err:
-            return [GpuScrubOutcome(gpu="all", scrubbed=False, message=str(err))]
-        except Exception as err:
-            return [GpuScrubOutcome(gpu="all", scrubbed=False, message=type(err).__name__)]
-        return [GpuScrubOutcome(gpu="all", scrubbed=True, message=message)]
-
-
-@dataclass(frozen=True)
-class ProcessInfo:
-    pid: int
-    uid: int  # the real uid
-    other_uids: tuple[int, ...] = ()  # effective, saved set and filesystem uids, where known
-
-    @property
-    def uids(self) -> tuple[int, ...]:
-        return (self.uid, *self.other_uids)
-
-
-class ProcessLister(Protocol):
-    """Every process on the node with its uids."""
-
-    def processes(self) -> list[ProcessInfo]: ...
-
-
-class ProcProcessLister:
-    """Reads `proc/<pid>/status` under the system root ("Uid:" line: real, effective, saved set
-    and filesystem uid). Read-only."""
-
-    def __init__(self, root: SystemRoot) -> None:
-        self._proc = root.host_path("/proc")
-
-    def processes(self) -> list[ProcessInfo]:
-        found: list[ProcessInfo] = []
-        try:
-            entries = list(os.scandir(self._proc))
-        except FileNotFoundError:
-            raise RuntimeError("no /proc under the system root") from None
-        for entry in entries:
-            if not entry.name.isdigit():
-                continue
-            try:
-                text = Path(entry.path, "status").read_text(encoding="utf-8", errors="replace")
-            except OSError:
-                continue  # the process ended while we looked
-            for line in text.splitlines():
-                if line.startswith("Uid:"):
-                    uids = [int(u) for u in line.split()[1:] if u.isdigit()]
-                    if uids:
-                        found.append(ProcessInfo(int(entry.name), uids[0], tuple(uids[1:])))
-                    break
-        return found
-
-
-class GpuMemoryProbe(Protocol):
-    """GPU memory in use on each GPU (`GpuMemoryUse`, from agent.gpu_tools). Read-only: never
-    resets a GPU or changes a setting. A GPU it cannot inspect has `unverified` set; raises
-    GpuToolUnavailable when it cannot inspect any (no library, no driver), GpuQueryFailed when
-    the query fails (production on NVIDIA: NvmlGpuMemoryProbe)."""
-
-    def usage(self) -> list[GpuMemoryUse]: ...
-
-
-class RunningTaskCounter(Protocol):
-    """How many host tasks this agent is running now."""
-
-    def running(self) -> int: ...
-
-
-class UnitManager(Protocol):
-    """systemd, for hw_sync_reseed (production: D-Bus daemon-reload and RestartUnit)."""
-
-    def reload_and_restart(self, units: list[str]) -> None: ...
-
-
-# --------------------------------------------------------------------------- config
-
-
-@dataclass(frozen=True)
-class ScratchRoot:
-    path: str  # as on the node, e.g. "/scratch"
-    # Only top-level entries owned by a tenant uid are removed (shared dirs such as /tmp).
-    tenant_owned_only: bool = False
-
-
-DEFAULT_SCRATCH_ROOTS = (
-    ScratchRoot("/scratch"),
-    ScratchRoot("/tmp", tenant_owned_only=True),  # noqa: S108 - cleaned, not written to
-    ScratchRoot("/var/tmp", tenant_owned_only=True),  # noqa: S108
-)
-
-
-@dataclass(frozen=True)
-class AgentFiles:
-    """Everything node.uninstall removes: the agent's own files, listed explicitly."""
-
-    state_dir: str = "/var/lib/gpucloud-agent"  # identity.json lives here (agent/enrollment.py)
-    files: tuple[str, ...] = (
-        "/var/lib/gpucloud-agent/identity.json",
-        "/etc/gpucloud/agent.toml",  # written by cloud-init
-        "/etc/systemd/system/gpucloud-agent.service",
-    )
-
-    @property
-    def drain_marker(self) -> str:
-        return f"{self.state_dir.rstrip('/')}/draining"
-
-
-@dataclass(frozen=True)
-class MaintenanceConfig:
-    users: UserAccountConfig = field(default_factory=UserAccountConfig)
-    scratch_roots: tuple[ScratchRoot, ...] = DEFAULT_SCRATCH_ROOTS
-    agent_files: AgentFiles = field(default_factory=AgentFiles)
-    hw_sync: HwSyncConfig = field(default_factory=HwSyncConfig)
-    mounts_file: str = "/proc/self/mounts"
-    # Memory an idle GPU reports as used (driver/context overhead) and still counts as clean.
-    gpu_idle_used_bytes: int = 512 * 1024 * 1024
-
-    def __post_init__(self) -> None:
-        owned = [r.path for r in self.scratch_roots]
-        owned += [self.agent_files.state_dir, *self.agent_files.files]
-        owned += [self.hw_sync.service_unit, self.hw_sync.timer_unit]
-        for path in owned:
-            parts = SystemRoot.parts(path)  # refuses "..", "."
-            if not path.startswith("/") or len(parts) < 1:
-                raise ValueError(f"{path!r} must be an absolute path below /")
-        if any(len(SystemRoot.parts(p)) < 2 for p in [*self.agent_files.files]):
-            raise ValueError("agent files must lie in a directory below /")
-
-
-# --------------------------------------------------------------------------- outcomes
-
-
-@dataclass
-class StorageOutcome:
-    scope: str
-    roots: list[ScratchRootOutcome]
-
-
-@dataclass
-class ValidateOutcome:
-    checks: list[CleanCheck]
-
-    @property
-    def clean(self) -> bool:
-        return all(c.passed for c in self.checks)
-
-
-@dataclass
-class DrainOutcome:
-    draining: bool
-    already_draining: bool
-    running_tasks: int
-
-
-@dataclass
-class UninstallOutcome:
-    removed: list[str]
-    absent: list[str]
-
-
-@dataclass
-class HwSyncOutcome:
-    units_written: list[str]
-    units_unchanged: list[str]
-    credentials_present: bool
-    restarted: bool
-
-
-class MaintenanceBackend(Protocol):
-    """Node maintenance. Methods block, raise HostError for classified failures and
-    HostCancelled when `progress` says so; each is idempotent."""
-
-    def gpu_scrub(
-        self, spec: NodeMaintenanceInput, progress: Progress
-    ) -> list[GpuScrubOutcome]: ...
-
-    def storage_cleanup(self, spec: StorageCleanupInput, progress: Progress) -> StorageOutcome: ...
-
-    def validate_clean(self, spec: NodeMaintenanceInput, progress: Progress) -> ValidateOutcome: ...
-
-    def drain(
-        self,
-        spec: NodeMaintenanceInput,
-        progress: Progress,
-        tasks: RunningTaskCounter | None = None,
-    ) -> DrainOutcome: ...
-
-    def undrain(self, spec: NodeMaintenanceInput, progress: Progress) -> DrainOutcome: ...
-
-    def uninstall(self, spec: NodeMaintenanceInput, progress: Progress) -> UninstallOutcome: ...
-
-    def hw_sync_reseed(self, spec: HwSyncReseedInput, progress: Progress) -> HwSyncOutcome: ...
-
-    def is_draining(self) -> bool:
-        """Whether node.drain has run: host activities then refuse new tenant work."""
-        ...
-
-    def sanitise_root(self) -> SystemRoot | None:
-        """The system root whose location `sanitise` strips from what leaves the node."""
-        ...
-
-
-# --------------------------------------------------------------------------- the backend
 
 
 class FileMaintenanceBackend:
@@ -892,228 +570,3 @@ def _unescape_mount(field_text: str) -> str:
 def _few(items: list[str]) -> str:
     shown = ", ".join(items[:_MAX_NAMES])
     return shown + (f" and {len(items) - _MAX_NAMES} more" if len(items) > _MAX_NAMES else "")
-
-
-# --------------------------------------------------------------------------- activities
-
-# An unclassified exception in a maintenance backend: retried (the workflow bounds attempts).
-MAINTENANCE_INTERNAL_ERROR = HostErrorType.MAINTENANCE_ERROR.value
-
-_Out = TypeVar("_Out")
-
-
-class MaintenanceActivities:
-    """The six node.* maintenance activities bound to a backend; register `activities()` on the
-    node's worker (agent.node_worker.build_node_worker(..., maintenance=backend))."""
-
-    def __init__(
-        self,
-        backend: MaintenanceBackend,
-        *,
-        node_id: str | None = None,
-        executor: Executor | None = None,
-        cancel_grace_seconds: float = 10.0,
-        tasks: RunningTaskCounter | None = None,
-    ) -> None:
-        self._backend = backend
-        self._node_id = node_id
-        # The node's in-flight tenant host tasks, which node.drain reports (agent.node_worker
-        # passes the node's HostActivities: the only place that knows what runs).
-        self._tasks = tasks
-        self._executor = executor or ThreadPoolExecutor(
-            max_workers=4, thread_name_prefix=f"maint-{node_id or 'agent'}"
-        )
-        self._cancel_grace_seconds = cancel_grace_seconds
-
-    def activities(self) -> list[Callable[..., Any]]:
-        return [
-            self.gpu_scrub,
-            self.storage_cleanup,
-            self.validate_clean,
-            self.drain,
-            self.undrain,
-            self.uninstall,
-            self.hw_sync_reseed,
-        ]
-
-    @activity.defn(name=NODE_GPU_SCRUB)
-    async def gpu_scrub(self, spec: NodeMaintenanceInput) -> GpuScrubResult:
-        started = self._start(spec.task_id, spec.node_id)
-        gpus, phases = await self._run(
-            NODE_GPU_SCRUB, spec.task_id, spec.node_id, lambda p: self._backend.gpu_scrub(spec, p)
-        )
-        return self._clean(GpuScrubResult(spec.task_id, started, utc_now_iso(), phases, gpus))
-
-    @activity.defn(name=NODE_STORAGE_CLEANUP)
-    async def storage_cleanup(self, spec: StorageCleanupInput) -> StorageCleanupResult:
-        started = self._start(spec.task_id, spec.node_id)
-        out, phases = await self._run(
-            NODE_STORAGE_CLEANUP,
-            spec.task_id,
-            spec.node_id,
-            lambda p: self._backend.storage_cleanup(spec, p),
-        )
-        return self._clean(
-            StorageCleanupResult(
-                spec.task_id, started, utc_now_iso(), phases, scope=out.scope, roots=out.roots
-            )
-        )
-
-    @activity.defn(name=NODE_VALIDATE_CLEAN)
-    async def validate_clean(self, spec: NodeMaintenanceInput) -> ValidateCleanResult:
-        started = self._start(spec.task_id, spec.node_id)
-        out, phases = await self._run(
-            NODE_VALIDATE_CLEAN,
-            spec.task_id,
-            spec.node_id,
-            lambda p: self._backend.validate_clean(spec, p),
-        )
-        return self._clean(
-            ValidateCleanResult(
-                spec.task_id, started, utc_now_iso(), phases, clean=out.clean, checks=out.checks
-            )
-        )
-
-    @activity.defn(name=NODE_DRAIN)
-    async def drain(self, spec: NodeMaintenanceInput) -> DrainResult:
-        return await self._drain_marker(
-            NODE_DRAIN, spec, lambda s, p: self._backend.drain(s, p, self._tasks)
-        )
-
-    @activity.defn(name=NODE_UNDRAIN)
-    async def undrain(self, spec: NodeMaintenanceInput) -> DrainResult:
-        return await self._drain_marker(NODE_UNDRAIN, spec, self._backend.undrain)
-
-    async def _drain_marker(
-        self,
-        kind: str,
-        spec: NodeMaintenanceInput,
-        step: Callable[[NodeMaintenanceInput, Progress], DrainOutcome],
-    ) -> DrainResult:
-        """node.drain and node.undrain: set or clear the marker, report what it was."""
-        started = self._start(spec.task_id, spec.node_id)
-        out, phases = await self._run(kind, spec.task_id, spec.node_id, lambda p: step(spec, p))
-        return self._clean(
-            DrainResult(
-                spec.task_id,
-                started,
-                utc_now_iso(),
-                phases,
-                draining=out.draining,
-                already_draining=out.already_draining,
-                running_tasks=out.running_tasks,
-            )
-        )
-
-    @activity.defn(name=NODE_UNINSTALL)
-    async def uninstall(self, spec: NodeMaintenanceInput) -> UninstallResult:
-        started = self._start(spec.task_id, spec.node_id)
-        out, phases = await self._run(
-            NODE_UNINSTALL, spec.task_id, spec.node_id, lambda p: self._backend.uninstall(spec, p)
-        )
-        return self._clean(
-            UninstallResult(
-                spec.task_id, started, utc_now_iso(), phases, removed=out.removed, absent=out.absent
-            )
-        )
-
-    @activity.defn(name=NODE_HW_SYNC_RESEED)
-    async def hw_sync_reseed(self, spec: HwSyncReseedInput) -> HwSyncReseedResult:
-        started = self._start(spec.task_id, spec.node_id)
-        out, phases = await self._run(
-            NODE_HW_SYNC_RESEED,
-            spec.task_id,
-            spec.node_id,
-            lambda p: self._backend.hw_sync_reseed(spec, p),
-        )
-        return self._clean(
-            HwSyncReseedResult(
-                spec.task_id,
-                started,
-                utc_now_iso(),
-                phases,
-                units_written=out.units_written,
-                units_unchanged=out.units_unchanged,
-                credentials_present=out.credentials_present,
-                restarted=out.restarted,
-            )
-        )
-
-    # ------------------------------------------------------------------ shared flow
-
-    def _start(self, task_id: str, node_id: str) -> str:
-        if not task_id or (self._node_id is not None and node_id != self._node_id):
-            raise ApplicationError(
-                "task id missing or task for another node",
-                type=HostErrorType.INVALID_SPEC.value,
-                non_retryable=True,
-            )
-        return utc_now_iso()
-
-    def _clean(self, result: _T) -> _T:
-        return sanitise_strings(result, root=self._backend.sanitise_root())
-
-    async def _run(
-        self, name: str, task_id: str, node_id: str, call: Callable[[TaskProgress], _Out]
-    ) -> tuple[_Out, list[HostPhase]]:
-        loop = asyncio.get_running_loop()
-        progress = TaskProgress(loop, task_id=task_id, allocation_id="-", activity_name=name)
-        root = self._backend.sanitise_root()
-        logger.info(
-            "task %s (%s, node %s): attempt %d", task_id, name, node_id, activity.info().attempt
-        )
-        heartbeats = asyncio.create_task(self._heartbeat_loop(progress, root))
-        work = loop.run_in_executor(self._executor, call, progress)
-        work.add_done_callback(lambda f: f.cancelled() or f.exception())
-        try:
-            outcome = await asyncio.shield(work)
-        except asyncio.CancelledError:
-            progress.request_cancel()
-            await asyncio.wait({work}, timeout=self._cancel_grace_seconds)
-            raise
-        except HostCancelled:
-            raise asyncio.CancelledError() from None
-        except HostError as err:
-            message = sanitise(err.message, root=root)
-            progress.fail_open_phase(message)
-            logger.warning("task %s (%s): %s", task_id, name, err.error_type.value)
-            raise ApplicationError(
-                message,
-                _clean_phases(progress.snapshot(), root),
-                type=err.error_type.value,
-                non_retryable=err.error_type in NON_RETRYABLE_MAINTENANCE_ERRORS,
-            ) from None
-        except Exception as err:
-            progress.fail_open_phase("unexpected maintenance error")
-            logger.error(
-                "task %s (%s): unexpected %s\n%s",
-                task_id,
-                name,
-                type(err).__name__,
-                "".join(traceback.format_tb(err.__traceback__)),
-            )
-            raise ApplicationError(
-                f"unexpected {type(err).__name__} in {name}",
-                _clean_phases(progress.snapshot(), root),
-                type=MAINTENANCE_INTERNAL_ERROR,
-            ) from None
-        finally:
-            heartbeats.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await heartbeats
-        logger.info("task %s (%s, node %s): done", task_id, name, node_id)
-        return outcome, _clean_phases(progress.snapshot(), root)
-
-    async def _heartbeat_loop(self, progress: TaskProgress, root: SystemRoot | None) -> None:
-        interval = heartbeat_interval_seconds()
-        while True:
-            if not progress.heartbeats_suspended:
-                activity.heartbeat(_clean_phases(progress.snapshot(), root))
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(interval):
-                    await progress.changed.wait()
-            progress.changed.clear()
-
-
-def _clean_phases(phases: list[HostPhase], root: SystemRoot | None) -> list[HostPhase]:
-    return [replace(p, message=sanitise(p.message, root=root)) for p in phases]
