@@ -33,6 +33,7 @@ from typing import Any
 import aiohttp
 import httpx
 from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio.client import Client
 
 from bench.idle_fleet import idle_fleet_child, seed_idle_fleet
@@ -269,14 +270,14 @@ async def post_to_active(
 
 
 async def _one_to_active(
-    client: httpx.AsyncClient, engine: object, body: dict[str, object]
+    client: httpx.AsyncClient, engine: AsyncEngine, body: dict[str, object]
 ) -> float:
     sent_at = time.time()
     response = await client.post("/api/v1/allocations", json=body)
     response.raise_for_status()
     allocation_id = uuid.UUID(response.json()["allocation_id"])
     deadline = time.monotonic() + 30
-    async with engine.connect() as conn:  # type: ignore[attr-defined]
+    async with engine.connect() as conn:
         while time.monotonic() < deadline:
             active_at = await conn.scalar(
                 text("SELECT extract(epoch FROM active_at) FROM allocations WHERE id = :id"),

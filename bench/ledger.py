@@ -183,6 +183,7 @@ async def served(app: Litestar) -> AsyncIterator[httpx.AsyncClient]:
     async with (
         app.lifespan(),
         httpx.AsyncClient(
+            # Litestar's ASGI types are narrower than httpx's; the app is a plain ASGI app.
             transport=httpx.ASGITransport(app=app),  # type: ignore[arg-type]
             base_url="http://bench.local",
             timeout=60,

@@ -424,12 +424,14 @@ async def seed_demo_site(o: StackOptions, admin_token: str, maas_key: str) -> st
 # --- readiness ---------------------------------------------------------------------------------
 
 
-async def _has_pollers(client: Client, namespace: str, queue: str, kind: int) -> bool:
+async def _has_pollers(
+    client: Client, namespace: str, queue: str, kind: TaskQueueType.ValueType
+) -> bool:
     response = await client.workflow_service.describe_task_queue(
         DescribeTaskQueueRequest(
             namespace=namespace,
             task_queue=TaskQueue(name=queue),
-            task_queue_type=kind,  # type: ignore[arg-type]
+            task_queue_type=kind,
         ),
         timeout=timedelta(seconds=3),
     )

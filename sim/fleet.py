@@ -29,7 +29,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypedDict
 
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -361,6 +361,14 @@ def fleet_node_ids(args: argparse.Namespace) -> list[str] | None:
     return [str(node.id) for node in demo_fleet().nodes]
 
 
+class _ConfigChanges(TypedDict, total=False):
+    """The SimHostConfig fields the command line may set."""
+
+    phase_delay_s: float
+    jitter: float
+    faults: tuple[FaultSpec, ...]
+
+
 def config_factory(args: argparse.Namespace) -> Callable[[str], SimHostConfig]:
     """Per-node settings: the environment's, with the command line's on top."""
     faults = None
@@ -369,14 +377,14 @@ def config_factory(args: argparse.Namespace) -> Callable[[str], SimHostConfig]:
 
     def config_for(node_id: str) -> SimHostConfig:
         config = SimHostConfig.from_env(node_id)
-        changes: dict[str, object] = {}
+        changes: _ConfigChanges = {}
         if args.phase_delay is not None:
             changes["phase_delay_s"] = args.phase_delay
         if args.jitter is not None:
             changes["jitter"] = args.jitter
         if faults is not None:
             changes["faults"] = faults
-        return dataclasses.replace(config, **changes).for_node(node_id)  # type: ignore[arg-type]
+        return dataclasses.replace(config, **changes).for_node(node_id)
 
     config_for("00000000-0000-0000-0000-000000000000")  # fail at start on a bad setting
     return config_for

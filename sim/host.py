@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TypedDict, Unpack
 
 from agent.backend import (
     HARD_STOP_PHASE,
@@ -75,6 +76,19 @@ class SimUser:
     key_fingerprints: tuple[str, ...] = ()
     sessions: int = 0
     access_verified: bool = False
+
+
+class _DomainChanges(TypedDict, total=False):
+    """The SimDomain fields a provisioning phase updates in place."""
+
+    guest_ready: bool
+
+
+class _UserChanges(TypedDict, total=False):
+    """The SimUser fields a provisioning phase updates in place."""
+
+    key_fingerprints: tuple[str, ...]
+    access_verified: bool
 
 
 @dataclass(frozen=True)
@@ -396,17 +410,17 @@ class SimulatedHost:
             self._domains[allocation_id] = replace(domain, state=state)
             return domain.state == state
 
-    def _update_domain(self, allocation_id: str, **changes: object) -> None:
+    def _update_domain(self, allocation_id: str, **changes: Unpack[_DomainChanges]) -> None:
         with self._lock:
             domain = self._domains.get(allocation_id)
             if domain is not None:
-                self._domains[allocation_id] = replace(domain, **changes)  # type: ignore[arg-type]
+                self._domains[allocation_id] = replace(domain, **changes)
 
-    def _update_user(self, allocation_id: str, **changes: object) -> None:
+    def _update_user(self, allocation_id: str, **changes: Unpack[_UserChanges]) -> None:
         with self._lock:
             user = self._users.get(allocation_id)
             if user is not None:
-                self._users[allocation_id] = replace(user, **changes)  # type: ignore[arg-type]
+                self._users[allocation_id] = replace(user, **changes)
 
     def _destroy(self, allocation_id: str) -> str:
         state = self._set_domain_state(allocation_id, "shutoff")

@@ -47,7 +47,7 @@ from tests.factories import (
     create_node,
     fund_project,
 )
-from tests.lifecycle_support import Tenant
+from tests.lifecycle_support import Tenant, server_started
 
 TEMPORAL_UI_ORIGIN = "http://localhost:8233"
 _UNSET: Any = object()
@@ -396,10 +396,7 @@ async def served_over_http(app: Any) -> AsyncIterator[str]:
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
     )
     serving = asyncio.create_task(server.serve())
-    while not server.started:
-        if serving.done():
-            serving.result()  # startup failed: raise its error here
-        await asyncio.sleep(0.02)
+    await server_started(server, serving)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:

@@ -35,6 +35,19 @@ async def eventually(
     raise AssertionError(f"condition not met within {timeout}s (last value: {last!r})")
 
 
+async def server_started(server: Any, serving: asyncio.Task[Any], *, timeout: float = 30.0) -> None:
+    """Until a uvicorn.Server run as the task `serving` has started (uvicorn offers no started
+    event); a startup that failed raises its error here."""
+
+    async def started() -> bool:
+        if serving.done():
+            serving.result()
+            raise AssertionError("the server exited before it started")
+        return bool(server.started)
+
+    await eventually(started, timeout=timeout, interval=0.02)
+
+
 async def wait_status(
     client: httpx.AsyncClient, allocation_id: str, status: str, *, timeout: float = 20.0
 ) -> dict[str, Any]:
@@ -65,6 +78,9 @@ async def create_fleet(
     baremetal_nodes: int = 0,
     gpus: int = 8,
 ) -> list[FleetNode]:
+    """The catalog, and `active` node rows written in SQL (no onboarding, enrollment or status
+    event): debt that tests/test_suite_hygiene.py counts. New tests take the enrolled fleet
+    (tests/enrolled_fleet.py); `slice_nodes=0` (the catalog only) is admin data."""
     await create_sku(sessions, SLICE_SKU, shape=SkuShape.GPU_SLICE, allowed=(1, 2, 4, 8))
     await create_sku(sessions, BAREMETAL_SKU, shape=SkuShape.BAREMETAL, allowed=(8,))
     nodes = [await create_node(sessions, sku=SLICE_SKU, gpus=gpus) for _ in range(slice_nodes)]

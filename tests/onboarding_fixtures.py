@@ -65,7 +65,7 @@ from schema.models import (
 from sim.first_boot import FirstBootSimulator, SimulatedHostSeeder
 from sim.host_access import simulated_host_access
 from tests.factories import REGION, create_sku
-from tests.lifecycle_support import eventually
+from tests.lifecycle_support import eventually, server_started
 from tests.workflow_probes import terminate_quietly, update_admitted
 
 ONBOARD_SKU = "mi300x.192g.8gpu"
@@ -316,8 +316,7 @@ async def onboarding_rig(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
     )
     serving = asyncio.create_task(server.serve())
-    while not server.started:  # noqa: ASYNC110 - uvicorn offers no started event
-        await asyncio.sleep(0.02)
+    await server_started(server, serving)
     # Each deployed machine runs the real gpucloud-agent from its rendered cloud-init.
     first_boot = FirstBootSimulator(
         maas_sim.base_url,

@@ -212,7 +212,7 @@ def isolated(a: Vm, b: Vm, *, settle: float = 0.5) -> bool:
         for _ in range(3):
             src.udp.sendto(b"hello?", (dst.ip, UDP_PORT))
             src.udp.sendto(b"anyone?", (_broadcast(dst.ip), UDP_PORT))
-    time.sleep(settle)
+    time.sleep(settle)  # nothing must arrive: a bounded window, then the captures are read
     return not (
         frames_from(b, a) or frames_from(a, b) or b.datagrams_from(a) or a.datagrams_from(b)
     )

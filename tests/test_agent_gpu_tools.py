@@ -6,7 +6,9 @@ plugged into FileMaintenanceBackend, as the production agent wires them."""
 
 from __future__ import annotations
 
+import ctypes
 import os
+import re
 import stat
 import sys
 from collections.abc import Callable
@@ -29,6 +31,7 @@ from agent.gpu_tools import (
     load_nvml,
     unverified,
 )
+from agent.inventory import normalize_pci_address
 from agent.maintenance import (
     CHECK_GPU_MEMORY,
     FileMaintenanceBackend,
@@ -222,16 +225,88 @@ def _nvml_starts_here() -> bool:
     return True
 
 
+PCI_ADDRESS = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
+HELD_BYTES = GIB  # what the test holds on one GPU to see the probe count it
+
+
+class CudaMemory:
+    """Memory held on one GPU through the CUDA driver API (libcuda, which every NVIDIA driver
+    installs): a context and one allocation of this process, as a tenant's job leaves them."""
+
+    def __init__(self, cuda: ctypes.CDLL) -> None:
+        self._cuda = cuda
+        self._context = ctypes.c_void_p()
+        self._pointer = ctypes.c_uint64()
+        self.pci_address = ""
+
+    def _call(self, name: str, *args: Any) -> None:
+        code = getattr(self._cuda, name)(*args)
+        assert code == 0, f"{name} returned CUresult {code}"
+
+    def hold(self, size: int) -> None:
+        device = ctypes.c_int()
+        self._call("cuInit", 0)
+        self._call("cuDeviceGet", ctypes.byref(device), 0)
+        bus_id = ctypes.create_string_buffer(32)
+        self._call("cuDeviceGetPCIBusId", bus_id, len(bus_id), device)
+        self.pci_address = bus_id.value.decode()
+        self._call("cuCtxCreate_v2", ctypes.byref(self._context), 0, device)
+        self._call("cuMemAlloc_v2", ctypes.byref(self._pointer), ctypes.c_size_t(size))
+
+    def release(self) -> None:
+        if self._pointer.value:
+            self._cuda.cuMemFree_v2(self._pointer)
+        if self._context.value:
+            self._cuda.cuCtxDestroy_v2(self._context)
+
+
+def _nvml_totals() -> dict[str, int]:
+    """Each GPU's memory size as NVML reports it, read here beside the probe."""
+    nvml = load_nvml()
+    nvml.nvmlInit()
+    try:
+        totals = {}
+        for index in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            bus_id = nvml.nvmlDeviceGetPciInfo(handle).busId
+            address = normalize_pci_address(bus_id if isinstance(bus_id, str) else bus_id.decode())
+            totals[address] = int(nvml.nvmlDeviceGetMemoryInfo(handle).total)
+        return totals
+    finally:
+        nvml.nvmlShutdown()
+
+
 def test_the_real_nvml_binding_answers_or_says_why_not() -> None:
-    """On this machine, through the real pynvml: a GPU machine lists its GPUs; any other says
-    why it cannot tell (no library, no driver), and never reports clean."""
+    """On this machine, through the real pynvml: a GPU machine lists every GPU NVML sees, each
+    with a believable amount in use, and counts memory a process holds on one (a GiB held here
+    through the CUDA driver shows up on that GPU); any other machine says why it cannot
+    tell (no library, no driver), and never reports clean."""
     if not _nvml_starts_here():
         with pytest.raises(GpuToolUnavailable):
             NvmlGpuMemoryProbe().usage()
         return
-    for use in NvmlGpuMemoryProbe().usage():
-        assert use.gpu.count(":") == 2
-        assert use.used_bytes >= 0
+    totals = _nvml_totals()
+    before = {u.gpu: u for u in NvmlGpuMemoryProbe().usage() if not u.unverified}
+    assert before, "NVML started but the probe lists no GPU"
+    assert set(before) == set(totals)
+    for use in before.values():
+        assert PCI_ADDRESS.fullmatch(use.gpu), use.gpu
+        assert 0 <= use.used_bytes <= totals[use.gpu]
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        pytest.skip("NVML answered (checked above) but libcuda is missing: nothing to hold")
+    held = CudaMemory(cuda)
+    try:
+        held.hold(HELD_BYTES)
+        gpu = normalize_pci_address(held.pci_address)
+        during = {u.gpu: u for u in NvmlGpuMemoryProbe().usage()}
+    finally:
+        held.release()
+    # At least the GiB held (plus the context's own); its process is not asserted: inside a
+    # container NVML may not list processes of another PID namespace.
+    assert during[gpu].used_bytes - before[gpu].used_bytes >= HELD_BYTES, (before[gpu], during)
 
 
 # --------------------------------------------------------------------------- nvidia-smi

@@ -368,7 +368,9 @@ async def test_cancellation_reaches_the_backend(
         return agent.host.attempts(SLICE_VM_PROVISION, spec.allocation_id) == 1
 
     await eventually(hanging)
-    await asyncio.sleep(1.5)  # past the heartbeat timeout: heartbeats keep a hung phase alive
+    # A bounded window past the 1 s heartbeat timeout (Temporal's, not an event to wait for):
+    # heartbeats keep a hung phase alive, so the cancel below still finds it running.
+    await asyncio.sleep(1.5)
     await handle.cancel()
     with pytest.raises(WorkflowFailureError) as failed:
         await handle.result()

@@ -15,7 +15,6 @@ liveness sweep.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import os
 import uuid
@@ -32,7 +31,7 @@ from contracts.node_liveness import LivenessInput
 from core.config import Settings
 from schema.models import AuditEntry
 from tests.factories import SLICE_SKU, create_node
-from tests.lifecycle_support import Tenant, slice_request, wait_status
+from tests.lifecycle_support import Tenant, eventually, slice_request, wait_status
 from tests.test_storage_attachments import (
     ATTACH_PATH,
     StartStorageAgent,
@@ -108,14 +107,17 @@ async def test_abandon_on_a_dead_node_frees_the_namespace_for_a_new_writer_and_d
     queue = settings.control_plane_task_queue
     await send_heartbeat(temporal_client, node.node_id, control_plane_queue=queue)
     await node.stop()
-    await asyncio.sleep(LIVENESS_WINDOW_S + 0.5)
-    sweep = await temporal_client.execute_workflow(
-        NodeLivenessWorkflow.run,
-        LivenessInput(offline_after_seconds=LIVENESS_WINDOW_S),
-        id=f"node-liveness-test-{uuid.uuid4()}",
-        task_queue=queue,
-    )
-    assert node.node_id in sweep.went_offline
+
+    async def swept_offline() -> Any:  # liveness sweeps, as its schedule runs them
+        sweep = await temporal_client.execute_workflow(
+            NodeLivenessWorkflow.run,
+            LivenessInput(offline_after_seconds=LIVENESS_WINDOW_S),
+            id=f"node-liveness-test-{uuid.uuid4()}",
+            task_queue=queue,
+        )
+        return sweep if node.node_id in sweep.went_offline else None
+
+    await eventually(swept_offline, timeout=30, interval=0.25)
 
     # Until then the namespace takes no other writer (the stuck attachment is one).
     second = await create_node(db_sessions, sku=SLICE_SKU, gpus=8)
@@ -185,9 +187,15 @@ async def test_abandon_on_a_dead_node_frees_the_namespace_for_a_new_writer_and_d
     assert response.status_code == 202, response.text
     await wait_attachment(tenant.client, second_allocation, rid, "detached")
     # And the namespace can be deleted: nothing of it is attached any more.
-    response = await tenant.client.delete(f"/api/v1/storage/namespaces/{namespace['id']}")
-    assert response.status_code == 200, response.text
-    assert response.json()["status"] == "deleted"
+    url = f"/api/v1/storage/namespaces/{namespace['id']}"
+    response = await tenant.client.delete(url)
+    assert response.status_code == 202, response.text  # a delete workflow removes the data
+    assert response.json()["status"] in {"deleting", "deleted"}
+
+    async def deleted() -> bool:
+        return bool((await tenant.client.get(url)).json()["status"] == "deleted")
+
+    await eventually(deleted, timeout=30)
 
 
 async def test_abandon_is_refused_while_the_agent_is_alive_and_changes_nothing(

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import signal
-import time
 import uuid
 from typing import Any
 
@@ -17,6 +16,7 @@ from contracts.billing_meter import MeterInput
 from contracts.states import AllocationStatus, SkuShape
 from schema.models import Allocation, LedgerEntry, UsageRecord
 from tests.factories import REGION, SLICE_SKU, create_node, create_project, create_sku
+from tests.lifecycle_support import eventually
 from tests.test_allocation_crash import start_worker_process
 from workflows.billing_meter import BillingMeterWorkflow
 
@@ -65,10 +65,11 @@ async def test_metering_survives_a_worker_crash_without_charging_twice(
         id=f"billing-meter-crash-{uuid.uuid4()}",
         task_queue=settings.control_plane_task_queue,
     )
-    deadline = time.monotonic() + 60
-    while await debits() < 1000:  # the run is well under way
-        assert time.monotonic() < deadline, "metering never started"
-        await asyncio.sleep(0.05)
+
+    async def well_under_way() -> bool:
+        return await debits() >= 1000
+
+    await eventually(well_under_way, timeout=60)
     first.send_signal(signal.SIGKILL)
     first.wait(timeout=10)
     partial = await debits()

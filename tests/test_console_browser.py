@@ -39,7 +39,7 @@ from gateway.app import create_app
 from gateway.config import GatewayConfig
 from tests.conftest import TEST_CODEC_KEY
 from tests.factories import SLICE_SKU
-from tests.lifecycle_support import Tenant, create_fleet, slice_request, wait_status
+from tests.lifecycle_support import Tenant, create_fleet, server_started, slice_request, wait_status
 from tests.maas_fixtures import sim_machine, sim_scenario
 from tests.onboarding_fixtures import OnboardingRig
 
@@ -218,8 +218,7 @@ async def serve(settings: Settings, temporal_client: Any, config: GatewayConfig,
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
     )
     serving = asyncio.create_task(server.serve())
-    while not server.started:  # noqa: ASYNC110 - uvicorn offers no started event
-        await asyncio.sleep(0.02)
+    await server_started(server, serving)
     try:
         yield
     finally:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import time
 import uuid
 
 import pytest
@@ -20,6 +19,7 @@ from gateway import codec_session
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from tests.gateway_fixtures import TEMPORAL_UI_ORIGIN, bearer
+from tests.lifecycle_support import server_started
 from tests.test_gateway_auth import assert_error
 
 DECODE = "/api/v1/admin/codec/decode"
@@ -245,10 +245,7 @@ async def test_temporal_cli_decodes_history_through_the_endpoint(
     )  # fmt: skip
     serving = asyncio.create_task(server.serve())
     try:
-        deadline = time.monotonic() + 10
-        while not server.started:
-            assert time.monotonic() < deadline, "gateway did not start"
-            await asyncio.sleep(0.05)
+        await server_started(server, serving, timeout=10)
         token = await make_token("admin")
         base = [
             str(temporal_cli_path(build=False)), "workflow", "show", "-w", handle.id,

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import time
 import uuid
 from datetime import timedelta
 from types import SimpleNamespace
-from typing import cast
+from typing import Any, cast
 
+import httpx
 from temporalio import activity, workflow
 from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
@@ -25,6 +25,7 @@ from gateway import timeline
 from gateway.allocations import get_row
 from gateway.temporal import TemporalOps
 from schema.models import AllocationEvent, NodeTask, NodeTaskEvent
+from tests.lifecycle_support import eventually
 from tests.test_gateway_auth import assert_error
 
 T0 = dt.datetime(2026, 4, 18, 1, 31, 57, tzinfo=dt.UTC)
@@ -247,15 +248,17 @@ async def test_phases_only_the_heartbeat_has_are_added(
             id_conflict_policy=WorkflowIDConflictPolicy.TERMINATE_EXISTING,
         )
         try:
-            deadline = time.monotonic() + 20
-            while True:
+
+            def node_task(response: httpx.Response) -> Any:
+                return next(i for i in response.json()["items"] if i["kind"] == "node_task")
+
+            async def from_temporal() -> httpx.Response | None:
                 response = await client.get(f"/api/v1/allocations/{allocation.id}/timeline")
                 assert response.status_code == 200, response.text
-                task = next(i for i in response.json()["items"] if i["kind"] == "node_task")
-                if task["phases_source"] == "temporal" or time.monotonic() > deadline:
-                    break
-                await asyncio.sleep(0.2)
-            assert task["phases_source"] == "temporal", task
+                return response if node_task(response)["phases_source"] == "temporal" else None
+
+            response = await eventually(from_temporal, timeout=20, interval=0.2)
+            task = node_task(response)
             assert task["status"] == "queued"
             assert task["completed_at"] is None
             assert task["duration_seconds"] > 0

@@ -20,6 +20,7 @@ from activities.maas.errors import (
 )
 from activities.maas.types import (
     EraseMode,
+    HardwareSync,
     IpmiPowerParameters,
     Machine,
     MachineState,
@@ -27,6 +28,7 @@ from activities.maas.types import (
     PowerState,
 )
 from core.failures import FailureClass
+from tests.lifecycle_support import eventually
 from tests.maas_fixtures import MaasSim, sim_machine, sim_scenario
 
 CLOUD_CONFIG = "#cloud-config\nruncmd:\n  - [sh, -c, 'echo enrolled']\n"
@@ -271,10 +273,13 @@ async def test_hardware_sync_that_stops_posting_becomes_unhealthy(maas_sim: Maas
         await maas.deploy(system_id, distro_series="noble", enable_hw_sync=True)
         deployed = await wait_for(maas, system_id, MachineStatus.DEPLOYED)
         assert deployed.hardware_sync.healthy(dt.datetime.now(dt.UTC))
-        await asyncio.sleep(1.6)  # > 1.5 x the 1 s interval, with no fresh last_sync
-        later = await maas.get_hardware_sync(system_id)
-    assert later.last_sync == deployed.hardware_sync.last_sync
-    assert not later.healthy(dt.datetime.now(dt.UTC))
+
+        async def unhealthy() -> HardwareSync | None:  # past 1.5 x the 1 s interval
+            sync = await maas.get_hardware_sync(system_id)
+            return None if sync.healthy(dt.datetime.now(dt.UTC)) else sync
+
+        later = await eventually(unhealthy, timeout=10)
+    assert later.last_sync == deployed.hardware_sync.last_sync  # no fresh sync came
 
 
 @pytest.mark.maas_scenario(

@@ -22,6 +22,7 @@ from temporalio.client import WorkflowHandle
 from temporalio.testing import ActivityEnvironment
 
 from activities.maas.client import MaasClient
+from activities.maas.types import HardwareSync
 from activities.maas_reconcile import MaasReconcileActivities
 from contracts.maas_reconciler import (
     ReconcileInput,
@@ -33,7 +34,7 @@ from schema.models import Node, NodeDriftEvent, NodeMaasState
 from sim.first_boot import BootRecord
 from tests.histories import record_history
 from tests.lifecycle_support import eventually
-from tests.maas_fixtures import sim_machine, sim_scenario
+from tests.maas_fixtures import MaasSim, sim_machine, sim_scenario
 from tests.onboarding_fixtures import OnboardingRig
 from tests.test_maas_reconciler import make_site
 from workflows.maas_reconciler import MaasSiteReconcilerWorkflow
@@ -43,7 +44,6 @@ SCENARIO = sim_scenario(sim_machine(HOSTNAME, BMC))
 TIMER_UNIT = "maas_hardware_sync.timer"
 # MAAS's sync interval once the test shortens it: a stopped timer is stale 1.5 s later.
 SYNC_INTERVAL = "1s"
-STALE_AFTER_S = 2.0
 
 
 async def _reconcile(
@@ -95,6 +95,18 @@ async def _onboard_with_short_sync(rig: OnboardingRig) -> tuple[uuid.UUID, str, 
     return uuid.UUID(job.node_id), system_id, record
 
 
+async def wait_hw_sync_late(maas_sim: MaasSim, system_id: str) -> HardwareSync:
+    """Until MAAS shows no sync of the machine in 1.5 x its sync_interval (what the reconciler
+    calls stale), on MAAS's own timestamps; its hardware sync then."""
+    async with MaasClient(maas_sim.base_url, maas_sim.api_key, timeout=10) as maas:
+
+        async def late() -> HardwareSync | None:
+            sync = (await maas.get_machine(system_id)).hardware_sync
+            return None if sync.healthy(dt.datetime.now(dt.UTC)) else sync
+
+        return await eventually(late, timeout=10)
+
+
 async def _last_sync(rig: OnboardingRig, system_id: str) -> dt.datetime | None:
     async with MaasClient(rig.maas_sim.base_url, rig.maas_sim.api_key, timeout=10) as maas:
         return (await maas.get_machine(system_id)).hardware_sync.last_sync
@@ -109,8 +121,7 @@ async def test_stale_sync_is_reseeded_through_the_agent_and_the_drift_heals(
     assert (healthy.drift_detected, healthy.reseeds) == (0, [])
 
     assert (await _sync_timer(onboarding, system_id, running=False))["running"] is False
-    await asyncio.sleep(STALE_AFTER_S)
-    stale_since = await _last_sync(onboarding, system_id)
+    stale_since = (await wait_hw_sync_late(onboarding.maas_sim, system_id)).last_sync
     assert stale_since is not None
 
     result, handle = await _reconcile(onboarding)
@@ -156,7 +167,7 @@ async def test_a_reseed_no_agent_picks_up_is_recorded_once_and_not_retried(
     node_id, system_id, record = await _onboard_with_short_sync(onboarding)
     await onboarding.first_boot.stop_agent(record.hostname)
     await _sync_timer(onboarding, system_id, running=False)
-    await asyncio.sleep(STALE_AFTER_S)
+    await wait_hw_sync_late(onboarding.maas_sim, system_id)
 
     result, _ = await _reconcile(onboarding, reseed_schedule_to_start_seconds=2.0)
     assert result.drift_detected == 1
@@ -213,7 +224,7 @@ async def test_sim_hw_sync_timer_stops_and_a_restart_posts_unless_the_os_cannot(
         )
         assert stopped.json() == {"running": False, "posted": False}
         before = await last_sync(ok)
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.2)  # must stay: a bounded window (the restart below posts at once)
         assert await last_sync(ok) == before
         restarted = await maas_sim.control.post(
             f"/_sim/machines/{ok}/hw-sync-timer", json={"running": True}
@@ -273,7 +284,7 @@ async def test_a_retried_pass_gets_back_its_own_claims_and_no_other_run_does(
         session.add(
             NodeMaasState(node_id=node_id, site_id=site_id, maas_system_id=machine["system_id"])
         )
-    await asyncio.sleep(STALE_AFTER_S)
+    await wait_hw_sync_late(maas_sim, machine["system_id"])
     acts = MaasReconcileActivities(db_sessions, secret_store)
 
     async def attempt(run_id: str) -> ReconcileResult:

@@ -4,12 +4,12 @@ and the control API itself (token, resets from TOML, errors)."""
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import httpx
 import pytest
 
+from tests.lifecycle_support import eventually
 from tests.maas_fixtures import MaasSim, sim_machine, sim_scenario
 
 UNKNOWN_BMC = "10.176.16.40"
@@ -21,13 +21,13 @@ DISCOVERY = sim_scenario(
 
 
 async def _wait_for_machines(sim: MaasSim, count: int, timeout: float = 5.0) -> list[Any]:
-    deadline = time.monotonic() + timeout
     async with sim.client() as maas:
-        while True:
-            machines = (await maas.get("machines/")).json()
-            if len(machines) == count or time.monotonic() > deadline:
-                return list(machines)
-            await asyncio.sleep(0.02)
+
+        async def listed() -> list[Any] | None:
+            machines = list((await maas.get("machines/")).json())
+            return machines if len(machines) == count else None
+
+        return await eventually(listed, timeout=timeout)
 
 
 @pytest.mark.maas_scenario(DISCOVERY)
@@ -36,8 +36,9 @@ async def test_an_unknown_machine_appears_as_new_only_after_a_bmc_power_cycle(
 ) -> None:
     async with maas_sim.client() as maas:
         assert [m["hostname"] for m in (await maas.get("machines/")).json()] == ["known"]
+        # Nothing happens on its own: a bounded window, a third of the (scaled) enlistment.
         await asyncio.sleep(0.2)
-        assert len((await maas.get("machines/")).json()) == 1  # nothing happens on its own
+        assert len((await maas.get("machines/")).json()) == 1
         assert await maas_sim.power_cycle_bmc(UNKNOWN_BMC) == "enlisting"
         assert len((await maas.get("machines/")).json()) == 1  # PXE boot + enlistment take time
     machines = await _wait_for_machines(maas_sim, 2)
@@ -62,11 +63,13 @@ async def test_enlistment_completes_the_machine_the_product_created(maas_sim: Ma
         system_id = created.json()["system_id"]
         assert created.json()["interface_set"] == []
     await maas_sim.power_cycle_bmc(UNKNOWN_BMC)
-    deadline = time.monotonic() + 5
     async with maas_sim.client() as maas:
-        while not (completed := (await maas.get(f"machines/{system_id}/")).json())["interface_set"]:
-            assert time.monotonic() < deadline, "enlistment never completed the machine"
-            await asyncio.sleep(0.02)
+
+        async def enlisted() -> Any:
+            machine = (await maas.get(f"machines/{system_id}/")).json()
+            return machine if machine["interface_set"] else None
+
+        completed = await eventually(enlisted, timeout=5)
         assert len((await maas.get("machines/")).json()) == 2  # no duplicate
     assert (completed["hostname"], completed["status_name"]) == ("c07u45", "New")
     assert len(completed["interface_set"]) == 2
@@ -204,14 +207,19 @@ async def test_powering_a_deployed_machine_off_stops_its_hardware_sync(maas_sim:
         async def last_sync() -> str:
             return str((await maas.get(f"machines/{system_id}/")).json()["last_sync"])
 
-        await asyncio.sleep(0.25)
+        before = await last_sync()
+
+        async def ticked(since: str) -> bool:  # a sync posted after `since` (it never goes back)
+            return await last_sync() not in (since, "None")
+
+        await eventually(lambda: ticked(before), timeout=5)  # its timer runs while it is on
         await maas_sim.set_power("n1", "off")
         frozen = await last_sync()
+        # Must not move while off: a bounded window of three of the timer's 0.1 s periods.
         await asyncio.sleep(0.3)
         assert await last_sync() == frozen
         await maas_sim.set_power("n1", "on")
-        await asyncio.sleep(0.3)
-        assert await last_sync() > frozen
+        await eventually(lambda: ticked(frozen), timeout=5)
 
 
 @pytest.mark.maas_scenario(DISCOVERY)

@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.lifecycle_support import eventually
 from tests.maas_fixtures import MaasSim, sim_machine, sim_scenario
 
 BMC = "10.176.16.30"
@@ -161,10 +162,11 @@ async def test_machine_vanishes_mid_deployment(maas_sim: MaasSim) -> None:
     system_id = await _system_id(maas_sim)
     async with maas_sim.client() as maas:
         await maas.post(f"machines/{system_id}/?op=deploy")
-        deadline = time.monotonic() + 5
-        while (await maas.get(f"machines/{system_id}/")).status_code != 404:
-            assert time.monotonic() < deadline, "the machine never vanished"
-            await asyncio.sleep(0.02)
+
+        async def vanished() -> bool:
+            return (await maas.get(f"machines/{system_id}/")).status_code == 404
+
+        await eventually(vanished, timeout=5)
         assert (await maas.get("machines/")).json() == []
     state = await maas_sim.state()
     assert state["hardware"][0]["in_maas"] == []
@@ -185,11 +187,16 @@ async def test_hardware_sync_never_healthy_goes_stale(maas_sim: MaasSim) -> None
         first = deployed["last_sync"]
         assert first is not None
         assert deployed["sync_interval"] == 1
-        await asyncio.sleep(1.6)
-        later = (await maas.get(f"machines/{system_id}/")).json()
-    assert later["last_sync"] == first  # never refreshed ...
-    stale_after = _parse(first) + dt.timedelta(seconds=1.5 * later["sync_interval"])
-    assert dt.datetime.now(dt.UTC) > stale_after  # ... so is_sync_healthy would be false
+        stale_after = _parse(first) + dt.timedelta(seconds=1.5 * deployed["sync_interval"])
+
+        async def past_stale() -> Any:  # is_sync_healthy would be false from here on
+            if dt.datetime.now(dt.UTC) <= stale_after:
+                return None
+            return (await maas.get(f"machines/{system_id}/")).json()
+
+        later = await eventually(past_stale, timeout=10)
+    assert later["last_sync"] == first  # never refreshed
+    assert later["sync_interval"] == 1
 
 
 @pytest.mark.maas_scenario(
@@ -200,9 +207,13 @@ async def test_hardware_sync_of_a_healthy_machine_keeps_ticking(maas_sim: MaasSi
     async with maas_sim.client() as maas:
         await maas.post(f"machines/{system_id}/?op=deploy", data={"enable_hw_sync": "true"})
         first = (await maas_sim.wait_for_status(system_id, "Deployed"))["last_sync"]
-        await asyncio.sleep(0.35)
-        later = (await maas.get(f"machines/{system_id}/")).json()
-    assert _parse(later["last_sync"]) > _parse(first)
+
+        async def synced_again() -> Any:
+            machine = (await maas.get(f"machines/{system_id}/")).json()
+            return machine if _parse(machine["last_sync"]) > _parse(first) else None
+
+        # Within the 1.5 x interval that keeps it healthy.
+        later = await eventually(synced_again, timeout=1.5)
     assert _parse(later["next_sync"]) - _parse(later["last_sync"]) == dt.timedelta(seconds=1)
 
 
@@ -223,9 +234,11 @@ async def test_machine_token_delayed(maas_sim: MaasSim) -> None:
     async with maas_sim.client() as maas:
         await maas.post(f"machines/{system_id}/?op=deploy")
         assert (await maas.get(f"machines/{system_id}/?op=get_token")).json() is None
-        await asyncio.sleep(0.5)
-        token = (await maas.get(f"machines/{system_id}/?op=get_token")).json()
-    assert token is not None
+
+        async def token_issued() -> Any:
+            return (await maas.get(f"machines/{system_id}/?op=get_token")).json()
+
+        token = await eventually(token_issued, timeout=10)
     assert token["token_key"]
 
 
@@ -314,7 +327,12 @@ async def test_a_slow_request_does_not_outlive_a_reset(maas_sim: Any) -> None:
         pending = asyncio.create_task(
             maas.post(f"machines/{system_id}/", params={"op": "commission"})
         )
-        await asyncio.sleep(0.1)
+
+        async def sleeping_in_the_simulator() -> Any:  # counted on arrival, before the fault
+            machines = (await maas_sim.counters())["machines"]
+            return machines.get(system_id, {}).get("machine.commission")
+
+        await eventually(sleeping_in_the_simulator, timeout=5, interval=0.01)
         await maas_sim.reset()
         answer = await pending
         assert answer.status_code == 503

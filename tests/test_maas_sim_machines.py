@@ -4,12 +4,12 @@ allocation, power operations and power parameters."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import httpx
 import pytest
 
+from tests.lifecycle_support import eventually
 from tests.maas_fixtures import MaasSim, sim_machine, sim_scenario
 
 
@@ -325,14 +325,12 @@ async def test_enlistment_matches_records_by_the_detected_bmc_address(maas_sim: 
         ours = created.json()["system_id"]
         assert await maas_sim.power_cycle_bmc("10.176.16.47") == "enlisting"
         await maas_sim.reset_counters()
-        enlisted: list[dict[str, Any]] = []
-        for _ in range(200):
+
+        async def enlisted() -> list[dict[str, Any]]:
             new = (await maas.get("machines/", params={"status": "new"})).json()
-            enlisted = [m for m in new if m["system_id"] != ours]
-            if enlisted:
-                break
-            await asyncio.sleep(0.02)
-        (other,) = enlisted
+            return [m for m in new if m["system_id"] != ours]
+
+        (other,) = await eventually(enlisted, timeout=5)
         assert other["hostname"] != "c07u47"  # a petname
         assert other["interface_set"]
         params = await maas.get(

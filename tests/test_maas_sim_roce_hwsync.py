@@ -5,7 +5,6 @@ no REST sync fields, and what onboarding and the reconciler make of each."""
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import uuid
 from typing import Any
@@ -22,6 +21,7 @@ from schema.models import MaasRoceAssignment, Node, NodeDriftEvent, NodeMaasStat
 from tests.maas_fixtures import sim_machine, sim_scenario
 from tests.onboarding_fixtures import OnboardingRig
 from tests.test_maas_reconciler import make_site, reconciler, run_once
+from tests.test_maas_reconciler_reseed import wait_hw_sync_late
 
 __all__ = ["reconciler"]  # the fixture, used by name below
 
@@ -199,7 +199,7 @@ async def test_reconciler_records_hw_sync_drift_with_the_reseed_action(
                 NodeMaasState(node_id=node_id, site_id=site_id, maas_system_id=machine["system_id"])
             )
     # sync_interval is 1 s (the site config): the deployment's sync goes stale after 1.5 s.
-    await asyncio.sleep(2.0)
+    await wait_hw_sync_late(maas_sim, (await maas_sim.machine("sync-stale"))["system_id"])
     result = await run_once(temporal_client, settings, site_id)
     assert result.drift_detected == 1
     async with db_sessions() as session:

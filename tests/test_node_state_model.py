@@ -5,15 +5,15 @@ reactivate) through the gateway, the worker, the MAAS simulator and real agent w
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 
 from activities import node_liveness
@@ -94,7 +94,19 @@ async def test_liveness_moves_each_node_with_its_status_changed_event(
             return all(n is not None and n.last_agent_contact_at for n in nodes)
 
     await eventually(heard)
-    await asyncio.sleep(1.2)
+
+    async def silent_past_the_window() -> bool:  # on the database's clock, as the sweep judges
+        async with db_sessions() as session:
+            rows = (
+                await session.execute(
+                    select(Node.last_agent_contact_at, func.clock_timestamp()).where(
+                        Node.id.in_([a.id, b.id])
+                    )
+                )
+            ).all()
+        return all(now - contact > dt.timedelta(seconds=1.0) for contact, now in rows)
+
+    await eventually(silent_past_the_window)
     result = await sweep(temporal_client, settings, offline_after=1.0)  # one set-based statement
     assert sorted(result.went_offline) == sorted([str(a.id), str(b.id)])
     for node in (a, b):
@@ -308,7 +320,13 @@ async def test_retire_drains_across_a_worker_restart_then_reactivates(
         assert (job["kind"], job["id"], job["status"]) == ("drain", drain_id, "running")
         draining = (await admin.get("/api/v1/admin/nodes", params={"status": "draining"})).json()
         assert [i["id"] for i in draining["items"]] == [str(busy)]
-        await asyncio.sleep(1.0)  # the drain looked and waits for the allocation
+        drain = temporal_client.get_workflow_handle(node_drain_workflow_id(str(busy)))
+
+        async def looked_and_waits() -> bool:  # its check ran, then its poll timer started
+            history = await drain.fetch_history()
+            return any(e.event_type == EventType.EVENT_TYPE_TIMER_STARTED for e in history.events)
+
+        await eventually(looked_and_waits)
         assert await status_of(db_sessions, busy) == "draining"
 
     # The worker was stopped while the drain waited; a new one resumes it.

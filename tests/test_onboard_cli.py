@@ -26,6 +26,7 @@ from schema.models import NodeOnboarding
 from tests.admin_operation_support import admin_operations_worker
 from tests.factories import create_sku
 from tests.gateway_fixtures import TEMPORAL_UI_ORIGIN
+from tests.lifecycle_support import eventually, server_started
 
 SKU = "h100.8x.baremetal"
 REGION = "us-east-1"
@@ -157,11 +158,7 @@ async def gateway_url(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
     )
     task = asyncio.create_task(server.serve())
-    for _ in range(200):
-        if server.started or task.done():
-            break
-        await asyncio.sleep(0.05)
-    assert server.started, "uvicorn did not start"
+    await server_started(server, task, timeout=10)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -189,15 +186,31 @@ async def site(api: Any, make_token: Any, db_sessions: Any) -> dict[str, Any]:
     return created
 
 
-async def onboard_cli(url: str, token: str, *args: str) -> tuple[int, str, str]:
-    env = {**os.environ, "GPUCLOUD_API_URL": url, "GPUCLOUD_API_TOKEN": token}
+async def onboard_cli(
+    url: str, token: str, *args: str, printed: list[str] | None = None
+) -> tuple[int, str, str]:
+    """The CLI as a process; each line it prints goes into `printed` as it comes (unbuffered),
+    for a test that waits on what it has shown so far."""
+    env = {**os.environ, "GPUCLOUD_API_URL": url, "GPUCLOUD_API_TOKEN": token,
+           "PYTHONUNBUFFERED": "1"}  # fmt: skip
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "gateway.onboard_cli", *args,
         env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
-    out, err = await asyncio.wait_for(process.communicate(), timeout=60)
+    assert process.stdout is not None
+    assert process.stderr is not None
+    lines = printed if printed is not None else []
+
+    async def read_out() -> None:
+        assert process.stdout is not None
+        async for line in process.stdout:
+            lines.append(line.decode())
+
+    _, err, _ = await asyncio.wait_for(
+        asyncio.gather(read_out(), process.stderr.read(), process.wait()), timeout=60
+    )
     assert process.returncode is not None
-    return process.returncode, out.decode(), err.decode()
+    return process.returncode, "".join(lines), err.decode()
 
 
 def import_args(path: Path, site: dict[str, Any], *extra: str) -> list[str]:
@@ -249,28 +262,35 @@ async def test_import_no_wait_submits_the_batch(
         assert len(list(await session.scalars(select(NodeOnboarding)))) == 2
 
 
-async def settle(db_sessions: Any, outcome: dict[str, tuple[str, str | None]]) -> None:
-    """Once the CLI's batch is in, move its rows as a workflow would: running, then settled."""
+async def settle(
+    db_sessions: Any, outcome: dict[str, tuple[str, str | None]], printed: list[str]
+) -> None:
+    """Once the CLI's batch is in, move its rows as a workflow would: running, then (once the
+    CLI has shown every node running) settled."""
     hostnames = list(outcome)
-    for _ in range(400):
+
+    async def arrived() -> bool:
         async with db_sessions() as session:
             found = list(
                 await session.scalars(
                     select(NodeOnboarding.hostname).where(NodeOnboarding.hostname.in_(hostnames))
                 )
             )
-        if len(found) == len(hostnames):
-            break
-        await asyncio.sleep(0.05)
-    else:
-        raise AssertionError("the CLI's batch never arrived")
+        return len(found) == len(hostnames)
+
+    await eventually(arrived)
     async with db_sessions() as session, session.begin():
         await session.execute(
             update(NodeOnboarding)
             .where(NodeOnboarding.hostname.in_(hostnames))
             .values(status="running", current_stage="commission_node")
         )
-    await asyncio.sleep(0.5)
+
+    async def shown_running() -> bool:
+        text = "".join(printed)
+        return all(f"{h}: running at commission_node" in text for h in hostnames)
+
+    await eventually(shown_running)
     async with db_sessions() as session, session.begin():
         for hostname, (status, failure_class) in outcome.items():
             await session.execute(
@@ -290,19 +310,25 @@ async def test_import_waits_until_every_node_settles(
     token = await make_token("admin")
     path = write(tmp_path, "hostname,ipmi_ip\nw1,10.0.0.1\nw2,10.0.0.2\n")
     args = import_args(path, site, "--poll-interval", "0.1")
-    cli = asyncio.create_task(onboard_cli(gateway_url, token, *args))
-    await settle(db_sessions, {"w1": ("completed", None), "w2": ("reconciled", None)})
+    printed: list[str] = []
+    cli = asyncio.create_task(onboard_cli(gateway_url, token, *args, printed=printed))
+    await settle(db_sessions, {"w1": ("completed", None), "w2": ("reconciled", None)}, printed)
     code, out, err = await cli
     assert code == 0, out + err
     assert "w1: running at commission_node" in out  # not a terminal: one line per change
     assert "2 node(s): 1 completed, 1 reconciled" in out
 
     path = write(tmp_path, "hostname,ipmi_ip\nf1,10.0.1.1\nf2,10.0.1.2\n", "failing.csv")
+    printed = []
     cli = asyncio.create_task(
-        onboard_cli(gateway_url, token, *import_args(path, site, "--poll-interval", "0.1"))
+        onboard_cli(
+            gateway_url, token, *import_args(path, site, "--poll-interval", "0.1"), printed=printed
+        )
     )
     await settle(
-        db_sessions, {"f1": ("completed", None), "f2": ("failed_retryable", "bmc_power_failure")}
+        db_sessions,
+        {"f1": ("completed", None), "f2": ("failed_retryable", "bmc_power_failure")},
+        printed,
     )
     code, out, err = await cli
     assert code == 1, out + err

@@ -33,6 +33,10 @@ from tests.factories import BAREMETAL_SKU, REGION, SLICE_SKU, create_project
 from tests.lifecycle_support import create_fleet, eventually
 
 Sessions = async_sessionmaker[AsyncSession]
+# Placement must NOT end while its capacity is held: a bounded window, not an event to wait
+# for. Placement ranks again after a backoff of at most 0.075 s (activities/allocations.py), so
+# this is several of its attempts.
+HELD_WINDOW_S = 0.3
 
 
 def _input(
@@ -148,7 +152,7 @@ async def test_capacity_another_transaction_holds_is_waited_for_not_refused(
             held = select(Node).where(Node.id == node.id)
         await holder.execute(held.with_for_update())
         placing = asyncio.create_task(AllocationActivities(db_engine).place(request))
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(HELD_WINDOW_S)
         assert not placing.done()  # neither refused nor placed while it is held
 
     placement = await asyncio.wait_for(placing, timeout=10)
@@ -466,7 +470,7 @@ async def test_with_the_numa_fitting_nodes_held_the_rest_are_tried_and_none_free
     async with db_sessions() as holder, holder.begin():  # the only node left with room
         await holder.execute(held)
         placing = asyncio.create_task(activities.place(_input(project, gpus=2)))
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(HELD_WINDOW_S)
         assert not placing.done()  # neither refused nor placed while it is held
     placement = await asyncio.wait_for(placing, timeout=10)
     assert placement.reservation.node_id == str(snug.id)

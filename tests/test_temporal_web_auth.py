@@ -46,6 +46,7 @@ from gateway import codec_session
 from gateway.app import create_app
 from gateway.console.temporal_web import PUBLIC_PATH, content_security_policy
 from tests.gateway_fixtures import bearer, served_over_http
+from tests.lifecycle_support import eventually
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 API = f"{PUBLIC_PATH}/api/v1/namespaces/default"
@@ -203,12 +204,11 @@ async def test_without_sign_in_nothing_is_listed_or_changed(
         # The ui-server itself lists it (the listing below is refused by the gateway, not
         # empty): bin/stack's ui-server behind the gateway sees the workflow.
         async with httpx.AsyncClient(base_url=upstream, timeout=30) as direct:
-            for _ in range(50):
-                seen = await direct.get(listing(workflow_id))
-                if workflow_id in seen.text:
-                    break
-                await asyncio.sleep(0.1)
-            assert workflow_id in seen.text, seen.text
+
+            async def seen_upstream() -> bool:
+                return workflow_id in (await direct.get(listing(workflow_id))).text
+
+            await eventually(seen_upstream, timeout=5, interval=0.1)
 
         async with httpx.AsyncClient(base_url=base, timeout=30) as anonymous:
             page = await anonymous.get(f"{PUBLIC_PATH}/namespaces/default/workflows")

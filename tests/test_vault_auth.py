@@ -207,6 +207,7 @@ async def test_the_store_renews_its_token_and_logs_in_again_after_the_max_ttl(
     await store.write(path, {"v": "1"})
     assert calls(server, "auth/approle/login") == 1
 
+    # Time passing on Vault's own clock (its whole-second TTLs; no clock to inject there):
     await asyncio.sleep(2.2)  # past two thirds of the 3 s TTL: renewed, the same token
     assert await store.read(path) == {"v": "1"}
     wait_logged(server, "auth/token/renew-self", 1)
@@ -264,7 +265,7 @@ async def test_a_token_vault_refuses_is_replaced_by_a_fresh_login(
     )
     path = f"kv/projects/{uuid.uuid4()}/notification-webhook"
     await store.write(path, {"secret": "s1"})
-    await asyncio.sleep(1.3)
+    await asyncio.sleep(1.3)  # Vault's clock past the 1 s TTL (Vault's, not the store's)
     assert await store.read(path) == {"secret": "s1"}  # 403, a fresh login, the call retried
     wait_logged(server, "auth/approle/login", 2)
     assert calls(server, "auth/approle/login") == 2
@@ -294,7 +295,7 @@ async def test_rotations_need_no_restart(start_server: Any, tmp_path: Path) -> N
     assert approle_ids(env[GATEWAY.role]) != (role_id, old_secret_id)
     with pytest.raises(REFUSED_LOGIN, match="invalid"):
         hvac.Client(url=server.addr).auth.approle.login(role_id, old_secret_id)
-    await asyncio.sleep(1.2)
+    await asyncio.sleep(1.2)  # Vault's clock past the 1 s TTL
     assert await gateway.read(STRIPE_WEBHOOK_SECRET_PATH) == {"secret": "whsec_new"}
     wait_logged(server, "auth/approle/login", 3)
     assert calls(server, "auth/approle/login") == 3  # the refused old id, then the new one
