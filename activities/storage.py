@@ -353,7 +353,7 @@ class StorageActivities:
         quota_exceeded), so concurrent creates at the limit cannot all pass. The same namespace
         id answers the same, whatever the limits now. A refused create takes its (empty)
         directory away again."""
-        await asyncio.to_thread(self._provider.create, input.namespace_id)
+        await asyncio.to_thread(self._provider.create, input.namespace_id, input.quota_bytes)
         namespace_id = uuid.UUID(input.namespace_id)
         try:
             async with transaction(self._sessions) as session:

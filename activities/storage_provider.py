@@ -39,10 +39,15 @@ export root on its node; see docs/storage.md).
 A provider that may not chown (not root on the export) keeps the directories' group as it is
 and says so in the log: the namespaces work, but only root on a node writes them.
 
-Quota is enforced by the provider's accounting, not by the kernel: the bytes allocated under a
-namespace (st_blocks, hard links once) are compared with its quota_bytes when an attachment is
-prechecked, and a namespace at or over quota takes read_only attachments only. A writer that is
-already mounted is not stopped mid-write (no loop-mounted image or project quota here).
+Quota (activities/storage_quota.py): on an export that is btrfs with quotas enabled, each
+namespace is a subvolume whose quota group's limit is its quota_bytes, so the filesystem refuses
+(EDQUOT) any write past it, whoever writes, mounted or not; its usage is the group's accounting,
+read in O(1), never a tree walk. Anywhere else (another filesystem, quotas not enabled, a
+namespace made as a plain directory by an older build) the provider says so in its log and keeps
+the accounting it had: bytes allocated under the namespace (st_blocks, hard links once, a tree
+walk) compared with quota_bytes at the attach precheck, which lets a namespace at or over quota
+take read_only attachments only but does not stop a writer already mounted.
+`capabilities.hard_quota` tells which.
 Capabilities: multi_writer (a shared filesystem takes concurrent writers; coordinating them is
 the workload's business), so the namespace's policy decides.
 """
@@ -62,6 +67,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from activities.storage_quota import (
+    QuotaGroup,
+    create_subvolume,
+    is_subvolume,
+    quota_group,
+    quota_unavailable_reason,
+    set_limit,
+)
 from contracts.storage import NAMESPACE_GID_MAX, NAMESPACE_GID_MIN, PROVIDER_SHARED_DIRECTORY
 
 logger = logging.getLogger("activities.storage_provider")
@@ -95,9 +108,14 @@ class StorageProvider(Protocol):
     """Blocking calls; each is idempotent. `key` is the namespace id."""
 
     kind: str
-    capabilities: ProviderCapabilities
 
-    def create(self, key: str) -> None: ...
+    @property
+    def capabilities(self) -> ProviderCapabilities: ...
+
+    def create(self, key: str, quota_bytes: int | None = None) -> None:
+        """Make the namespace (idempotent); with `quota_bytes`, its limit where the storage
+        enforces one."""
+        ...
 
     def delete(self, key: str) -> None:
         """Delete the namespace's data: only ever for a namespace deleted by its owner."""
@@ -118,7 +136,6 @@ class StorageProvider(Protocol):
 
 class SharedDirectoryProvider:
     kind = PROVIDER_SHARED_DIRECTORY
-    capabilities = ProviderCapabilities(multi_writer=True, hard_quota=False)
 
     def __init__(self, root: Path | str) -> None:
         self.root = Path(root)
@@ -127,6 +144,18 @@ class SharedDirectoryProvider:
     def from_env(cls, env: dict[str, str] | None = None) -> SharedDirectoryProvider:
         source = os.environ if env is None else env
         return cls(source.get(STORAGE_ROOT_ENV) or DEFAULT_STORAGE_ROOT)
+
+    @property
+    def capabilities(self) -> ProviderCapabilities:
+        return ProviderCapabilities(
+            multi_writer=True, hard_quota=self.quota_unavailable_reason() is None
+        )
+
+    def quota_unavailable_reason(self) -> str | None:
+        """Why this export's filesystem does not enforce namespace quotas (None: it does).
+        Asked each time: the export may be mounted, or its quotas enabled, after start."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        return quota_unavailable_reason(self.root)
 
     def namespace_dir(self, key: str) -> Path:
         return self.root / "namespaces" / key
@@ -144,11 +173,37 @@ class SharedDirectoryProvider:
     def _gid_claim(self, gid: int) -> Path:
         return self.root / "gids" / str(gid)
 
-    def create(self, key: str) -> None:
+    def create(self, key: str, quota_bytes: int | None = None) -> None:
+        """The namespace's directory with its own group; on a quota-enforcing export a
+        subvolume limited to `quota_bytes` (set again on every call: idempotent)."""
         self._private_dir("namespaces")
         path = self.namespace_dir(key)
-        path.mkdir(mode=0o700, exist_ok=True)
+        unenforced = self.quota_unavailable_reason()
+        if unenforced is None:
+            with contextlib.suppress(FileExistsError):
+                create_subvolume(path.parent, key)
+        else:
+            path.mkdir(mode=0o700, exist_ok=True)
         self._own_group(key)
+        if quota_bytes is None:
+            return
+        if unenforced is None and is_subvolume(path):
+            set_limit(path, quota_bytes)
+            return
+        logger.warning(
+            "namespace %s: quota of %d bytes not enforced by the filesystem (%s); checked "
+            "against the provider's accounting at attach only",
+            key,
+            quota_bytes,
+            unenforced or "made as a plain directory by an older build, not a subvolume",
+        )
+
+    def quota_group(self, key: str) -> QuotaGroup | None:
+        """The namespace's quota group, where the filesystem enforces its quota (else None)."""
+        path = self.namespace_dir(key)
+        if not is_subvolume(path) or self.quota_unavailable_reason() is not None:
+            return None
+        return quota_group(path)
 
     def delete(self, key: str) -> None:
         while not self.delete_chunk(key, DELETE_CHUNK_ENTRIES)[1]:
@@ -194,21 +249,26 @@ class SharedDirectoryProvider:
     def _own_group(self, key: str) -> None:
         """Make the namespace directory root:<its gid> 0o2770 with the group's default ACL, or
         make it so again (idempotent; a namespace of an older build gets its gid here, at its
-        next create or grant)."""
+        next create or grant). Only what differs is written: a namespace at its filesystem
+        quota refuses even an xattr write (EDQUOT), and its grants (read_only ones included)
+        must still go through."""
         path = self.namespace_dir(key)
         gid = self.namespace_gid(key) or self._claim_gid(key)
-        try:
-            os.chown(path, -1, gid)
-        except PermissionError:
-            logger.warning(
-                "namespace %s: the provider may not chown in the export; only root on a node "
-                "can write it",
-                key,
-            )
+        if path.stat().st_gid != gid:
+            try:
+                os.chown(path, -1, gid)
+            except PermissionError:
+                logger.warning(
+                    "namespace %s: the provider may not chown in the export; only root on a "
+                    "node can write it",
+                    key,
+                )
         # After the chown (which may clear set-id bits): no world access, setgid.
-        os.chmod(path, 0o2770)  # noqa: S103
+        if path.stat().st_mode & 0o7777 != 0o2770:
+            os.chmod(path, 0o2770)  # noqa: S103
         try:
-            os.setxattr(path, _ACL_XATTR, _NAMESPACE_DEFAULT_ACL)
+            if _current_acl(path) != _NAMESPACE_DEFAULT_ACL:
+                os.setxattr(path, _ACL_XATTR, _NAMESPACE_DEFAULT_ACL)
         except OSError as err:
             if err.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP):
                 raise
@@ -264,26 +324,18 @@ class SharedDirectoryProvider:
         return None
 
     def usage_bytes(self, key: str) -> int:
-        """Bytes allocated under the namespace's directory. A directory that is not there (the
-        export not mounted on this worker, or removed under us) raises: os.walk alone would
-        answer 0, and the precheck would take an unmeasured namespace for an empty one."""
+        """The namespace's bytes: its quota group's (data and metadata, as of the filesystem's
+        last commit; O(1)) where the filesystem enforces its quota, else allocated under its
+        directory, walked. A directory that is not there (the export not mounted on this worker,
+        or removed under us) raises: a walk alone would answer 0, and the precheck would take an
+        unmeasured namespace for an empty one."""
         top = self.namespace_dir(key)
         if not top.is_dir():
             raise FileNotFoundError(f"namespace {key} is not a directory in the storage export")
-        seen: set[tuple[int, int]] = set()
-        total = 0
-
-        def unreadable(err: OSError) -> None:
-            raise err
-
-        for directory, dirs, files in os.walk(top, onerror=unreadable):
-            for name in (*dirs, *files):
-                st = os.lstat(os.path.join(directory, name))
-                if (st.st_dev, st.st_ino) in seen:
-                    continue
-                seen.add((st.st_dev, st.st_ino))
-                total += st.st_blocks * 512
-        return total
+        group = self.quota_group(key)
+        if group is not None:
+            return group.referenced_bytes()
+        return walked_usage_bytes(top)
 
     def grant(self, key: str, attachment_id: str, node_id: str, mode: str) -> None:
         if self.namespace_dir(key).is_dir():
@@ -300,6 +352,34 @@ class SharedDirectoryProvider:
 
     def revoke(self, key: str, attachment_id: str) -> None:
         (self._grants_dir(key) / f"{attachment_id}.json").unlink(missing_ok=True)
+
+
+def _current_acl(path: Path) -> bytes | None:
+    try:
+        return os.getxattr(path, _ACL_XATTR)
+    except OSError as err:
+        if err.errno == errno.ENODATA:
+            return None
+        raise
+
+
+def walked_usage_bytes(top: Path) -> int:
+    """Bytes allocated under `top` (st_blocks, hard links once): a walk of the whole tree, for
+    an export whose filesystem keeps no account per namespace."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+
+    def unreadable(err: OSError) -> None:
+        raise err
+
+    for directory, dirs, files in os.walk(top, onerror=unreadable):
+        for name in (*dirs, *files):
+            st = os.lstat(os.path.join(directory, name))
+            if (st.st_dev, st.st_ino) in seen:
+                continue
+            seen.add((st.st_dev, st.st_ino))
+            total += st.st_blocks * 512
+    return total
 
 
 def _remove_bottom_up(top: Path, budget: int) -> int:
