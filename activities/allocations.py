@@ -98,7 +98,7 @@ NODE_ACTOR = "allocation"
 # when its cleanup was not proven: such an allocation may still have a VM on its project's VLAN,
 # so the VLAN stays with the project.
 CLEANUP_UNCONFIRMED_EVENT = "cleanup_unconfirmed"
-# The event of an admin detach: release_failed → released (seed 001 §1).
+# The event of an admin detach: release_failed → released (docs/lifecycles/allocation.md).
 DETACHED_EVENT = "detached"
 
 
@@ -119,7 +119,8 @@ def _reject(type_: str, message: str) -> ApplicationError:
 
 
 def _truncate(message: str | None) -> str | None:
-    """Free text bound for a record: bounded, and through the one sanitiser (seed 002)."""
+    """Free text bound for a record: bounded, and through the one sanitiser
+    (docs/lifecycles/allocation.md#task-timeline)."""
     return redact_optional(message, limit=MAX_MESSAGE)
 
 
@@ -146,9 +147,10 @@ class AllocationActivities:
     @activity.defn(name="allocation.place")
     async def place(self, input: PlaceInput) -> Placement:
         """Reserve capacity and queue the allocation's host task, in one transaction: the
-        allocation row is created `requested` (seed 000: reserved, not yet provisioning), so the
-        reservation the POST answers with and the host work the workflow dispatches after
-        allocation.begin_provisioning can never disagree. Its SQL is in placement_sql."""
+        allocation row is created `requested` (docs/lifecycles/allocation.md: reserved, not yet
+        provisioning), so the reservation the POST answers with and the host work the workflow
+        dispatches after allocation.begin_provisioning can never disagree. Its SQL is in
+        placement_sql."""
         deadline = time.monotonic() + self._placement_deadline
         attempt = 0
         while True:
@@ -597,8 +599,8 @@ class AllocationActivities:
 def _check_offer(offer: placement_sql.Offer, input: PlaceInput, *, requested_keys: int) -> None:
     """Rejections are non-retryable: the POST answers them as they are."""
     if offer.billing_state in (None, BalanceState.DEPLETED):
-        # Seed 001 §4: no positive balance (no account yet is a balance of 0), no allocation.
-        # The placement statement checks it again, atomically with the reservation.
+        # docs/lifecycles/balance.md: no positive balance (no account yet is a balance of 0), no
+        # allocation. The placement statement checks it again, atomically with the reservation.
         raise _reject(BALANCE_DEPLETED, "the project's balance is depleted")
     if offer.shape is None or not offer.active:
         raise _reject(SKU_UNAVAILABLE, f"SKU {input.sku!r} is not offered in {input.region!r}")

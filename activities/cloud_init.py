@@ -1,6 +1,7 @@
-"""First-boot cloud-init for MAAS-deployed nodes (seed 003 §9, §9.1): a versioned composition of
-ordered layers, rendered from typed, validated input. Nothing here runs anything; the result is
-the user-data handed to MAAS deploy.
+"""First-boot cloud-init for MAAS-deployed nodes (docs/lifecycles/onboarding.md#cloud-init,
+docs/lifecycles/onboarding.md#hardware-sync): a versioned composition of ordered layers, rendered
+from typed, validated input. Nothing here runs anything; the result is the user-data handed to MAAS
+deploy.
 
 Layers, in this order (a layer with nothing to do is left out and not listed):
 
@@ -189,7 +190,8 @@ class CloudInitInput:
     agent: AgentBootstrap
     # None when the machine has no token yet: MAAS creates it only when deploy renders the
     # preseed, so onboarding deploys without it and seeds the file over SSH afterwards
-    # (seed 003 §4.3 EnsureHardwareSyncConfigured); the units are installed either way.
+    # (docs/lifecycles/onboarding.md#stages EnsureHardwareSyncConfigured); the units are installed
+    # either way.
     maas_machine_token: MaasMachineCredentials | None = None
     roce: tuple[RoceAssignment, ...] = ()
     # Explicit non-root disks to wipe and mount as /share0, /share1, ...; empty: no destruction.

@@ -1,7 +1,8 @@
 """The read-model writes every node lifecycle job shares (onboarding, decommission): a job row
 with its current stage, status and failure classification, an append-only stage-event table, and
-domain events (seed 003 §4.2.1, §4.12, §5.7). Each job kind describes its tables once
-(`JobTables`) and adds only what is its own (its state columns)."""
+domain events (docs/lifecycles/onboarding.md#monitoring,
+docs/lifecycles/decommission.md#monitoring). Each job kind describes its tables once (`JobTables`)
+and adds only what is its own (its state columns)."""
 
 from __future__ import annotations
 
@@ -137,9 +138,9 @@ class JobTables(LifecycleTables):
             )
         if status in CLOSED:
             values["completed_at"] = func.clock_timestamp()
-            # A closed job takes no operator action (seed 004 §8): a cancelled one keeps the
-            # failure it was cancelled from, but not that failure's recommendation (a rerun is
-            # a new request now).
+            # A closed job takes no operator action (docs/lifecycles/decommission.md#actions): a
+            # cancelled one keeps the failure it was cancelled from, but not that failure's
+            # recommendation (a rerun is a new request now).
             values["recommended_action"] = None
         return values
 

@@ -1,5 +1,6 @@
-"""The MAAS site reconciler (seed 003 §6): one pass compares what a MAAS region says about its
-machines with the GPUaaS nodes bound to them (node_maas_state) and applies the §6.4 rules.
+"""The MAAS site reconciler (docs/lifecycles/node.md#drift-with-maas): one pass compares what a MAAS
+region says about its machines with the GPUaaS nodes bound to them (node_maas_state) and applies the
+§6.4 rules.
 
 One pass is: the site row with its policy (1 query), its API token from Vault (read now, so a
 rotated token is used by the next run), ONE `GET machines/`, the site's bindings joined with their
@@ -150,7 +151,8 @@ SUSPECT_RULE = "reconcile_suspect"
 SUSPECT_EVENT = "maas.reconcile_suspect"
 SUSPECT_SAMPLE = 20  # missing system_ids named in the alert
 
-# Nodes a running onboarding/decommission owns (seed 003 §6): observed, never acted on.
+# Nodes a running onboarding/decommission owns (docs/lifecycles/node.md#drift-with-maas): observed,
+# never acted on.
 IN_FLIGHT = frozenset(
     {
         NodeStatus.BOOTSTRAP_ISSUED,

@@ -1,7 +1,8 @@
-"""The node lifecycle actions an operator takes (seed 004 §3.2, §3.3), run by
-AdminOperationWorkflow like every admin mutation: each moves the node through the one transition
-function (node_lifecycle.transition_node, with its `node.status_changed` event) and writes its
-audit row, with the operator's reason, in the same transaction.
+"""The node lifecycle actions an operator takes (docs/lifecycles/node.md#states-and-transitions,
+docs/lifecycles/node.md#who-moves-it), run by AdminOperationWorkflow like every admin mutation: each
+moves the node through the one transition function (node_lifecycle.transition_node, with its
+`node.status_changed` event) and writes its audit row, with the operator's reason, in the same
+transaction.
 
 - activate: quarantined → active ("explicit operator recovery … after the node is proven healthy
   again"), only with a health proof (`health_proof`, below); never without one.
@@ -10,8 +11,9 @@ audit row, with the operator's reason, in the same transaction.
   the transaction commits; the workflow moves the node draining → retired once no allocation
   lives on it.
 - reactivate: retired → active ("reactivate/reuse same identity"), with the same health proof:
-  a retired node whose machine the reconciler has since released (seed 003 §6.4, Deployed while
-  retired) has no agent left to prove it, and is re-onboarded instead.
+  a retired node whose machine the reconciler has since released
+  (docs/lifecycles/node.md#reconciliation-rules, Deployed while retired) has no agent left to prove
+  it, and is re-onboarded instead.
 
 A node that an onboarding or decommission job owns (a live job) is that job's to move: every
 action is refused with `node_lifecycle_in_progress`.

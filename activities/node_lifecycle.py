@@ -1,4 +1,5 @@
-"""The one place a lifecycle operation changes `nodes.status` (seed 004 §3.2, §3.3).
+"""The one place a lifecycle operation changes `nodes.status`
+(docs/lifecycles/node.md#states-and-transitions, docs/lifecycles/node.md#who-moves-it).
 
 Every coarse node transition the decommission workflow makes goes through `transition_node`,
 which refuses a transition NODE_TRANSITIONS does not allow (a programming error: raised, never
@@ -31,7 +32,8 @@ from schema.models import DomainEvent, Node
 
 
 class TransitionNotAllowed(ValueError):
-    """A transition seed 004 §3.2 does not list: a bug in the caller, never applied."""
+    """A transition docs/lifecycles/node.md#states-and-transitions does not list: a bug in the
+    caller, never applied."""
 
 
 @dataclass(frozen=True)

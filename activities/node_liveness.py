@@ -1,8 +1,8 @@
-"""Agent liveness (seed 003 §6.3): an active node whose agent has been silent longer than the
-threshold goes offline (placement only uses active nodes), and comes back when it is heard from
-again: at once, when its agent's presence signal is recorded (node_presence), and here for any
-offline node whose agent was heard from since. Nodes that never reported are left alone. Both
-ways are one set-based statement through the one transition function
+"""Agent liveness (docs/lifecycles/node.md#detection): an active node whose agent has been silent
+longer than the threshold goes offline (placement only uses active nodes), and comes back when it is
+heard from again: at once, when its agent's presence signal is recorded (node_presence), and here
+for any offline node whose agent was heard from since. Nodes that never reported are left alone.
+Both ways are one set-based statement through the one transition function
 (node_lifecycle.transition_nodes), which records each node's `node.status_changed` event.
 
 "Heard from" is read from what an idle agent already does, not from a signal per beat: its node

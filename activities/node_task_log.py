@@ -1,5 +1,5 @@
-"""The node_tasks mirror every timeline reads (seed 002): one writer for every workflow that
-dispatches host work (allocations, decommissions).
+"""The node_tasks mirror every timeline reads (docs/lifecycles/allocation.md#task-timeline): one
+writer for every workflow that dispatches host work (allocations, decommissions).
 
 A task row goes queued → dispatched (the agent reported an attempt starting: `record_progress`)
 → completed / failed (`record_task_outcome`), with the phases of each attempt in

@@ -1,7 +1,7 @@
 """The SQL of placement, the hot spot of every POST /allocations: what is offered, then one
 statement that ranks the nodes, locks the best one nobody else holds and its slots, picks the
-slots (seed 000: NUMA-fit, then best-fit), takes a slice's project VLAN and writes the whole
-reservation.
+slots (docs/lifecycles/allocation.md#placement: NUMA-fit, then best-fit), takes a slice's project
+VLAN and writes the whole reservation.
 
 Written against the asyncpg connection directly, in plain SQL, because this path runs once per
 POST and SQLAlchemy's statement building, compilation and ORM bookkeeping cost more CPU than the
@@ -133,11 +133,11 @@ allocation AS (
   ON CONFLICT (id) DO NOTHING
 )"""
 
-# Seed 001 §4: a project allocates only while its balance is positive, i.e. its billing account
-# exists and is not `depleted` (no account: nothing was ever credited). Checked by the statement
-# that reserves, on the account row read FOR SHARE: a state change (the meter, a credit; both
-# lock the row FOR UPDATE, activities/billing/accounts.py) either commits first, and this
-# statement then sees `depleted` and writes nothing, or waits for this statement, after which
+# docs/lifecycles/balance.md: a project allocates only while its balance is positive, i.e. its
+# billing account exists and is not `depleted` (no account: nothing was ever credited). Checked by
+# the statement that reserves, on the account row read FOR SHARE: a state change (the meter, a
+# credit; both lock the row FOR UPDATE, activities/billing/accounts.py) either commits first, and
+# this statement then sees `depleted` and writes nothing, or waits for this statement, after which
 # the meter sees the new allocation and releases it. No account row, or a depleted one: every
 # CTE below finds nothing and nothing is written or locked.
 _FUNDED = f"""
@@ -216,12 +216,12 @@ held_vlan AS (
 )"""
 
 
-# Anti-affinity of an allocation group (seed 001 §1a, `spread: same_node_forbidden`): a member
-# is not placed on a node where a live member of its group is. Only slices need the test: a
-# bare-metal member's whole-node claim already keeps every other allocation off its node. Two
-# members placed at once cannot both see the node free and both land there: the partial unique
-# index `allocations_group_same_node` (migration 0025) refuses the second insert, and placement
-# ranks again (allocation.place retries an integrity violation), now seeing the first.
+# Anti-affinity of an allocation group (docs/lifecycles/allocation-group.md, `spread:
+# same_node_forbidden`): a member is not placed on a node where a live member of its group is. Only
+# slices need the test: a bare-metal member's whole-node claim already keeps every other allocation
+# off its node. Two members placed at once cannot both see the node free and both land there: the
+# partial unique index `allocations_group_same_node` (migration 0025) refuses the second insert, and
+# placement ranks again (allocation.place retries an integrity violation), now seeing the first.
 _NOT_BESIDE_GROUP_MEMBER = f"""NOT ($13::bool AND EXISTS (
       SELECT 1 FROM allocations m
       WHERE m.allocation_group_id = $12::uuid AND m.same_node_forbidden AND m.node_id = n.id
@@ -370,8 +370,9 @@ class Placed:
     created_at: dt.datetime | None
     any_room: bool
     slots: list[ReservedSlot] = field(default_factory=list)
-    # The project's balance allowed the placement when the statement ran (seed 001 §4); False:
-    # nothing was written because the account is depleted (or was never credited).
+    # The project's balance allowed the placement when the statement ran
+    # (docs/lifecycles/balance.md); False: nothing was written because the account is depleted (or
+    # was never credited).
     funded: bool = True
     # Slices only. `fits`: the node it locked had the slots. `vlan_id`: the project's VLAN in
     # the region (held or assigned now). `free_vid`: the vid a first placement tried to take; set

@@ -1,6 +1,7 @@
-"""BMC power credentials for a machine, resolved in seed 003 §3.2.1's order: an active override
-matching one of its PXE MACs, then its IPMI address, then its hostname, else the site default.
-Read from Vault at call time, so a rotated secret is used by the next activity without restart."""
+"""BMC power credentials for a machine, resolved in docs/maas-sites.md#power-credential-overrides's
+order: an active override matching one of its PXE MACs, then its IPMI address, then its hostname,
+else the site default. Read from Vault at call time, so a rotated secret is used by the next
+activity without restart."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""Terminal session activities (seed 001 §6): the `terminal_sessions` read model, applied as
-compare-and-set with an append-only event row per transition, the node_tasks rows of the
-terminal host tasks (so the allocation's timeline shows them), and the close of an allocation's
-sessions that AllocationWorkflow's release runs first.
+"""Terminal session activities (docs/lifecycles/terminal-session.md): the `terminal_sessions` read
+model, applied as compare-and-set with an append-only event row per transition, the node_tasks rows
+of the terminal host tasks (so the allocation's timeline shows them), and the close of an
+allocation's sessions that AllocationWorkflow's release runs first.
 
 `create_session` and `apply_change` run as local activities of TerminalSessionWorkflow and are
 idempotent (a retried one finds its work done). `close_for_allocation` is a regular activity: it

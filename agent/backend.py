@@ -15,7 +15,8 @@ from typing import Protocol
 
 from contracts.host_tasks import HostErrorType, HostProvisionInput, HostReleaseInput, UnhealthyGpu
 
-# Phase names, in the order each activity runs them (seed 002 timeline).
+# Phase names, in the order each activity runs them (docs/lifecycles/allocation.md#task-timeline
+# timeline).
 SLICE_PROVISION_PHASES = (
     "image_prepared",
     "cloud_init_seed_generated",

@@ -5,7 +5,7 @@ runs, heartbeats the phase list so far (a list of HostPhase: what the gateway's 
 from a pending activity). It also reports the attempt's progress to the workflow that scheduled
 it (HOST_TASK_PROGRESS_SIGNAL): once when the attempt starts, then when its phases change, at
 most every REPORT_MIN_INTERVAL_S, so the workflow records the task as running with its phases
-(seed 002) without a database write per heartbeat.
+(docs/lifecycles/allocation.md#task-timeline) without a database write per heartbeat.
 
 A HostError becomes an ApplicationError of the same type, non-retryable where the contract says
 so, with the phase list as its first detail so the timeline can show how far the task got.

@@ -29,16 +29,18 @@ MAX_CONCURRENT_HOST_TASKS = 16
 @dataclass(frozen=True)
 class NodeServices:
     """Everything one node's agent serves: the allocation host tasks (`host`, both shapes) and
-    the node maintenance tasks (`maintenance`, seed 003 §5.6). Production builds it from the
-    agent config (agent.backends.from_config), the simulator from sim/ (a backend plugin)."""
+    the node maintenance tasks (`maintenance`, docs/lifecycles/decommission.md#node-tasks).
+    Production builds it from the agent config (agent.backends.from_config), the simulator from sim/
+    (a backend plugin)."""
 
     host: HostBackend
     maintenance: MaintenanceBackend
-    # Storage attachment mounts (seed 001 §7); None: the node mounts no storage (the tasks are
-    # still registered and answer `unsupported`).
+    # Storage attachment mounts (docs/lifecycles/storage-attachment.md); None: the node mounts no
+    # storage (the tasks are still registered and answer `unsupported`).
     storage: StorageMountBackend | None = None
-    # Terminal sessions (seed 001 §6): the shell a `terminal.open` runs per allocation shape;
-    # None: no terminals here (the tasks are still registered and answer `unsupported`).
+    # Terminal sessions (docs/lifecycles/terminal-session.md): the shell a `terminal.open` runs per
+    # allocation shape; None: no terminals here (the tasks are still registered and answer
+    # `unsupported`).
     terminal: ShellLauncher | None = None
 
 

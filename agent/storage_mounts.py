@@ -1,5 +1,5 @@
-"""Storage attachment host tasks (seed 001 §7): storage.mount and storage.unmount on the node's
-queue, run by the node's agent for StorageAttachmentWorkflow.
+"""Storage attachment host tasks (docs/lifecycles/storage-attachment.md): storage.mount and
+storage.unmount on the node's queue, run by the node's agent for StorageAttachmentWorkflow.
 
 The provider these mount is the shared directory provider (activities/storage_provider.py): a
 directory tree on a filesystem the control plane's storage activities and every node see, at
@@ -10,7 +10,8 @@ same directory on one machine in the embedded stack and the tests). In it, each 
 
 Rules:
 
-- Nothing to act on comes from the control plane as a path (seed 003 §2.4): the namespace key and
+- Nothing to act on comes from the control plane as a path
+(docs/lifecycles/node.md#what-the-control-plane-asks-of-a-node): the namespace key and
   the attachment id must be UUIDs; the source is resolved under the agent's own export root and
   the mount point is `<mount_base>/<attachment id>` under the agent's system root.
 - A mount needs the grant for this attachment and this node; the grant's mode wins (a read_only

@@ -1,4 +1,5 @@
-"""Terminal sessions on the node (seed 001 §6): the `terminal.open` and `terminal.close` host tasks.
+"""Terminal sessions on the node (docs/lifecycles/terminal-session.md): the `terminal.open` and
+`terminal.close` host tasks.
 
 `terminal.open` starts the allocation's shell on a PTY, dials the gateway with an OUTBOUND
 WebSocket (the node opens no port), authenticates with the session's secret, tells the workflow

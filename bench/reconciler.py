@@ -6,7 +6,7 @@ before_cursor_execute listener on the engine) for a clean pass, for a pass after
 machines drifted out of band (half released, half with a new IP), and for a pass over a
 truncated list (the simulator's truncate_list fault drops a fifth of the machines): that one is
 refused as reconcile_suspect and changes no node. Each pass must stay under 5 s at
-2,000 machines (seed 003) and under 10 s at 20,000 (issue 27), with one machines list read
+2,000 machines (docs/maas-nodes.md) and under 10 s at 20,000 (issue 27), with one machines list read
 from MAAS per pass (the simulator's request counters); the script exits 1 if one does not, or
 if the truncated pass changed anything. Each pass also prints its split: MAAS rendering and
 sending the list, decoding it here, and the rest of the pass (bindings, decisions, writes).
@@ -57,7 +57,8 @@ CONTROL_TIMEOUT_S = 120
 
 
 def target_seconds(machines: int) -> float:
-    """Seed 003's target for a site of up to 2,000 machines; issue 27's beyond (20,000)."""
+    """docs/maas-nodes.md's target for a site of up to 2,000 machines; issue 27's beyond
+    (20,000)."""
     return 5.0 if machines <= 2000 else 10.0
 
 

@@ -39,7 +39,7 @@ ROCE_DELETE = "admin.roce_delete"
 POWER_OVERRIDE_CREATE = "admin.power_override_create"
 POWER_OVERRIDE_UPDATE = "admin.power_override_update"
 POWER_OVERRIDE_DELETE = "admin.power_override_delete"
-# Node lifecycle actions of seed 004 §3.3 (activities/node_admin.py).
+# Node lifecycle actions of docs/lifecycles/node.md#who-moves-it (activities/node_admin.py).
 NODE_ACTIVATE = "admin.node_activate"  # quarantined → active, after a health proof
 NODE_RETIRE = "admin.node_retire"  # → draining, with its NodeDrainWorkflow; → retired
 NODE_REACTIVATE = "admin.node_reactivate"  # retired → active, after a health proof

@@ -44,9 +44,9 @@ PROVISIONING_ERROR = "provisioning_error"
 # held when the host did not prove its cleanup: they are not placed again until an operator
 # finishes the cleanup and returns them to service.
 PROVISION_CLEANUP_UNCONFIRMED = "provision_cleanup_unconfirmed"
-# The same for a release_failed allocation an admin detached (seed 001 §1, "removes the
-# assignment"): the release never proved its cleanup, so the assignment ends by quarantining
-# what it held, never by claiming the node was cleaned.
+# The same for a release_failed allocation an admin detached (docs/lifecycles/allocation.md,
+# "removes the assignment"): the release never proved its cleanup, so the assignment ends by
+# quarantining what it held, never by claiming the node was cleaned.
 RELEASE_CLEANUP_UNCONFIRMED = "release_cleanup_unconfirmed"
 # An AllocationResult's reason when the allocation ended `released` by an admin detach.
 DETACHED = "detached"
@@ -87,8 +87,8 @@ class AllocationInput:
     # sha256 of the canonical request body: the same idempotency key with another body is refused.
     request_fingerprint: str
     policy: AllocationPolicy = field(default_factory=AllocationPolicy)
-    # Set for a member of an allocation group (seed 001 §1a): it reports each status to the
-    # group's workflow, and placement applies the group's anti-affinity.
+    # Set for a member of an allocation group (docs/lifecycles/allocation-group.md): it reports each
+    # status to the group's workflow, and placement applies the group's anti-affinity.
     allocation_group_id: str | None = None
     same_node_forbidden: bool = False
 

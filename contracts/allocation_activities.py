@@ -26,8 +26,9 @@ class PlaceInput:
     workflow_id: str
     # The provisioning node task's id, from workflow.uuid4(): a rerun records the same task once.
     provision_task_id: str = ""
-    # A member of an allocation group (seed 001 §1a), and whether its group forbids two live
-    # members on one node (placement skips those nodes; a unique index holds it under races).
+    # A member of an allocation group (docs/lifecycles/allocation-group.md), and whether its group
+    # forbids two live members on one node (placement skips those nodes; a unique index holds it
+    # under races).
     allocation_group_id: str | None = None
     same_node_forbidden: bool = False
 
@@ -108,7 +109,8 @@ class FailProvisioningInput:
     cleanup_error: str = ""
     # GPUs the proven cleanup found unhealthy: their slots are quarantined, the rest freed.
     unhealthy_gpus: list[UnhealthyGpu] = field(default_factory=list)
-    # The phases the failed host task went through, the failed one last (seed 002).
+    # The phases the failed host task went through, the failed one last
+    # (docs/lifecycles/allocation.md#task-timeline).
     phases: list[HostPhase] = field(default_factory=list)
 
 
@@ -128,10 +130,11 @@ class ReleasePlan:
     task_id: str
     task_kind: str
     username: str
-    # What the release ends before its host task: live terminal sessions (seed 001 §6) and
-    # storage attachments not yet detached (§7), counted in the transaction that made the
-    # allocation `releasing` (both opens hold its row and need it `active`, so none opens after).
-    # None: a plan from an older build (in recorded histories), whose release ran both steps.
+    # What the release ends before its host task: live terminal sessions
+    # (docs/lifecycles/terminal-session.md) and storage attachments not yet detached (§7), counted
+    # in the transaction that made the allocation `releasing` (both opens hold its row and need it
+    # `active`, so none opens after). None: a plan from an older build (in recorded histories),
+    # whose release ran both steps.
     live_terminal_sessions: int | None = None
     storage_attachments: int | None = None
 
@@ -144,7 +147,8 @@ class FinishReleaseInput:
     error_type: str | None
     error_message: str | None
     transition: bool = True
-    # Without a result: the phases the failed host task went through (seed 002).
+    # Without a result: the phases the failed host task went through
+    # (docs/lifecycles/allocation.md#task-timeline).
     phases: list[HostPhase] = field(default_factory=list)
     # Issue 37, fence first: `fenced` records the host release that fenced the tenant (its task
     # outcome) and stops billing, without a transition (storage is detached next);

@@ -1,5 +1,5 @@
-"""The AllocationGroupWorkflow contract (seed 001 §1a): its id scheme, message names, inputs and
-outputs, and the one rule that derives a group's status from its members'.
+"""The AllocationGroupWorkflow contract (docs/lifecycles/allocation-group.md): its id scheme,
+message names, inputs and outputs, and the one rule that derives a group's status from its members'.
 
 A group is an aggregate over ordinary allocations: each member is its own AllocationWorkflow
 (`allocation-{id}`, started by the group as a child) with its own placement, usage window and
@@ -50,7 +50,7 @@ def allocation_group_workflow_id(group_id: str) -> str:
 @dataclass
 class GroupMember:
     """One member: the AllocationInput its own workflow starts with, and whether the group
-    needs it (seed 001 §1a's required members)."""
+    needs it (docs/lifecycles/allocation-group.md's required members)."""
 
     input: AllocationInput
     required: bool = True
@@ -154,7 +154,7 @@ class MemberReleasesResult:
     skipped: list[str] = field(default_factory=list)  # not releasable, or its workflow ended
 
 
-# --- the status rule (seed 001 §1a) ---
+# --- the status rule (docs/lifecycles/allocation-group.md) ---
 
 _PENDING = frozenset({PLACING, AllocationStatus.REQUESTED, AllocationStatus.PROVISIONING})
 _USABLE = frozenset({AllocationStatus.ACTIVE})

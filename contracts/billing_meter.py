@@ -14,8 +14,8 @@ from contracts.admin_operation import Actor
 
 
 class BalanceState(StrEnum):
-    """Seed 001 §4: depleted at a balance ≤ the depleted threshold (0), low at ≤ the low
-    threshold, healthy above. An account starts depleted."""
+    """docs/lifecycles/balance.md: depleted at a balance ≤ the depleted threshold (0), low at ≤ the
+    low threshold, healthy above. An account starts depleted."""
 
     HEALTHY = "healthy"
     LOW_BALANCE = "low_balance"

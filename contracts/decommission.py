@@ -1,14 +1,16 @@
-"""The node decommission contract (seed 003 §5, seed 004 §5, §8): workflow name and id, modes,
-the stage catalogue and each mode's stage list, operator actions, and the values that cross the
-workflow / activity / gateway boundaries. Nothing here is secret.
+"""The node decommission contract (docs/lifecycles/decommission.md,
+docs/lifecycles/decommission.md#job-states, docs/lifecycles/decommission.md#actions): workflow name
+and id, modes, the stage catalogue and each mode's stage list, operator actions, and the values that
+cross the workflow / activity / gateway boundaries. Nothing here is secret.
 
     NodeDecommissionWorkflow   decommission-{decommission_id}
 
 One workflow type runs all four modes (soft_reset, reimage, full_decommission, storage_cleanup):
 they share the job-state model, the failure handling and the operator actions, and differ only
-in their stage lists (`STAGES_BY_MODE`). Job states are onboarding's `JobStatus` (seed 004 §5.1
-says decommission uses the same model). Operator actions are the `operator_action` update, as
-for onboarding: the validator refuses what the job state does not allow (gateway: 409).
+in their stage lists (`STAGES_BY_MODE`). Job states are onboarding's `JobStatus`
+(docs/lifecycles/decommission.md#job-states says decommission uses the same model). Operator actions
+are the `operator_action` update, as for onboarding: the validator refuses what the job state does
+not allow (gateway: 409).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from contracts.lifecycle import (
     JobStageResult,
 )
 
-# Seed 004 §5.1: decommission uses the same job-state model and operator-action update.
+# docs/lifecycles/decommission.md#job-states: decommission uses the same job-state model and
+# operator-action update.
 from contracts.lifecycle import OPERATOR_ACTION_UPDATE as OPERATOR_ACTION_UPDATE
 from contracts.lifecycle import PROGRESS_QUERY as PROGRESS_QUERY
 from contracts.lifecycle import ActionResult as ActionResult
@@ -60,8 +63,8 @@ class Mode(StrEnum):
 
 
 class Erase(StrEnum):
-    """MAAS release erase modes (seed 003 §5.1: none | quick | secure; `standard` is MAAS's own
-    erase without quick/secure)."""
+    """MAAS release erase modes (docs/lifecycles/decommission.md#modes: none | quick | secure;
+    `standard` is MAAS's own erase without quick/secure)."""
 
     NONE = "none"
     QUICK = "quick"
@@ -70,7 +73,8 @@ class Erase(StrEnum):
 
 
 class StorageScope(StrEnum):
-    """Seed 003 §5.2 CleanupStorage: local scratch, Weka (shared storage), both, or nothing."""
+    """docs/lifecycles/decommission.md#soft-reset CleanupStorage: local scratch, Weka (shared
+    storage), both, or nothing."""
 
     NONE = "none"
     LOCAL = "local"
@@ -79,8 +83,9 @@ class StorageScope(StrEnum):
 
 
 class Stage(StrEnum):
-    """Seed 004 §5.2's catalogue, plus the reimage stages of seed 003 §5.3 (named as the
-    onboarding stages they re-run) and enable_node (§5.2/§5.3 EnableNode)."""
+    """docs/lifecycles/decommission.md#modes's catalogue, plus the reimage stages of
+    docs/lifecycles/decommission.md#reimage (named as the onboarding stages they re-run) and
+    enable_node (§5.2/§5.3 EnableNode)."""
 
     DISABLE_NODE = "disable_node"
     FORCE_RELEASE_ALLOCATIONS = "force_release_allocations"
@@ -95,7 +100,7 @@ class Stage(StrEnum):
     REMOVE_GPUAAS_NODE_RECORD = "remove_gpuaas_node_record"
     CLEANUP_SECRETS = "cleanup_secrets"
     REMOVE_MAAS_RECORD = "remove_maas_record"
-    # reimage (seed 003 §5.3)
+    # reimage (docs/lifecycles/decommission.md#reimage)
     CONFIGURE_STORAGE = "configure_storage"
     APPLY_ROCE_PHASE2 = "apply_roce_phase2"
     ENSURE_PXE_INTERFACE_AUTO = "ensure_pxe_interface_auto"
@@ -204,8 +209,9 @@ REIMAGE_ONBOARDING_STAGES = frozenset(
 
 
 class OperatorAction(StrEnum):
-    """Seed 004 §8, the ones that make sense for a decommission (there is no rerun from a blank
-    slate: a half-decommissioned node is resumed, retried, adopted or cancelled)."""
+    """docs/lifecycles/decommission.md#actions, the ones that make sense for a decommission (there
+    is no rerun from a blank slate: a half-decommissioned node is resumed, retried, adopted or
+    cancelled)."""
 
     RETRY_STAGE = RETRY_STAGE_ACTION
     RESUME = RESUME_ACTION
@@ -252,7 +258,8 @@ def operator_disk_disposition(followups: list[dict[str, Any]]) -> dict[str, Any]
 _FAILED = {JobStatus.FAILED_RETRYABLE, JobStatus.FAILED_MANUAL_INTERVENTION}
 ALLOWED_ACTIONS: dict[OperatorAction, frozenset[JobStatus]] = {
     OperatorAction.RETRY_STAGE: frozenset(_FAILED),
-    # resume while pending/running is an idempotent no-op (seed 004 §8: a live task exists).
+    # resume while pending/running is an idempotent no-op (docs/lifecycles/decommission.md#actions:
+    # a live task exists).
     OperatorAction.RESUME: frozenset({JobStatus.PENDING, JobStatus.RUNNING, *_FAILED}),
     OperatorAction.ADOPT: frozenset(_FAILED),
     OperatorAction.CANCEL: frozenset({JobStatus.PENDING, JobStatus.RUNNING, *_FAILED}),
@@ -291,8 +298,8 @@ class DecommissionInput:
     reason: str = ""
     requested_by: str = ""
     policy: DecommissionPolicy = field(default_factory=DecommissionPolicy)
-    # The site profile whose policy the MAAS stages resolve (seed 003 §3.7); None: the one the
-    # node was onboarded with, else the site's default.
+    # The site profile whose policy the MAAS stages resolve (docs/maas-sites.md#site-profiles);
+    # None: the one the node was onboarded with, else the site's default.
     profile_id: str | None = None
 
 

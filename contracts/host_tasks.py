@@ -23,7 +23,8 @@ SLICE_VM_RELEASE = "slice.vm_release"
 BAREMETAL_PROVISION_USER = "allocation.provision_user"
 BAREMETAL_DEPROVISION_USER = "allocation.deprovision_user"
 BAREMETAL_REVOKE_USER = "allocation.revoke_user"
-# Node maintenance for decommission (seed 003 §5.6, seed 004 node.drain / node.uninstall).
+# Node maintenance for decommission (docs/lifecycles/decommission.md#node-tasks,
+# docs/lifecycles/node.md node.drain / node.uninstall).
 NODE_GPU_SCRUB = "node.gpu_scrub"
 NODE_STORAGE_CLEANUP = "node.storage_cleanup"
 NODE_VALIDATE_CLEAN = "node.validate_clean"
@@ -31,13 +32,15 @@ NODE_DRAIN = "node.drain"
 NODE_UNDRAIN = "node.undrain"
 NODE_UNINSTALL = "node.uninstall"
 NODE_HW_SYNC_RESEED = "node.hw_sync_reseed"
-# Storage attachments (seed 001 §7; their inputs and results are in contracts/storage.py).
+# Storage attachments (docs/lifecycles/storage-attachment.md; their inputs and results are in
+# contracts/storage.py).
 STORAGE_MOUNT = "storage.mount"
 STORAGE_UNMOUNT = "storage.unmount"
 
-# Progress of a running host task (seed 002: node_task_dispatched, running with live phases): the
-# agent signals the workflow that scheduled the task when an attempt starts and when its phases
-# change; the workflow records it with the local activity RECORD_TASK_PROGRESS.
+# Progress of a running host task (docs/lifecycles/allocation.md#task-timeline:
+# node_task_dispatched, running with live phases): the agent signals the workflow that scheduled the
+# task when an attempt starts and when its phases change; the workflow records it with the local
+# activity RECORD_TASK_PROGRESS.
 HOST_TASK_PROGRESS_SIGNAL = "host_task_progress"
 RECORD_TASK_PROGRESS = "node_task.record_progress"
 
@@ -62,7 +65,8 @@ TASK_SUMMARIES = {
 
 
 class HostErrorType(StrEnum):
-    """`ApplicationError.type` values raised by host activities (seed 000 failure table)."""
+    """`ApplicationError.type` values raised by host activities
+    (docs/lifecycles/allocation.md#failures-and-recommended-actions failure table)."""
 
     IMAGE_ERROR = "image_error"  # download failed or sha256 mismatch: non-retryable
     VFIO_ERROR = "vfio_error"  # VFIO bind required but host wrong: non-retryable
@@ -199,7 +203,7 @@ class UnhealthyGpu:
 
 @dataclass
 class HostReleaseResult:
-    """seed 000: result {released, hard_stopped, wiped, leases_released}."""
+    """docs/lifecycles/allocation.md: result {released, hard_stopped, wiped, leases_released}."""
 
     task_id: str
     started_at: str

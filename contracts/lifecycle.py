@@ -1,7 +1,8 @@
-"""The vocabulary every node lifecycle job shares (onboarding, decommission; seed 004 §4.1,
-§5.1: "the same job-state model"): job states, stage event statuses, the operator-action
-update's name, payloads and admission rule, and the fields of the progress query's answer and
-of a read-model write. Each job's own contract re-exports what it uses."""
+"""The vocabulary every node lifecycle job shares (onboarding, decommission;
+docs/lifecycles/onboarding.md#job-states, docs/lifecycles/decommission.md#job-states: "the same
+job-state model"): job states, stage event statuses, the operator-action update's name, payloads and
+admission rule, and the fields of the progress query's answer and of a read-model write. Each job's
+own contract re-exports what it uses."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from temporalio.exceptions import ApplicationError
 
 OPERATOR_ACTION_UPDATE = "operator_action"
 PROGRESS_QUERY = "progress"
-# The operator actions every job kind has (seed 004 §8), by name; each kind's OperatorAction
-# enum spells them with these values, and adds its own.
+# The operator actions every job kind has (docs/lifecycles/decommission.md#actions), by name; each
+# kind's OperatorAction enum spells them with these values, and adds its own.
 CANCEL_ACTION = "cancel"
 FREEZE_ACTION = "mark_manual_intervention_required"
 ADOPT_ACTION = "adopt_observed_state"
@@ -31,7 +32,8 @@ STOP_BEFORE_NEXT_STAGE_PATCH = "operator-interrupt-stops-before-the-next-stage"
 
 
 class JobStatus(StrEnum):
-    """Seed 004 §4.1 / §5.1: the workflow's job state (not the coarse node state)."""
+    """docs/lifecycles/onboarding.md#job-states, docs/lifecycles/decommission.md#job-states: the
+    workflow's job state (not the coarse node state)."""
 
     PENDING = "pending"
     RUNNING = "running"

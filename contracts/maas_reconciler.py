@@ -1,8 +1,8 @@
-"""The MaasSiteReconcilerWorkflow contract (seed 003 §6): one run reconciles one site; a
-Temporal Schedule `maas-reconciler-{site_id}` starts it (created with the site, paused while the
-site is disabled, overlapping runs skipped). A run then re-seeds the hardware sync of the nodes
-whose sync drift is new (§9.1: `node.hw_sync_reseed` on each node's queue) and records each
-outcome on its drift event."""
+"""The MaasSiteReconcilerWorkflow contract (docs/lifecycles/node.md#drift-with-maas): one run
+reconciles one site; a Temporal Schedule `maas-reconciler-{site_id}` starts it (created with the
+site, paused while the site is disabled, overlapping runs skipped). A run then re-seeds the hardware
+sync of the nodes whose sync drift is new (§9.1: `node.hw_sync_reseed` on each node's queue) and
+records each outcome on its drift event."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """The NodeDrainWorkflow contract `node-drain-{node_id}`: retiring a node without removing it
-(seed 004 §3.2, §3.3). The admin retire operation moves the node to `draining` and starts this
-workflow in the same step, so the drain always has its owning lifecycle operation; the workflow
-waits until no allocation lives on the node (each ends, or is released by its tenant or an
-admin), then moves it draining → retired. Temporal keeps it across worker restarts (resumable);
-the node_drains row is its read model."""
+(docs/lifecycles/node.md#states-and-transitions, docs/lifecycles/node.md#who-moves-it). The admin
+retire operation moves the node to `draining` and starts this workflow in the same step, so the
+drain always has its owning lifecycle operation; the workflow waits until no allocation lives on the
+node (each ends, or is released by its tenant or an admin), then moves it draining → retired.
+Temporal keeps it across worker restarts (resumable); the node_drains row is its read model."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""The MAAS onboarding contract (seed 003 §4, seed 004 §4): workflow names and IDs, the stage
-catalogue in order, job states, operator actions, and the values that cross the workflow /
-activity / gateway boundaries. Nothing here is secret: power credentials, MAAS tokens, the
-enrollment token and the cloud-init content stay inside the activities that use them.
+"""The MAAS onboarding contract (docs/lifecycles/onboarding.md,
+docs/lifecycles/onboarding.md#job-states): workflow names and IDs, the stage catalogue in order, job
+states, operator actions, and the values that cross the workflow / activity / gateway boundaries.
+Nothing here is secret: power credentials, MAAS tokens, the enrollment token and the cloud-init
+content stay inside the activities that use them.
 
     MaasNodeOnboardWorkflow       onboarding-{onboarding_id}
     MaasNodeBatchOnboardWorkflow  onboarding-batch-{batch_id}
@@ -50,8 +51,8 @@ from contracts.lifecycle import OperatorRequest as OperatorRequest
 WORKFLOW_NAME = "MaasNodeOnboardWorkflow"
 BATCH_WORKFLOW_NAME = "MaasNodeBatchOnboardWorkflow"
 CHILD_SETTLED_SIGNAL = "child_settled"
-# Per-site concurrency (seed 003 §4.4, open question 5): a run holds one of its site's
-# batch_max_parallel permits while its stages run. A permit not free yet is the acquire
+# Per-site concurrency (docs/lifecycles/onboarding.md#batches, open question 5): a run holds one of
+# its site's batch_max_parallel permits while its stages run. A permit not free yet is the acquire
 # activity's retryable SITE_AT_CAPACITY error: the workflow's retry policy is the wait queue.
 ACQUIRE_SITE_SLOT_ACTIVITY = "onboarding.acquire_site_slot"
 RELEASE_SITE_SLOT_ACTIVITY = "onboarding.release_site_slot"
@@ -76,7 +77,8 @@ def batch_workflow_id(batch_id: str) -> str:
 
 
 class Stage(StrEnum):
-    """Seed 004 §4.2, in execution order (classify/recover run only after a deploy failure)."""
+    """docs/lifecycles/onboarding.md#stages, in execution order (classify/recover run only after a
+    deploy failure)."""
 
     LOAD_SITE_CONFIG = "load_site_config"
     RESOLVE_POWER_CREDENTIALS = "resolve_power_credentials"
@@ -132,7 +134,7 @@ DEPLOY_STAGES = frozenset(
 
 
 class OperatorAction(StrEnum):
-    """Seed 003 §4.9: distinct operations, not synonyms."""
+    """docs/lifecycles/onboarding.md#actions: distinct operations, not synonyms."""
 
     RETRY_STAGE = RETRY_STAGE_ACTION  # rerun only the failed stage, then go on
     RESUME = RESUME_ACTION  # from the failed stage's last safe checkpoint, state refreshed
@@ -159,7 +161,7 @@ class OnboardInput:
 
 @dataclass
 class SitePolicyView:
-    """The site policy knobs (seed 003 §3.6) and timeouts (§4.14) a run uses."""
+    """The site policy knobs (docs/maas-sites.md#policy-knobs) and timeouts (§4.14) a run uses."""
 
     strict_pxe_preflight: bool = True
     enable_phase2_roce: bool = True
@@ -199,7 +201,8 @@ class SitePolicyView:
         return waits.get(stage, 0)
 
 
-# Every knob a run uses; a site profile may override each (seed 003 §3.7) but the site-only ones.
+# Every knob a run uses; a site profile may override each (docs/maas-sites.md#site-profiles) but the
+# site-only ones.
 POLICY_KNOBS: tuple[str, ...] = tuple(f.name for f in fields(SitePolicyView))
 # Knobs a profile cannot override, each one setting of the site's whole MAAS region: MAAS has a
 # single global config `hardware_sync_interval` (a machine's sync_interval is set from it when its
@@ -271,7 +274,9 @@ class OnboardState:
     deployed_since: str | None = None  # ISO time the (latest) deploy was issued
     deploy_attempts: int = 0
     # deploy_attempts when an operator last sent the job on (retry, resume, rerun, adopt): the
-    # datasource redeploy allowance counts the deploys since then (seed 003 §4.6, §4.9).
+    # datasource redeploy allowance counts the deploys since then
+    # (docs/lifecycles/onboarding.md#failure-classes-and-recommended-actions,
+    # docs/lifecycles/onboarding.md#actions).
     deploys_before_operator: int = 0
     enrollment_attempts: int = 0
     roce_applied: int = 0

@@ -1,7 +1,9 @@
-"""Onboarding decisions that are data, not code paths (seed 003 §4.6, §4.7, §4.9, §4.14): what a
-failure means for the job state and which operator action to recommend, where each stage's
-safe checkpoint is, and what each timeout maps to. Pure: the workflow and the activities both
-import it."""
+"""Onboarding decisions that are data, not code paths
+(docs/lifecycles/onboarding.md#failure-classes-and-recommended-actions, docs/runbooks/index.md,
+docs/lifecycles/onboarding.md#actions, docs/lifecycles/onboarding.md#timeouts-and-preflight): what a
+failure means for the job state and which operator action to recommend, where each stage's safe
+checkpoint is, and what each timeout maps to. Pure: the workflow and the activities both import
+it."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The PaymentSessionWorkflow contract (seed 001 §5): id scheme, message names, payloads, the
-statuses a session goes through and the error types the gateway maps to HTTP. Kept apart from the
-workflow so the gateway and the activities import no workflow code."""
+"""The PaymentSessionWorkflow contract (docs/lifecycles/payment-session.md): id scheme, message
+names, payloads, the statuses a session goes through and the error types the gateway maps to HTTP.
+Kept apart from the workflow so the gateway and the activities import no workflow code."""
 
 from __future__ import annotations
 

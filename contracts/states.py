@@ -1,5 +1,7 @@
-"""Lifecycle states and the transitions allowed between them: the one definition (seed 000,
-seed 001 §1, seed 004 §3). Activities apply transitions as compare-and-set against these tables."""
+"""Lifecycle states and the transitions allowed between them: the one definition
+(docs/lifecycles/allocation.md, docs/lifecycles/allocation.md,
+docs/lifecycles/node.md#states-and-transitions). Activities apply transitions as compare-and-set
+against these tables."""
 
 from __future__ import annotations
 
@@ -23,8 +25,9 @@ ALLOCATION_TRANSITIONS: dict[AllocationStatus, frozenset[AllocationStatus]] = {
     AllocationStatus.RELEASING: frozenset(
         {AllocationStatus.RELEASED, AllocationStatus.RELEASE_FAILED}
     ),
-    # → releasing: a user retry or an admin force-release; → released: an admin detach (seed 001
-    # §1, "removes the assignment"), which quarantines what the node could not clean.
+    # → releasing: a user retry or an admin force-release; → released: an admin detach
+    # (docs/lifecycles/allocation.md, "removes the assignment"), which quarantines what the node
+    # could not clean.
     AllocationStatus.RELEASE_FAILED: frozenset(
         {AllocationStatus.RELEASING, AllocationStatus.RELEASED}
     ),
@@ -36,8 +39,8 @@ LIVE_ALLOCATION_STATUSES = frozenset(s for s, onward in ALLOCATION_TRANSITIONS.i
 
 
 class AllocationGroupStatus(StrEnum):
-    """Seed 001 §1a: an aggregate over member allocations, derived from their statuses and the
-    group's release intent (contracts.allocation_group.derive_group_status)."""
+    """docs/lifecycles/allocation-group.md: an aggregate over member allocations, derived from their
+    statuses and the group's release intent (contracts.allocation_group.derive_group_status)."""
 
     REQUESTED = "requested"
     PROVISIONING = "provisioning"
@@ -66,7 +69,8 @@ ALLOCATION_GROUP_TRANSITIONS: dict[AllocationGroupStatus, frozenset[AllocationGr
 
 
 class NodeStatus(StrEnum):
-    """Coarse node states of seed 004 §3. Only `active` nodes receive new allocations."""
+    """Coarse node states of docs/lifecycles/node.md#states-and-transitions. Only `active` nodes
+    receive new allocations."""
 
     BOOTSTRAP_ISSUED = "bootstrap_issued"
     ENROLLING = "enrolling"
@@ -79,9 +83,9 @@ class NodeStatus(StrEnum):
     DELETED = "deleted"
 
 
-# Seed 004 §3.2: the allowed coarse node transitions (owners in §3.3). Activities apply them as
-# compare-and-set; the MAAS reconciler uses active/offline -> quarantined, heartbeat/liveness
-# detection active <-> offline.
+# docs/lifecycles/node.md#states-and-transitions: the allowed coarse node transitions (owners in
+# §3.3). Activities apply them as compare-and-set; the MAAS reconciler uses active/offline ->
+# quarantined, heartbeat/liveness detection active <-> offline.
 NODE_TRANSITIONS: dict[NodeStatus, frozenset[NodeStatus]] = {
     NodeStatus.BOOTSTRAP_ISSUED: frozenset({NodeStatus.ENROLLING}),
     NodeStatus.ENROLLING: frozenset({NodeStatus.ACTIVE, NodeStatus.QUARANTINED}),
@@ -133,7 +137,8 @@ class TokenRole(StrEnum):
 
 
 class ReleaseActor(StrEnum):
-    """Who asked for a release (seed 000: user release, billing or admin force-release)."""
+    """Who asked for a release (docs/lifecycles/allocation.md: user release, billing or admin
+    force-release)."""
 
     USER = "user"
     ADMIN = "admin"

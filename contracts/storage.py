@@ -1,8 +1,8 @@
-"""Storage namespaces and attachments (seed 001 §7): the StorageAttachmentWorkflow contract (id
-scheme, states, update and query names, inputs and results), the control-plane activity names,
-the node agent's typed mount tasks, the namespace admin operations and the error types the
-gateway maps to HTTP. Kept apart from the workflow so the gateway, the activities and the agent
-import no workflow code.
+"""Storage namespaces and attachments (docs/lifecycles/storage-attachment.md): the
+StorageAttachmentWorkflow contract (id scheme, states, update and query names, inputs and results),
+the control-plane activity names, the node agent's typed mount tasks, the namespace admin operations
+and the error types the gateway maps to HTTP. Kept apart from the workflow so the gateway, the
+activities and the agent import no workflow code.
 
 A storage namespace is project-owned persistent storage with a `quota_bytes`, kept by a storage
 provider (activities/storage_provider.py). An attachment binds one namespace to one allocation's
@@ -56,7 +56,8 @@ class AttachmentStatus(StrEnum):
     DETACH_FAILED = "detach_failed"
 
 
-# Seed 001 §7's transitions, the one table both the workflow and the SQL compare-and-set use.
+# docs/lifecycles/storage-attachment.md's transitions, the one table both the workflow and the SQL
+# compare-and-set use.
 TRANSITIONS: dict[AttachmentStatus, frozenset[AttachmentStatus]] = {
     AttachmentStatus.REQUESTED: frozenset({AttachmentStatus.PRECHECKING, AttachmentStatus.FAILED}),
     AttachmentStatus.PRECHECKING: frozenset(
@@ -198,7 +199,8 @@ MOUNT_FAILED = "storage_mount_failed"
 UNMOUNT_FAILED = "storage_unmount_failed"
 PROVIDER_UNAVAILABLE = "storage_provider_unavailable"  # the namespace could not be measured
 DETACHED_BEFORE_MOUNT = "detached_before_mount"  # the attach stopped for a detach
-NODE_OFFLINE = "node_offline"  # the node's agent is silent (seed 003 §6.3): no unmount to ask
+NODE_OFFLINE = "node_offline"  # the node's agent is silent (docs/lifecycles/node.md#detection): no
+# unmount to ask
 # An allocation release whose attachments did not all detach: the release ends release_failed.
 STORAGE_DETACH_FAILED = "storage_detach_failed"
 OPEN_REFUSALS = (NAMESPACE_NOT_FOUND, ALLOCATION_NOT_ATTACHABLE, NAMESPACE_DELETING)
@@ -298,7 +300,8 @@ class NodeObservation:
 @dataclass
 class StorageMountInput:
     """The agent resolves `namespace_key` under its own configured export root and mounts at its
-    own mount base: no path to act on comes from the control plane (seed 003 §2.4)."""
+    own mount base: no path to act on comes from the control plane
+    (docs/lifecycles/node.md#what-the-control-plane-asks-of-a-node)."""
 
     task_id: str
     attachment_id: str

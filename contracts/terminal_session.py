@@ -1,8 +1,8 @@
-"""Terminal sessions (seed 001 §6): a shell into an allocation, bridged by the gateway to a PTY on
-the node. The TerminalSessionWorkflow `terminal-{id}` owns the lifecycle; this module is its
-contract (ids, message names, inputs, outputs, error types), the host tasks `terminal.open` /
-`terminal.close` the node agent serves, and the frames the three parties exchange on the
-WebSockets.
+"""Terminal sessions (docs/lifecycles/terminal-session.md): a shell into an allocation, bridged by
+the gateway to a PTY on the node. The TerminalSessionWorkflow `terminal-{id}` owns the lifecycle;
+this module is its contract (ids, message names, inputs, outputs, error types), the host tasks
+`terminal.open` / `terminal.close` the node agent serves, and the frames the three parties exchange
+on the WebSockets.
 
 The stream never goes through Temporal: the tenant's WebSocket ends on the gateway, the agent
 dials the gateway with its own outbound WebSocket, and the gateway relays the bytes between the
@@ -46,7 +46,7 @@ CLOSE_FOR_ALLOCATION = "terminal.close_for_allocation"
 # AllocationWorkflow's release closes the allocation's sessions first (workflow.patched id).
 RELEASE_CLOSES_TERMINAL_SESSIONS = "release-closes-terminal-sessions"
 
-# The policy key of seed 001 §6 and its default.
+# The policy key of docs/lifecycles/terminal-session.md and its default.
 MAX_TTL_POLICY_KEY = "terminal.session_max_ttl_seconds"
 DEFAULT_MAX_TTL_SECONDS = 4 * 3600.0
 

@@ -10,7 +10,7 @@ import secrets
 
 PREFIX = "gpe_"
 _TOKEN_RE = re.compile(r"^gpe_[A-Za-z0-9_-]{43}$")
-DEFAULT_TTL_SECONDS = 7200  # seed 003 §3.6 enrollment_token_ttl_seconds
+DEFAULT_TTL_SECONDS = 7200  # docs/maas-sites.md#policy-knobs enrollment_token_ttl_seconds
 
 
 def new_enrollment_token() -> str:

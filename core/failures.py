@@ -1,5 +1,5 @@
-"""The failure taxonomy of seed 003 §4.7: every failure that leaves a MAAS-side activity is one
-of these classes, so retry, resume, rerun and manual intervention are decided by the class and
+"""The failure taxonomy of docs/runbooks/index.md: every failure that leaves a MAAS-side activity is
+one of these classes, so retry, resume, rerun and manual intervention are decided by the class and
 never by parsing message text.
 
 Foreign errors (httpx, MAAS status codes, Vault answers) are classified where they are caught,
@@ -30,8 +30,8 @@ class FailureClass(StrEnum):
     HARDWARE_SYNC_FAILURE = "hardware_sync_failure"
     AGENT_ENROLLMENT_FAILURE = "agent_enrollment_failure"
     STATE_AMBIGUITY = "state_ambiguity"
-    # Not of seed 003 §4.7 (issue 35): an operator protected the node, and a destructive step
-    # (MAAS release, erase, power-off, delete) refused to run on it.
+    # Not of docs/runbooks/index.md (issue 35): an operator protected the node, and a destructive
+    # step (MAAS release, erase, power-off, delete) refused to run on it.
     NODE_PROTECTED = "node_protected"
 
 

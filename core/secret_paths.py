@@ -1,5 +1,5 @@
-"""Where each secret lives in Vault KV v2 (seed 003 §3.2). The database stores these paths, never
-the values; the first segment is the KV mount."""
+"""Where each secret lives in Vault KV v2 (docs/maas-sites.md#secrets-in-vault). The database stores
+these paths, never the values; the first segment is the KV mount."""
 
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ def power_override_path(site_id: uuid.UUID, override_id: uuid.UUID) -> str:
 
 def node_secret_root(node_id: uuid.UUID) -> str:
     """Node-scoped secrets (none are required today; operators and future agent features keep
-    per-node material here), deleted by a full decommission's CleanupSecrets (seed 003 §5.4)."""
+    per-node material here), deleted by a full decommission's CleanupSecrets
+    (docs/lifecycles/decommission.md#full-decommission)."""
     return f"{KV_MOUNT}/nodes/{node_id}"
 
 

@@ -1,4 +1,5 @@
-"""The product's secret store: Vault KV version 2 through hvac (seed 003 §3.2, architecture rule 8).
+"""The product's secret store: Vault KV version 2 through hvac (docs/maas-sites.md#secrets-in-vault,
+architecture rule 8).
 
 Paths are full paths whose first segment is the KV mount, e.g. "kv/maas-sites/<id>/api-token"
 (core.secret_paths builds them). Every call goes to Vault, nothing is cached, and a token file is

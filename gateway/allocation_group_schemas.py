@@ -1,4 +1,4 @@
-"""msgspec Structs of the allocation-group API (seed 001 §1a)."""
+"""msgspec Structs of the allocation-group API (docs/lifecycles/allocation-group.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Allocation-group use cases behind the tenant and admin controllers (seed 001 §1a).
+"""Allocation-group use cases behind the tenant and admin controllers
+(docs/lifecycles/allocation-group.md).
 
 Creation is update-with-start on `allocation-group-{id}`: the workflow's first activity writes
 the group `requested` and the `submit` update answers with it; the group then starts each member
@@ -105,8 +106,9 @@ def request_fingerprint(body: AllocationGroupCreate) -> str:
 
 async def _refuse_depleted(db: AsyncSession, project_id: uuid.UUID) -> None:
     """Issue 37: 402 balance_depleted, as a single allocation gets, before anything is created
-    (seed 001 §4: no positive balance, no allocation; no account yet is a balance of 0). Each
-    member's placement still checks the state in the statement that reserves its capacity."""
+    (docs/lifecycles/balance.md: no positive balance, no allocation; no account yet is a balance of
+    0). Each member's placement still checks the state in the statement that reserves its
+    capacity."""
     state = await db.scalar(
         select(BillingAccount.state).where(BillingAccount.project_id == project_id)
     )

@@ -1,5 +1,6 @@
-"""Node decommission use cases behind the admin controller (seed 003 §5.1, §5.5, §5.7; seed 004
-§5, §8), with their request and response bodies.
+"""Node decommission use cases behind the admin controller (docs/lifecycles/decommission.md;
+docs/lifecycles/decommission.md#job-states, docs/lifecycles/decommission.md#actions), with their
+request and response bodies.
 
 Starting a decommission checks the request (422 with field errors for invalid combinations:
 erase on soft_reset, an unknown storage scope, remove_maas_record outside full_decommission),
@@ -14,10 +15,10 @@ and a 503 leaves nothing behind.
 Operator actions (retry, resume, adopt, cancel, mark-manual-intervention) are the workflow's
 `operator_action` update, audited with actor, role, reason, prior state and stage, requested
 action, expected state and workflow id. `POST /nodes/{id}/resume` is the node-level resume of
-seed 004 §8: it forwards to the node's live decommission, or re-issues the drain of a node a
-retire put in draining (idempotent: a live drain is answered, not duplicated). It never starts a
-decommission: a node in draining or removing that no live operation owns is refused
-(`no_owning_operation`, audited) and the operator starts what they mean explicitly.
+docs/lifecycles/decommission.md#actions: it forwards to the node's live decommission, or re-issues
+the drain of a node a retire put in draining (idempotent: a live drain is answered, not duplicated).
+It never starts a decommission: a node in draining or removing that no live operation owns is
+refused (`no_owning_operation`, audited) and the operator starts what they mean explicitly.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ from schema.models import Allocation, Node, NodeDecommission, NodeDrain, NodeMaa
 log = logging.getLogger("gateway.decommissions")
 _LIVE = [s.value for s in LIVE_JOB_STATUSES]
 # Node states each mode may start from. draining/removing: a lost owning operation is resumed
-# (seed 004 §3.3 guardrail), never left stranded.
+# (docs/lifecycles/node.md#who-moves-it guardrail), never left stranded.
 _STARTABLE: dict[Mode, frozenset[str]] = {
     Mode.SOFT_RESET: frozenset({"active", "offline", "quarantined", "draining"}),
     Mode.REIMAGE: frozenset({"active", "offline", "quarantined", "draining"}),
@@ -98,8 +99,9 @@ _STARTABLE: dict[Mode, frozenset[str]] = {
 
 
 class DecommissionCreate(Request):
-    """seed 003 §5.1. `erase`: none | quick | secure | standard, or a boolean (true: MAAS's
-    standard erase); `storage_cleanup`: none | local | weka | all, or a boolean (true: local)."""
+    """docs/lifecycles/decommission.md#modes. `erase`: none | quick | secure | standard, or a
+    boolean (true: MAAS's standard erase); `storage_cleanup`: none | local | weka | all, or a
+    boolean (true: local)."""
 
     mode: str
     reason: Reason
@@ -107,8 +109,8 @@ class DecommissionCreate(Request):
     storage_cleanup: bool | str = False
     remove_maas_record: bool = False
     force_release_allocations: bool = False
-    # A profile of the node's MAAS site (seed 003 §3.7): its policy governs the MAAS stages.
-    # Absent: the profile the node was onboarded with, else the site's default.
+    # A profile of the node's MAAS site (docs/maas-sites.md#site-profiles): its policy governs the
+    # MAAS stages. Absent: the profile the node was onboarded with, else the site's default.
     profile_id: uuid.UUID | None = None
 
 
@@ -128,8 +130,8 @@ class DecommissionCreated(msgspec.Struct, kw_only=True):
 
 
 class DecommissionView(msgspec.Struct, kw_only=True):
-    """One row of node_decommissions (seed 003 §5.7; seed 004 §9.2: workflow state, stage,
-    attempt, failure class, last MAAS state, recommended next action)."""
+    """One row of node_decommissions (docs/lifecycles/decommission.md#monitoring; docs/console.md:
+    workflow state, stage, attempt, failure class, last MAAS state, recommended next action)."""
 
     decommission_id: uuid.UUID
     node_id: uuid.UUID
@@ -559,7 +561,8 @@ async def list_rows(
     modes = [m.value for m in Mode]
     filters: list[ColumnElement[bool]] = []
     if status is not None:
-        if status == "failed":  # seed 003 §5.7 ?status=failed: both failed states
+        if status == "failed":  # docs/lifecycles/decommission.md#monitoring ?status=failed: both
+            # failed states
             filters.append(
                 NodeDecommission.status.in_(
                     [JobStatus.FAILED_RETRYABLE.value, JobStatus.FAILED_MANUAL_INTERVENTION.value]
@@ -631,8 +634,8 @@ async def operator_action(
 
 
 class NodeResumed(msgspec.Struct, kw_only=True):
-    """Seed 004 §8 resume of a node whose owner is its drain lifecycle (retire): `node.drain`
-    re-issued, or the live drain named (nothing duplicated)."""
+    """docs/lifecycles/decommission.md#actions resume of a node whose owner is its drain lifecycle
+    (retire): `node.drain` re-issued, or the live drain named (nothing duplicated)."""
 
     node_id: uuid.UUID
     action: str  # "resume"
@@ -732,11 +735,11 @@ async def resume_node(
     node_id: uuid.UUID,
     reason: str,
 ) -> ActionAnswer | NodeResumed:
-    """Seed 004 §8 for a node in draining or removing: resume goes to the operation that owns
-    the state, and only to it. A live decommission answers resume (a no-op while its task is
-    live, a fresh task once it failed); a retire's drain is re-issued (`node.drain`, idempotent).
-    Resume never starts a decommission: without an owner to resume, it is refused
-    (`no_owning_operation`), and the operator starts what they mean explicitly."""
+    """docs/lifecycles/decommission.md#actions for a node in draining or removing: resume goes to
+    the operation that owns the state, and only to it. A live decommission answers resume (a no-op
+    while its task is live, a fresh task once it failed); a retire's drain is re-issued
+    (`node.drain`, idempotent). Resume never starts a decommission: without an owner to resume, it
+    is refused (`no_owning_operation`), and the operator starts what they mean explicitly."""
     reason = checked_reason(reason)
     node = await db.get(Node, node_id)
     if node is None:

@@ -1,7 +1,8 @@
 """What the gateway does alike for every node lifecycle job (onboarding, decommission): show its
 recent stage events, and send an operator action to the job's workflow as its `operator_action`
-update, map the workflow's answer to HTTP and audit it (seed 003 §4.9, §4.12). The job modules
-describe their job (`LifecycleJob`, `LifecycleTables`) and shape their own answers.
+update, map the workflow's answer to HTTP and audit it (docs/lifecycles/onboarding.md#actions,
+docs/lifecycles/onboarding.md#monitoring). The job modules describe their job (`LifecycleJob`,
+`LifecycleTables`) and shape their own answers.
 
 Idempotency: the update id is derived from the request (the idempotency key when given, else
 the job's version and the reason), so Temporal answers a repeated request with the first

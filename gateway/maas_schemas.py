@@ -1,5 +1,6 @@
-"""Request and response bodies of the MAAS site admin API (seed 003 §3.4). Secrets only ever
-travel inward (credentials, power overrides); no response has a field that could hold one."""
+"""Request and response bodies of the MAAS site admin API (docs/maas-sites.md#admin-api). Secrets
+only ever travel inward (credentials, power overrides); no response has a field that could hold
+one."""
 
 from __future__ import annotations
 
@@ -49,8 +50,9 @@ SiteOnly = Annotated[
 
 
 class RunPolicy(msgspec.Struct, kw_only=True):
-    """Every knob an onboarding or decommission run uses (seed 003 §3.6, §4.14), with its
-    default: the site policy's, which a profile may override knob by knob (§3.7)."""
+    """Every knob an onboarding or decommission run uses (docs/maas-sites.md#policy-knobs,
+    docs/lifecycles/onboarding.md#timeouts-and-preflight), with its default: the site policy's,
+    which a profile may override knob by knob (§3.7)."""
 
     strict_pxe_preflight: bool = True
     enable_phase2_roce: bool = True
@@ -63,7 +65,8 @@ class RunPolicy(msgspec.Struct, kw_only=True):
     batch_max_parallel: BatchParallel = 10
     site_bootstrap_bundle_ref: BundleRef | None = None
     enrollment_token_ttl_seconds: EnrollmentTtl = 7200
-    # Seed 003 §4.14: how often onboarding waits poll MAAS, and how long each wait may take.
+    # docs/lifecycles/onboarding.md#timeouts-and-preflight: how often onboarding waits poll MAAS,
+    # and how long each wait may take.
     maas_poll_interval_ms: PollIntervalMs = 10_000
     discovery_timeout_seconds: TimeoutSeconds = 900
     commission_timeout_seconds: TimeoutSeconds = 3600
@@ -283,7 +286,7 @@ class PowerOverrideList(msgspec.Struct, kw_only=True):
     items: list[PowerOverrideView]
 
 
-# --- site profiles (seed 003 §3.7): runtime shapes one site can deploy ---
+# --- site profiles (docs/maas-sites.md#site-profiles): runtime shapes one site can deploy ---
 
 DEFAULT_PROFILE_NAME = "default"
 
@@ -292,9 +295,9 @@ ProfileStatus = Literal["active", "disabled"]
 
 
 class ProfileOverrides(msgspec.Struct, kw_only=True):
-    """What a profile sets itself (seed 003 §3.7): the profile-scoped site values of §3.6 and
-    every run knob but the site-only ones (contracts.onboarding.SITE_ONLY_KNOBS). `null` falls
-    back to the site's value."""
+    """What a profile sets itself (docs/maas-sites.md#site-profiles): the profile-scoped site values
+    of §3.6 and every run knob but the site-only ones (contracts.onboarding.SITE_ONLY_KNOBS). `null`
+    falls back to the site's value."""
 
     distro_series: DistroSeries | None = None
     architecture: Architecture | None = None

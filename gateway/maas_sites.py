@@ -1,4 +1,5 @@
-"""MAAS site use cases behind the admin controller (seed 003 §3.4, §3.5).
+"""MAAS site use cases behind the admin controller (docs/maas-sites.md#admin-api,
+docs/maas-sites.md#credential-lifecycle).
 
 Sites, their policy and profiles are plain configuration (no secret, no call outside Temporal):
 the gateway writes them in one short transaction with their audit row. Everything that talks to
@@ -403,7 +404,8 @@ async def patch_site(
     return await get_site_view(db, site_id)
 
 
-# --- profiles (seed 003 §3.7) ---------------------------------------------------------------
+# --- profiles (docs/maas-sites.md#site-profiles)
+# ---------------------------------------------------------------
 
 
 async def usable_profile(

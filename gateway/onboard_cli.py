@@ -5,11 +5,11 @@
     gpucloud-onboard status BATCH_ID                      # one look at a batch
 
 The CSV has a header row naming exactly the columns `hostname` and `ipmi_ip` (any order); legacy
-positional files without a header are refused (seed 003 §4.1: the API is JSON only, the CSV
-belongs to this tool). Every row is checked here first, with the rules the API applies; if any
-row is bad, all bad rows are listed with their line numbers, nothing is submitted, and the exit
-status is 2. Otherwise the rows go to `POST /api/v1/admin/onboardings/batch` and, unless
-`--no-wait`, a per-node table (hostname, stage, status, failure class, recommended action) is
+positional files without a header are refused (docs/lifecycles/onboarding.md#submitting: the API is
+JSON only, the CSV belongs to this tool). Every row is checked here first, with the rules the API
+applies; if any row is bad, all bad rows are listed with their line numbers, nothing is submitted,
+and the exit status is 2. Otherwise the rows go to `POST /api/v1/admin/onboardings/batch` and,
+unless `--no-wait`, a per-node table (hostname, stage, status, failure class, recommended action) is
 refreshed by polling `GET /api/v1/admin/onboardings?batch_id=` until every node has settled
 (completed, reconciled, cancelled or failed_*). Exit status: 0 when every node completed (or was
 reconciled), 1 otherwise (or when the API refused the batch), 2 for bad input.

@@ -1,4 +1,4 @@
-"""Request and response bodies of the MAAS onboarding admin API (seed 003 §4.1, §4.2.1, §4.15).
+"""Request and response bodies of the MAAS onboarding admin API (docs/lifecycles/onboarding.md).
 
 Hostnames and IPMI addresses are checked by the service, not here, so a bad value is a 422 with
 a field error (`{"key": "nodes[3].hostname", "code": "invalid_hostname", ...}`) rather than a
@@ -85,7 +85,7 @@ class BatchCreated(msgspec.Struct, kw_only=True):
 
 
 class OnboardingView(msgspec.Struct, kw_only=True):
-    """One row of the node_onboardings read model (seed 003 §4.2.1, §4.12)."""
+    """One row of the node_onboardings read model (docs/lifecycles/onboarding.md#monitoring)."""
 
     onboarding_id: uuid.UUID
     batch_id: uuid.UUID | None

@@ -1,4 +1,4 @@
-"""MAAS onboarding use cases behind the admin controller (seed 003 §4.1, §4.2, §4.15).
+"""MAAS onboarding use cases behind the admin controller (docs/lifecycles/onboarding.md).
 
 Submitting is the worker's ONBOARDING_SUBMIT operation (contracts/lifecycle_submissions.py): it
 writes the `node_onboardings` rows (status `pending`) and starts `MaasNodeOnboardWorkflow`

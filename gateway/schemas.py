@@ -304,7 +304,7 @@ class ReleaseResponse(msgspec.Struct, kw_only=True):
     release_pending: bool
 
 
-# --- timeline (seed 002) ---
+# --- timeline (docs/lifecycles/allocation.md#task-timeline) ---
 
 
 class TimelinePhase(msgspec.Struct, kw_only=True):

@@ -1,8 +1,8 @@
-"""`gpucloud-terminal ALLOCATION_ID`: a shell into an allocation from the command line (seed 001
-§6). It opens a terminal session over the API (POST .../terminal-sessions), connects to the
-session's WebSocket, sends the single-use open token as the first frame and then relays this
-terminal: keys go to the node, output comes back; window size changes are sent as resize
-frames, and a keep-alive ping goes every PING_INTERVAL_SECONDS.
+"""`gpucloud-terminal ALLOCATION_ID`: a shell into an allocation from the command line
+(docs/lifecycles/terminal-session.md). It opens a terminal session over the API (POST
+.../terminal-sessions), connects to the session's WebSocket, sends the single-use open token as the
+first frame and then relays this terminal: keys go to the node, output comes back; window size
+changes are sent as resize frames, and a keep-alive ping goes every PING_INTERVAL_SECONDS.
 
 The API comes from --api or GPUCLOUD_API, the tenant token from GPUCLOUD_TOKEN or TENANT_TOKEN
 (what `source .state/stack.env` exports): never from an argument, where `ps` would show it.

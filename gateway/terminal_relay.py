@@ -1,4 +1,5 @@
-"""The terminal stream (seed 001 §6): the tenant's AnySocket bridged to the node agent's.
+"""The terminal stream (docs/lifecycles/terminal-session.md): the tenant's AnySocket bridged to the
+node agent's.
 
 1. The tenant connects to `/api/v1/terminal-sessions/{id}/stream` and sends its open token as
    the first frame (`{"type": "auth", "token": …}`: never in a URL, where access logs keep it).

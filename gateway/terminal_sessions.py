@@ -1,4 +1,5 @@
-"""Terminal session use cases behind the tenant and admin controllers (seed 001 §6).
+"""Terminal session use cases behind the tenant and admin controllers
+(docs/lifecycles/terminal-session.md).
 
 Opening is update-with-start on `terminal-{id}`: the workflow's first activity creates the row
 (or refuses: 404 allocation_not_found, 409 allocation_not_active, 409 terminal_session_active

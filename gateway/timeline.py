@@ -1,4 +1,5 @@
-"""The allocation task timeline (seed 002): lifecycle events merged with node tasks, in time order.
+"""The allocation task timeline (docs/lifecycles/allocation.md#task-timeline): lifecycle events
+merged with node tasks, in time order.
 
 Lifecycle items come from `allocation_events`; node-task items from `node_tasks` with their
 phases from `node_task_events`. The node's agent reports each attempt of a running task and its
@@ -89,7 +90,8 @@ def _allowed(source: Mapping[str, Any] | None, keys: frozenset[str]) -> dict[str
 
 
 def event_item(event: AllocationEvent | AllocationGroupEvent) -> TimelineStateItem:
-    """A lifecycle transition: an allocation's, or an allocation group's (seed 001 §1a)."""
+    """A lifecycle transition: an allocation's, or an allocation group's
+    (docs/lifecycles/allocation-group.md)."""
     failed = event.to_status in _FAILED_STATES
     return TimelineStateItem(
         name=event.event,

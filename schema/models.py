@@ -154,7 +154,7 @@ class Node(Base):
     __tablename__ = "nodes"
     id: Mapped[uuid.UUID] = mapped_column(UUID, primary_key=True)
     # Unique among nodes that are not deleted: re-onboarding after a full decommission makes a
-    # new node record with the same hostname (seed 004 §3.3).
+    # new node record with the same hostname (docs/lifecycles/node.md#who-moves-it).
     hostname: Mapped[str] = mapped_column(String(253))
     region: Mapped[str] = mapped_column(String(50))
     sku: Mapped[str] = mapped_column(String(100))
@@ -165,7 +165,8 @@ class Node(Base):
     # [{"numa_node": 0, "cpus": "0-47", "memory_mb": 1024000, "gpus": 4}, ...]
     numa_layout: Mapped[list[dict[str, Any]]] = mapped_column(JSONB, server_default=text("'[]'"))
     host_address: Mapped[str | None] = mapped_column(String(255))
-    # How an operator reaches the host (seed 003 §8.1): onboarding sets the site's deploy user.
+    # How an operator reaches the host (docs/lifecycles/node.md#access-fields): onboarding sets the
+    # site's deploy user.
     port: Mapped[int] = mapped_column(Integer, server_default=text("22"))
     ssh_username: Mapped[str] = mapped_column(String(64), server_default=text("'root'"))
     access_method: Mapped[str] = mapped_column(String(32), server_default=text("'node_agent'"))
@@ -277,11 +278,11 @@ class Allocation(Base):
     release_failed_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
     failed_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
     # Set when an admin detached it from release_failed (it is then `released`, its node or GPU
-    # slots quarantined for cleanup; seed 001 §1).
+    # slots quarantined for cleanup; docs/lifecycles/allocation.md).
     detached_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
     updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=CLOCK)
-    # A member of an allocation group (seed 001 §1a); `same_node_forbidden`: its group's
-    # anti-affinity, held by the partial unique index below.
+    # A member of an allocation group (docs/lifecycles/allocation-group.md); `same_node_forbidden`:
+    # its group's anti-affinity, held by the partial unique index below.
     allocation_group_id: Mapped[uuid.UUID | None] = mapped_column(
         ForeignKey("allocation_groups.id")
     )
@@ -313,8 +314,9 @@ class Allocation(Base):
 
 
 class AllocationGroup(Base):
-    """Seed 001 §1a: an aggregate over member allocations; its status is derived by
-    AllocationGroupWorkflow and applied by its activities. It holds no capacity itself."""
+    """docs/lifecycles/allocation-group.md: an aggregate over member allocations; its status is
+    derived by AllocationGroupWorkflow and applied by its activities. It holds no capacity
+    itself."""
 
     __tablename__ = "allocation_groups"
     id: Mapped[uuid.UUID] = mapped_column(UUID, primary_key=True)
@@ -492,7 +494,8 @@ class NodeTaskEvent(Base):
     )
 
 
-# --- MAAS sites (seed 003 §3) ----------------------------------------------------------------
+# --- MAAS sites (docs/maas-sites.md)
+# ----------------------------------------------------------------
 
 
 class MaasSite(Base):
@@ -520,7 +523,8 @@ class MaasSite(Base):
     # When the MAAS token was last validated and written to Vault (never the token itself).
     credentials_updated_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
     maas_version: Mapped[str | None] = mapped_column(String(64))
-    # The profile a request that names none runs with (seed 003 §3.7); created with the site.
+    # The profile a request that names none runs with (docs/maas-sites.md#site-profiles); created
+    # with the site.
     default_profile_id: Mapped[uuid.UUID | None] = mapped_column(
         ForeignKey("maas_site_profiles.id", use_alter=True)
     )
@@ -533,7 +537,8 @@ class MaasSite(Base):
 
 
 class MaasSitePolicy(Base):
-    """The site's implicit default profile: every knob of seed 003 §3.6 with its default."""
+    """The site's implicit default profile: every knob of docs/maas-sites.md#policy-knobs with its
+    default."""
 
     __tablename__ = "maas_site_policies"
     site_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("maas_sites.id"), primary_key=True)
@@ -554,7 +559,8 @@ class MaasSitePolicy(Base):
     enrollment_token_ttl_seconds: Mapped[int] = mapped_column(Integer, server_default=text("7200"))
     # How often the site reconciler (Temporal Schedule maas-reconciler-{site_id}) runs.
     reconcile_interval_seconds: Mapped[int] = mapped_column(Integer, server_default=text("300"))
-    # Seed 003 §4.14: how often onboarding waits poll MAAS, and how long each wait may take.
+    # docs/lifecycles/onboarding.md#timeouts-and-preflight: how often onboarding waits poll MAAS,
+    # and how long each wait may take.
     maas_poll_interval_ms: Mapped[int] = mapped_column(Integer, server_default=text("10000"))
     discovery_timeout_seconds: Mapped[int] = mapped_column(Integer, server_default=text("900"))
     commission_timeout_seconds: Mapped[int] = mapped_column(Integer, server_default=text("3600"))
@@ -564,7 +570,8 @@ class MaasSitePolicy(Base):
         Integer, server_default=text("1800")
     )
     enrollment_timeout_seconds: Mapped[int] = mapped_column(Integer, server_default=text("1800"))
-    # Whether a RoCE phase-2 link MAAS refuses stops the onboarding (seed 003 §4.6: it does not).
+    # Whether a RoCE phase-2 link MAAS refuses stops the onboarding
+    # (docs/lifecycles/onboarding.md#failure-classes-and-recommended-actions: it does not).
     roce_failures_stop_job: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
     # The share of the site's bound machines a machines list may miss before the reconciler
     # takes the list as suspect and changes nothing.
@@ -598,9 +605,9 @@ class MaasSitePolicy(Base):
 
 
 class MaasSiteProfile(Base):
-    """A policy bundle and runtime shape one site can run (seed 003 §3.7): every knob a run
-    uses (contracts.onboarding.SitePolicyView) but the site-only ones, plus the profile-scoped
-    site values of §3.6.
+    """A policy bundle and runtime shape one site can run (docs/maas-sites.md#site-profiles): every
+    knob a run uses (contracts.onboarding.SitePolicyView) but the site-only ones, plus the
+    profile-scoped site values of §3.6.
     NULL columns fall back to the site's own values and policy; a disabled profile takes no new
     onboardings or decommissions (running ones go on with the policy they resolved)."""
 
@@ -657,7 +664,8 @@ class MaasSiteProfile(Base):
 
 
 class MaasPowerCredentialOverride(Base):
-    """A per-node exception to the site's default BMC credentials (seed 003 §3.2.1)."""
+    """A per-node exception to the site's default BMC credentials
+    (docs/maas-sites.md#power-credential-overrides)."""
 
     __tablename__ = "maas_power_credential_overrides"
     id: Mapped[uuid.UUID] = mapped_column(UUID, primary_key=True)
@@ -709,7 +717,9 @@ class NodeEnrollmentToken(Base):
     __table_args__ = (Index("node_enrollment_tokens_node", "node_id"),)
 
 
-# --- billing (seed 001 §3-§5) -------------------------------------------------------------------
+# --- billing (docs/billing.md#metering-and-balances, docs/lifecycles/balance.md,
+# docs/lifecycles/payment-session.md)
+# -------------------------------------------------------------------
 
 
 class LedgerEntry(Base):
@@ -765,7 +775,7 @@ class UsageRecord(Base):
     )
 
 
-# Seed 001 §4 defaults: low at 10.00 or less, depleted at 0 or less (minor units).
+# docs/lifecycles/balance.md defaults: low at 10.00 or less, depleted at 0 or less (minor units).
 LOW_BALANCE_THRESHOLD_MINOR = 1000
 DEPLETED_THRESHOLD_MINOR = 0
 # Issue 37: a project's storage limits until an admin sets its own (billing_accounts columns).
@@ -783,8 +793,8 @@ class BillingAccount(Base):
     __tablename__ = "billing_accounts"
     project_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("projects.id"), primary_key=True)
     currency: Mapped[str] = mapped_column(String(3), server_default=text("'usd'"))
-    # Seed 001 §4: a balance of 0 or less is depleted, so an account starts depleted; every
-    # credit and every metering run recomputes it (activities/billing/accounts.py).
+    # docs/lifecycles/balance.md: a balance of 0 or less is depleted, so an account starts depleted;
+    # every credit and every metering run recomputes it (activities/billing/accounts.py).
     state: Mapped[str] = mapped_column(String(16), server_default=text("'depleted'"))
     low_balance_threshold_minor: Mapped[int] = mapped_column(
         BigInteger, server_default=text(str(LOW_BALANCE_THRESHOLD_MINOR))
@@ -869,10 +879,10 @@ class BillingEvent(Base):
 
 
 class Notification(Base):
-    """The tenant notification outbox (seed 001 §4's notification channel): one row per notice,
-    at most one per (project, kind, balance episode), written in the transaction that classified
-    the balance. Tenants read it (GET /api/v1/notifications); when the project has a webhook
-    the worker delivers it there (`delivery_status` pending → delivered, or failed once its
+    """The tenant notification outbox (docs/lifecycles/balance.md's notification channel): one row
+    per notice, at most one per (project, kind, balance episode), written in the transaction that
+    classified the balance. Tenants read it (GET /api/v1/notifications); when the project has a
+    webhook the worker delivers it there (`delivery_status` pending → delivered, or failed once its
     attempts are spent); `none`: no webhook was set when it was written."""
 
     __tablename__ = "notifications"
@@ -916,7 +926,8 @@ class NotificationWebhook(Base):
     updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=CLOCK)
 
 
-# --- payments (seed 001 §5) ---------------------------------------------------------------------
+# --- payments (docs/lifecycles/payment-session.md)
+# ---------------------------------------------------------------------
 
 
 class PaymentSession(Base):
@@ -990,13 +1001,15 @@ class StripeWebhookEvent(Base):
     __table_args__ = (Index("stripe_webhook_events_session", "stripe_checkout_session_id"),)
 
 
-# --- MAAS reconciliation (seed 003 §6) ----------------------------------------------------------
+# --- MAAS reconciliation (docs/lifecycles/node.md#drift-with-maas)
+# ----------------------------------------------------------
 
 
 class NodeMaasState(Base):
-    """Seed 003 §6.5: the runtime reconciliation record of a node's current MAAS binding. The
-    MaasSiteReconcilerWorkflow writes it each run; `drift_rule` names the §6.4 rule that matched
-    (see activities/maas_reconcile.py), `drift_resolved_at` is set when the drift heals."""
+    """docs/lifecycles/node.md#drift-with-maas: the runtime reconciliation record of a node's
+    current MAAS binding. The MaasSiteReconcilerWorkflow writes it each run; `drift_rule` names the
+    §6.4 rule that matched (see activities/maas_reconcile.py), `drift_resolved_at` is set when the
+    drift heals."""
 
     __tablename__ = "node_maas_state"
     node_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("nodes.id"), primary_key=True)
@@ -1037,7 +1050,8 @@ class NodeDriftEvent(Base):
     )
 
 
-# --- MAAS onboarding (seed 003 §4.2.1, §4.5) ----------------------------------------------------
+# --- MAAS onboarding (docs/lifecycles/onboarding.md#monitoring)
+# ----------------------------------------------------
 
 ONBOARDING_LIVE = (
     "status IN ('pending', 'running', 'compensating', 'failed_retryable', "
@@ -1119,7 +1133,7 @@ class NodeOnboarding(Base):
 
 
 class NodeOnboardingEvent(Base):
-    """Append-only stage history of one onboarding (seed 003 §4.2.1)."""
+    """Append-only stage history of one onboarding (docs/lifecycles/onboarding.md#monitoring)."""
 
     __tablename__ = "node_onboarding_events"
     id: Mapped[uuid.UUID] = mapped_column(UUID, primary_key=True)
@@ -1140,10 +1154,10 @@ class NodeOnboardingEvent(Base):
 
 
 class OnboardingSiteSlot(Base):
-    """A permit to run onboarding stages on a site (seed 003 §4.4, open question 5): at most the
-    site policy's batch_max_parallel rows per site, across every batch and single onboarding.
-    Taken by the job's workflow before its first stage after load_site_config, given back when
-    the run stops (settles, fails, is cancelled)."""
+    """A permit to run onboarding stages on a site (docs/lifecycles/onboarding.md#batches, open
+    question 5): at most the site policy's batch_max_parallel rows per site, across every batch and
+    single onboarding. Taken by the job's workflow before its first stage after load_site_config,
+    given back when the run stops (settles, fails, is cancelled)."""
 
     __tablename__ = "onboarding_site_slots"
     onboarding_id: Mapped[uuid.UUID] = mapped_column(
@@ -1199,7 +1213,8 @@ class NodeDrain(Base):
     )
 
 
-# --- node decommission (seed 003 §5.7, seed 004 §5) --------------------------------------------
+# --- node decommission (docs/lifecycles/decommission.md#monitoring,
+# docs/lifecycles/decommission.md#job-states) --------------------------------------------
 
 DECOMMISSION_LIVE = (
     "status IN ('pending', 'running', 'compensating', 'failed_retryable', "
@@ -1208,9 +1223,10 @@ DECOMMISSION_LIVE = (
 
 
 class NodeDecommission(Base):
-    """The decommission job's read model (seed 003 §5.7), kept current by NodeDecommissionWorkflow
-    and its activities; the gateway only reads it (and inserts the pending row it starts the
-    workflow for). At most one live job per node: a second request is a 409, not a race."""
+    """The decommission job's read model (docs/lifecycles/decommission.md#monitoring), kept current
+    by NodeDecommissionWorkflow and its activities; the gateway only reads it (and inserts the
+    pending row it starts the workflow for). At most one live job per node: a second request is a
+    409, not a race."""
 
     __tablename__ = "node_decommissions"
     decommission_id: Mapped[uuid.UUID] = mapped_column(UUID, primary_key=True)
@@ -1270,7 +1286,8 @@ class NodeDecommission(Base):
 
 
 class NodeDecommissionEvent(Base):
-    """Append-only stage history of one decommission (seed 003 §5.7)."""
+    """Append-only stage history of one decommission
+    (docs/lifecycles/decommission.md#monitoring)."""
 
     __tablename__ = "node_decommission_events"
     id: Mapped[uuid.UUID] = mapped_column(UUID, primary_key=True)
@@ -1292,7 +1309,8 @@ class NodeDecommissionEvent(Base):
     )
 
 
-# --- storage (seed 001 §7) ----------------------------------------------------------------------
+# --- storage (docs/lifecycles/storage-attachment.md)
+# ----------------------------------------------------------------------
 
 
 class StorageNamespace(Base):
@@ -1382,7 +1400,8 @@ class StorageAttachmentEvent(Base):
     __table_args__ = (Index("storage_attachment_events_attachment", "attachment_id", "id"),)
 
 
-# --- terminal sessions (seed 001 §6) -----------------------------------------------------------
+# --- terminal sessions (docs/lifecycles/terminal-session.md)
+# -----------------------------------------------------------
 
 
 class TerminalSession(Base):

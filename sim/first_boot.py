@@ -1,8 +1,9 @@
 """The simulated deployed OS: what happens on a node after MAAS deploys it, for the embedded
 default and the tests. The MAAS simulator (sim/maas) stops at "Deployed" with the user data it
 was given; real hardware would then boot, run cloud-init and start our node agent, which enrolls
-with the gateway (seed 003 §4.3 WaitForAgentEnrollment, §9). This module plays that part, and
-answers the calls onboarding makes outside MAAS's API (activities/onboarding/host_access.py):
+with the gateway (docs/lifecycles/onboarding.md#stages WaitForAgentEnrollment, §9). This module
+plays that part, and answers the calls onboarding makes outside MAAS's API
+(activities/onboarding/host_access.py):
 
 - `FirstBootSimulator` polls the MAAS simulator's control API (GET /_sim/state). Each machine
   that is Deployed with user data it has not booted yet (key: system_id and the sha256 of the

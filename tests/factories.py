@@ -93,7 +93,7 @@ async def create_node(
 
 
 # What a test project starts with: enough for any test's usage. A project that was never
-# credited is depleted and cannot allocate (seed 001 §4).
+# credited is depleted and cannot allocate (docs/lifecycles/balance.md).
 STARTING_CREDIT_MINOR = 10_000_000
 
 

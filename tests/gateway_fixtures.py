@@ -215,8 +215,8 @@ def unreachable_settings(settings: Settings) -> Callable[..., Settings]:
 def make_project(
     db_sessions: async_sessionmaker[AsyncSession],
 ) -> Callable[..., Awaitable[Project]]:
-    """A project with a starting credit (a project without one cannot allocate: seed 001 §4);
-    `credit_minor=0` for one that starts at 0, depleted."""
+    """A project with a starting credit (a project without one cannot allocate:
+    docs/lifecycles/balance.md); `credit_minor=0` for one that starts at 0, depleted."""
 
     async def make(
         name: str | None = None, *, credit_minor: int = STARTING_CREDIT_MINOR

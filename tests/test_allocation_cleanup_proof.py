@@ -1,6 +1,6 @@
-"""A failed provision frees what it held only once the node's agent proves the cleanup (seed 000:
-released after cleanup proof). Without proof — the cleanup release failed, or could not run —
-the slice's GPU slots (or the bare-metal node) are quarantined as
+"""A failed provision frees what it held only once the node's agent proves the cleanup
+(docs/lifecycles/allocation.md: released after cleanup proof). Without proof — the cleanup release
+failed, or could not run — the slice's GPU slots (or the bare-metal node) are quarantined as
 `provision_cleanup_unconfirmed` and placement never hands them out, until an operator finishes
 the cleanup and returns them to service. Plus the host failure classes an allocation reads:
 `vfio_error`, and `agent_capability_missing` for a host task an (older) agent does not offer,

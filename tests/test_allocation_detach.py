@@ -1,8 +1,9 @@
-"""Seed 001 §1's "admin removes the assignment": an admin detaches a release_failed allocation
-whose node cannot clean up. It ends `released` (marked detached) through the allocation workflow,
-and frees its claims only by quarantining what the node did not prove clean: the GPU slots of a
-slice, the node of a bare-metal allocation. Billing stays closed from release_failed on. Real
-Temporal, PostgreSQL, gateway and agents; the releases fail through the simulated host's faults."""
+"""docs/lifecycles/allocation.md's "admin removes the assignment": an admin detaches a
+release_failed allocation whose node cannot clean up. It ends `released` (marked detached) through
+the allocation workflow, and frees its claims only by quarantining what the node did not prove
+clean: the GPU slots of a slice, the node of a bare-metal allocation. Billing stays closed from
+release_failed on. Real Temporal, PostgreSQL, gateway and agents; the releases fail through the
+simulated host's faults."""
 
 from __future__ import annotations
 
@@ -85,7 +86,8 @@ async def test_detach_a_slice_after_release_failed_quarantines_its_gpu_slots(
     await tenant.client.post(f"/api/v1/allocations/{stuck}/release")
     failed = await wait_status(tenant.client, stuck, "release_failed")
     (window_end,) = await _usage_windows(db_sessions, stuck)
-    assert window_end is not None  # billing stopped at release_failed (seed 001 §1)
+    assert window_end is not None  # billing stopped at release_failed
+    # (docs/lifecycles/allocation.md)
 
     url = "/api/v1/admin/allocations/{}/detach"
     active = await admin.post(url.format(running), json={"reason": REASON})

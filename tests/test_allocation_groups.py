@@ -1,6 +1,6 @@
-"""Allocation groups end to end through the HTTP API (seed 001 §1a): every group transition and
-side transition, idempotent creation and release under races, anti-affinity under concurrent
-placement, on real Temporal, real PostgreSQL and nodes of the enrolled fleet
+"""Allocation groups end to end through the HTTP API (docs/lifecycles/allocation-group.md): every
+group transition and side transition, idempotent creation and release under races, anti-affinity
+under concurrent placement, on real Temporal, real PostgreSQL and nodes of the enrolled fleet
 (tests/enrolled_fleet.py: onboarded through the admin API, each agent enrolled), whose agents'
 simulated hosts inject the faults."""
 

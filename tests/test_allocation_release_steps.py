@@ -1,9 +1,10 @@
-"""What an allocation's release runs before its host task (seed 001 §6, §7): a live terminal
-session is closed and storage attachments are detached only when the allocation has them.
-`allocation.begin_release` counts both in the transaction that makes the allocation `releasing`,
-so a release of an allocation with neither schedules no extra activity and writes no patch
-marker (each marker also upserts TemporalChangeVersion, a visibility write). A release with
-storage: tests/test_storage_attachments.py; with a terminal session, test_terminal_sessions.py.
+"""What an allocation's release runs before its host task (docs/lifecycles/terminal-session.md,
+docs/lifecycles/storage-attachment.md): a live terminal session is closed and storage attachments
+are detached only when the allocation has them. `allocation.begin_release` counts both in the
+transaction that makes the allocation `releasing`, so a release of an allocation with neither
+schedules no extra activity and writes no patch marker (each marker also upserts
+TemporalChangeVersion, a visibility write). A release with storage:
+tests/test_storage_attachments.py; with a terminal session, test_terminal_sessions.py.
 """
 
 from __future__ import annotations

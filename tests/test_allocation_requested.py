@@ -1,8 +1,9 @@
-"""Seed 000's `requested`: placement creates the allocation `requested` (reserved, the workflow not
-yet provisioning) and the workflow moves it on to `provisioning`; a reserved node that leaves
-service before that fails the allocation from `requested`. And seed 001 §1's admin force-release
-while a release runs: queued behind it, not dropped. Real Temporal, PostgreSQL and agents; the
-nodes of the last two come from the enrolled fleet (tests/enrolled_fleet.py)."""
+"""docs/lifecycles/allocation.md's `requested`: placement creates the allocation `requested`
+(reserved, the workflow not yet provisioning) and the workflow moves it on to `provisioning`; a
+reserved node that leaves service before that fails the allocation from `requested`. And
+docs/lifecycles/allocation.md's admin force-release while a release runs: queued behind it, not
+dropped. Real Temporal, PostgreSQL and agents; the nodes of the last two come from the enrolled
+fleet (tests/enrolled_fleet.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""The timeline of seed 002 as production writes it: real agent workers report each attempt of a
-host task and its phase changes to the allocation workflow, which records them, so the timeline
-reads a running task as `running` with its phases while the host works; a failed task keeps the
-phases it went through; retries are counted; every free-text field is sanitised."""
+"""The timeline of docs/lifecycles/allocation.md#task-timeline as production writes it: real agent
+workers report each attempt of a host task and its phase changes to the allocation workflow, which
+records them, so the timeline reads a running task as `running` with its phases while the host
+works; a failed task keeps the phases it went through; retries are counted; every free-text field is
+sanitised."""
 
 from __future__ import annotations
 

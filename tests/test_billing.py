@@ -253,8 +253,8 @@ async def test_a_project_never_credited_is_depleted_and_cannot_allocate(
     db_sessions: Any, start_node_agent: Any, api: Any, make_token: Any, make_project: Any,
     count_rows: Any,
 ) -> None:  # fmt: skip
-    """Seed 001 §4: a balance of 0 is depleted. A new project is refused (402, nothing reserved)
-    until it is credited, and the credit lifts the state at once."""
+    """docs/lifecycles/balance.md: a balance of 0 is depleted. A new project is refused (402,
+    nothing reserved) until it is credited, and the credit lifts the state at once."""
     project = await make_project(credit_minor=0)
     client = await api(token=await make_token("tenant", project))
     admin = await api(token=await make_token("admin"))

@@ -1,8 +1,8 @@
-"""The tenant notification channel (seed 001 §4) against real Temporal, PostgreSQL, the Vault
-simulator and a webhook receiver: the meter writes a low_balance and a depleted notice once per
-episode, the tenant reads them at GET /api/v1/notifications, and the worker delivers each to the
-project's webhook signed with HMAC-SHA256, retrying one that did not land, never twice once it
-did."""
+"""The tenant notification channel (docs/lifecycles/balance.md) against real Temporal, PostgreSQL,
+the Vault simulator and a webhook receiver: the meter writes a low_balance and a depleted notice
+once per episode, the tenant reads them at GET /api/v1/notifications, and the worker delivers each
+to the project's webhook signed with HMAC-SHA256, retrying one that did not land, never twice once
+it did."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""First-boot cloud-init composition (seed 003 §9, §9.1): ordered layers, valid #cloud-config,
-the agent config the agent reads, hardware sync with the site interval, explicit destructive
-disk initialisation, RoCE routing from typed data, a stable version, and no secret leaks."""
+"""First-boot cloud-init composition (docs/lifecycles/onboarding.md#cloud-init,
+docs/lifecycles/onboarding.md#hardware-sync): ordered layers, valid #cloud-config, the agent config
+the agent reads, hardware sync with the site interval, explicit destructive disk initialisation,
+RoCE routing from typed data, a stable version, and no secret leaks."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ PASSWORD = "hunter2-deploy"
 PASSWORD_HASH = sha512_crypt(PASSWORD, "fixedsalt")
 SECRETS = (ENROLLMENT_TOKEN, CONSUMER_KEY, TOKEN_KEY, TOKEN_SECRET, PASSWORD, PASSWORD_HASH)
 
-SEED_ROCE = (  # seed 003 §3.4, host c07u31
+SEED_ROCE = (  # docs/maas-sites.md#admin-api, host c07u31
     RoceAssignment("enp28s0np0", "172.30.9.61/31"),
     RoceAssignment("enp29s0np0", "172.29.1.219/31"),
     RoceAssignment("enp62s0np0", "172.30.9.63/31"),

@@ -1,7 +1,8 @@
-"""The decommission admin API (seed 003 §5.1, §5.5, §5.7; seed 004 §8): request validation (422
-field errors for invalid combinations), node checks (404, 410, 409), one live job per node (the
-same request replays it, another is 409), reads and filters, operator actions through the
-workflow's update (409 when not allowed), the audit trail, and 503 leaving nothing behind."""
+"""The decommission admin API (docs/lifecycles/decommission.md;
+docs/lifecycles/decommission.md#actions): request validation (422 field errors for invalid
+combinations), node checks (404, 410, 409), one live job per node (the same request replays it,
+another is 409), reads and filters, operator actions through the workflow's update (409 when not
+allowed), the audit trail, and 503 leaving nothing behind."""
 
 from __future__ import annotations
 

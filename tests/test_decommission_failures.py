@@ -1,8 +1,10 @@
-"""The failure and recovery rows of seed 003 §5.8, one by one, with the simulators' faults: an
-unreachable agent while MAAS is mutable, erase failing with the no-erase fallback on and off, a
-validation that finds residue (quarantine + alert), uninstall failing after retirement, MAAS
-changed out of band, allocations force-released through their own workflows (and one whose
-release fails), and resume's idempotency under a live and a stale task (seed 004 §8)."""
+"""The failure and recovery rows of
+docs/lifecycles/decommission.md#failures-and-recommended-actions, one by one, with the simulators'
+faults: an unreachable agent while MAAS is mutable, erase failing with the no-erase fallback on and
+off, a validation that finds residue (quarantine + alert), uninstall failing after retirement, MAAS
+changed out of band, allocations force-released through their own workflows (and one whose release
+fails), and resume's idempotency under a live and a stale task
+(docs/lifecycles/decommission.md#actions)."""
 
 from __future__ import annotations
 
@@ -424,9 +426,10 @@ async def test_resume_requeues_a_stale_drain_task(decommission: DecommissionRig)
 async def test_machine_deleted_out_of_band_is_not_adopted_as_wiped(
     decommission: DecommissionRig,
 ) -> None:
-    """Issue 35 / seed 003 §5.8: a full decommission whose machine vanished from MAAS before it
-    was released never ends reconciled with the node deleted: its disks were not erased, it was
-    not powered off and its agent not removed. The adopt is refused with host_not_wiped."""
+    """Issue 35 / docs/lifecycles/decommission.md#failures-and-recommended-actions: a full
+    decommission whose machine vanished from MAAS before it was released never ends reconciled with
+    the node deleted: its disks were not erased, it was not powered off and its agent not removed.
+    The adopt is refused with host_not_wiped."""
     node_id = await decommission.maas_node("fail-b", "10.176.18.11")
     agent = await decommission.agent(node_id)
     system_id = await _system_id(decommission, node_id)
@@ -574,8 +577,9 @@ async def _soft_reset_held_at_storage_cleanup(
 async def test_cancelled_soft_reset_undrains_the_agent_and_hands_the_node_back(
     decommission: DecommissionRig,
 ) -> None:
-    """Seed 004 §8, cancel: a soft reset keeps its node, so compensation undoes the agent's
-    drain; the node goes offline (the liveness loop's to return), not quarantined."""
+    """docs/lifecycles/decommission.md#actions, cancel: a soft reset keeps its node, so compensation
+    undoes the agent's drain; the node goes offline (the liveness loop's to return), not
+    quarantined."""
     node_id, agent, gate, job = await _soft_reset_held_at_storage_cleanup(decommission)
 
     assert (await decommission.action(job, "cancel", reason="wrong node")).accepted
@@ -691,9 +695,9 @@ async def test_an_agent_without_the_maintenance_tasks_is_agent_capability_missin
 async def test_storage_cleanup_with_force_releases_allocations_before_wiping(
     decommission: DecommissionRig, tenant: Tenant, api: Any, make_token: Any
 ) -> None:
-    """Seed 003 §5.5 inside soft reset's guard: the node is disabled (draining, so nothing new
-    is placed on it) and its live allocation released through its own workflow before the
-    tenant scratch is wiped; the node is back in service afterwards."""
+    """docs/lifecycles/decommission.md#storage-only-cleanup inside soft reset's guard: the node is
+    disabled (draining, so nothing new is placed on it) and its live allocation released through its
+    own workflow before the tenant scratch is wiped; the node is back in service afterwards."""
     node_id, allocation_id = await _allocate_baremetal(decommission, tenant)
     (agent,) = [a for a in decommission.agents if a.node_id == node_id]
     gate = threading.Event()

@@ -1,6 +1,6 @@
-"""MaasClient.delete_machine (seed 003 §5.4 RemoveMaasRecord) against the MAAS simulator: the
-record goes, the hardware stays, and a second delete is MaasNotFound (callers treat it as
-done)."""
+"""MaasClient.delete_machine (docs/lifecycles/decommission.md#full-decommission RemoveMaasRecord)
+against the MAAS simulator: the record goes, the hardware stays, and a second delete is MaasNotFound
+(callers treat it as done)."""
 
 from __future__ import annotations
 

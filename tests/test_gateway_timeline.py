@@ -1,7 +1,8 @@
-"""The allocation timeline (seed 002) as the gateway reads it: lifecycle events and node tasks
-merged in time order, phases from node_task_events, phases only a pending activity's heartbeat
-has yet, and sanitising by allow-list. How production writes a running task (the agent's
-reports, recorded by the workflow) is tested end to end in tests/test_allocation_timeline.py."""
+"""The allocation timeline (docs/lifecycles/allocation.md#task-timeline) as the gateway reads it:
+lifecycle events and node tasks merged in time order, phases from node_task_events, phases only a
+pending activity's heartbeat has yet, and sanitising by allow-list. How production writes a running
+task (the agent's reports, recorded by the workflow) is tested end to end in
+tests/test_allocation_timeline.py."""
 
 from __future__ import annotations
 
@@ -38,8 +39,9 @@ def at(seconds: float) -> dt.datetime:
 
 
 async def seed_history(db_sessions, allocation, *, live: bool = False) -> uuid.UUID:
-    """The rows the allocation activities write for the slice in seed 002's example; `live`:
-    the provision task still queued, the agent's first report not recorded yet."""
+    """The rows the allocation activities write for the slice in
+    docs/lifecycles/allocation.md#task-timeline's example; `live`: the provision task still queued,
+    the agent's first report not recorded yet."""
     task_id = uuid.uuid4()
     async with db_sessions() as session, session.begin():
         for seconds, event, src, dst in [

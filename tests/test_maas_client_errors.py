@@ -1,6 +1,6 @@
 """MaasClient's failures against the MAAS simulator: 5xx and slow answers (retried only where the
 request is safe to repeat), unreachable MAAS, machines deleted behind its back, the mapping of
-MAAS's status codes to the seed 003 §4.7 taxonomy, and the API key and BMC passwords never
+MAAS's status codes to the docs/runbooks/index.md taxonomy, and the API key and BMC passwords never
 showing up in exceptions or logs."""
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """MaasSiteReconcilerWorkflow end to end: the workflow on a real Temporal dev server, its local
 activity against real PostgreSQL, the Vault-compatible server and the MAAS simulator over HTTP.
-Every seed 003 §6.4 row is driven through the simulator's out-of-band controls."""
+Every docs/lifecycles/node.md#reconciliation-rules row is driven through the simulator's out-of-band
+controls."""
 
 from __future__ import annotations
 

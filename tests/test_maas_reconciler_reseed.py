@@ -1,5 +1,6 @@
-"""Issue 20 item 5 (seed 003 §9.1 "whenever reconciliation detects sync drift on a deployed
-node"): the site reconciler re-seeds a node's hardware sync through its agent.
+"""Issue 20 item 5 (docs/lifecycles/onboarding.md#hardware-sync "whenever reconciliation detects
+sync drift on a deployed node"): the site reconciler re-seeds a node's hardware sync through its
+agent.
 
 A node onboarded through the MAAS simulator, whose deployed OS runs the real gpucloud-agent
 (sim/first_boot.py), stops posting hardware sync; the reconciler finds the sync stale, runs

@@ -1,8 +1,9 @@
-"""Node-level resume (seed 004 §8): `POST /api/v1/admin/nodes/{id}/resume` goes to the operation
-that owns the node's in-progress state and only to it. A node a retire put in `draining` gets its
-drain re-issued (`node.drain`), never a new decommission (which would force-release its tenants,
-release the machine and delete the node); a node whose decommission failed gets that job's
-resume. Idempotent: a live owner answers, nothing is duplicated."""
+"""Node-level resume (docs/lifecycles/decommission.md#actions): `POST
+/api/v1/admin/nodes/{id}/resume` goes to the operation that owns the node's in-progress state and
+only to it. A node a retire put in `draining` gets its drain re-issued (`node.drain`), never a new
+decommission (which would force-release its tenants, release the machine and delete the node); a
+node whose decommission failed gets that job's resume. Idempotent: a live owner answers, nothing is
+duplicated."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""The node state model of seed 004 §3 end to end: every status change goes through the one
-transition function with its `node.status_changed` event (liveness, heartbeats, the reconciler),
-and the admin node routes (inventory, detail, activate, retire with its drain lifecycle,
-reactivate) through the gateway, the worker, the MAAS simulator and real agent workers."""
+"""The node state model of docs/lifecycles/node.md#states-and-transitions end to end: every status
+change goes through the one transition function with its `node.status_changed` event (liveness,
+heartbeats, the reconciler), and the admin node routes (inventory, detail, activate, retire with its
+drain lifecycle, reactivate) through the gateway, the worker, the MAAS simulator and real agent
+workers."""
 
 from __future__ import annotations
 

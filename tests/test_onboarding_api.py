@@ -1,4 +1,4 @@
-"""MAAS onboarding admin API (seed 003 §4.1, §4.2, §4.15) over real PostgreSQL and Temporal, and
+"""MAAS onboarding admin API (docs/lifecycles/onboarding.md) over real PostgreSQL and Temporal, and
 the site profile routes (§3.7) and onboarding policy knobs (§4.14).
 
 Most tests only submit: the worker's submission operation (AdminOperationWorkflow, the only
@@ -752,8 +752,8 @@ async def test_site_profiles(admin: Any, db_sessions: Any) -> None:
 
 
 async def test_profile_policy_knobs_default_and_disable(admin: Any, db_sessions: Any) -> None:
-    """Seed 003 §3.7: every knob a run uses per profile (null: the site's value), a
-    description and status, the site's default profile; a disabled profile starts nothing."""
+    """docs/maas-sites.md#site-profiles: every knob a run uses per profile (null: the site's value),
+    a description and status, the site's default profile; a disabled profile starts nothing."""
     site = await make_site(admin, policy={"max_deploy_retry_attempts": 2})
     base = f"/api/v1/admin/maas-sites/{site['id']}/profiles"
     created = await admin.post(
@@ -1048,7 +1048,8 @@ async def test_e2e_operator_actions_map_the_workflow_answers(
 ) -> None:
     """The action routes against the real workflow: a repeated request with the same key is
     applied once and answered the same, bad input never reaches Temporal, every request is
-    audited with the fields of seed 003 §4.12, and a closed job takes no more actions."""
+    audited with the fields of docs/lifecycles/onboarding.md#monitoring, and a closed job takes no
+    more actions."""
     admin = await api(token=await make_token("admin"), settings=onboarding.settings)
     job = await submit_through_api(onboarding, admin, "api-noboss", "10.176.16.62")
     path = f"{ONBOARDINGS}/{job.onboarding_id}"

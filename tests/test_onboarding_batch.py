@@ -1,6 +1,8 @@
 """MaasNodeBatchOnboardWorkflow: 20 nodes with mixed simulator faults. Each fault must end in the
-failure class, job state, node state and recommended action seed 003 §4.6/§4.7/§4.11 prescribe,
-no node's failure blocks another, and never more than max_parallel run at once."""
+failure class, job state, node state and recommended action
+docs/lifecycles/onboarding.md#failure-classes-and-recommended-actions, docs/runbooks/index.md,
+docs/lifecycles/onboarding.md#mark-manual-intervention prescribe, no node's failure blocks another,
+and never more than max_parallel run at once."""
 
 from __future__ import annotations
 
@@ -131,7 +133,8 @@ async def test_batch_of_twenty_with_mixed_faults(onboarding: OnboardingRig) -> N
         row = await onboarding.row(by_host[hostname])
         if row.maas_system_id:
             assert counters["machines"][row.maas_system_id].get("machine.deploy", 0) <= 2
-    # Per-node history stays in the read model under the batch (seed 003 §4.4).
+    # Per-node history stays in the read model under the batch
+    # (docs/lifecycles/onboarding.md#batches).
     for job in jobs:
         assert str((await onboarding.row(job)).batch_id) == batch_id
 
@@ -153,10 +156,11 @@ def _max_overlap(intervals: list[tuple[Any, Any]]) -> int:
 async def test_batch_max_parallel_bounds_every_onboarding_on_the_site(
     onboarding: OnboardingRig,
 ) -> None:
-    """Seed 003 §4.4 / open question 5: the site's batch_max_parallel bounds the onboardings
-    whose stages run on it, across two batches and a single onboarding started together (each
-    batch alone would allow 2). Read from the stage events: from each job's first stage after
-    load_site_config to its last event, never more than 2 at once; all of them finish."""
+    """docs/lifecycles/onboarding.md#batches / open question 5: the site's batch_max_parallel bounds
+    the onboardings whose stages run on it, across two batches and a single onboarding started
+    together (each batch alone would allow 2). Read from the stage events: from each job's first
+    stage after load_site_config to its last event, never more than 2 at once; all of them
+    finish."""
     await onboarding.set_policy(batch_max_parallel=2)
     _, first, first_handle = await onboarding.start_batch(SITE_WIDE[:2], max_parallel=2)
     _, second, second_handle = await onboarding.start_batch(SITE_WIDE[2:4], max_parallel=2)

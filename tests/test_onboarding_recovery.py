@@ -1,6 +1,7 @@
-"""Operator recovery (seed 003 §4.9, §4.10, §4.13): each action on a real failed or running
-onboarding, asserting convergence without duplicates through the MAAS simulator's counters, the
-node table and the stage events."""
+"""Operator recovery (docs/lifecycles/onboarding.md#actions,
+docs/lifecycles/onboarding.md#safe-re-entry): each action on a real failed or running onboarding,
+asserting convergence without duplicates through the MAAS simulator's counters, the node table and
+the stage events."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 Temporal, PostgreSQL and the real agent process: a power override written to a machine already
 Ready, the datasource redeploy allowance counted from the operator's last action, no operator
 action recommended for a cancelled job, last_maas_status after a failed commissioning, and the
-node's access fields (seed 003 §8.1)."""
+node's access fields (docs/lifecycles/node.md#access-fields)."""
 
 from __future__ import annotations
 
@@ -102,7 +102,8 @@ async def test_cancelled_job_recommends_no_action(onboarding: OnboardingRig) -> 
     assert row.recommended_action == "rerun"
     assert (await onboarding.action(job, "cancel")).accepted
     row = await onboarding.wait_status(job, "cancelled")
-    # A cancelled job is closed: it takes no operator action (seed 004 §8).
+    # A cancelled job is closed: it takes no operator action
+    # (docs/lifecycles/decommission.md#actions).
     assert row.recommended_action is None
     assert row.error_code == "boss_disk_missing"  # what it was cancelled from stays readable
 

@@ -209,7 +209,8 @@ async def test_an_onboarded_node_has_its_deployed_address_and_no_drift_on_first_
 def _behind_nat(hostname: str, address: str, detected: str) -> dict[str, Any]:
     """A dark machine whose BMC detection reports another address than operators reach it at:
     when it PXE-boots, MAAS cannot match it to a record made with `address` and enlists it as
-    another New machine with a petname (seed 003 §4.16 "a machine that appears")."""
+    another New machine with a petname (docs/lifecycles/onboarding.md#discovery-ambiguity "a machine
+    that appears")."""
     machine = sim_machine(hostname, address, enlisted=False)
     machine["bmc"]["detected_address"] = detected
     return machine

@@ -1,6 +1,6 @@
-"""Stripe payment sessions (seed 001 §5) against real Temporal, PostgreSQL, the Vault simulator
-and stripe-mock: checkout idempotency, signed webhooks, reconciliation, TTL expiry, and that every
-paid session is credited exactly once."""
+"""Stripe payment sessions (docs/lifecycles/payment-session.md) against real Temporal, PostgreSQL,
+the Vault simulator and stripe-mock: checkout idempotency, signed webhooks, reconciliation, TTL
+expiry, and that every paid session is credited exactly once."""
 
 from __future__ import annotations
 

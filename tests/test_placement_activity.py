@@ -318,7 +318,7 @@ async def test_refusals_write_nothing(
     db_sessions: Sessions, db_engine: AsyncEngine, make_ssh_key: Any, world: str, code: str
 ) -> None:
     await create_fleet(db_sessions, slice_nodes=1)
-    # A project never credited has a balance of 0: depleted (seed 001 §4).
+    # A project never credited has a balance of 0: depleted (docs/lifecycles/balance.md).
     project = await create_project(
         db_sessions, **({"credit_minor": 0} if world == "balance_depleted" else {})
     )
@@ -409,9 +409,10 @@ async def _disable_slots(sessions: Sessions, node_id: uuid.UUID, indexes: list[i
 async def test_nodes_where_one_numa_node_fits_rank_first_then_the_fullest(
     db_sessions: Sessions, db_engine: AsyncEngine
 ) -> None:
-    """Seed 000's ranking, read from the nodes' free-GPU counters through the placement index:
-    a node where two GPUs fit only across NUMA nodes comes last even though it is the fullest;
-    of the nodes where they fit in one, the fullest first; none with room is sku_unavailable."""
+    """docs/lifecycles/allocation.md#placement's ranking, read from the nodes' free-GPU counters
+    through the placement index: a node where two GPUs fit only across NUMA nodes comes last even
+    though it is the fullest; of the nodes where they fit in one, the fullest first; none with room
+    is sku_unavailable."""
     spread, roomy, snug = await create_fleet(db_sessions, slice_nodes=3)  # NUMA 0: 0-3, 1: 4-7
     await _disable_slots(db_sessions, spread.id, [0, 1, 2, 4, 5, 6])  # free 3 | 7
     await _disable_slots(db_sessions, roomy.id, [0, 1])  # free 2, 3 | 4-7

@@ -1,5 +1,5 @@
-"""Reconciliation admin routes (seed 003 §6.6) over the node_maas_state read model, and running a
-site's reconciler on demand through its schedule."""
+"""Reconciliation admin routes (docs/maas-nodes.md#drift-between-maas-and-the-platform) over the
+node_maas_state read model, and running a site's reconciler on demand through its schedule."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """Issue 35: a reimage whose deploy ends in MAAS `Failed deployment` goes onboarding's way
-(seed 003 §4.6): wait_for_deployed classifies the failure with onboarding's classifier; a
-datasource-like failure gets the site's bounded redeploy (release to Ready, deploy again);
-past the bound the job stops for an operator with the machine left in Failed deployment, and
-the recommended `resume` starts from the release step, never with a deploy MAAS refuses there.
+(docs/lifecycles/onboarding.md#failure-classes-and-recommended-actions): wait_for_deployed
+classifies the failure with onboarding's classifier; a datasource-like failure gets the site's
+bounded redeploy (release to Ready, deploy again); past the bound the job stops for an operator with
+the machine left in Failed deployment, and the recommended `resume` starts from the release step,
+never with a deploy MAAS refuses there.
 
 Driven through the admin API against the MAAS simulator over HTTP, with its
 `deploy_fails_datasource` fault armed on the node's machine after a real onboarding; MAAS's own

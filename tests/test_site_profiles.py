@@ -1,6 +1,6 @@
-"""Site profiles as the policy surface (seed 003 §3.7): a run resolves its profile's policy once
-(load_site_config) and uses that snapshot; onboarding and decommission name the profile. Real
-Temporal, PostgreSQL, the MAAS simulator over HTTP and the real agent process."""
+"""Site profiles as the policy surface (docs/maas-sites.md#site-profiles): a run resolves its
+profile's policy once (load_site_config) and uses that snapshot; onboarding and decommission name
+the profile. Real Temporal, PostgreSQL, the MAAS simulator over HTTP and the real agent process."""
 
 from __future__ import annotations
 

@@ -1,13 +1,14 @@
-"""Storage namespaces and attachments (seed 001 §7) end to end: the tenant API, the worker's
-StorageAttachmentWorkflow, the shared directory provider on a real directory, and a real node
-agent worker whose storage.mount / storage.unmount bind-mount into its simulated machine's disk
-(the kernel's mount table shows it; a file written through the mount lands in the namespace).
+"""Storage namespaces and attachments (docs/lifecycles/storage-attachment.md) end to end: the tenant
+API, the worker's StorageAttachmentWorkflow, the shared directory provider on a real directory, and
+a real node agent worker whose storage.mount / storage.unmount bind-mount into its simulated
+machine's disk (the kernel's mount table shows it; a file written through the mount lands in the
+namespace).
 
-Every transition of seed 001 §7's machine is driven through production paths: the happy path,
-each precheck refusal, a grant that fails, a mount the node cannot do, an unmount the kernel
-refuses (a busy mount), the tenant's and the admin's retried detach, and the allocation's release
-fencing the tenant first and detaching after (failing, with the tenant fenced, while a detach
-fails). Histories are recorded for replay. One test
+Every transition of docs/lifecycles/storage-attachment.md's machine is driven through production
+paths: the happy path, each precheck refusal, a grant that fails, a mount the node cannot do, an
+unmount the kernel refuses (a busy mount), the tenant's and the admin's retried detach, and the
+allocation's release fencing the tenant first and detaching after (failing, with the tenant fenced,
+while a detach fails). Histories are recorded for replay. One test
 runs the deployed agent instead (`python -m agent.main`, its `[storage]` table as cloud-init
 writes it), so the production config path mounts too.
 """

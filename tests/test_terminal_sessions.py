@@ -1,7 +1,7 @@
-"""Terminal sessions end to end (issue 22, seed 001 §6): a real WebSocket client against the
-gateway served by uvicorn, the control-plane worker, and the node's real `gpucloud-agent`
-process, whose bare-metal backend created the tenant's account on the machine's disk and whose
-`terminal.open` runs a login shell for it on a PTY and dials the gateway back.
+"""Terminal sessions end to end (issue 22, docs/lifecycles/terminal-session.md): a real WebSocket
+client against the gateway served by uvicorn, the control-plane worker, and the node's real
+`gpucloud-agent` process, whose bare-metal backend created the tenant's account on the machine's
+disk and whose `terminal.open` runs a login shell for it on a PTY and dials the gateway back.
 
 Nothing here writes lifecycle state: sessions open and end through the HTTP API, the WebSockets
 and the workflows only."""
@@ -162,8 +162,9 @@ async def test_token_is_single_use_and_one_session_per_allocation(
 async def test_max_ttl_ends_the_session_in_error(
     terminal_rig: Rig, db_sessions: async_sessionmaker[AsyncSession]
 ) -> None:
-    """The max TTL is a policy timeout (seed 001 §6): the agent is told to close the shell, and
-    the session goes active → error with session_ttl_expired (never through closing)."""
+    """The max TTL is a policy timeout (docs/lifecycles/terminal-session.md): the agent is told to
+    close the shell, and the session goes active → error with session_ttl_expired (never through
+    closing)."""
     rig = await terminal_rig(terminal_session_max_ttl_seconds=4.0)
     created = await rig.open_session()
     async with rig.terminal(created) as term:

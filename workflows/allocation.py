@@ -1,5 +1,6 @@
 """AllocationWorkflow `allocation-{id}`: requested → provisioning → active → releasing → released,
-with failed and release_failed side states (seed 000, seed 001 §1).
+with failed and release_failed side states (docs/lifecycles/allocation.md,
+docs/lifecycles/allocation.md).
 
 The gateway starts it with update-with-start: the first (local) activity places and reserves in one
 transaction and the `reserve` update hands that outcome back to the HTTP call. Host work runs on the
@@ -133,7 +134,8 @@ class AllocationWorkflow:
         self._release_attempts = 0
         self._pending_release: ReleaseRequest | None = None
         self._release_running = False
-        # An admin detach of a release_failed allocation: accepted, then done (seed 001 §1).
+        # An admin detach of a release_failed allocation: accepted, then done
+        # (docs/lifecycles/allocation.md).
         self._detach: DetachRequest | None = None
         self._detached: DetachResult | None = None
         # A group member's status reports to its group, awaited before the workflow ends.
@@ -176,8 +178,9 @@ class AllocationWorkflow:
                 self._input.allocation_id, prior, AllocationStatus.RELEASED, False
             )
         if prior == AllocationStatus.RELEASING and request.force:
-            # Seed 001 §1: an admin force-release is a new attempt. One that arrives while a
-            # release runs waits for it: if that one ends release_failed, this one runs next.
+            # docs/lifecycles/allocation.md: an admin force-release is a new attempt. One that
+            # arrives while a release runs waits for it: if that one ends release_failed, this one
+            # runs next.
             self._pending_release = request
             return ReleaseAccepted(self._input.allocation_id, prior, prior, True)
         if prior in (AllocationStatus.RELEASING, AllocationStatus.RELEASED):
@@ -202,9 +205,9 @@ class AllocationWorkflow:
 
     @workflow.update(name=DETACH_UPDATE)
     async def detach(self, request: DetachRequest) -> DetachResult:
-        """Seed 001 §1's "admin removes the assignment" for a release_failed allocation whose
-        node cannot clean up: the lifecycle loop ends it `released` by quarantining what it held.
-        A repeated detach answers the first one's result."""
+        """docs/lifecycles/allocation.md's "admin removes the assignment" for a release_failed
+        allocation whose node cannot clean up: the lifecycle loop ends it `released` by quarantining
+        what it held. A repeated detach answers the first one's result."""
         if self._detach is None:
             self._detach = request
         await workflow.wait_condition(lambda: self._detached is not None)
@@ -231,9 +234,9 @@ class AllocationWorkflow:
     @workflow.signal(name=HOST_TASK_PROGRESS_SIGNAL)
     async def host_task_progress(self, report: HostTaskProgress) -> None:
         """The node's agent started an attempt of one of this workflow's host tasks, or its
-        phases moved on: recorded for the timeline (seed 002), nothing decided on it. A report
-        that is malformed, or that still cannot be recorded after the retries, is dropped with a
-        warning: a signal can never fail this workflow (issue 38)."""
+        phases moved on: recorded for the timeline (docs/lifecycles/allocation.md#task-timeline),
+        nothing decided on it. A report that is malformed, or that still cannot be recorded after
+        the retries, is dropped with a warning: a signal can never fail this workflow (issue 38)."""
         problem = _progress_problem(report)
         if problem is not None and workflow.patched(PROGRESS_TOLERATED_PATCH):
             workflow.logger.warning("host task progress dropped: %s", problem)
@@ -442,9 +445,9 @@ class AllocationWorkflow:
         plan = await self._begin_release_task(input, request, True)
         self._set_status(AllocationStatus.RELEASING)
         self._release_attempts += 1
-        # Seed 001 §6: a live terminal session is closed first (allocation_released, its ack or
-        # the close timeout), then the release goes on. The allocation is `releasing` by now, so
-        # no new session opens behind this.
+        # docs/lifecycles/terminal-session.md: a live terminal session is closed first
+        # (allocation_released, its ack or the close timeout), then the release goes on. The
+        # allocation is `releasing` by now, so no new session opens behind this.
         if _release_step_needed(plan.live_terminal_sessions, RELEASE_CLOSES_TERMINAL_SESSIONS):
             await self._close_terminal_sessions(input)
         # Issue 37: with storage attached, the tenant is fenced first (its VM stopped, or its
@@ -694,9 +697,10 @@ class AllocationWorkflow:
         workflow.upsert_search_attributes(updates)
 
     def _report_to_group(self, status: AllocationStatus) -> None:
-        """A group member tells its AllocationGroupWorkflow each status it reaches (seed 001
-        §1a: the group's status is derived from its members'). Allocations outside a group, and
-        every history recorded before groups, issue nothing here."""
+        """A group member tells its AllocationGroupWorkflow each status it reaches
+        (docs/lifecycles/allocation-group.md: the group's status is derived from its members').
+        Allocations outside a group, and every history recorded before groups, issue nothing
+        here."""
         group_id = self._input.allocation_group_id
         if group_id is None or not workflow.patched(MEMBER_STATUS_PATCH):
             return
@@ -748,9 +752,10 @@ def _describe_error(error: BaseException, kind: str = "") -> tuple[str, str]:
 
 
 def _classify_provisioning_failure(err: ActivityError, kind: str) -> tuple[str, str]:
-    """Map a failed host provision to seed 000's failure reasons: the host's own error type
-    (vfio_error, image_error, …), agent_capability_missing, node_unreachable, host_timeout, or
-    provisioning_error for anything else."""
+    """Map a failed host provision to
+    docs/lifecycles/allocation.md#failures-and-recommended-actions's failure reasons: the host's own
+    error type (vfio_error, image_error, …), agent_capability_missing, node_unreachable,
+    host_timeout, or provisioning_error for anything else."""
     cause = err.cause
     if isinstance(cause, TimeoutError):
         if cause.type == TimeoutType.SCHEDULE_TO_START:

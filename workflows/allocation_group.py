@@ -1,5 +1,6 @@
-"""AllocationGroupWorkflow `allocation-group-{id}` (seed 001 §1a): requested → provisioning →
-active → releasing → released, with failed, degraded and release_failed side states.
+"""AllocationGroupWorkflow `allocation-group-{id}` (docs/lifecycles/allocation-group.md): requested
+→ provisioning → active → releasing → released, with failed, degraded and release_failed side
+states.
 
 A group is an aggregate over ordinary allocations. Each member is its own AllocationWorkflow
 (`allocation-{id}`), started here as a child: it places, provisions, bills and releases exactly

@@ -1,6 +1,7 @@
-"""NodeDecommissionWorkflow `decommission-{id}`: the four decommission modes of seed 003 §5
-(soft_reset, reimage, full_decommission, storage_cleanup) with the job-state model of seed 004
-§5 and the failure and recovery model of §5.8.
+"""NodeDecommissionWorkflow `decommission-{id}`: the four decommission modes of
+docs/lifecycles/decommission.md (soft_reset, reimage, full_decommission, storage_cleanup) with the
+job-state model of docs/lifecycles/decommission.md#job-states and the failure and recovery model of
+§5.8.
 
 The mode's stages (contracts/decommission.py STAGES_BY_MODE) run in order. Control-plane
 stages are activities on the control-plane queue (activities/decommission/); host work runs on
@@ -8,7 +9,7 @@ the node's own queue `node-{node_id}` as the agent's maintenance activities (nod
 node.storage_cleanup, node.gpu_scrub, node.validate_clean, node.uninstall) with a
 schedule-to-start timeout, so an unreachable agent is detected instead of waited on; each host
 call is mirrored as a node_tasks row (queued → completed/failed) for the timeline and for
-resume's stale-task rule (seed 004 §8).
+resume's stale-task rule (docs/lifecycles/decommission.md#actions).
 
 A stage failure its retries cannot cure is classified (workflows/decommission_policy.py) into
 failed_retryable or failed_manual_intervention with a recommended action; the workflow then waits
@@ -144,9 +145,10 @@ ADOPT_ONLY_OBSERVED_PATCH = "adopt-only-what-was-observed"
 # observed again. Runs that adopted these before go on as they did.
 ADOPT_REOBSERVES_HOST_WORK_PATCH = "adopt-reobserves-host-work"
 # A full decommission whose machine vanished from MAAS before MAAS released it is not adopted
-# as done (seed 003 §5.8 "do not pretend full decommission completed"): the disks were never
-# erased, the machine never powered off, its agent may still run. The adopt is refused with
-# `host_not_wiped` (failed_manual_intervention). Runs that adopted a vanished machine before go on.
+# as done (docs/lifecycles/decommission.md#failures-and-recommended-actions "do not pretend full
+# decommission completed"): the disks were never erased, the machine never powered off, its agent
+# may still run. The adopt is refused with `host_not_wiped` (failed_manual_intervention). Runs that
+# adopted a vanished machine before go on.
 VANISHED_MACHINE_NOT_WIPED_PATCH = "vanished-machine-is-not-wiped"
 # ... until the operator records where its disks went (record_disk_disposition, only while the
 # job stands failed with host_not_wiped): the record goes to the job's followups and timeline,
@@ -159,13 +161,13 @@ _UNOBSERVABLE_HOST_WORK = (Stage.CLEANUP_STORAGE, Stage.SCRUB_GPU)
 STORAGE_CLEANUP_GUARD_PATCH = "storage-cleanup-disables-the-node"
 LEGACY_STORAGE_CLEANUP_STAGES = (Stage.CLEANUP_STORAGE, Stage.VALIDATE_CLEAN_NODE)
 # Issue 35: a reimage's deploy that ends in MAAS `Failed deployment` goes the way onboarding's
-# does (seed 003 §4.6): wait_for_deployed classifies it with onboarding's classifier; a
-# datasource-like failure gets the site's bounded redeploy (max_deploy_retry_attempts since the
-# job or the operator's last action): release_maas_node takes the machine back to Ready (observed;
-# without an erase, as onboarding's recover: this job's first release erased as requested), then
-# deploy and wait again. Past the bound, or for a generic failure, the
-# job stops with the machine left in Failed deployment. Runs that reached their deploy before
-# this go on without the recovery.
+# does (docs/lifecycles/onboarding.md#failure-classes-and-recommended-actions): wait_for_deployed
+# classifies it with onboarding's classifier; a datasource-like failure gets the site's bounded
+# redeploy (max_deploy_retry_attempts since the job or the operator's last action):
+# release_maas_node takes the machine back to Ready (observed; without an erase, as onboarding's
+# recover: this job's first release erased as requested), then deploy and wait again. Past the
+# bound, or for a generic failure, the job stops with the machine left in Failed deployment. Runs
+# that reached their deploy before this go on without the recovery.
 REIMAGE_DEPLOY_RECOVERY_PATCH = "reimage-classifies-and-recovers-a-failed-deploy"
 # Resume of a reimage whose deploy failed (Failed deployment) starts from release_maas_node, not
 # from the deploy MAAS refuses in that state. A job that failed there before asks this at its
@@ -460,7 +462,8 @@ class NodeDecommissionWorkflow(OperatorControlledJob[Stage, OperatorAction, Deco
     ) -> Any:
         """One host task on `node-{id}`, mirrored as a node_tasks row. A task the agent does
         not pick up in time is `agent_unreachable` (manual intervention, §5.8); while MAAS
-        still holds the machine deployed, that is the ambiguous case of seed 003 §5.8."""
+        still holds the machine deployed, that is the ambiguous case of
+        docs/lifecycles/decommission.md#failures-and-recommended-actions."""
         assert self._input is not None
         # Compensation's own host tasks run after the interrupt is taken (and cleared).
         self._stop_if_interrupted(STOP_BEFORE_NEXT_HOST_TASK_PATCH)
@@ -1079,7 +1082,8 @@ class NodeDecommissionWorkflow(OperatorControlledJob[Stage, OperatorAction, Deco
 
     def _is_noop(self, action: OperatorAction) -> bool:
         return is_standing_action(action, self._status) or (
-            # Seed 004 §8: a live (or freshly queued) task already does what resume asks.
+            # docs/lifecycles/decommission.md#actions: a live (or freshly queued) task already does
+            # what resume asks.
             action == OperatorAction.RESUME
             and self._status in RUNNING_JOB_STATUSES
             and self._interrupt is None

@@ -1,7 +1,9 @@
-"""Decommission decisions that are data (seed 003 §5.8, seed 004 §7, §8): what a stage failure
-means for the job state, which operator action to recommend, how many automatic attempts each
-stage gets, and which actions each job state accepts. Pure: the workflow and the activities
-both import it.
+"""Decommission decisions that are data
+(docs/lifecycles/decommission.md#failures-and-recommended-actions,
+docs/lifecycles/decommission.md#failures-and-recommended-actions,
+docs/lifecycles/decommission.md#actions): what a stage failure means for the job state, which
+operator action to recommend, how many automatic attempts each stage gets, and which actions each
+job state accepts. Pure: the workflow and the activities both import it.
 
 The §5.8 rule of thumb is encoded by the error codes: where ownership of the node becomes
 ambiguous (the agent is unreachable while MAAS still holds the machine, MAAS release or power-off

@@ -46,7 +46,8 @@ RUNNING_JOB_STATUSES = (JobStatus.PENDING, JobStatus.RUNNING)
 
 
 class StageFailure(Exception, Generic[StageT]):
-    """A stage that failed beyond its retry policy, classified (seed 004 §4.8)."""
+    """A stage that failed beyond its retry policy, classified
+    (docs/lifecycles/onboarding.md#job-states)."""
 
     def __init__(
         self,

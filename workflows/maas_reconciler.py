@@ -1,7 +1,7 @@
-"""MaasSiteReconcilerWorkflow (seed 003 §6.3): one run reconciles one MAAS site, started every few
-minutes by the Temporal Schedule `maas-reconciler-{site_id}` (overlapping runs skipped). The whole
-pass is one local activity (activities/maas_reconcile.py), so each run's history stays a handful
-of events and never grows.
+"""MaasSiteReconcilerWorkflow (docs/lifecycles/node.md#detection): one run reconciles one MAAS site,
+started every few minutes by the Temporal Schedule `maas-reconciler-{site_id}` (overlapping runs
+skipped). The whole pass is one local activity (activities/maas_reconcile.py), so each run's history
+stays a handful of events and never grows.
 
 Nodes whose hardware-sync drift is new come back from the pass (`ReconcileResult.reseeds`, at
 most a bounded number per run, each drift event once): the run re-seeds each one's sync through

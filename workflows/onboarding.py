@@ -1,4 +1,5 @@
-"""MaasNodeOnboardWorkflow `onboarding-{id}` (seed 003 §4.3-§4.13, seed 004 §4).
+"""MaasNodeOnboardWorkflow `onboarding-{id}` (docs/lifecycles/onboarding.md,
+docs/lifecycles/onboarding.md#job-states).
 
 The stages of §4.3 run in order as activities (activities/onboarding/); each is status-aware, so
 re-entering from any point converges. The workflow owns the job state (§4.8): a stage failure

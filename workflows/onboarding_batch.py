@@ -1,4 +1,4 @@
-"""MaasNodeBatchOnboardWorkflow `onboarding-batch-{id}` (seed 003 §4.4): one
+"""MaasNodeBatchOnboardWorkflow `onboarding-batch-{id}` (docs/lifecycles/onboarding.md#batches): one
 MaasNodeOnboardWorkflow child per node, at most `max_parallel` in flight. Across batches and
 single onboardings the site's batch_max_parallel is enforced by the children themselves (each
 holds a site permit while its stages run, workflows/onboarding.py), so several batches started

@@ -1,5 +1,5 @@
-"""PaymentSessionWorkflow `payment-session-{id}` (seed 001 §5): initiated → checkout_completed →
-credited | failed_reconcile | expired.
+"""PaymentSessionWorkflow `payment-session-{id}` (docs/lifecycles/payment-session.md): initiated →
+checkout_completed → credited | failed_reconcile | expired.
 
 The gateway starts it with update-with-start: the first (local) activity creates the Stripe
 Checkout Session and records the row, and the `checkout` update hands the URL back to the HTTP

@@ -1,5 +1,5 @@
-"""StorageAttachmentWorkflow `storage-attachment-{id}` (seed 001 §7): one project-owned storage
-namespace bound to one allocation's node.
+"""StorageAttachmentWorkflow `storage-attachment-{id}` (docs/lifecycles/storage-attachment.md): one
+project-owned storage namespace bound to one allocation's node.
 
     requested → prechecking → grant_applying → grant_applied → mounting → mounted
     mounted → detaching → detached
@@ -23,8 +23,8 @@ An admin's `abandon` update (issue 35) is the way out of detach_failed on a node
 back: the workflow observes the node now (its agent not heard from within the liveness window,
 by recorded contact and its queue's pollers; or no node at all) and only then revokes the grant
 without any unmount and ends the attachment detached, failure_reason `abandoned`, through
-detaching as seed 001 §7 has it. A node observed alive refuses (`node_alive`: retry the detach),
-and nothing changes.
+detaching as docs/lifecycles/storage-attachment.md has it. A node observed alive refuses
+(`node_alive`: retry the detach), and nothing changes.
 
 Every transition is applied by an activity as compare-and-set with an event row; the workflow
 only decides what comes next.

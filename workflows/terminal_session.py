@@ -1,5 +1,5 @@
-"""TerminalSessionWorkflow `terminal-{id}` (seed 001 §6): opening → active → closing → closed, with
-opening → error and active → error.
+"""TerminalSessionWorkflow `terminal-{id}` (docs/lifecycles/terminal-session.md): opening → active →
+closing → closed, with opening → error and active → error.
 
 1. The gateway starts it with update-with-start (`open`): the first local activity creates the
    session row (or refuses: allocation not found / not active, or a live session already).
@@ -260,7 +260,8 @@ class TerminalSessionWorkflow:
         except TimeoutError:
             if self._close is None:
                 self._close = CloseRequest(CloseReason.SESSION_TTL_EXPIRED.value, ACTOR_SYSTEM)
-                # Seed 001 §6: a policy timeout is active → error (it was active → closed).
+                # docs/lifecycles/terminal-session.md: a policy timeout is active → error (it was
+                # active → closed).
                 if workflow.patched(TTL_ENDS_IN_ERROR):
                     return await self._close_active(
                         open_task, stream, self._close, end_status=Status.ERROR

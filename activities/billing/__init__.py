@@ -1,1 +1,2 @@
-"""Billing: the ledger, usage windows, metering and balance enforcement (seed 001 §3-§4)."""
+"""Billing: the ledger, usage windows, metering and balance enforcement
+(docs/billing.md#metering-and-balances, docs/lifecycles/balance.md)."""

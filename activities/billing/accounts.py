@@ -1,4 +1,4 @@
-"""Billing accounts: the balance state of seed 001 §4 and the notices it sends.
+"""Billing accounts: the balance state of docs/lifecycles/balance.md and the notices it sends.
 
 The balance is the ledger's running total (billing_accounts.balance_minor, moved by every
 posting in its transaction, activities/billing/ledger.py); the state (healthy / low_balance /

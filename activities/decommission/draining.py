@@ -1,7 +1,8 @@
-"""Emptying the node of tenant work (seed 003 §5.2, §5.4): live allocations force-released
-through each allocation's own AllocationWorkflow (never around it, so billing closes and the
-host is cleaned as for any release), and the soft reset's wait until no allocation and no host
-task of another workflow is live on the node.
+"""Emptying the node of tenant work (docs/lifecycles/decommission.md#soft-reset,
+docs/lifecycles/decommission.md#full-decommission): live allocations force-released through each
+allocation's own AllocationWorkflow (never around it, so billing closes and the host is cleaned as
+for any release), and the soft reset's wait until no allocation and no host task of another workflow
+is live on the node.
 
 Separate because it is the one stage group that talks to other workflows (Temporal updates)
 rather than to the node record or MAAS.

@@ -1,6 +1,7 @@
-"""The MAAS-side decommission stages (seed 003 §5.3, §5.4): release with the requested erase
-mode and wait for Ready (with the site's no-erase fallback when an erase fails), power off and
-wait for off, and the optional removal of the MAAS record.
+"""The MAAS-side decommission stages (docs/lifecycles/decommission.md#reimage,
+docs/lifecycles/decommission.md#full-decommission): release with the requested erase mode and wait
+for Ready (with the site's no-erase fallback when an erase fails), power off and wait for off, and
+the optional removal of the MAAS record.
 
 Every call here is destructive on the machine, so each first re-checks that the node is not
 protected, and each is status-aware: a machine already Ready is not released again, one

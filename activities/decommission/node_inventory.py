@@ -1,5 +1,5 @@
-"""The decommission stages that move the node's inventory status (seed 003 §5.2-§5.4), always
-through activities/node_lifecycle.py, the one place node status changes: disable (into
+"""The decommission stages that move the node's inventory status (docs/lifecycles/decommission.md),
+always through activities/node_lifecycle.py, the one place node status changes: disable (into
 `draining`, which makes the workflow the drain's owner), retire, enable (back to `active` without
 passing `retired`) and quarantine after a failed validate_clean; plus load_node for the legacy
 two-stage storage cleanup.
@@ -30,8 +30,9 @@ class NodeInventoryStages(StageRuntime):
     async def disable_node(self, input: StageInput) -> StageResult:
         """§5.2 DisableNode: the node becomes unschedulable by entering `draining` (only active
         nodes are placed on), which also makes this workflow the owning lifecycle operation of
-        the drain (seed 004 §3.3). Also loads what later stages need: hostname, MAAS binding,
-        SKU and the profile (the request's, else the one the node was onboarded with)."""
+        the drain (docs/lifecycles/node.md#who-moves-it). Also loads what later stages need:
+        hostname, MAAS binding, SKU and the profile (the request's, else the one the node was
+        onboarded with)."""
         async with self.stage(input, Stage.DISABLE_NODE) as run:
             await self._load_node(run)
             sources = (NodeStatus.ACTIVE, NodeStatus.OFFLINE, NodeStatus.QUARANTINED)
@@ -102,9 +103,9 @@ class NodeInventoryStages(StageRuntime):
     async def enable_node(self, input: StageInput) -> StageResult:
         """§5.2/§5.3 EnableNode: back to `active`, through the table's own path without ever
         passing `retired` (a soft reset or reimage retires nothing): draining → offline (the
-        drain stops short of retirement, seed 004 §3.3) → active (the node was just validated
-        clean: proven healthy); a node an operator released from quarantine (adopt after
-        validation) goes quarantined → active."""
+        drain stops short of retirement, docs/lifecycles/node.md#who-moves-it) → active (the node
+        was just validated clean: proven healthy); a node an operator released from quarantine
+        (adopt after validation) goes quarantined → active."""
         async with self.stage(input, Stage.ENABLE_NODE) as run:
             async with self.deps.sessions() as session, session.begin():
                 current = await session.scalar(select(Node.status).where(Node.id == run.node_id))

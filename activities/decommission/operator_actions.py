@@ -1,7 +1,7 @@
-"""What the workflow's operator actions run (seed 004 §8): `observe`, the fresh look at the
-node record, MAAS's machine and the live allocations that adopt_observed_state decides from, and
-`compensate`, what cancel does (MAAS is never touched back; the node is not left in draining or
-removing without an owner).
+"""What the workflow's operator actions run (docs/lifecycles/decommission.md#actions): `observe`,
+the fresh look at the node record, MAAS's machine and the live allocations that adopt_observed_state
+decides from, and `compensate`, what cancel does (MAAS is never touched back; the node is not left
+in draining or removing without an owner).
 
 Separate from the stages because these are not stages: they run outside the stage sequence,
 write no stage events of their own (compensate writes one `cancel` event), and must answer even
@@ -95,12 +95,12 @@ class OperatorActions(StageRuntime):
 
     @activity.defn(name="decommission.compensate")
     async def compensate(self, input: StageInput) -> StageResult:
-        """Cancel (seed 004 §8: stop and compensate where possible). MAAS is never touched
-        back. The node is not left in draining/removing without an owner: removing → retired;
-        draining → offline ("operator recovery stops short of retirement", §3.3), from where
-        the liveness loop returns it to active — unless the agent's node.drain ran (its marker
-        refuses tenant work) or MAAS already changed the machine, in which case it goes on to
-        quarantined for an operator. Whether MAAS changed it is what MAAS shows, not what the
+        """Cancel (docs/lifecycles/decommission.md#actions: stop and compensate where possible).
+        MAAS is never touched back. The node is not left in draining/removing without an owner:
+        removing → retired; draining → offline ("operator recovery stops short of retirement",
+        §3.3), from where the liveness loop returns it to active — unless the agent's node.drain ran
+        (its marker refuses tenant work) or MAAS already changed the machine, in which case it goes
+        on to quarantined for an operator. Whether MAAS changed it is what MAAS shows, not what the
         run last believed (a release whose stage failed may have gone through)."""
         run = Run(input=input, stage=Stage.DISABLE_NODE)
         notes: list[str] = []

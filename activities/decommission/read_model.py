@@ -1,5 +1,6 @@
-"""node_decommissions / node_decommission_events / domain_events writes (seed 003 §5.7), and the
-node_tasks rows of the host tasks a decommission dispatches.
+"""node_decommissions / node_decommission_events / domain_events writes
+(docs/lifecycles/decommission.md#monitoring), and the node_tasks rows of the host tasks a
+decommission dispatches.
 
 Two writers, as for onboarding: each control-plane stage activity records its own `started` and
 `succeeded`/`failed`/`skipped` events, and the workflow records what only it knows (job status,
@@ -97,10 +98,10 @@ async def record_progress(session: AsyncSession, record: ProgressRecord) -> None
 async def supersede_stale_tasks(
     session: AsyncSession, node_id: uuid.UUID, kind: str, keep: uuid.UUID
 ) -> int:
-    """Seed 004 §8: before a host task is (re)queued, earlier rows of the same kind on the node
-    that are still queued or dispatched are stale (their workflow no longer waits on them, or
-    the lease expired): they are closed as failed/`superseded`, so the timeline never shows two
-    live drains. Answers how many were closed."""
+    """docs/lifecycles/decommission.md#actions: before a host task is (re)queued, earlier rows of
+    the same kind on the node that are still queued or dispatched are stale (their workflow no
+    longer waits on them, or the lease expired): they are closed as failed/`superseded`, so the
+    timeline never shows two live drains. Answers how many were closed."""
     closed = await session.scalars(
         update(NodeTask)
         .where(

@@ -1,7 +1,8 @@
-"""The MAAS stages of a decommission that onboarding already knows how to do (seed 003 §5.3
-Reimage: LoadSiteConfig, ConfigureStorage, ApplyRoCEPhase2, EnsurePxeInterfaceAuto,
-RenderCloudInit, DeployViaMaas, WaitForMaasStatus Deployed, hardware sync, WaitForAgentEnrollment),
-run with onboarding's own stage bodies so both lifecycles deploy a node the same way.
+"""The MAAS stages of a decommission that onboarding already knows how to do
+(docs/lifecycles/decommission.md#reimage Reimage: LoadSiteConfig, ConfigureStorage, ApplyRoCEPhase2,
+EnsurePxeInterfaceAuto, RenderCloudInit, DeployViaMaas, WaitForMaasStatus Deployed, hardware sync,
+WaitForAgentEnrollment), run with onboarding's own stage bodies so both lifecycles deploy a node the
+same way.
 
 `ReimageActivities` inherits the onboarding stage classes and overrides only `stage()`, the
 bookkeeping around each body: events go to node_decommission_events instead of
@@ -231,7 +232,7 @@ class ReimageActivities(MaasStageActivities, NodeStageActivities):
         `datasource_like | generic` verdict from the machine and its MAAS events, recorded as
         that stage's event), and the verdict travels in the failure's details (`failure_kind`,
         `evidence`): the workflow decides from it whether the site's bounded redeploy applies
-        (seed 003 §4.6, issue 35)."""
+        (docs/lifecycles/onboarding.md#failure-classes-and-recommended-actions, issue 35)."""
         wrapped = onboard_input(input)
         try:
             result = await MaasStageActivities.wait_for_deployed(self, wrapped)

@@ -1,7 +1,8 @@
-"""The end of a full decommission (seed 003 §5.4, §5.8): the node record's removal in two
-halves around the agent's node.uninstall (retired → removing, then removing → deleted with its
-GPU slots disabled and its MAAS binding dropped, or back to retired when uninstall failed), and
-the cleanup of its enrollment tokens and Vault paths.
+"""The end of a full decommission (docs/lifecycles/decommission.md#full-decommission,
+docs/lifecycles/decommission.md#failures-and-recommended-actions): the node record's removal in two
+halves around the agent's node.uninstall (retired → removing, then removing → deleted with its GPU
+slots disabled and its MAAS binding dropped, or back to retired when uninstall failed), and the
+cleanup of its enrollment tokens and Vault paths.
 
 Separate from node_inventory because these run only in full decommission and end the node's
 identity; a failed secrets cleanup is a follow-up, never a failed job.

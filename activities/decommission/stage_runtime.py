@@ -1,8 +1,8 @@
-"""What every decommission stage runs on (seed 003 §5): the dependencies, the per-run record
-(`Run`), the started / succeeded|skipped|failed events around a stage body, the MAAS client from
-the site's Vault token, polling with heartbeats, the protection re-check before a destructive
-MAAS call, and the reads several stage groups share (the node's record and MAAS binding, the
-live allocations on it).
+"""What every decommission stage runs on (docs/lifecycles/decommission.md): the dependencies, the
+per-run record (`Run`), the started / succeeded|skipped|failed events around a stage body, the MAAS
+client from the site's Vault token, polling with heartbeats, the protection re-check before a
+destructive MAAS call, and the reads several stage groups share (the node's record and MAAS binding,
+the live allocations on it).
 
 Kept apart from the stages themselves so each stage group (node_inventory, draining,
 maas_release, removal, operator_actions, bookkeeping) is a mixin on `StageRuntime` that depends

@@ -2,9 +2,9 @@
 typed values (activities/maas/types.py) and raising classified errors (activities/maas/errors.py).
 
     async with MaasClient(site.api_base_url, api_key, timeout=10) as maas:
-        version = await maas.version()          # also the credential check (seed 003 §3.4)
-        user = await maas.require_admin()       # …and that it is an admin's (MaasNotAdmin)
-        machine = await maas.get_machine("abc123")
+        version = await maas.version()          # also the credential check
+        (docs/maas-sites.md#admin-api) user = await maas.require_admin()       # …and that it is an
+        admin's (MaasNotAdmin) machine = await maas.get_machine("abc123")
 
 Everything here follows shared/maas-api-notes.md, in particular:
 - storage: the boot disk is chosen with set_boot_disk *before* set_storage_layout, which has no
@@ -196,8 +196,8 @@ class MaasClient:
 
     async def ensure_hardware_sync_interval(self, interval: str) -> bool:
         """The site's config hardware_sync_interval (a systemd-style timespan such as "15m",
-        seed 003 §9.1 step 1); True when it had to be written. MAAS copies it into a machine's
-        sync_interval whenever that machine's enable_hw_sync is saved."""
+        docs/lifecycles/onboarding.md#hardware-sync step 1); True when it had to be written. MAAS
+        copies it into a machine's sync_interval whenever that machine's enable_hw_sync is saved."""
         if str(await self.get_config("hardware_sync_interval")) == interval:
             return False
         await self.set_config("hardware_sync_interval", interval)
@@ -254,8 +254,8 @@ class MaasClient:
 
     async def power_addresses(self) -> dict[str, str]:
         """system_id → IPMI power_address of every machine that has one (for lookup by BMC
-        address, seed 003 §4.16). The other power parameters, passwords included, are dropped
-        here so they never leave the client."""
+        address, docs/lifecycles/onboarding.md#discovery-ambiguity). The other power parameters,
+        passwords included, are dropped here so they never leave the client."""
         data = await self._get("machines/", op="power_parameters")
         if not isinstance(data, dict):
             raise MaasProtocolError(
@@ -371,7 +371,7 @@ class MaasClient:
     ) -> Machine:
         """Ready (auto-allocated to the key's user) or Allocated → Deploying. `user_data` is
         the raw cloud-init payload; it is base64-encoded here. `distro_series` is normalised
-        (gpuaas-* images → custom/<name>, seed 003 §3.6). Never retried."""
+        (gpuaas-* images → custom/<name>, docs/maas-sites.md#policy-knobs). Never retried."""
         form = [
             ("distro_series", normalise_distro_series(distro_series)),
             ("enable_hw_sync", form_bool(enable_hw_sync)),
@@ -413,9 +413,10 @@ class MaasClient:
         return self._parse("release", Machine.from_json, data)
 
     async def delete_machine(self, system_id: str) -> None:
-        """DELETE the machine record (the hardware stays; seed 003 §5.4 RemoveMaasRecord). A
-        machine already gone answers MaasNotFound, which callers treat as done. Retry-safe: a
-        repeated delete either deletes or finds nothing."""
+        """DELETE the machine record (the hardware stays;
+        docs/lifecycles/decommission.md#full-decommission RemoveMaasRecord). A machine already gone
+        answers MaasNotFound, which callers treat as done. Retry-safe: a repeated delete either
+        deletes or finds nothing."""
         await self._io().request("DELETE", _machine(system_id), retry_safe=True)
 
     async def abort(self, system_id: str, *, comment: str | None = None) -> Machine:

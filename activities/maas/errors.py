@@ -1,4 +1,4 @@
-"""MAAS errors, each carrying its seed 003 §4.7 failure class.
+"""MAAS errors, each carrying its docs/runbooks/index.md failure class.
 
 How an answer is classified (maas-api-notes.md "Errors"):
 
@@ -105,7 +105,9 @@ class MaasProtocolError(MaasError):
 
 
 class MaasNotFound(MaasError):
-    """The object is gone from MAAS: deleted out of band (seed 003 §4.11, §4.13)."""
+    """The object is gone from MAAS: deleted out of band
+    (docs/lifecycles/onboarding.md#mark-manual-intervention,
+    docs/lifecycles/onboarding.md#safe-re-entry)."""
 
     failure_class = FailureClass.STATE_AMBIGUITY
 

@@ -1,4 +1,4 @@
-"""Image names at the MAAS boundary (seed 003 §3.6).
+"""Image names at the MAAS boundary (docs/maas-sites.md#policy-knobs).
 
 Profiles may name our uploaded host images without MAAS's namespace (`gpuaas-h100-2404`), but
 MAAS's `distro_series` looks a bare name up as an Ubuntu series and rejects it, so deploy calls

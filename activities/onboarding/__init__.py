@@ -1,2 +1,2 @@
-"""MAAS onboarding activities (seed 003 §4.3): one module per concern; the workflow is
-workflows/onboarding.py."""
+"""MAAS onboarding activities (docs/lifecycles/onboarding.md#stages): one module per concern; the
+workflow is workflows/onboarding.py."""

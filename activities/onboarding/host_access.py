@@ -1,8 +1,9 @@
 """How onboarding reaches a machine outside MAAS's API: its BMC (to PXE-cycle it for discovery)
 and, once deployed, its OS over SSH (the one explicit seed step before the node agent runs,
-seed 003 §4.3 EnsureHardwareSyncConfigured). Real implementations: `IpmitoolBmc`
-(activities/onboarding/ipmi.py) and `SshHostSeeder` (activities/onboarding/ssh_seeder.py); the
-embedded default and the tests use sim/first_boot.py, which answers the same calls.
+docs/lifecycles/onboarding.md#stages EnsureHardwareSyncConfigured). Real implementations:
+`IpmitoolBmc` (activities/onboarding/ipmi.py) and `SshHostSeeder`
+(activities/onboarding/ssh_seeder.py); the embedded default and the tests use sim/first_boot.py,
+which answers the same calls.
 
 Errors are `core.failures.ClassifiedError`s: bmc_power_failure for the BMC,
 post_deploy_connectivity_failure for SSH. Their messages never carry a password, key or token.
@@ -23,7 +24,7 @@ class BmcLogin:
 
 @dataclass(frozen=True)
 class SshLogin:
-    """The site's deploy user (seed 003 §3.6 deploy_user, password from Vault)."""
+    """The site's deploy user (docs/maas-sites.md#policy-knobs deploy_user, password from Vault)."""
 
     address: str
     user: str
@@ -49,7 +50,8 @@ class HostSeeder(Protocol):
         self, login: SshLogin, *, creds_yaml: str, interval_minutes: int
     ) -> None:
         """Write /etc/maas/maas-machine-creds.yml (0600), (re)install the hardware-sync
-        service and timer with this interval, and restart them (seed 003 §9.1 steps 4-5)."""
+        service and timer with this interval, and restart them
+        (docs/lifecycles/onboarding.md#hardware-sync steps 4-5)."""
         ...
 
     async def push_agent_config(self, login: SshLogin, *, agent_toml: str) -> None:

@@ -1,6 +1,7 @@
 """`IpmitoolBmc`: power-cycles a machine through its BMC with `ipmitool` (IPMI 2.0, lanplus), so
-it PXE-boots and MAAS discovers or enlists it (seed 003 §4.3 CreateOrFindInMaas: MAAS never talks
-to a BMC it does not know, so discovery starts with an out-of-band power cycle).
+it PXE-boots and MAAS discovers or enlists it (docs/lifecycles/onboarding.md#stages
+CreateOrFindInMaas: MAAS never talks to a BMC it does not know, so discovery starts with an
+out-of-band power cycle).
 
 Why ipmitool and not a Python IPMI library: it is what every site already has and trusts for its
 BMCs (cipher suites, vendor quirks), and its failure output is what operators know.

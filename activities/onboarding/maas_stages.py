@@ -1,7 +1,7 @@
-"""The MAAS-side onboarding stages (seed 003 §4.3), each status-aware so that re-entry from the
-top converges instead of duplicating work (§4.10): a machine is looked up before it is created,
-commissioning and deploy are never re-issued on a machine that is already past them, and every
-destructive step reads the machine's current state first (§4.13).
+"""The MAAS-side onboarding stages (docs/lifecycles/onboarding.md#stages), each status-aware so that
+re-entry from the top converges instead of duplicating work (§4.10): a machine is looked up before
+it is created, commissioning and deploy are never re-issued on a machine that is already past them,
+and every destructive step reads the machine's current state first (§4.13).
 
 Discovery (§4.16) in `create_or_find_in_maas`: hostname, then IPMI power address, then PXE MAC;
 else the machine is created from its BMC alone (an IPMI-only record MAAS cannot commission until
@@ -582,8 +582,9 @@ class MaasStageActivities(StageActivitiesBase):
             state = observe(input.state, machine)
             if machine.status == S.READY:
                 # No commissioning to set the power parameters on the way: a per-node override
-                # (seed 003 §3.2.1) is written now, or MAAS would go on powering the machine with
-                # the credentials it had (the site default's, or stale ones).
+                # (docs/maas-sites.md#power-credential-overrides) is written now, or MAAS would go
+                # on powering the machine with the credentials it had (the site default's, or stale
+                # ones).
                 login, source = await self._bmc_login(run)
                 if source.startswith(OVERRIDE_SOURCE_PREFIX):
                     await maas.update_machine(machine.system_id, power=_ipmi_power(login))

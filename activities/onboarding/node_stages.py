@@ -1,7 +1,7 @@
-"""The onboarding stages that join MAAS with our own records (seed 003 §4.3): the site config,
-the node record and its cloud-init, the deploy itself, hardware sync (§9.1) and agent enrollment,
-plus what the workflow needs for operator actions (observe, compensate, refresh the token) and
-its own read-model writes (`record_progress`, a local activity).
+"""The onboarding stages that join MAAS with our own records (docs/lifecycles/onboarding.md#stages):
+the site config, the node record and its cloud-init, the deploy itself, hardware sync (§9.1) and
+agent enrollment, plus what the workflow needs for operator actions (observe, compensate, refresh
+the token) and its own read-model writes (`record_progress`, a local activity).
 
 Secrets never leave these activities: the enrollment token and the cloud-init content are made
 inside `deploy_via_maas` (a fresh token per deploy) and handed straight to MAAS; the deploy
@@ -87,7 +87,8 @@ S = MachineStatus
 CREATED_BY = "onboarding"
 ONBOARDING_ACTOR = "onboarding"  # who moved the node, in its node.status_changed events
 SSH_PORT = 22
-NODE_AGENT_ACCESS = "node_agent"  # host work goes through the node's agent (seed 003 §8.1)
+NODE_AGENT_ACCESS = "node_agent"  # host work goes through the node's agent
+# (docs/lifecycles/node.md#access-fields)
 # The deploy_via_maas event detail that says this job asked MAAS to deploy that machine.
 DEPLOYED_BY_JOB = "deployed_by_job"
 
@@ -631,10 +632,10 @@ class NodeStageActivities(StageActivitiesBase):
         return enrolled, _reported(inventory, matches)
 
     async def _activate(self, run: StageRun) -> _Activation:
-        """enrolling → active (the onboarding workflow owns this transition, seed 004 §3.3),
-        the node's MAAS binding, and its GPU slots from the inventory its agent reported, in
-        one transaction. The node row is locked first, so a heartbeat cannot change the
-        inventory between the check and the slots made from it."""
+        """enrolling → active (the onboarding workflow owns this transition,
+        docs/lifecycles/node.md#who-moves-it), the node's MAAS binding, and its GPU slots from the
+        inventory its agent reported, in one transaction. The node row is locked first, so a
+        heartbeat cannot change the inventory between the check and the slots made from it."""
         state, site = run.input.state, run.site
         node_id = uuid.UUID(run.input.onboarding.node_id)
         async with self.deps.sessions() as session, session.begin():

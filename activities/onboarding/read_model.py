@@ -1,4 +1,5 @@
-"""node_onboardings / node_onboarding_events / domain_events writes (seed 003 §4.2.1, §4.12).
+"""node_onboardings / node_onboarding_events / domain_events writes
+(docs/lifecycles/onboarding.md#monitoring).
 
 Two writers: each stage activity records its own `started` and `succeeded`/`failed` events
 (`stage_started`, `stage_finished`), and the workflow records what only it knows (job status,

@@ -1,5 +1,5 @@
-"""Per-site onboarding permits (seed 003 §4.4, open question 5): the site policy's
-batch_max_parallel bounds the onboardings whose stages run on a site at once, across every
+"""Per-site onboarding permits (docs/lifecycles/onboarding.md#batches, open question 5): the site
+policy's batch_max_parallel bounds the onboardings whose stages run on a site at once, across every
 batch and single onboarding, because MAAS's rack controllers (PXE, image sync) are shared.
 
 A permit is a row of onboarding_site_slots, taken with a compare-and-set under the site policy

@@ -1,9 +1,10 @@
-"""`SshHostSeeder`: the one SSH step of onboarding (seed 003 §4.3 EnsureHardwareSyncConfigured,
-§9.1 steps 4-5). Before the node agent has enrolled there is no other way onto the host: the
-control plane logs in as the site's deploy user (password from Vault), writes the MAAS machine
-credentials and the hardware-sync units, and restarts them; when the agent did not enroll it
-rewrites the agent's config with a fresh token and restarts the agent. After enrollment every
-reseed goes through the agent's typed `node.hw_sync_reseed` task instead (agent/maintenance.py).
+"""`SshHostSeeder`: the one SSH step of onboarding (docs/lifecycles/onboarding.md#stages
+EnsureHardwareSyncConfigured, §9.1 steps 4-5). Before the node agent has enrolled there is no other
+way onto the host: the control plane logs in as the site's deploy user (password from Vault), writes
+the MAAS machine credentials and the hardware-sync units, and restarts them; when the agent did not
+enroll it rewrites the agent's config with a fresh token and restarts the agent. After enrollment
+every reseed goes through the agent's typed `node.hw_sync_reseed` task instead
+(agent/maintenance.py).
 
 How it acts as root without leaking anything:
 

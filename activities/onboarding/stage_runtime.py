@@ -1,7 +1,7 @@
 """What every onboarding stage activity shares: its dependencies, the MAAS client for the site
 (token read from Vault per call, so a rotated token is used by the next stage), the read-model
 bookkeeping around the stage body, and the heartbeating poll loop that MAAS waits use (MAAS sends
-no webhooks: seed 003 §4.3 WaitForMaasStatus).
+no webhooks: docs/lifecycles/onboarding.md#stages WaitForMaasStatus).
 
     async def wait_for_ready(self, input: StageInput) -> StageResult:
         async with self.stage(input, Stage.WAIT_FOR_READY) as run:

@@ -2,10 +2,10 @@
 
 `FileBaremetalUserBackend` implements the bare-metal half of `agent.backend.HostBackend`
 (allocation.provision_user / allocation.deprovision_user) plus `revoke_user` (allocation.revoke_user
-in seed 001/003: login disabled, keys removed, home kept). It edits the account databases itself —
-etc/passwd, etc/group, etc/shadow, etc/gshadow, home/<user>/.ssh/authorized_keys,
-etc/sudoers.d/ — under a `SystemRoot`, a directory standing for "/". Tests point it at a
-temporary tree, so they never touch the CI machine's own users.
+in docs/lifecycles/allocation.md: login disabled, keys removed, home kept). It edits the account
+databases itself — etc/passwd, etc/group, etc/shadow, etc/gshadow,
+home/<user>/.ssh/authorized_keys, etc/sudoers.d/ — under a `SystemRoot`, a directory standing for
+"/". Tests point it at a temporary tree, so they never touch the CI machine's own users.
 
 Production seam: on a node the root is "/" and this file-based variant works as it is (it takes
 the same `etc/.pwd.lock` shadow-utils takes), but a node that uses nscd/sssd, SELinux labels or

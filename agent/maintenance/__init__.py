@@ -1,5 +1,6 @@
-"""Node maintenance for decommission (seed 003 §5, seed 004): node.gpu_scrub, node.storage_cleanup,
-node.validate_clean, node.drain, node.uninstall and node.hw_sync_reseed.
+"""Node maintenance for decommission (docs/lifecycles/decommission.md, docs/lifecycles/node.md):
+node.gpu_scrub, node.storage_cleanup, node.validate_clean, node.drain, node.uninstall and
+node.hw_sync_reseed.
 
 Two layers, like the host activities, one module per job:
 
@@ -9,8 +10,9 @@ Two layers, like the host activities, one module per job:
   OS must do is behind a small protocol in `interfaces` (`NodeGpuScrubber`, `ProcessLister`,
   `GpuMemoryProbe`, `RunningTaskCounter`, `UnitManager`); what it acts on comes from `config`
   (scratch roots, the agent's own files, the tenant uid range). No operation runs a shell or
-  takes a command, a script or a path to act on from the control plane (seed 003 §2.4): paths
-  come from the agent's own config.
+  takes a command, a script or a path to act on from the control plane
+  (docs/lifecycles/node.md#what-the-control-plane-asks-of-a-node): paths come from the agent's own
+  config.
 - `activities`: `MaintenanceActivities` registers them as Temporal activities on the node's
   queue, heartbeats the phase list while the backend runs, maps `HostError` to `ApplicationError`
   and sanitises everything that leaves the node (`sanitising`): secret-looking text redacted,
@@ -23,7 +25,7 @@ Rules:
   unlinked, never followed; a filesystem mounted below a root is refused before anything is
   deleted (rmtree would cross into it). Roots marked `tenant_owned_only` (default: /tmp and
   /var/tmp) lose only top-level entries owned by a uid in the tenant range. scope "weka" is
-  `unsupported` until the Weka integration (seed 003 §11) exists.
+  `unsupported` until the Weka integration (docs/lifecycles/storage-attachment.md#providers) exists.
 - validate_clean answers each check with passed/failed and a reason; a failed check is a result,
   not an error. Checks: tenant accounts, groups and sudoers grants (etc/passwd, etc/group,
   etc/sudoers.d); processes with any tenant uid (real, effective, saved or filesystem); tenant

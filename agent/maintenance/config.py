@@ -1,7 +1,7 @@
-"""What maintenance acts on, from the agent's own config and never from task input (seed 003
-§2.4): the scratch roots storage_cleanup empties (`ScratchRoot`), the agent's own files that
-uninstall removes and the drain marker (`AgentFiles`), and the tenant uid range and account
-config (`MaintenanceConfig`).
+"""What maintenance acts on, from the agent's own config and never from task input
+(docs/lifecycles/node.md#what-the-control-plane-asks-of-a-node): the scratch roots storage_cleanup
+empties (`ScratchRoot`), the agent's own files that uninstall removes and the drain marker
+(`AgentFiles`), and the tenant uid range and account config (`MaintenanceConfig`).
 """
 
 from __future__ import annotations

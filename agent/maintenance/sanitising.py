@@ -1,7 +1,8 @@
-"""What may leave the node from a maintenance task (seed 003 §2.4): every string in results,
-phases and errors goes through `sanitise` (secret-looking text redacted, the system root's own
-location never shown, messages truncated). Separate because both the backend (scrub outcomes)
-and the activities (results, phases, errors) apply it, and it is the one rule for both.
+"""What may leave the node from a maintenance task
+(docs/lifecycles/node.md#what-the-control-plane-asks-of-a-node): every string in results, phases and
+errors goes through `sanitise` (secret-looking text redacted, the system root's own location never
+shown, messages truncated). Separate because both the backend (scrub outcomes) and the activities
+(results, phases, errors) apply it, and it is the one rule for both.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""RoCE phase-2 node-local policy routing (seed 003 §3.3, "RoCE routing policy script + unit").
+"""RoCE phase-2 node-local policy routing (docs/maas-sites.md#roce-assignments, "RoCE routing policy
+script + unit").
 
 For each site RoCE assignment `{interface, ipv4_cidr}` (e.g. `enp28s0np0 172.30.9.61/31`):
 

@@ -1,4 +1,5 @@
-"""The operator console: server-rendered, admin-only pages on the gateway (issue 25; seed 004 §9).
+"""The operator console: server-rendered, admin-only pages on the gateway (issue 25;
+docs/console.md).
 
 It reads the same read models and sends the same workflow updates and admin operations as the
 admin API (it calls the functions the API's routes call), signs an admin in once with a session

@@ -298,7 +298,7 @@ class ConsoleController(Controller):
     async def home(self) -> Redirect:
         return Redirect("/console/inventory", status_code=303)
 
-    # --- inventory (seed 004 §9.1) -------------------------------------------------------------
+    # --- inventory (docs/console.md) -------------------------------------------------------------
 
     @get("/inventory")
     async def inventory(
@@ -385,7 +385,7 @@ class ConsoleController(Controller):
             ).items,
         )
 
-    # --- lifecycle jobs (seed 004 §9.2) --------------------------------------------------------
+    # --- lifecycle jobs (docs/console.md) --------------------------------------------------------
 
     @get("/jobs")
     async def jobs(
@@ -608,7 +608,8 @@ class ConsoleController(Controller):
             runtime,
             "drift.html",
             status=await reconciliation_status(db, None),
-            # Each with its severity (seed 003 §6.4 alerts), as GET /admin/reconciliation/drift.
+            # Each with its severity (docs/lifecycles/node.md#reconciliation-rules alerts), as GET
+            # /admin/reconciliation/drift.
             drifts=(await drift_list(db, None)).items,
             alerts=alerts,
         )

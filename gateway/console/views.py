@@ -1,5 +1,5 @@
 """What the console's templates draw, computed from the API's answers: a lifecycle job's stages
-as a progress line (seed 004 §9.2) and an allocation's timeline on a time axis."""
+as a progress line (docs/console.md) and an allocation's timeline on a time axis."""
 
 from __future__ import annotations
 

@@ -417,6 +417,6 @@ class AdminAllocationsController(Controller):
         principal: NamedDependency[Principal],
         allocation_id: FromPath[uuid.UUID],
     ) -> DetachResponse:
-        """Seed 001 §1's "admin removes the assignment". Only from release_failed (409
-        allocation_not_detachable otherwise); a repeated detach answers the same."""
+        """docs/lifecycles/allocation.md's "admin removes the assignment". Only from release_failed
+        (409 allocation_not_detachable otherwise); a repeated detach answers the same."""
         return await detach_audited(db, temporal, principal, allocation_id, data.reason)

@@ -1,5 +1,5 @@
-"""Allocation groups (seed 001 §1a): tenant create (update-with-start), list, read, merged
-timeline, release; admin list, read, timeline and force-release (audited)."""
+"""Allocation groups (docs/lifecycles/allocation-group.md): tenant create (update-with-start), list,
+read, merged timeline, release; admin list, read, timeline and force-release (audited)."""
 
 from __future__ import annotations
 

@@ -94,7 +94,7 @@ class AllocationsController(Controller):
 
     @get(
         "/{allocation_id:uuid}/timeline",
-        summary="Lifecycle and node-task timeline (seed 002)",
+        summary="Lifecycle and node-task timeline",
         responses=errors(403, 404),
     )
     async def get_timeline(

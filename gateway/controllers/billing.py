@@ -135,7 +135,8 @@ class CreditPosted(msgspec.Struct, kw_only=True):
 
 async def _balance(db: AsyncSession, project_id: uuid.UUID) -> Balance:
     account = await db.get(BillingAccount, project_id)
-    if account is None:  # no usage and no payment yet: a balance of 0 is depleted (seed 001 §4)
+    if account is None:  # no usage and no payment yet: a balance of 0 is depleted
+        # (docs/lifecycles/balance.md)
         account = BillingAccount(
             project_id=project_id,
             currency="usd",

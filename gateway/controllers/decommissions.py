@@ -1,5 +1,6 @@
-"""Admin routes for node decommission (seed 003 §5.1, §5.5, §5.7; seed 004 §8): start one of the
-four modes, read the job read model, and the operator recovery actions (workflow updates)."""
+"""Admin routes for node decommission (docs/lifecycles/decommission.md;
+docs/lifecycles/decommission.md#actions): start one of the four modes, read the job read model, and
+the operator recovery actions (workflow updates)."""
 
 from __future__ import annotations
 
@@ -101,7 +102,7 @@ class AdminDecommissionsController(Controller):
     @post(
         "/nodes/{node_id:uuid}/storage-cleanup",
         status_code=201,
-        summary="Storage-only cleanup between tenants (seed 003 §5.5): disable_node, "
+        summary="Storage-only cleanup between tenants: disable_node, "
         "force_release_allocations, cleanup_storage, validate_clean_node, enable_node",
         description="Body {scope: local|weka|all, force_release_allocations, reason}; an "
         "unknown scope is 422 invalid_storage_scope. The node takes no new placements while it "
@@ -127,7 +128,7 @@ class AdminDecommissionsController(Controller):
     @post(
         "/nodes/{node_id:uuid}/resume",
         status_code=200,
-        summary="Resume a node's lifecycle in draining or removing (seed 004 §8)",
+        summary="Resume a node's lifecycle in draining or removing",
         description="Forwards resume to the node's live decommission (a no-op while its host "
         "task is live; a fresh task once it expired or failed); for a node a retire put in "
         "draining, re-issues its drain (node.drain; a live drain is answered, never duplicated: "
@@ -151,7 +152,7 @@ class AdminDecommissionsController(Controller):
 
     @get(
         "/decommissions",
-        summary="Decommissions, newest first (seed 003 §5.7)",
+        summary="Decommissions, newest first",
         description="Filters: node_id, status (a job state, or `failed` for both failed "
         "states; else 422 unknown_status), mode (else 422 unknown_mode). Pages with limit and "
         "cursor.",

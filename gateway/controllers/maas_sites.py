@@ -1,5 +1,5 @@
-"""Admin routes for MAAS sites (seed 003 §3.4): sites and their policy, profiles (§3.7),
-credentials (validated against MAAS, written to Vault), probe, RoCE assignments and power
+"""Admin routes for MAAS sites (docs/maas-sites.md#admin-api): sites and their policy, profiles
+(§3.7), credentials (validated against MAAS, written to Vault), probe, RoCE assignments and power
 credential overrides. What calls MAAS or Vault, and the RoCE assignments, run in the worker
 (gateway.maas_sites, AdminOperationWorkflow)."""
 

@@ -1,4 +1,5 @@
-"""Admin node inventory and lifecycle actions (seed 004 §3.3, §9).
+"""Admin node inventory and lifecycle actions (docs/lifecycles/node.md#who-moves-it,
+docs/console.md).
 
 - `GET /api/v1/admin/nodes`: the inventory view (§9.1), the coarse state only, newest first,
   filtered by site, SKU, status and open drift, paginated like every list.
@@ -70,7 +71,7 @@ class NodeSummary(msgspec.Struct, kw_only=True):
     hostname: str
     region: str
     sku: str
-    status: str  # the coarse node state (seed 004 §3.1)
+    status: str  # the coarse node state (docs/lifecycles/node.md#states-and-transitions)
     gpu_count: int
     free_gpus: int
     site_id: uuid.UUID | None
@@ -125,7 +126,8 @@ class NodeDetail(msgspec.Struct, kw_only=True):
     sku: str
     status: str
     host_address: str | None
-    # How an operator reaches the host (seed 003 §8.1; `host` is host_address by that name).
+    # How an operator reaches the host (docs/lifecycles/node.md#access-fields; `host` is
+    # host_address by that name).
     host: str | None
     port: int
     ssh_username: str
@@ -289,7 +291,7 @@ async def node_page(
     limit: int,
     cursor: str | None,
 ) -> NodeList:
-    """The inventory (seed 004 §9.1), newest first: the admin API's and the console's."""
+    """The inventory (docs/console.md), newest first: the admin API's and the console's."""
     query = select(Node).outerjoin(NodeMaasState, NodeMaasState.node_id == Node.id)
     if status is not None:
         if status not in NodeStatus.__members__.values():

@@ -1,5 +1,5 @@
-"""Tenant notifications (seed 001 §4's notification channel): the project's notices, newest
-first, and the project's notification webhook.
+"""Tenant notifications (docs/lifecycles/balance.md's notification channel): the project's notices,
+newest first, and the project's notification webhook.
 
 The worker writes a notice to the outbox when the balance becomes low_balance or depleted (once
 per kind and episode) and, when the project has a webhook, POSTs it there signed with

@@ -1,4 +1,4 @@
-"""Admin routes for MAAS node onboarding (seed 003 §4.1, §4.2, §4.15): submit one node or a
+"""Admin routes for MAAS node onboarding (docs/lifecycles/onboarding.md): submit one node or a
 batch, read the job read model, and the operator recovery actions (workflow updates)."""
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ _ACTION_NOTES = (
 )
 
 
-# How each action is spelled in the URL (seed 003 §4.15), and what it does.
+# How each action is spelled in the URL (docs/lifecycles/onboarding.md#actions), and what it does.
 ACTION_PATHS: dict[str, OperatorAction] = {
     "retry": OperatorAction.RETRY_STAGE,
     "resume": OperatorAction.RESUME,
@@ -163,12 +163,13 @@ class AdminOnboardingsController(Controller):
     ) -> OnboardingDetail:
         return await onboardings.detail(db, onboarding_id)
 
-    # --- operator actions (seed 003 §4.9): one route each, the same shape ---
+    # --- operator actions (docs/lifecycles/onboarding.md#actions): one route each, the same shape
+    # ---
 
     @post(
         "/{onboarding_id:uuid}/{action:str}",
         status_code=200,
-        summary="Operator action (seed 003 §4.9): retry | resume | rerun | restart-clean | "
+        summary="Operator action: retry | resume | rerun | restart-clean | "
         "cancel | adopt | mark-manual-intervention",
         description=_ACTION_MEANINGS + _ACTION_NOTES,
         responses=errors(400, 403, 404, 409, 413),

@@ -1,5 +1,5 @@
-"""Payments (seed 001 §5): Stripe Checkout Sessions for tenants, Stripe's webhook, and the admin
-list of stuck sessions.
+"""Payments (docs/lifecycles/payment-session.md): Stripe Checkout Sessions for tenants, Stripe's
+webhook, and the admin list of stuck sessions.
 
 Creation is update-with-start on PaymentSessionWorkflow `payment-session-{id}` (id = uuid5 of
 project and X-Idempotency-Key): its first activity creates the Checkout Session and records the

@@ -1,6 +1,6 @@
-"""Reconciliation admin routes (seed 003 §6.6): the drift summary and list, resolving a drift
-(audited), and running a site's reconciler now (a trigger of its schedule, so overlapping runs
-are still skipped)."""
+"""Reconciliation admin routes (docs/maas-nodes.md#drift-between-maas-and-the-platform): the drift
+summary and list, resolving a drift (audited), and running a site's reconciler now (a trigger of its
+schedule, so overlapping runs are still skipped)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Storage namespaces and attachments (seed 001 §7).
+"""Storage namespaces and attachments (docs/lifecycles/storage-attachment.md).
 
 Namespaces are project-owned storage with a quota; the worker creates them (an
 AdminOperationWorkflow operation, which checks the project's storage limits under its lock) and

@@ -1,5 +1,5 @@
-"""Terminal sessions (seed 001 §6): tenant open, list and close, admin list and force-close
-(audited).
+"""Terminal sessions (docs/lifecycles/terminal-session.md): tenant open, list and close, admin list
+and force-close (audited).
 The streams are WebSocket routes of gateway/terminal_relay.py."""
 
 from __future__ import annotations

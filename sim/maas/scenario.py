@@ -229,7 +229,8 @@ class BlockDeviceSpec:
 
     @property
     def looks_like_boss(self) -> bool:
-        """How the onboarding workflow spots a BOSS boot disk (seed 003 ConfigureStorage)."""
+        """How the onboarding workflow spots a BOSS boot disk (docs/lifecycles/onboarding.md#stages
+        ConfigureStorage)."""
         text = f"{self.model} {self.name} {self.id_path or ''}".lower()
         return bool(re.search(r"boss|boot optimized|m\.2", text))
 

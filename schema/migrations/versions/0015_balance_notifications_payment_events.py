@@ -1,5 +1,5 @@
-"""balance states as seed 001 §4 defines them, the tenant notification outbox and webhooks, and
-the payment session event log
+"""balance states as docs/lifecycles/balance.md defines them, the tenant notification outbox and
+webhooks, and the payment session event log
 
 An account starts `depleted` (a balance of 0 or less is depleted) and every account is
 reclassified from its ledger once here, so none keeps a `healthy` it never had. Notices go to an

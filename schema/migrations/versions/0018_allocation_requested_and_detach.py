@@ -1,5 +1,6 @@
 """allocation detach: `detached_at` marks a release_failed allocation an admin ended `released`
-by quarantining what its node could not clean (seed 001 §1, "admin removes the assignment")
+by quarantining what its node could not clean (docs/lifecycles/allocation.md, "admin removes the
+assignment")
 
 Revision ID: 0018
 Revises: 0017

@@ -1,4 +1,5 @@
-"""node task timeline: the attempt each recorded phase belongs to (seed 002)
+"""node task timeline: the attempt each recorded phase belongs to
+(docs/lifecycles/allocation.md#task-timeline)
 
 A retried host task goes through its phases again; each attempt's phases are kept, so a phase is
 recorded once per attempt instead of once per task.

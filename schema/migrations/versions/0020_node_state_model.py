@@ -1,8 +1,8 @@
 """node state model: the drain lifecycle's job rows (node_drains), and the inventory's order
 
 A node retired without being removed goes active|offline|quarantined → draining → retired through
-NodeDrainWorkflow (seed 004 §3.3: entering draining creates its owning lifecycle operation); its
-row is the job the node detail shows. At most one running drain per node.
+NodeDrainWorkflow (docs/lifecycles/node.md#who-moves-it: entering draining creates its owning
+lifecycle operation); its row is the job the node detail shows. At most one running drain per node.
 
 Revision ID: 0020
 Revises: 0019

@@ -1,5 +1,6 @@
 """onboarding site concurrency: onboarding_site_slots, the per-site permits that bound the
-onboardings in flight on a site by its policy's batch_max_parallel (seed 003 §4.4)
+onboardings in flight on a site by its policy's batch_max_parallel
+(docs/lifecycles/onboarding.md#batches)
 
 Revision ID: 0021
 Revises: 0020

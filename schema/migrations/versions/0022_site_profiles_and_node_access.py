@@ -1,6 +1,6 @@
-"""site profiles as the policy surface (seed 003 §3.7: every run knob per profile, status,
-description, the site's default profile), the node's access fields (seed 003 §8.1), and no
-recommended operator action on closed jobs
+"""site profiles as the policy surface (docs/maas-sites.md#site-profiles: every run knob per
+profile, status, description, the site's default profile), the node's access fields
+(docs/lifecycles/node.md#access-fields), and no recommended operator action on closed jobs
 
 Revision ID: 0022
 Revises: 0021

@@ -1,4 +1,5 @@
-"""terminal sessions (seed 001 §6): the terminal_sessions read model and its event rows
+"""terminal sessions (docs/lifecycles/terminal-session.md): the terminal_sessions read model and its
+event rows
 
 Revision ID: 0024
 Revises: 0023
@@ -46,7 +47,8 @@ def upgrade() -> None:
         sa.ForeignKeyConstraint(["node_id"], ["nodes.id"]),
         sa.PrimaryKeyConstraint("id"),
     )
-    # One live session per allocation (seed 001 §6): a second open is refused by this index.
+    # One live session per allocation (docs/lifecycles/terminal-session.md): a second open is
+    # refused by this index.
     op.create_index(
         "terminal_sessions_one_live",
         "terminal_sessions",

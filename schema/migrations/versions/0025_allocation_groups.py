@@ -1,5 +1,5 @@
-"""allocation groups (seed 001 §1a): the groups' read model, their members and events, and the
-member link on allocations with the anti-affinity index
+"""allocation groups (docs/lifecycles/allocation-group.md): the groups' read model, their members
+and events, and the member link on allocations with the anti-affinity index
 
 Revision ID: 0025
 Revises: 0024

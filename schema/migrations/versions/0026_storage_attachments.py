@@ -1,4 +1,4 @@
-"""storage namespaces and attachments (seed 001 §7)
+"""storage namespaces and attachments (docs/lifecycles/storage-attachment.md)
 
 Revision ID: 0026
 Revises: 0025

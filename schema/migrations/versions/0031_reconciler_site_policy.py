@@ -1,8 +1,9 @@
 """Two site-policy knobs of the MAAS site reconciler (issue 35):
 
 - release_retired_machines: whether the reconciler releases and powers off the MAAS machine of a
-  `retired` node (seed 003 §6.4's "Deployed + retired" row). Off by default: retire leaves the
-  machine alone; when on, the release still needs a fresh observation that agrees.
+  `retired` node (docs/lifecycles/node.md#reconciliation-rules's "Deployed + retired" row). Off by
+  default: retire leaves the machine alone; when on, the release still needs a fresh observation
+  that agrees.
 - reconcile_max_quarantine: how many nodes one reconcile run may quarantine. A run that would
   quarantine more quarantines none and records a refused reconcile (reconcile_suspect) instead.
 
