@@ -1,4 +1,4 @@
-"""Storage namespaces and attachments in the worker (seed 001 §7).
+"""Storage namespaces and attachments in the worker (docs/lifecycles/storage-attachment.md).
 
 - Namespace create is an AdminOperationWorkflow operation: the provider's directory, then the
   row and its audit row in one transaction that holds the project's storage lock and checks its
@@ -7,10 +7,11 @@
   is not `detached`), remove the data in bounded heartbeating chunks, finish (→ deleted once the
   provider reports it gone). It is the only path that deletes a namespace's data.
 - StorageAttachmentWorkflow's activities: open (the row, `requested`), transitions
-  (compare-and-set on seed 001 §7's table with an event row in the same transaction), the
-  precheck (write mode against quota posture, provider capability and policy, other writers:
-  decided and applied in one transaction holding the namespace row, so two prechecks never both
-  see no writer), the provider's grant and revoke, and the node_tasks rows of the mount tasks.
+  (compare-and-set on docs/lifecycles/storage-attachment.md's table with an event row in the same
+  transaction), the precheck (write mode against quota posture, provider capability and policy,
+  other writers: decided and applied in one transaction holding the namespace row, so two prechecks
+  never both see no writer), the provider's grant and revoke, and the node_tasks rows of the mount
+  tasks.
 - `storage.detach_for_release`: AllocationWorkflow's release detaches every attachment of the
   allocation first (each through its own workflow's detach update) and waits for them.
 - Billing (issue 37): a namespace's storage usage record (its quota, priced per GB-hour) is
@@ -186,8 +187,9 @@ def _from_statuses(to_status: AttachmentStatus) -> list[str]:
 
 
 async def _apply_transition(session: AsyncSession, input: TransitionInput) -> StorageAttachment:
-    """Compare-and-set from any status seed 001 §7 allows into `to_status`, with its event row.
-    Repeating a transition that already happened answers the row (a retried activity)."""
+    """Compare-and-set from any status docs/lifecycles/storage-attachment.md allows into
+    `to_status`, with its event row. Repeating a transition that already happened answers the row (a
+    retried activity)."""
     to_status = AttachmentStatus(input.to_status)
     attachment_id = uuid.UUID(input.attachment_id)
     current = await session.scalar(
@@ -780,8 +782,9 @@ class StorageActivities:
 
     @activity.defn(name=ATTACHMENT_NODE_STATUS)
     async def attachment_node_status(self, attachment_id: str) -> str:
-        """The coarse status of the node the attachment is on (seed 004 §3), as liveness and
-        the operators last set it."""
+        """The coarse status of the node the attachment is on
+        (docs/lifecycles/node.md#states-and-transitions), as liveness and the operators last set
+        it."""
         async with transaction(self._sessions) as session:
             status = await session.scalar(
                 select(Node.status)

@@ -1,6 +1,6 @@
-"""Storage providers (seed 001 §7): where a namespace's data lives and how a node is granted
-access to it. The control plane's storage activities (activities/storage.py) call a provider;
-the node's agent mounts what it was granted (agent/storage_mounts.py).
+"""Storage providers (docs/lifecycles/storage-attachment.md): where a namespace's data lives and how
+a node is granted access to it. The control plane's storage activities (activities/storage.py) call
+a provider; the node's agent mounts what it was granted (agent/storage_mounts.py).
 
 `SharedDirectoryProvider` is the one provider: a directory per namespace on a filesystem that
 the control-plane worker and every node see at the same place (a cluster filesystem or an NFS
