@@ -22,6 +22,7 @@ from typing import Any
 from sqlalchemy import select
 from temporalio.client import Client
 
+from contracts.decommission import HOST_NOT_WIPED, DiskDisposition, operator_disk_disposition
 from contracts.maas_reconciler import reconciler_schedule_id
 from schema.models import (
     AuditEntry,
@@ -114,6 +115,10 @@ class SafetyWorld:
     unknown: list[tuple[str, str]] = field(default_factory=list)  # (hostname, BMC) not in MAAS
     # decommission id -> how many erasures the simulator had logged when it was submitted
     erase_mark: dict[str, int] = field(default_factory=dict)
+    # decommission id -> (its machine, MAAS releases of it the simulator had counted at submission)
+    release_mark: dict[str, tuple[str | None, int]] = field(default_factory=dict)
+    # what a verb saw the product answer against its contract (checked with the invariants)
+    verb_problems: list[str] = field(default_factory=list)
 
     @property
     def sessions(self) -> Any:
@@ -187,6 +192,25 @@ class SafetyWorld:
                 if drow is not None and drow.status in FAILED:
                     out.append(("decommission", did, node_id))
         return sorted(out)
+
+    def decommission_jobs(self) -> list[tuple[str, str]]:
+        """(job id, node id) of every decommission of this example, in any state."""
+        return sorted(self.decommissions.items())
+
+    async def _decommission_facts(self, did: str) -> dict[str, Any]:
+        """What record-disk-disposition may change: the job's state and failure, its disk
+        record and its node."""
+        async with self.sessions() as session:
+            row = await session.get(NodeDecommission, uuid.UUID(did))
+            assert row is not None
+            facts = {
+                "status": row.status,
+                "error_code": row.error_code,
+                "stage": row.current_stage,
+                "followups": list(row.followups or []),
+            }
+        facts["node"] = await self.node_status(self.decommissions[did])
+        return facts
 
     # --- waits (bounded; a wait that runs out is logged, never a failure of its own) -------
 
@@ -285,11 +309,14 @@ class SafetyWorld:
         if mode != "soft_reset":
             body["erase"] = erase
         erasures = len(await self.maas_sim.erasures())
+        sid = await self.system_id(node_id)
+        releases = (await self.maas_sim.counters())["machines"].get(sid or "", {})
         response = await self.admin.post(f"/api/v1/admin/nodes/{node_id}/decommission", json=body)
         if response.status_code >= 400:
             return f"{response.status_code} {response.json()['error']['code']}"
         did = response.json()["decommission_id"]
         self.erase_mark.setdefault(did, erasures)
+        self.release_mark.setdefault(did, (sid, releases.get("machine.release", 0)))
         if mode == "reimage":
             self.grant_deploy(node_id)
         if did not in self.decommissions:
@@ -313,6 +340,55 @@ class SafetyWorld:
         if kind == "onboarding":
             return f"200 → {await self.settle_onboarding(job_id)}"
         return f"200 → {await self.settle_decommission(job_id)}"
+
+    async def record_disk_disposition(self, did: str, disposition: str) -> str:
+        """The operator's record of where a vanished machine's disks went. Taken only while
+        the job stands failed_manual_intervention with host_not_wiped: then it ends reconciled,
+        the node deleted and the record in the followups; anywhere else it is refused with 409
+        and changes nothing."""
+        before = await self._decommission_facts(did)
+        reference = f"model-{did[:8]}"
+        response = await self.admin.post(
+            f"/api/v1/admin/decommissions/{did}/record-disk-disposition",
+            json={"disposition": disposition, "reason": REASON, "reference": reference},
+        )
+        code = response.status_code
+        what = f"record-disk-disposition on {did[:8]} ({before['status']} {before['error_code']})"
+        standing = (
+            before["status"] == "failed_manual_intervention"
+            and before["error_code"] == HOST_NOT_WIPED
+        )
+        if not standing:
+            after = await self._decommission_facts(did)
+            if code != 409:
+                self.verb_problems.append(f"{what} answered {code}, not 409: {response.text}")
+            settled = before["status"] in SETTLED
+            if operator_disk_disposition(after["followups"]) is not None and (
+                operator_disk_disposition(before["followups"]) is None
+            ):
+                self.verb_problems.append(f"{what} refused, yet the record was kept")
+            if settled and after != before:
+                self.verb_problems.append(f"{what} refused, yet changed {before} → {after}")
+            return f"{code} {response.json()['error']['code'] if code >= 400 else ''}".strip()
+        if code != 200:
+            self.verb_problems.append(f"{what}: refused {code} {response.text}")
+            return f"{code}"
+        await asyncio.sleep(0.5)  # let the workflow take the action before waiting on its row
+        outcome = await self.settle_decommission(did)
+        after = await self._decommission_facts(did)
+        kept = operator_disk_disposition(after["followups"])
+        if after["status"] != "reconciled" or after["node"] != "deleted":
+            self.verb_problems.append(
+                f"{what} taken: the job ended {after['status']} with the node {after['node']}, "
+                "not reconciled/deleted"
+            )
+        if kept is None or (kept["disposition"], kept.get("reference"), kept.get("source")) != (
+            disposition,
+            reference,
+            "operator",
+        ):
+            self.verb_problems.append(f"{what} taken: the followups keep {kept}")
+        return f"200 → {outcome}, node {after['node']}"
 
     async def reconcile(self, client: Client) -> str:
         handle = client.get_schedule_handle(reconciler_schedule_id(str(self.site_id)))
@@ -339,7 +415,8 @@ class SafetyWorld:
             self.deploy_credit[host] = self.deploy_credit.get(host, 0) + runs
 
     async def check(self, before: Snapshot, after: Snapshot, allowed: set[str], step: str) -> None:
-        problems: list[str] = []
+        problems: list[str] = self.verb_problems
+        self.verb_problems = []
         problems += self._foreign_operations(before, after, allowed)
         problems += await self._activation_proofs(before, after)
         problems += await self._decommission_outcomes()
@@ -347,6 +424,7 @@ class SafetyWorld:
         problems += await self._deploys(after)
         problems += await self._power_actions(before)
         problems += await self._erases_observed()
+        problems += await self._vanished_machines_recorded()
         if problems:
             trail = "\n".join(self.log)
             raise SafetyViolation(f"after {step}:\n  " + "\n  ".join(problems) + f"\n{trail}")
@@ -484,10 +562,17 @@ class SafetyWorld:
                 self.checked_jobs.add(did)
                 if row.mode != "full_decommission":
                     continue
+                machine = machines.get(row.maas_system_id or "")
+                operator = operator_disk_disposition(row.followups or [])
+                if operator is not None:
+                    if operator["disposition"] not in {d.value for d in DiskDisposition} or not (
+                        operator.get("recorded_by") and operator.get("recorded_reason")
+                    ):
+                        out.append(f"full_decommission {did}: operator record {operator}")
+                    continue  # the host work is the operator's word, not this job's
                 details = row.error_details or {}
                 if details.get("host_not_wiped") or details.get("not_done"):
                     continue
-                machine = machines.get(row.maas_system_id or "")
                 hostname = self.nodes.get(str(row.node_id), row.hostname or "")
                 record = self.rig.onboarding.first_boot.booted.get(hostname)
                 agent = record is not None and record.agent_running
@@ -505,6 +590,42 @@ class SafetyWorld:
                     )
                 if agent:
                     out.append(f"full_decommission {did} {row.status} with {hostname}'s agent live")
+        return out
+
+    async def _vanished_machines_recorded(self) -> list[str]:
+        """No full decommission whose machine vanished from MAAS unreleased ends
+        completed/reconciled, or leaves its node deleted, without the operator's
+        record-disk-disposition in its followups. Vanished: the job says so (host_not_wiped,
+        `machine_vanished`), or the machine is gone from the simulator and the job neither
+        removed it nor recorded a release of it."""
+        out: list[str] = []
+        present = {m["system_id"] for m in (await self.maas_sim.state())["machines"]}
+        counters = (await self.maas_sim.counters())["machines"]
+        async with self.sessions() as session:
+            for did, node_id in self.decommissions.items():
+                if f"vanished:{did}" in self.checked_jobs:
+                    continue
+                row = await session.get(NodeDecommission, uuid.UUID(did))
+                if row is None or row.mode != "full_decommission":
+                    continue
+                node = await self.node_status(node_id)
+                if row.status not in ("completed", "reconciled") and node != "deleted":
+                    continue
+                self.checked_jobs.add(f"vanished:{did}")
+                sid, mark = self.release_mark.get(did, (row.maas_system_id, 0))
+                sid = row.maas_system_id or sid
+                released = counters.get(sid or "", {}).get("machine.release", 0) > mark
+                # Gone from MAAS, and MAAS never released it for this job (the simulator's
+                # count, not the job's word), nor did the job remove it.
+                unreleased = bool(sid) and sid not in present and not released
+                recorded = operator_disk_disposition(row.followups or [])
+                if _vanished(row, unreleased) and recorded is None:
+                    out.append(
+                        f"full_decommission {did[:8]} of {self.nodes.get(node_id)} ended "
+                        f"{row.status} with the node {node}, but its machine "
+                        f"{row.maas_system_id} vanished from MAAS unreleased and no operator "
+                        f"recorded where its disks went (followups: {row.followups})"
+                    )
         return out
 
     async def _deploys(self, after: Snapshot) -> list[str]:
@@ -593,6 +714,8 @@ class SafetyWorld:
                 if node != ("deleted" if row.mode == "full_decommission" else "active"):
                     continue
                 self.checked_jobs.add(f"erase:{did}")
+                if operator_disk_disposition(row.followups or []) is not None:
+                    continue  # a vanished machine: _vanished_machines_recorded checks the record
                 disposition = next(
                     (f for f in row.followups or [] if f.get("kind") == "disk_disposition"), None
                 )
@@ -632,6 +755,20 @@ BMC_POWER_ACTIONS = ("cycle", "on")
 # validate_clean (the OS is new); its proof is the fresh agent's enrollment in the run.
 _ENABLE_PROOF = {"reimage": "wait_for_agent_enrollment"}
 IN_USE_IN_MAAS = ("Deployed", "Allocated", "Deploying")
+
+
+def _vanished(row: NodeDecommission, unreleased: bool) -> bool:
+    """Whether a full decommission's machine left MAAS before the job released it: the job
+    says so, or the machine is gone with no release the simulator counted (`unreleased`) and
+    no removal by the job."""
+    details = row.error_details or {}
+    said = [f for f in row.followups or [] if f.get("kind") == "disk_disposition"]
+    said += [details["disk_disposition"]] if "disk_disposition" in details else []
+    if row.error_code == HOST_NOT_WIPED or details.get("host_not_wiped"):
+        return True
+    if any(d.get("reason") == "machine_vanished" for d in said):
+        return True
+    return unreleased and not row.remove_maas_record
 
 
 def _proved(events: list[Any], stage: str) -> bool:

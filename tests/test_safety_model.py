@@ -3,9 +3,10 @@ sequences of operator verbs, MAAS faults, agent deaths and reconcile runs over a
 MAAS-simulator machines, on the real stack: every verb through the admin API (onboarding with the
 right BMC address or a mistyped one that is another live node's; retire, reactivate, resume,
 protect/unprotect; decommission soft_reset/reimage/full_decommission; retry/resume/adopt/cancel of
-whatever job is failed), the workflows on Temporal with the production worker, the MAAS
-simulator over HTTP, the agents booted from the rendered cloud-init. After every step the
-invariants of tests/safety_model_support.py hold:
+whatever job is failed; record-disk-disposition on any decommission, in any state), the
+workflows on Temporal with the production worker, the MAAS simulator over HTTP, the agents
+booted from the rendered cloud-init. After every step the invariants of
+tests/safety_model_support.py hold:
 
 - no BMC powered (cycle or on, as the simulator's BMC log shows) without a BMC check this
   product recorded for that address, nor one whose machine was bound to a live node or
@@ -20,7 +21,12 @@ invariants of tests/safety_model_support.py hold:
 - no node `active` without a health proof or validate_clean pass in the run that enabled it;
 - no full decommission `completed`/`reconciled` unless the machine is released and off (or its
   record removed by the job) and the agent gone, or the job says what was not done;
-- no machine deployed more often than the onboarding/reimage runs and retries allow.
+- no machine deployed more often than the onboarding/reimage runs and retries allow;
+- no full decommission whose machine vanished from MAAS unreleased ends completed/reconciled or
+  leaves its node deleted without the operator's disk-disposition record;
+- record-disk-disposition is refused (409) and changes nothing unless the job stands
+  failed_manual_intervention with host_not_wiped; there it ends the job reconciled, the node
+  deleted and the operator's record in the followups.
 
 The steps are drawn as data (`STEP`, a list of fixed length per example, so every example runs
 its whole budget and a failing sequence is replayable as an explicit list); the model runs in a
@@ -131,6 +137,11 @@ STEP = st.one_of(
         st.integers(0, 7),
     ),
     st.tuples(
+        st.just("disk_disposition"),
+        st.sampled_from(["destroyed", "wiped_out_of_band", "retained_quarantined"]),
+        st.integers(0, 7),
+    ),
+    st.tuples(
         st.just("fault"),
         st.sampled_from(["release", "power_off", "delete", "stop_agent"]),
         st.integers(0, FLEET - 1),
@@ -231,6 +242,18 @@ class SafetyModel:
             self.world.job_action(kind, job_id, action),
         )
 
+    def _disk_disposition(self, disposition: str, i: int) -> None:
+        """record-disk-disposition on any decommission of this example, whatever its state."""
+        jobs = self.world.decommission_jobs()
+        if not jobs:
+            return
+        did, node_id = jobs[i % len(jobs)]
+        self.step(
+            f"record-disk-disposition({did[:8]} of {self.world.nodes.get(node_id)}, {disposition})",
+            {node_id},
+            self.world.record_disk_disposition(did, disposition),
+        )
+
     def _fault(self, fault: str, i: int) -> None:
         host = self.world.machines[i][0]
         self.step(f"fault {fault}({host})", set(), self._do_fault(host, fault))
@@ -295,11 +318,18 @@ async def test_safety_model(safety: Any) -> None:
     await asyncio.to_thread(explore)
 
 
-async def replay(safety: Any, steps: list[tuple[Any, ...]]) -> None:
-    """A regression test: one explicit step sequence on a fresh fleet."""
+async def replay(safety: Any, steps: list[tuple[Any, ...]]) -> list[str]:
+    """A regression test: one explicit step sequence on a fresh fleet; returns its trail."""
     rig, admin, maas_sim = safety
     bridge = Bridge(asyncio.get_running_loop())
-    await asyncio.to_thread(lambda: SafetyModel(bridge, rig, admin, maas_sim).run(steps))
+
+    def run() -> list[str]:
+        model = SafetyModel(bridge, rig, admin, maas_sim)
+        model.run(steps)
+        trail: list[str] = model.world.log
+        return trail
+
+    return await asyncio.to_thread(run)
 
 
 async def test_replay_unknown_bmcs_then_erasing_decommissions(safety: Any) -> None:
@@ -333,3 +363,28 @@ async def test_replay_mistyped_bmc_cancel_then_full_decommission(safety: Any) ->
             ("reconcile",),
         ],
     )
+
+
+async def test_replay_vanished_machine_needs_the_operators_disk_record(safety: Any) -> None:
+    """Both onboarded machines deleted from MAAS, then a full decommission: it cannot release
+    the vanished machine; the disk record is refused while the job is not host_not_wiped, the
+    adopt stops it with host_not_wiped, the record ends it reconciled with the node deleted,
+    and a second record on the closed job is refused."""
+    trail = await replay(
+        safety,
+        [
+            ("fault", "delete", 0),
+            ("fault", "delete", 1),
+            ("decommission", "full_decommission", "quick", 0),
+            ("disk_disposition", "destroyed", 0),
+            ("job", "adopt", 0),
+            ("disk_disposition", "wiped_out_of_band", 0),
+            ("disk_disposition", "retained_quarantined", 0),
+            ("reconcile",),
+        ],
+    )
+    # The sequence reached the verb's every answer (a refusal, the record, the closed job).
+    records = [line for line in trail if "record-disk-disposition(" in line]
+    assert [r.split("): ")[1].split(" ")[0] for r in records] == ["409", "200", "409"], trail
+    assert "reconciled" in records[1], trail
+    assert "node deleted" in records[1], trail
