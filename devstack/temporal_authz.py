@@ -18,7 +18,6 @@ import os
 import random
 import secrets
 import subprocess
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +33,6 @@ from devstack.go_tools import TOOLS_DIR, _built_once
 from devstack.postgres import PostgresCluster
 from devstack.private_files import write_private
 from devstack.processes import port_in_use
-from devstack.temporal import temporal_cli_path
 from devstack.temporal_cluster import (
     ENV_NAME,
     SQL_PLUGIN,
@@ -43,7 +41,9 @@ from devstack.temporal_cluster import (
     Ports,
     dynamic_config_document,
     server_config,
+    server_process,
     server_tools,
+    wait_frontend_serving,
 )
 
 SOURCE_DIR = Path(__file__).resolve().parent.parent / "temporal-authz"
@@ -208,20 +208,7 @@ class AuthzServer:
             )
 
     def wait_serving(self, timeout: float = 90.0) -> None:
-        """Until the frontend's health check answers SERVING (a call any caller may make)."""
-        cli = str(temporal_cli_path(build=False))
-        deadline = time.monotonic() + timeout
-        while True:
-            health = subprocess.run(
-                [cli, "operator", "cluster", "health", "--address", self.address],
-                capture_output=True,
-                text=True,
-            )
-            if health.returncode == 0 and "SERVING" in health.stdout:
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"temporal-authz not serving: {health.stderr.strip()}")
-            time.sleep(0.5)
+        wait_frontend_serving(self.address, "temporal-authz", timeout)
 
 
 @contextlib.contextmanager
@@ -233,15 +220,6 @@ def running_authz_server(
     control-plane token (register_namespace)."""
     server = AuthzServer(pg, root, frontend_port, policy)
     argv, env = server.prepare()
-    with (root / "server.log").open("ab") as log:
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=root, env=env)
-    try:
+    with server_process(argv, root, env):
         server.wait_serving()
         yield server
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()

@@ -413,16 +413,7 @@ class TemporalCluster:
         maps each onto one of its pre-made Keyword columns). Both are idempotent."""
         cli = str(temporal_cli_path(build=False))
         address = ["--address", self.address]
-        deadline = time.monotonic() + timeout
-        while True:
-            health = subprocess.run(
-                [cli, "operator", "cluster", "health", *address], capture_output=True, text=True
-            )
-            if health.returncode == 0 and "SERVING" in health.stdout:
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"Temporal cluster not serving: {health.stderr.strip()}")
-            time.sleep(0.5)
+        wait_frontend_serving(self.address, "Temporal cluster", timeout)
         described = subprocess.run(
             [cli, "operator", "namespace", "describe", "--namespace", self.namespace, *address],
             capture_output=True,
@@ -461,15 +452,43 @@ def running_cluster(
     `root/server.log`."""
     cluster = TemporalCluster(pg, root, frontend_port)
     argv = cluster.prepare()
-    with (root / "server.log").open("ab") as log:
-        server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=root)
-    try:
+    with server_process(argv, root):
         cluster.register()
         yield cluster
+
+
+def wait_frontend_serving(address: str, what: str, timeout: float) -> None:
+    """Until the frontend at `address` answers its health check SERVING (a call any caller
+    may make, with or without an identity)."""
+    cli = str(temporal_cli_path(build=False))
+    deadline = time.monotonic() + timeout
+    while True:
+        health = subprocess.run(
+            [cli, "operator", "cluster", "health", "--address", address],
+            capture_output=True,
+            text=True,
+        )
+        if health.returncode == 0 and "SERVING" in health.stdout:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} not serving: {health.stderr.strip()}")
+        time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def server_process(
+    argv: list[str], root: Path, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A Temporal server process started in `root` (log: `root/server.log`), stopped on exit:
+    terminated, killed if it has not exited within 30 s."""
+    with (root / "server.log").open("ab") as log:
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=root, env=env)
+    try:
+        yield process
     finally:
-        server.terminate()
+        process.terminate()
         try:
-            server.wait(timeout=30)
+            process.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+            process.kill()
+            process.wait()
