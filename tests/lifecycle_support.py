@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -131,3 +131,16 @@ async def reserved_slots(sessions: async_sessionmaker[AsyncSession]) -> int:
     async with sessions() as session:
         rows = await session.scalars(select(GpuSlot.id).where(GpuSlot.status == "reserved"))
         return len(rows.all())
+
+
+class LoopBridge:
+    """Runs coroutines on the test's event loop from another thread (a Hypothesis model runs its
+    steps in a worker thread while the stack's clients live on the test's loop), each bounded by
+    `step_timeout_s`."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, step_timeout_s: float) -> None:
+        self.loop = loop
+        self.step_timeout_s = step_timeout_s
+
+    def __call__(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(self.step_timeout_s)

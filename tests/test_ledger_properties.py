@@ -41,7 +41,6 @@ import functools
 import json
 import os
 import uuid
-from collections.abc import Coroutine
 from typing import Any
 
 import httpx
@@ -66,7 +65,7 @@ from tests.ledger_model_support import (
     now,
     read_ledger,
 )
-from tests.lifecycle_support import baremetal_request, eventually, slice_request
+from tests.lifecycle_support import LoopBridge, baremetal_request, eventually, slice_request
 from tests.stripe_fixtures import StripeMock, checkout_event, sign
 from workflows.billing_meter import BillingMeterWorkflow
 
@@ -135,16 +134,6 @@ async def ledger_rig(
         temporal=temporal_client,
         db_sessions=db_sessions,
     )
-
-
-class Bridge:
-    """Runs the async steps on the test's event loop from the state machine's thread."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-
-    def __call__(self, coro: Coroutine[Any, Any, Any]) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(STEP_TIMEOUT_S)
 
 
 # One step, as data. Allocation and namespace choices are indices taken modulo what exists when
@@ -466,7 +455,7 @@ async def meter(rig: LedgerRig, until: dt.datetime) -> MeterResult:
     return result
 
 
-def play(bridge: Bridge, rig: LedgerRig, credit: int, steps: list[tuple[Any, ...]]) -> None:
+def play(bridge: LoopBridge, rig: LedgerRig, credit: int, steps: list[tuple[Any, ...]]) -> None:
     world = LedgerWorld(rig, credit)
     try:
         bridge(world.start())
@@ -480,7 +469,7 @@ def play(bridge: Bridge, rig: LedgerRig, credit: int, steps: list[tuple[Any, ...
 
 async def test_ledger_properties(ledger_rig: LedgerRig) -> None:
     """Hypothesis draws EXAMPLES sequences of STEPS steps (a fixed seed: derandomize)."""
-    bridge = Bridge(asyncio.get_running_loop())
+    bridge = LoopBridge(asyncio.get_running_loop(), STEP_TIMEOUT_S)
     shrink = os.environ.get("GPUCLOUD_LEDGER_SHRINK") == "1"
 
     @settings(
@@ -504,7 +493,7 @@ async def test_ledger_properties(ledger_rig: LedgerRig) -> None:
 
 async def replay(rig: LedgerRig, credit: int, steps: list[tuple[Any, ...]]) -> None:
     """A regression test: one explicit step sequence on a fresh project."""
-    bridge = Bridge(asyncio.get_running_loop())
+    bridge = LoopBridge(asyncio.get_running_loop(), STEP_TIMEOUT_S)
     await asyncio.to_thread(play, bridge, rig, credit, steps)
 
 

@@ -55,6 +55,7 @@ from temporalio.client import Client
 from activities.node_admin import DRAIN_POLL_ENV
 from gateway.maas_sites import sync_reconciler_schedule
 from tests.decommission_fixtures import DecommissionRig
+from tests.lifecycle_support import LoopBridge
 from tests.safety_model_support import (
     SafetyWorld,
     Snapshot,
@@ -101,16 +102,6 @@ async def _world(
     )
 
 
-class Bridge:
-    """Runs the async steps on the test's event loop from the state machine's thread."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-
-    def __call__(self, coro: Coroutine[Any, Any, Any]) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(STEP_TIMEOUT_S)
-
-
 # One step, as data (replayable: a regression test is a list of these). Node, job and machine
 # choices are indices, taken modulo what exists when the step runs. The first alternative is
 # what Hypothesis' simplest example repeats: a cheap reconcile.
@@ -153,7 +144,7 @@ class SafetyModel:
     """One example: a fresh fleet (two of its three machines onboarded through the API), then
     the steps, each framed by snapshot, act, settle and the invariant check."""
 
-    def __init__(self, bridge: Bridge, rig: DecommissionRig, admin: Any, maas_sim: Any) -> None:
+    def __init__(self, bridge: LoopBridge, rig: DecommissionRig, admin: Any, maas_sim: Any) -> None:
         self.bridge, self.rig = bridge, rig
         COUNTER["example"] += 1
         self.world = bridge(_world(rig, admin, maas_sim, COUNTER["example"], True))
@@ -299,7 +290,7 @@ async def test_safety_model(safety: Any) -> None:
     """Hypothesis draws EXAMPLES sequences of STEPS steps (a fixed seed: derandomize); the
     first is its simplest (reconciles only), the others are drawn."""
     rig, admin, maas_sim = safety
-    bridge = Bridge(asyncio.get_running_loop())
+    bridge = LoopBridge(asyncio.get_running_loop(), STEP_TIMEOUT_S)
     shrink = os.environ.get("GPUCLOUD_SAFETY_SHRINK") == "1"
 
     @settings(
@@ -321,7 +312,7 @@ async def test_safety_model(safety: Any) -> None:
 async def replay(safety: Any, steps: list[tuple[Any, ...]]) -> list[str]:
     """A regression test: one explicit step sequence on a fresh fleet; returns its trail."""
     rig, admin, maas_sim = safety
-    bridge = Bridge(asyncio.get_running_loop())
+    bridge = LoopBridge(asyncio.get_running_loop(), STEP_TIMEOUT_S)
 
     def run() -> list[str]:
         model = SafetyModel(bridge, rig, admin, maas_sim)
